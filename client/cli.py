@@ -1,0 +1,140 @@
+"""`splitspec generate`: speculative decoding against a server, or the same loop in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shared.models import DEFAULT_MODEL, DTYPES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="prompt text; '-' reads it from standard input")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--server", default="127.0.0.1:50051", help="HOST:PORT of `splitspec serve` (default 127.0.0.1:50051)"
+    )
+    where.add_argument("--local", action="store_true", help="run the target in this process (no gRPC), same loop")
+    p.add_argument("--baseline", choices=["api"], help="api: the server decodes alone and streams (no drafts)")
+    p.add_argument("--drafter", default="prompt-lookup", help="none, prompt-lookup (default prompt-lookup)")
+    p.add_argument("--max-tree-nodes", type=int, default=64, help="draft tree budget per round (default 64)")
+    p.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup: tokens copied per match (default 10)")
+    p.add_argument(
+        "--draft-branches", type=int, default=1, help="prompt lookup: matches merged into a tree (default 1)"
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--temperature", type=float, help="sample at this temperature (lossless speculative sampling)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed when sampling (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="target (--local) or its tokenizer (remote); default smollm2-135m"
+    )
+    p.add_argument("--cache-dir", help="where converted models are kept")
+    p.add_argument("--device", default="cpu", help="--local only: cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="--local only (default float32)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+class TextStream:
+    """Prints text as tokens arrive, holding back an incomplete multi-byte character."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def stats_line(gen) -> str:
+    s = gen.stats
+    return (
+        f"[{s.new_tokens} tokens in {s.wall_s:.2f}s: {s.tokens_per_s:.1f} tok/s, acceptance length "
+        f"{s.acceptance_length:.2f}, {s.rounds} rounds, {s.server_calls} server calls, "
+        f"{(s.bytes_sent + s.bytes_received) / 1024:.1f} KiB, finish: {gen.finish_reason}]"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from client.decode import api_generate, speculative_generate
+    from client.drafters import make_drafter
+    from client.verifiers import LocalVerifier, RemoteVerifier
+    from shared.acceptance import SamplingParams
+    from shared.errors import SplitspecError
+    from shared.models import encode_prompt, load_target, load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1:
+        raise SplitspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.baseline and args.local:
+        raise SplitspecError("--baseline api needs a server; drop --local")
+    try:
+        sampling = SamplingParams(temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:
+        raise SplitspecError(str(exc)) from None
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text:
+        raise SplitspecError("empty prompt: pass --prompt TEXT")
+
+    if args.local:
+        target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
+        tokenizer, verifier = target.tokenizer, LocalVerifier(target)
+    else:
+        tokenizer = load_tokenizer(args.model, args.cache_dir)
+        from shared.target import tokenizer_fingerprint
+
+        verifier = RemoteVerifier(args.server, fingerprint=tokenizer_fingerprint(tokenizer))
+    prompt_ids = encode_prompt(tokenizer, text, args.chat)
+    stream = None if args.json else TextStream(tokenizer)
+    if args.baseline == "api":
+        gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_tokens=stream)
+        drafter_name = "api"
+    else:
+        options = {}
+        if args.drafter in ("prompt-lookup", "pld"):
+            options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
+        drafter = make_drafter(args.drafter, **options)
+        gen = speculative_generate(
+            verifier,
+            drafter,
+            prompt_ids,
+            args.max_new_tokens,
+            sampling,
+            max_tree_nodes=args.max_tree_nodes,
+            on_tokens=stream,
+        )
+        drafter_name = drafter.name
+    if isinstance(verifier, RemoteVerifier):
+        verifier.shutdown()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+                    "token_ids": gen.token_ids,
+                    "finish_reason": gen.finish_reason,
+                    "drafter": drafter_name,
+                    "mode": "local" if args.local else "remote",
+                    "stats": gen.stats.as_dict(),
+                }
+            )
+        )
+    else:
+        print(file=sys.stdout)
+        print(stats_line(gen), file=sys.stderr)
+    return 0

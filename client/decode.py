@@ -1,0 +1,136 @@
+"""The decode loop: draft a tree, have it verified, commit what was kept, repeat.
+
+It knows nothing about which drafter proposes or where verification happens; both are
+interfaces. Stats follow the MoA/EAGLE papers: acceptance length is the mean number of tokens
+gained per verification round (accepted drafts + the bonus token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from client.drafters.base import Drafter
+from shared.acceptance import SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    rounds: int = 0
+    server_calls: int = 0
+    acceptance_length: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    server_compute_s: float = 0.0
+    ttft_s: float = 0.0
+    draft_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS token), "length" (max_new_tokens) or "context" (window full)
+    stats: GenerationStats
+
+
+def _finish(tokens: list[int], new: list[int], stop: set[int], limit: int) -> tuple[list[int], str]:
+    """Cut ``new`` at the first stop token (kept) or at the token budget."""
+    room = limit - len(tokens)
+    for i, t in enumerate(new[:room]):
+        if t in stop:
+            return new[: i + 1], "stop"
+    return new[:room], ("length" if len(new) >= room else "")
+
+
+def speculative_generate(
+    verifier,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: list[int] | None = None,
+    max_tree_nodes: int = 64,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    emit = on_tokens or (lambda tokens: None)
+    first = verifier.open(list(prompt_ids), sampling)
+    stats.ttft_s = time.perf_counter() - start
+    out, reason = _finish([], [first], stop, max_new_tokens)
+    emit(out)
+    drafter.begin(list(prompt_ids) + out)
+    gained = 0
+    try:
+        while not reason:
+            room = verifier.max_context - len(prompt_ids) - len(out)
+            if room < 1:
+                reason = "context"
+                break
+            t0 = time.perf_counter()
+            tree = drafter.propose(min(max_tree_nodes, verifier.max_tree_nodes, room - 1))
+            stats.draft_s += time.perf_counter() - t0
+            result = verifier.verify(tree)
+            stats.rounds += 1
+            gained += len(result.new_tokens)
+            drafter.absorb(result.new_tokens)
+            new, reason = _finish(out, result.new_tokens, stop, max_new_tokens)
+            out += new
+            emit(new)
+    finally:
+        verifier.close()
+    stats.wall_s = time.perf_counter() - start
+    stats.new_tokens = len(out)
+    stats.tokens_per_s = len(out) / stats.wall_s
+    stats.acceptance_length = gained / stats.rounds if stats.rounds else 0.0
+    _copy_counters(stats, verifier.counters)
+    return Generation(out, reason, stats)
+
+
+def api_generate(
+    remote,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: list[int] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """The API baseline: the server decodes alone and streams tokens; no drafts, one call."""
+    stop = list(remote.eos_token_ids if stop_ids is None else stop_ids)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    out: list[int] = []
+    reason = "length"
+    for tokens in remote.stream(list(prompt_ids), sampling, max_new_tokens, stop):
+        if not out:
+            stats.ttft_s = time.perf_counter() - start
+        out += tokens
+        if on_tokens:
+            on_tokens(tokens)
+        if tokens and tokens[-1] in stop:
+            reason = "stop"
+    stats.wall_s = time.perf_counter() - start
+    stats.new_tokens = len(out)
+    stats.tokens_per_s = len(out) / stats.wall_s
+    stats.rounds = len(out)
+    stats.acceptance_length = 1.0
+    _copy_counters(stats, remote.counters)
+    return Generation(out, reason, stats)
+
+
+def _copy_counters(stats: GenerationStats, counters) -> None:
+    stats.server_calls = counters.server_calls
+    stats.bytes_sent = counters.bytes_sent
+    stats.bytes_received = counters.bytes_received
+    stats.server_compute_s = counters.server_compute_s

@@ -1,0 +1,94 @@
+"""`splitspec demo`: the whole system in one command, on loopback.
+
+Starts `splitspec serve` as a child process, waits until it answers, streams a chat reply
+drafted by prompt lookup and verified by the server, prints a stats line, and always stops
+the server (also on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from shared.errors import SplitspecError
+from shared.models import DEFAULT_MODEL
+
+DEMO_PROMPT = (
+    "Write a Python function is_prime(n) that checks whether n is a prime number, "
+    "then show how to call it on the numbers 1 to 10."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="chat prompt to run")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
+    p.add_argument("--cache-dir", help="where converted models are kept")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="tokens to generate (default 160)")
+    p.add_argument("--drafter", default="prompt-lookup", help="drafter to run (default prompt-lookup)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
+
+
+def _start_server(args, ready_file: str) -> tuple[subprocess.Popen, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "shared.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        "0",
+        "--ready-file",
+        ready_file,
+    ]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + args.startup_timeout
+    print(f"splitspec demo: starting the server ({args.model}) ...", file=sys.stderr, flush=True)
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SplitspecError(f"the server exited with code {server.returncode}:\n{server.stderr.read().strip()}")
+        if os.path.getsize(ready_file) > 0:
+            with open(ready_file) as f:
+                return server, f"127.0.0.1:{int(f.read())}"
+        time.sleep(0.2)
+    server.terminate()
+    raise SplitspecError(f"the server did not become ready within {args.startup_timeout:g}s")
+
+
+def run(args: argparse.Namespace) -> int:
+    from client.cli import TextStream, stats_line
+    from client.decode import speculative_generate
+    from client.drafters import make_drafter
+    from client.verifiers import RemoteVerifier
+    from shared.models import encode_prompt, load_tokenizer
+    from shared.target import tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(args.model, args.cache_dir)  # converts the built-in target once, if needed
+    with tempfile.NamedTemporaryFile("w+", suffix=".port") as ready:
+        server, address = _start_server(args, ready.name)
+        try:
+            remote = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer))
+            print(f"splitspec demo: server ready at {address}; prompt: {args.prompt}\n", file=sys.stderr, flush=True)
+            gen = speculative_generate(
+                remote,
+                make_drafter(args.drafter),
+                encode_prompt(tokenizer, args.prompt, True),
+                args.max_new_tokens,
+                on_tokens=TextStream(tokenizer),
+            )
+            remote.shutdown()
+            print()
+            print(stats_line(gen), file=sys.stderr)
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return 0

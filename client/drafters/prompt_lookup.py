@@ -1,0 +1,74 @@
+"""Prompt lookup: draft by copying what followed an earlier occurrence of the current suffix.
+
+Training-free and nearly free to run, it shines when the output repeats the context (code
+edits, summaries, quoting). We index every n-gram's end positions incrementally, so a proposal
+is a dictionary lookup, not a scan of the context. With ``branches > 1`` the continuations of
+several earlier occurrences are merged into a small tree (shared prefixes become one path).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from client.drafters.base import Drafter
+from shared.tree import DraftTree
+
+
+class PromptLookup(Drafter):
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, branches: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if num_tokens < 1 or branches < 1:
+            raise ValueError(f"num_tokens and branches must be >= 1, got {num_tokens}, {branches}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_tokens, self.branches = num_tokens, branches
+        self.history: list[int] = []
+        self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+
+    def begin(self, tokens: list[int]) -> None:
+        self.history = []
+        self.index = defaultdict(list)
+        self.absorb(tokens)
+
+    def absorb(self, tokens: list[int], payload: object | None = None) -> None:
+        for token in tokens:
+            self.history.append(token)
+            end = len(self.history)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.index[tuple(self.history[end - n : end])].append(end)
+
+    def rewind(self, n: int) -> None:
+        self.begin(self.history[: len(self.history) - n])
+
+    def propose(self, max_nodes: int) -> DraftTree:
+        tree = DraftTree()
+        end = len(self.history)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            seen: set[tuple[int, ...]] = set()
+            for pos in reversed(self.index.get(tuple(self.history[end - n :]), ())):
+                if pos == end:  # the suffix itself
+                    continue
+                continuation = tuple(self.history[pos : pos + self.num_tokens])
+                if continuation and continuation not in seen:
+                    seen.add(continuation)
+                    _merge(tree, continuation, max_nodes)
+                    if len(seen) == self.branches:
+                        break
+            if seen:
+                break
+        return tree
+
+
+def _merge(tree: DraftTree, path: tuple[int, ...], max_nodes: int) -> None:
+    """Add ``path`` below the root, reusing nodes that already spell its prefix."""
+    parent = -1
+    for token in path:
+        pairs = enumerate(zip(tree.tokens, tree.parents, strict=True))
+        node = next((i for i, (t, p) in pairs if p == parent and t == token), None)
+        if node is None:
+            if len(tree) >= max_nodes:
+                return
+            node = tree.add(token, parent)
+        parent = node

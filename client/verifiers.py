@@ -1,0 +1,156 @@
+"""Where drafts get verified: the remote server over gRPC, or the target in this process.
+
+Both expose the same three calls (open, verify, close), so the decode loop cannot tell them
+apart; ``--local`` is the single-device baseline of the very same loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from shared.acceptance import SamplingParams
+from shared.errors import SplitspecError
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class LinkCounters:
+    """What crossing the link cost so far (protobuf message bytes, not counting HTTP/2 framing)."""
+
+    server_calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    server_compute_s: float = 0.0
+
+
+@dataclass
+class Round:
+    accepted: list[int]
+    new_tokens: list[int]
+
+
+class LocalVerifier:
+    """The target in-process: no network, the single-device reference."""
+
+    def __init__(self, target):
+        self.target = target
+        self.eos_token_ids = target.eos_token_ids
+        self.max_tree_nodes = 1 << 30
+        self.max_context = target.max_context
+        self.counters = LinkCounters()
+        self.session = None
+
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        self.session = self.target.session(sampling)
+        verdict = self.session.prefill(prompt_ids)
+        self.counters.server_compute_s += verdict.compute_s
+        return verdict.bonus
+
+    def verify(self, tree: DraftTree) -> Round:
+        verdict = self.session.verify(tree)
+        self.counters.server_compute_s += verdict.compute_s
+        return Round(verdict.accepted, verdict.new_tokens)
+
+    def close(self) -> None:
+        self.session = None
+
+
+def _sampling_msg(sampling: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+
+
+class RemoteVerifier:
+    """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer."""
+
+    def __init__(
+        self, address: str, fingerprint: str = "", connect_timeout_s: float = 10.0, rpc_timeout_s: float = 120.0
+    ):
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.counters = LinkCounters()
+        self.session_id = ""
+        self.length = 0
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self.channel = grpc.insecure_channel(address, options=options)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise SplitspecError(
+                f"cannot reach a splitspec server at {address} within {connect_timeout_s:g}s; "
+                "start one with `splitspec serve` or check --server"
+            ) from None
+        self.stub = pb_grpc.SplitSpecStub(self.channel)
+        self.info = self._call(
+            self.stub.Handshake, pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
+        )
+        self.eos_token_ids = list(self.info.eos_token_ids)
+        self.max_tree_nodes = self.info.limits.max_tree_nodes
+        self.max_context = self.info.limits.max_context
+
+    def _call(self, method, request, count_compute: bool = True):
+        try:
+            reply = method(request, timeout=self.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+        c = self.counters
+        c.server_calls += 1
+        c.bytes_sent += request.ByteSize()
+        c.bytes_received += reply.ByteSize()
+        if count_compute and hasattr(reply, "compute_s"):
+            c.server_compute_s += reply.compute_s
+        return reply
+
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        reply = self._call(
+            self.stub.OpenSession, pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling))
+        )
+        self.session_id, self.length = reply.session_id, reply.length
+        return reply.first_token
+
+    def verify(self, tree: DraftTree) -> Round:
+        request = pb.VerifyRequest(
+            session_id=self.session_id, tokens=tree.tokens, parents=tree.parents, length=self.length
+        )
+        reply = self._call(self.stub.Verify, request)
+        self.length = reply.length
+        accepted = list(reply.accepted)
+        return Round(accepted, [tree.tokens[i] for i in accepted] + [reply.bonus_token])
+
+    def close(self) -> None:
+        if self.session_id:
+            try:
+                self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
+            finally:
+                self.session_id = ""
+
+    def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int]):
+        """The server's plain streaming decode (the API baseline): yields lists of tokens."""
+        request = pb.GenerateRequest(
+            prompt_ids=prompt_ids,
+            sampling=_sampling_msg(sampling),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_ids,
+        )
+        c = self.counters
+        c.server_calls += 1
+        c.bytes_sent += request.ByteSize()
+        try:
+            for chunk in self.stub.Generate(request, timeout=self.rpc_timeout_s):
+                c.bytes_received += chunk.ByteSize()
+                c.server_compute_s += chunk.compute_s
+                yield list(chunk.tokens)
+        except grpc.RpcError as exc:
+            raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+
+    def shutdown(self) -> None:
+        self.channel.close()

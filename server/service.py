@@ -1,0 +1,244 @@
+"""The gRPC service: validates every request, then runs the shared target engine.
+
+One model lock serialises forwards (on a CPU two concurrent forwards only thrash; on a GPU this
+is where batching would go). Each session has its own lock, so a slow or bad request on one
+session never corrupts another. Validation happens before any cache is touched, so a rejected
+request leaves its session exactly as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from server.sessions import SessionStore, StoreFull
+from shared.acceptance import SamplingParams
+from shared.target import Target
+from shared.tree import DraftTree, validate_tree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+log = logging.getLogger("splitspec.server")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_sessions: int = 16
+    max_tree_nodes: int = 128
+    max_context: int = 4096
+    max_new_tokens: int = 4096
+    session_ttl_s: float = 600.0
+
+
+class Abort(Exception):
+    """A request the server refuses: carries the gRPC status code and a message naming the problem."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def rpc(method):
+    """Turn Abort into a gRPC status and any unexpected error into INTERNAL, never a dead server."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Abort as exc:
+            context.abort(exc.code, str(exc))
+        except Exception as exc:  # a bug, not bad input: log it, report it, keep serving
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {exc.__class__.__name__}: {exc}")
+
+    return wrapper
+
+
+class SplitSpecService(pb_grpc.SplitSpecServicer):
+    def __init__(self, target: Target, limits: ServerLimits = ServerLimits()):
+        self.target = target
+        self.limits = ServerLimits(**{**limits.__dict__, "max_context": min(limits.max_context, target.max_context)})
+        self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s)
+        self.model_lock = threading.Lock()
+
+    # --- validation -------------------------------------------------------------------------
+
+    def _sampling(self, msg: pb.Sampling) -> SamplingParams:
+        temperature, top_p = msg.temperature, msg.top_p or 1.0
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"temperature {temperature} must be a finite number >= 0")
+        if not 0 < top_p <= 1:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {top_p} must be in (0, 1]")
+        return SamplingParams(temperature=temperature, top_p=top_p, seed=msg.seed)
+
+    def _prompt(self, ids) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: expected at least one token id")
+        bad = next((t for t in ids if t >= self.target.vocab_size), None)
+        if bad is not None:
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt token id {bad} is outside the vocabulary [0, {self.target.vocab_size})",
+            )
+        if len(ids) >= self.limits.max_context:
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(ids)} tokens exceeds the context limit of {self.limits.max_context} "
+                "(the prompt plus one generated token must fit)",
+            )
+        return ids
+
+    def _session(self, session_id: str):
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {session_id!r}")
+        return session
+
+    # --- RPCs --------------------------------------------------------------------------------
+
+    @rpc
+    def Handshake(self, request, context):
+        t = self.target
+        if request.tokenizer_fingerprint and request.tokenizer_fingerprint != t.fingerprint:
+            raise Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"tokenizer fingerprint {request.tokenizer_fingerprint} does not match the server's "
+                f"{t.fingerprint} (model {t.name}); the client must use this target's tokenizer",
+            )
+        lim = self.limits
+        return pb.HandshakeReply(
+            protocol_version=PROTOCOL_VERSION,
+            model_name=t.name,
+            tokenizer_fingerprint=t.fingerprint,
+            vocab_size=t.vocab_size,
+            num_layers=t.num_layers,
+            hidden_size=t.hidden_size,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            eos_token_ids=t.eos_token_ids,
+            limits=pb.Limits(
+                max_sessions=lim.max_sessions,
+                max_tree_nodes=lim.max_tree_nodes,
+                max_context=lim.max_context,
+                max_new_tokens=lim.max_new_tokens,
+                session_ttl_s=lim.session_ttl_s,
+            ),
+            device=str(t.device),
+            dtype=str(t.dtype).removeprefix("torch."),
+        )
+
+    @rpc
+    def OpenSession(self, request, context):
+        prompt = self._prompt(request.prompt_ids)
+        sampling = self._sampling(request.sampling)
+        try:
+            self.sessions.reserve()
+            engine = self.target.session(sampling)
+            with self.model_lock:
+                verdict = engine.prefill(prompt)
+            session = self.sessions.add(engine)
+        except StoreFull as exc:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id, len(prompt), verdict.compute_s)
+        return pb.OpenSessionReply(
+            session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens), compute_s=verdict.compute_s
+        )
+
+    @rpc
+    def Verify(self, request, context):
+        session = self._session(request.session_id)
+        tokens, parents = list(request.tokens), list(request.parents)
+        try:
+            validate_tree(tokens, parents, self.target.vocab_size, self.limits.max_tree_nodes)
+        except ValueError as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if not session.lock.acquire(blocking=False):
+            raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
+        try:
+            engine = session.engine
+            if request.length and request.length != len(engine.tokens):
+                raise Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"client believes the session holds {request.length} tokens, the server holds {len(engine.tokens)}",
+                )
+            if len(engine.tokens) + len(tokens) > self.limits.max_context:
+                raise Abort(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"{len(engine.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "
+                    f"of {self.limits.max_context}",
+                )
+            try:
+                with self.model_lock:
+                    verdict = engine.verify(DraftTree(tokens, parents))
+            except Exception:
+                self.sessions.pop(session.id)  # its cache may be half-written: never serve it again
+                raise
+        finally:
+            session.lock.release()
+        return pb.VerifyReply(
+            accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens), compute_s=verdict.compute_s
+        )
+
+    @rpc
+    def CloseSession(self, request, context):
+        session = self.sessions.pop(request.session_id)
+        if session is None:
+            raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {request.session_id!r}")
+        return pb.CloseSessionReply(length=len(session.engine.tokens))
+
+    @rpc
+    def Generate(self, request, context):
+        prompt = self._prompt(request.prompt_ids)
+        sampling = self._sampling(request.sampling)
+        budget = request.max_new_tokens
+        if not 0 < budget <= self.limits.max_new_tokens:
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_new_tokens {budget} must be in [1, {self.limits.max_new_tokens}]",
+            )
+        budget = min(budget, self.limits.max_context - len(prompt))
+        stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
+        return self._stream(prompt, sampling, budget, stop, context)
+
+    def _stream(self, prompt, sampling, budget, stop, context):
+        """One token per chunk, as an API streams; stops early when the client goes away."""
+        try:
+            engine = self.target.session(sampling)
+            with self.model_lock:
+                verdict = engine.prefill(prompt)
+            for produced in range(1, budget + 1):
+                token = verdict.bonus
+                done = token in stop or produced == budget
+                reason = ("stop" if token in stop else "length") if done else ""
+                yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
+                if done or not context.is_active():
+                    return
+                with self.model_lock:
+                    verdict = engine.verify(DraftTree())
+        except Exception as exc:
+            log.exception("Generate failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}")
+
+
+def build_server(target: Target, host: str, port: int, limits: ServerLimits = ServerLimits()):
+    """Create (not start) a gRPC server for ``target``; returns (server, bound port, service)."""
+    service = SplitSpecService(target, limits)
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + 4), options=options)
+    pb_grpc.add_SplitSpecServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not listen on {host}:{port} (in use or not a local address?)")
+    return server, bound, service

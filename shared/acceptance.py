@@ -1,0 +1,93 @@
+"""Acceptance rules: which drafted tree nodes the target keeps, and the token it adds.
+
+Both rules walk the tree from the root. Greedy keeps a child while it equals the target's
+argmax. Sampling is lossless for trees of *deterministic* drafts (top-k children, not samples):
+at each node try the children in order, accept child x with probability p(x) (the draft
+probability is 1, so min(1, p/q) = p), on rejection set p(x) = 0 and renormalise; when every
+child is rejected, sample the next token from what is left of p. The emitted tokens are then
+distributed exactly as the target's own sampling (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.tree import children
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target picks tokens. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the target samples from: softmax(logits / T), cut to the top-p nucleus."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        outside = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def accept_tree(
+    tokens: list[int],
+    parents: list[int],
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Apply the acceptance rule to a verified tree.
+
+    ``logits`` has one row per position: row 0 is the target's prediction after the root,
+    row i + 1 its prediction after node i. Returns the accepted node indices (a root-to-leaf
+    path, in order) and the bonus token the target adds after the last accepted node.
+    """
+    kids = children(parents)
+    accepted: list[int] = []
+    row = 0
+    if params.greedy:
+        best = logits.argmax(dim=-1).tolist()
+        while True:
+            match = next((c for c in kids[row] if tokens[c] == best[row]), None)
+            if match is None:
+                return accepted, best[row]
+            accepted.append(match)
+            row = match + 1
+    while True:
+        p = target_probs(logits[row].cpu(), params)
+        match = None
+        for c in kids[row]:
+            x = tokens[c]
+            if torch.rand((), generator=generator).item() < p[x].item():
+                match = c
+                break
+            p[x] = 0.0
+            total = p.sum()
+            if total <= 0:  # every token with mass was drafted and rejected: numerically impossible but guarded
+                p = target_probs(logits[row].cpu(), params)
+                break
+            p /= total
+        if match is None:
+            return accepted, int(torch.multinomial(p, 1, generator=generator).item())
+        accepted.append(match)
+        row = match + 1

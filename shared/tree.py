@@ -1,0 +1,106 @@
+"""Draft trees: the one place that knows how a tree is laid out, masked and positioned.
+
+A tree is a list of drafted tokens plus, for each, the index of its parent. Parent ``-1`` is
+the *root*: the newest committed token, whose KV is not yet in the target's cache. Parents
+always come before their children, so a node's index is larger than its parent's; that single
+rule makes every tree walk a forward scan and lets the verifier build the mask in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = -1
+
+
+@dataclass
+class DraftTree:
+    """Drafted tokens and their parents (``-1`` = the root token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        """A linear draft: each token is the child of the one before."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def add(self, token: int, parent: int = ROOT) -> int:
+        """Append a node and return its index."""
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        return len(self.tokens) - 1
+
+
+def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_nodes: int) -> None:
+    """Raise ValueError naming the first problem with a tree received from elsewhere."""
+    if len(tokens) != len(parents):
+        raise ValueError(f"tree has {len(tokens)} tokens but {len(parents)} parent indices; expected equal counts")
+    if len(tokens) > max_nodes:
+        raise ValueError(f"tree has {len(tokens)} nodes, over the limit of {max_nodes}")
+    for i, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
+        if not 0 <= tok < vocab_size:
+            raise ValueError(f"token id {tok} at node {i} is outside the vocabulary [0, {vocab_size})")
+        if not ROOT <= par < i:
+            raise ValueError(f"parent index {par} of node {i} must be -1 (root) or a smaller node index")
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node; children of the root have depth 1."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p == ROOT else out[p] + 1)
+    return out
+
+
+def children(parents: list[int]) -> list[list[int]]:
+    """Children of each node, root first: ``result[0]`` is the root's, ``result[i + 1]`` node i's."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return out
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root's child down to ``node`` (inclusive)."""
+    path = []
+    while node != ROOT:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """Boolean [n+1, n+1] mask over root + nodes: True where a row may attend to a column.
+
+    Row/column 0 is the root; a node sees the root, its ancestors and itself.
+    """
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[0, 0] = True
+    for i, p in enumerate(parents):
+        mask[i + 1] = mask[p + 1]
+        mask[i + 1, i + 1] = True
+    return mask
+
+
+def tree_attention_mask(
+    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Additive [1, 1, n+1, prefix_len+n+1] mask: causal over the cached prefix, ancestors inside the tree."""
+    n = len(parents)
+    allowed = torch.ones(n + 1, prefix_len + n + 1, dtype=torch.bool)
+    allowed[:, prefix_len:] = ancestor_mask(parents)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
+def tree_positions(parents: list[int], prefix_len: int) -> list[int]:
+    """Absolute positions of root + nodes: the root sits at ``prefix_len``, a node at prefix_len + depth."""
+    return [prefix_len] + [prefix_len + d for d in depths(parents)]

@@ -1,0 +1,145 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("client", "tokenizer_fingerprint")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    tokenizer_fingerprint: str
+    def __init__(self, client: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class HandshakeReply(_message.Message):
+    __slots__ = ("protocol_version", "model_name", "tokenizer_fingerprint", "vocab_size", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "eos_token_ids", "limits", "device", "dtype")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model_name: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    limits: Limits
+    device: str
+    dtype: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s")
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    max_sessions: int
+    max_tree_nodes: int
+    max_context: int
+    max_new_tokens: int
+    session_ttl_s: float
+    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("prompt_ids", "sampling")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: Sampling
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session_id", "first_token", "length", "compute_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    first_token: int
+    length: int
+    compute_s: float
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "tokens", "parents", "length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    length: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("accepted", "bonus_token", "length", "compute_s")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    bonus_token: int
+    length: int
+    compute_s: float
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_token_ids")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: Sampling
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("tokens", "compute_s", "finish_reason")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    compute_s: float
+    finish_reason: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
