@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--server", default="127.0.0.1:50051", help="HOST:PORT of `splitspec serve` (default 127.0.0.1:50051)"
     )
     where.add_argument("--local", action="store_true", help="run the target in this process (no gRPC), same loop")
+    p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the server (default 10)")
     p.add_argument("--baseline", choices=["api"], help="api: the server decodes alone and streams (no drafts)")
     p.add_argument("--drafter", default="prompt-lookup", help="none, prompt-lookup (default prompt-lookup)")
     p.add_argument("--max-tree-nodes", type=int, default=64, help="draft tree budget per round (default 64)")
@@ -98,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model, args.cache_dir)
         from shared.target import tokenizer_fingerprint
 
-        verifier = RemoteVerifier(args.server, fingerprint=tokenizer_fingerprint(tokenizer))
+        verifier = RemoteVerifier(
+            args.server, fingerprint=tokenizer_fingerprint(tokenizer), connect_timeout_s=args.connect_timeout
+        )
     prompt_ids = encode_prompt(tokenizer, text, args.chat)
     stream = None if args.json else TextStream(tokenizer)
     if args.baseline == "api":

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random models built in the test, the real target, and in-process servers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+TINY_WORDS = [f"w{i}" for i in range(240)]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0) -> Path:
+    """A real (tiny, random) Llama checkpoint with a real word-level tokenizer, saved as an HF folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + ["user", "assistant", "system"] + TINY_WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|im_start|>"], tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper logits than the default init, so greedy paths are not all ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model_dir):
+    from shared.models import load_target
+
+    return load_target(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def real_target():
+    """The real default target (SmolLM2-135M-Instruct), converted once into the user's cache."""
+    from shared.models import load_target
+
+    return load_target("smollm2-135m")
+
+
+def start_server(target, **limits):
+    """An in-process gRPC server on a free loopback port; returns (server, address, service)."""
+    from server.service import ServerLimits, build_server
+
+    server, port, service = build_server(target, "127.0.0.1", 0, ServerLimits(**limits))
+    server.start()
+    return server, f"127.0.0.1:{port}", service
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_target):
+    server, address, service = start_server(tiny_target, max_sessions=4, max_tree_nodes=16, max_context=128)
+    yield address, service
+    server.stop(grace=None)

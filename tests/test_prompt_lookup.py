@@ -1,0 +1,47 @@
+"""Prompt lookup drafts what followed the latest earlier occurrence of the current suffix."""
+
+from __future__ import annotations
+
+from client.drafters import PromptLookup, make_drafter
+
+
+def test_chain_copies_the_latest_match():
+    d = PromptLookup(max_ngram=2, num_tokens=3)
+    d.begin([1, 2, 3, 4, 9, 1, 2, 5, 6, 7, 1, 2])
+    tree = d.propose(max_nodes=10)
+    assert tree.tokens == [5, 6, 7] and tree.parents == [-1, 0, 1]  # the later "1 2" wins
+
+
+def test_longest_ngram_first_then_shorter():
+    d = PromptLookup(max_ngram=3, num_tokens=2)
+    d.begin([7, 8, 9, 10, 11, 3, 8, 20, 21, 7, 8])
+    assert d.propose(10).tokens == [9, 10]  # "7 8" matches; "8" alone would pick 20, 21
+    d.absorb([30])
+    assert d.propose(10).tokens == []  # 30 never occurred before
+
+
+def test_branches_merge_into_a_tree_with_shared_prefixes():
+    d = PromptLookup(max_ngram=1, num_tokens=3, branches=3)
+    d.begin([5, 1, 2, 3, 5, 1, 4, 6, 5, 8, 9, 0, 5])
+    tree = d.propose(10)
+    # latest first: 5 -> [8 9 0], then [1 4 6], then [1 2 3] shares the "1" node
+    assert tree.tokens == [8, 9, 0, 1, 4, 6, 2, 3]
+    assert tree.parents == [-1, 0, 1, -1, 3, 4, 3, 6]
+
+
+def test_budget_and_rewind():
+    d = PromptLookup(max_ngram=1, num_tokens=8)
+    d.begin([1, 2, 3, 4, 5, 6, 1])
+    assert len(d.propose(max_nodes=3)) == 3
+    d.absorb([2, 3])
+    d.rewind(2)
+    assert d.history == [1, 2, 3, 4, 5, 6, 1] and d.propose(3).tokens == [2, 3, 4]
+
+
+def test_unknown_drafter_is_a_clear_error():
+    import pytest
+
+    from shared.errors import SplitspecError
+
+    with pytest.raises(SplitspecError, match="unknown drafter 'nope'; expected one of none, prompt-lookup"):
+        make_drafter("nope")

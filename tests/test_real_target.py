@@ -1,0 +1,86 @@
+"""Integration on the real target: speculative greedy output equals transformers' own greedy generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.decode import api_generate, speculative_generate
+from client.drafters import NoDrafter, PromptLookup
+from client.verifiers import LocalVerifier, RemoteVerifier
+from shared.models import encode_prompt
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.real
+
+CODE = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+PROMPTS = [
+    ("Write a Python function that reverses a string.", True),
+    ("What is the capital of France? Answer in one sentence.", True),
+    (f"Add a docstring to this function and return the whole function:\n{CODE}", True),
+    (f"Rename `fib` to `fibonacci` in this code:\n{CODE}", True),
+    ("List three colors of the rainbow.", True),
+    ("Explain what a hash table is to a child.", True),
+    ("Translate 'good morning' into Spanish and French.", True),
+    ("Write a haiku about the sea.", True),
+    ("Summarize: The quick brown fox jumps over the lazy dog. The dog sleeps. The fox runs away.", True),
+    ("Write a SQL query that counts the rows of a table named users.", True),
+    ("Give me a JSON object with keys name and age for a person called Ada, aged 36.", True),
+    ("How many legs does a spider have?", True),
+    ("Write a bash loop that prints the numbers 1 to 5.", True),
+    ("What does HTTP stand for?", True),
+    ("The history of the printing press", False),
+    ("def is_even(n):\n    ", False),
+    ("Once upon a time, in a small village,", False),
+    ("1, 2, 3, 4, 5, 6,", False),
+    ("import numpy as np\n\n# compute the mean of a list\n", False),
+    ("Q: What is 12 times 12?\nA:", False),
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def references(real_target):
+    """Greedy continuations from transformers' own generate()."""
+    refs = []
+    for text, chat in PROMPTS:
+        ids = encode_prompt(real_target.tokenizer, text, chat)
+        with torch.no_grad():
+            out = real_target.model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=real_target.eos_token_ids[0],
+            )  # fmt: skip
+        refs.append((ids, out[0, len(ids) :].tolist()))
+    return refs
+
+
+def drafter_for(i: int):
+    """Vary the drafter across prompts: chains, small trees and no drafts at all."""
+    return [PromptLookup(), PromptLookup(branches=3, num_tokens=6), NoDrafter()][i % 3]
+
+
+def test_local_greedy_equals_transformers(real_target, references):
+    mismatches = []
+    for i, (ids, want) in enumerate(references):
+        gen = speculative_generate(LocalVerifier(real_target), drafter_for(i), ids, NEW_TOKENS)
+        if gen.token_ids != want:
+            mismatches.append((PROMPTS[i][0][:40], gen.token_ids, want))
+    assert not mismatches, mismatches
+
+
+def test_grpc_greedy_equals_transformers(real_target, references):
+    server, address, _ = start_server(real_target)
+    try:
+        remote = RemoteVerifier(address, fingerprint=real_target.fingerprint)
+        mismatches = []
+        for i, (ids, want) in enumerate(references):
+            gen = speculative_generate(remote, drafter_for(i + 1), ids, NEW_TOKENS)
+            if gen.token_ids != want:
+                mismatches.append((PROMPTS[i][0][:40], gen.token_ids, want))
+        assert not mismatches, mismatches
+        ids, want = references[0]
+        assert api_generate(remote, ids, NEW_TOKENS).token_ids == want
+        assert remote.counters.server_compute_s > 0
+        remote.shutdown()
+    finally:
+        server.stop(grace=None)
