@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from client.drafters.base import Drafter
 from shared.acceptance import SamplingParams
@@ -64,6 +64,7 @@ def speculative_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
     stats = GenerationStats()
+    before = replace(verifier.counters)
     start = time.perf_counter()
     emit = on_tokens or (lambda tokens: None)
     first = verifier.open(list(prompt_ids), sampling)
@@ -94,7 +95,7 @@ def speculative_generate(
     stats.new_tokens = len(out)
     stats.tokens_per_s = len(out) / stats.wall_s
     stats.acceptance_length = gained / stats.rounds if stats.rounds else 0.0
-    _copy_counters(stats, verifier.counters)
+    _copy_counters(stats, verifier.counters.since(before))
     return Generation(out, reason, stats)
 
 
@@ -109,6 +110,7 @@ def api_generate(
     """The API baseline: the server decodes alone and streams tokens; no drafts, one call."""
     stop = list(remote.eos_token_ids if stop_ids is None else stop_ids)
     stats = GenerationStats()
+    before = replace(remote.counters)
     start = time.perf_counter()
     out: list[int] = []
     reason = "length"
@@ -125,7 +127,7 @@ def api_generate(
     stats.tokens_per_s = len(out) / stats.wall_s
     stats.rounds = len(out)
     stats.acceptance_length = 1.0
-    _copy_counters(stats, remote.counters)
+    _copy_counters(stats, remote.counters.since(before))
     return Generation(out, reason, stats)
 
 

@@ -8,11 +8,11 @@ the server (also on Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from shared.errors import SplitspecError
 from shared.models import DEFAULT_MODEL
@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
 
-def _start_server(args, ready_file: str) -> tuple[subprocess.Popen, str]:
+def _start_server(args, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Start `splitspec serve` on a free loopback port; its log goes to a file (a pipe could fill up)."""
+    ready, log = workdir / "port", workdir / "server.log"
     cmd = [
         sys.executable,
         "-m",
@@ -43,19 +45,20 @@ def _start_server(args, ready_file: str) -> tuple[subprocess.Popen, str]:
         "--port",
         "0",
         "--ready-file",
-        ready_file,
+        str(ready),
     ]
     if args.cache_dir:
         cmd += ["--cache-dir", args.cache_dir]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + args.startup_timeout
     print(f"splitspec demo: starting the server ({args.model}) ...", file=sys.stderr, flush=True)
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SplitspecError(f"the server exited with code {server.returncode}:\n{server.stderr.read().strip()}")
-        if os.path.getsize(ready_file) > 0:
-            with open(ready_file) as f:
-                return server, f"127.0.0.1:{int(f.read())}"
+            tail = "\n".join(log.read_text().strip().splitlines()[-10:])
+            raise SplitspecError(f"the server exited with code {server.returncode}:\n{tail}")
+        if ready.exists():
+            return server, f"127.0.0.1:{int(ready.read_text())}"
         time.sleep(0.2)
     server.terminate()
     raise SplitspecError(f"the server did not become ready within {args.startup_timeout:g}s")
@@ -70,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from shared.target import tokenizer_fingerprint
 
     tokenizer = load_tokenizer(args.model, args.cache_dir)  # converts the built-in target once, if needed
-    with tempfile.NamedTemporaryFile("w+", suffix=".port") as ready:
-        server, address = _start_server(args, ready.name)
+    with tempfile.TemporaryDirectory(prefix="splitspec-demo-") as workdir:
+        server, address = _start_server(args, Path(workdir))
         try:
             remote = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer))
             print(f"splitspec demo: server ready at {address}; prompt: {args.prompt}\n", file=sys.stderr, flush=True)

@@ -28,6 +28,10 @@ class LinkCounters:
     bytes_received: int = 0
     server_compute_s: float = 0.0
 
+    def since(self, earlier: LinkCounters) -> LinkCounters:
+        """What was spent after ``earlier`` was copied: one generation's share of a reused link."""
+        return LinkCounters(*(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__))
+
 
 @dataclass
 class Round:
@@ -36,7 +40,7 @@ class Round:
 
 
 class LocalVerifier:
-    """The target in-process: no network, the single-device reference."""
+    """The target in-process: no network, the single-device reference (it counts no server calls)."""
 
     def __init__(self, target):
         self.target = target
@@ -145,7 +149,8 @@ class RemoteVerifier:
         c.server_calls += 1
         c.bytes_sent += request.ByteSize()
         try:
-            for chunk in self.stub.Generate(request, timeout=self.rpc_timeout_s):
+            # the deadline covers the whole stream: allow a generous second per requested token
+            for chunk in self.stub.Generate(request, timeout=self.rpc_timeout_s + max_new_tokens):
                 c.bytes_received += chunk.ByteSize()
                 c.server_compute_s += chunk.compute_s
                 yield list(chunk.tokens)

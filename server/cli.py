@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -62,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
         f"context {service.limits.max_context}, {limits.max_sessions} sessions)",
         flush=True,
     )
-    if args.ready_file:
-        with open(args.ready_file, "w") as f:
+    if args.ready_file:  # written then renamed, so a reader never sees it half-written
+        with open(args.ready_file + ".tmp", "w") as f:
             f.write(f"{port}\n")
+        os.replace(args.ready_file + ".tmp", args.ready_file)
     stopped.wait()
     server.stop(grace=2).wait()
     return 0

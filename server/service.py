@@ -170,7 +170,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"client believes the session holds {request.length} tokens, the server holds {len(engine.tokens)}",
                 )
-            if len(engine.tokens) + len(tokens) > self.limits.max_context:
+            if len(engine.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
                     grpc.StatusCode.OUT_OF_RANGE,
                     f"{len(engine.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "

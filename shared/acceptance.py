@@ -38,7 +38,9 @@ class SamplingParams:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the target samples from: softmax(logits / T), cut to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float()
+    # subtract the max first: a tiny temperature must give a one-hot, not inf/inf = NaN
+    probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)

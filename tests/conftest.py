@@ -34,11 +34,11 @@ def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0) -> Path:
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|im_start|>"], tie_word_embeddings=True,
+        eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|im_start|>"], tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits than the default init, so greedy paths are not all ties
+    with torch.no_grad():  # an untied, sharpened head: varied greedy paths, not a copy of the last token
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -19,6 +19,8 @@ VOCAB = 6
 
 def chi2_critical(df: int, z: float = 3.29) -> float:
     """Wilson-Hilferty upper quantile of chi-square (z = 3.29: one false alarm in ~2000 runs)."""
+    if df < 1:
+        raise ValueError(f"chi-square needs >= 1 degree of freedom, got {df}: the distribution is too peaked")
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
@@ -126,7 +128,7 @@ def test_sampling_params_are_checked():
 
 def test_session_sampling_matches_target_distribution(tiny_target):
     """End to end on a tiny model: tokens emitted by tree verification follow the target's p."""
-    params = SamplingParams(temperature=1.5, seed=7)
+    params = SamplingParams(temperature=0.3, seed=7)  # peaked enough that drafts get accepted, not one-hot
     model = tiny_target.model
     prompt = [5, 17, 42, 8, 99, 3]
     session = tiny_target.session(params)
