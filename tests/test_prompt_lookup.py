@@ -21,7 +21,7 @@ def test_longest_ngram_first_then_shorter():
 
 
 def test_branches_merge_into_a_tree_with_shared_prefixes():
-    d = PromptLookup(max_ngram=1, num_tokens=3, branches=3)
+    d = PromptLookup(max_ngram=1, min_ngram=1, num_tokens=3, branches=3)
     d.begin([5, 1, 2, 3, 5, 1, 4, 6, 5, 8, 9, 0, 5])
     tree = d.propose(10)
     # latest first: 5 -> [8 9 0], then [1 4 6], then [1 2 3] shares the "1" node
@@ -30,12 +30,25 @@ def test_branches_merge_into_a_tree_with_shared_prefixes():
 
 
 def test_budget_and_rewind():
-    d = PromptLookup(max_ngram=1, num_tokens=8)
+    d = PromptLookup(max_ngram=1, min_ngram=1, num_tokens=8)
     d.begin([1, 2, 3, 4, 5, 6, 1])
     assert len(d.propose(max_nodes=3)) == 3
     d.absorb([2, 3])
     d.rewind(2)
     assert d.history == [1, 2, 3, 4, 5, 6, 1] and d.propose(3).tokens == [2, 3, 4]
+
+
+def test_adaptive_length_follows_acceptance():
+    d = PromptLookup(max_ngram=2, num_tokens=6)
+    d.begin([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
+    assert len(d.propose(10)) == 6
+    d.absorb([3, 99])  # one of six kept: shorter next time
+    assert d.length == 5
+    d.begin([1, 2, 3, 4, 1, 2])
+    d.length = 2
+    assert d.propose(10).tokens == [3, 4]
+    d.absorb([3, 4, 1])  # all kept: longer
+    assert d.length == 4
 
 
 def test_unknown_drafter_is_a_clear_error():
