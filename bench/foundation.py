@@ -25,12 +25,11 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from client.decode import Generation, api_generate, speculative_generate
+from client.demo import server_child
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LinkCounters, LocalVerifier, RemoteVerifier
 from shared.models import encode_prompt, load_target
@@ -163,33 +163,9 @@ def make_methods(names: list[str], target, remote: RemoteVerifier | None) -> dic
     return {name: factories[name]() for name in names}
 
 
-@contextmanager
-def server_process(threads: int, workdir: Path, timeout_s: float = 300.0) -> Iterator[str]:
-    """A `splitspec serve` child on a free loopback port; yields its address and always stops it."""
-    ready, log_path = workdir / "port", workdir / "server.log"
-    cmd = [sys.executable, "-m", "shared.cli", "serve", "--port", "0", "--ready-file", str(ready)]
-    cmd += ["--threads", str(threads)]
-    with open(log_path, "w") as log:  # a file, not a pipe: nobody reads a pipe, and a full one stalls the server
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            text = ready.read_text().strip() if ready.exists() else ""
-            if text.isdigit():  # the file can exist a moment before the port is in it
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready within {timeout_s:g}s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield f"127.0.0.1:{int(text)}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def server_process(threads: int, workdir: Path, timeout_s: float = 300.0):
+    """A `splitspec serve` child on a free loopback port (the demo's helper), pinned to ``threads``."""
+    return server_child(["--threads", str(threads)], workdir, timeout_s)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from shared.errors import SplitspecError
@@ -32,36 +34,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
 
-def _start_server(args, workdir: Path) -> tuple[subprocess.Popen, str]:
-    """Start `splitspec serve` on a free loopback port; its log goes to a file (a pipe could fill up)."""
+@contextmanager
+def server_child(serve_args: list[str], workdir: Path, timeout_s: float = 300.0) -> Iterator[str]:
+    """A `splitspec serve` child on a free loopback port: yields its address, always stops it.
+
+    Its log goes to a file, not a pipe: nobody reads a pipe, and a full one stalls the server.
+    """
     ready, log = workdir / "port", workdir / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "shared.cli",
-        "serve",
-        "--model",
-        args.model,
-        "--port",
-        "0",
-        "--ready-file",
-        str(ready),
-    ]
-    if args.cache_dir:
-        cmd += ["--cache-dir", args.cache_dir]
+    cmd = [sys.executable, "-m", "shared.cli", "serve", "--port", "0", "--ready-file", str(ready), *serve_args]
     with open(log, "w") as log_file:
         server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.startup_timeout
-    print(f"splitspec demo: starting the server ({args.model}) ...", file=sys.stderr, flush=True)
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = "\n".join(log.read_text().strip().splitlines()[-10:])
-            raise SplitspecError(f"the server exited with code {server.returncode}:\n{tail}")
-        if ready.exists():
-            return server, f"127.0.0.1:{int(ready.read_text())}"
-        time.sleep(0.2)
-    server.terminate()
-    raise SplitspecError(f"the server did not become ready within {args.startup_timeout:g}s")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if server.poll() is not None:
+                tail = "\n".join(log.read_text().strip().splitlines()[-10:])
+                raise SplitspecError(f"the server exited with code {server.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise SplitspecError(f"the server did not become ready within {timeout_s:g}s (log: {log})")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{int(ready.read_text())}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,25 +72,22 @@ def run(args: argparse.Namespace) -> int:
     from shared.target import tokenizer_fingerprint
 
     tokenizer = load_tokenizer(args.model, args.cache_dir)  # converts the built-in target once, if needed
-    with tempfile.TemporaryDirectory(prefix="splitspec-demo-") as workdir:
-        server, address = _start_server(args, Path(workdir))
-        try:
-            remote = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer))
-            print(f"splitspec demo: server ready at {address}; prompt: {args.prompt}\n", file=sys.stderr, flush=True)
-            gen = speculative_generate(
-                remote,
-                make_drafter(args.drafter),
-                encode_prompt(tokenizer, args.prompt, True),
-                args.max_new_tokens,
-                on_tokens=TextStream(tokenizer),
-            )
-            remote.shutdown()
-            print()
-            print(stats_line(gen), file=sys.stderr)
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    serve_args = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    print(f"splitspec demo: starting the server ({args.model}) ...", file=sys.stderr, flush=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="splitspec-demo-") as workdir,
+        server_child(serve_args, Path(workdir), args.startup_timeout) as address,
+    ):
+        remote = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer))
+        print(f"splitspec demo: server ready at {address}; prompt: {args.prompt}\n", file=sys.stderr, flush=True)
+        gen = speculative_generate(
+            remote,
+            make_drafter(args.drafter),
+            encode_prompt(tokenizer, args.prompt, True),
+            args.max_new_tokens,
+            on_tokens=TextStream(tokenizer),
+        )
+        remote.shutdown()
+        print()
+        print(stats_line(gen), file=sys.stderr)
     return 0
