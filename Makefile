@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-foundation clean
+.PHONY: setup demo test lint proto bench-foundation bench-netsim clean
 
 setup: $(VENV)/.ready
 
@@ -34,7 +34,10 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Ishared/wire=protos --python_out=. --pyi_out=. --grpc_python_out=. shared/wire/splitspec.proto
 
 bench-foundation: setup
-	$(PY) bench/foundation.py
+	$(PY) -m bench.foundation
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+bench-netsim: setup
+	$(PY) -m bench.netsim

@@ -12,18 +12,15 @@ Every method runs greedy on the same chat-templated prompts in one process, inte
 
 tokens/s = new tokens / wall seconds of the whole call (prefill included), stopping at EOS.
 
-Run:  .venv/bin/python bench/foundation.py [--limit K] [--max-new-tokens N] [--repeats R] [--methods a,b]
+Run:  .venv/bin/python -m bench.foundation [--limit K] [--max-new-tokens N] [--repeats R] [--methods a,b]
 Writes foundation.json, foundation.md and foundation.png under --out (default bench/results).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -36,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.common import machine
 from client.decode import Generation, api_generate, speculative_generate
 from client.demo import server_child
 from client.drafters import NoDrafter, PromptLookup
@@ -306,28 +304,10 @@ def plot(runs: list[Run], summary: dict[str, dict], kinds: list[str], path: Path
     plt.close(fig)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
 def environment(threads: int) -> dict:
     import transformers
 
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-    }
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads, **machine()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

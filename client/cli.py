@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
+from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL, DTYPES
 
 
@@ -19,6 +21,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     where.add_argument("--local", action="store_true", help="run the target in this process (no gRPC), same loop")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the server (default 10)")
+    p.add_argument(
+        "--via-netsim",
+        metavar="PROFILE",
+        choices=list(PROFILES),
+        help=f"reach --server through a netsim proxy with this network profile ({', '.join(PROFILES)})",
+    )
+    p.add_argument(
+        "--probe-link", action="store_true", help="measure RTT and bandwidth first (implied by --via-netsim)"
+    )
     p.add_argument("--baseline", choices=["api"], help="api: the server decodes alone and streams (no drafts)")
     p.add_argument("--drafter", default="prompt-lookup", help="none, prompt-lookup (default prompt-lookup)")
     p.add_argument("--max-tree-nodes", type=int, default=64, help="draft tree budget per round (default 64)")
@@ -64,11 +75,19 @@ def stats_line(gen) -> str:
     return (
         f"[{s.new_tokens} tokens in {s.wall_s:.2f}s: {s.tokens_per_s:.1f} tok/s, acceptance length "
         f"{s.acceptance_length:.2f}, {s.rounds} rounds, {s.server_calls} server calls, "
-        f"{(s.bytes_sent + s.bytes_received) / 1024:.1f} KiB, finish: {gen.finish_reason}]"
+        f"{(s.bytes_sent + s.bytes_received) / 1024:.1f} KiB"
+        + (f", rtt {s.rtt_ms:.1f} ms" if s.rtt_ms is not None else "")
+        + (f", {s.bandwidth_mbps:.1f} Mbit/s down" if s.bandwidth_mbps is not None else "")
+        + f", finish: {gen.finish_reason}]"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:
+        return _run(args, stack)
+
+
+def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import torch
 
     from client.decode import api_generate, speculative_generate
@@ -84,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         raise SplitspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.baseline and args.local:
         raise SplitspecError("--baseline api needs a server; drop --local")
+    if args.via_netsim and args.local:
+        raise SplitspecError("--via-netsim shapes the link to a server; drop --local")
     try:
         sampling = SamplingParams(temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed)
     except ValueError as exc:
@@ -99,9 +120,17 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model, args.cache_dir)
         from shared.target import tokenizer_fingerprint
 
+        address = args.server
+        if args.via_netsim:
+            from netsim import simulated_link
+
+            address = stack.enter_context(simulated_link(args.server, args.via_netsim)).address
         verifier = RemoteVerifier(
-            args.server, fingerprint=tokenizer_fingerprint(tokenizer), connect_timeout_s=args.connect_timeout
+            address, fingerprint=tokenizer_fingerprint(tokenizer), connect_timeout_s=args.connect_timeout
         )
+        stack.callback(verifier.shutdown)
+        if args.probe_link or args.via_netsim:
+            verifier.probe_link()
     prompt_ids = encode_prompt(tokenizer, text, args.chat)
     stream = None if args.json else TextStream(tokenizer)
     if args.baseline == "api":
@@ -122,8 +151,6 @@ def run(args: argparse.Namespace) -> int:
             on_tokens=stream,
         )
         drafter_name = drafter.name
-    if isinstance(verifier, RemoteVerifier):
-        verifier.shutdown()
     if args.json:
         print(
             json.dumps(
@@ -133,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                     "finish_reason": gen.finish_reason,
                     "drafter": drafter_name,
                     "mode": "local" if args.local else "remote",
+                    "network": args.via_netsim,
                     "stats": gen.stats.as_dict(),
                 }
             )

@@ -28,6 +28,9 @@ class GenerationStats:
     server_compute_s: float = 0.0
     ttft_s: float = 0.0
     draft_s: float = 0.0
+    rtt_ms: float | None = None  # the link as the client saw it at the end (None: no link, or not measured yet)
+    bandwidth_mbps: float | None = None  # downlink, Mbit/s
+    uplink_mbps: float | None = None
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -95,7 +98,7 @@ def speculative_generate(
     stats.new_tokens = len(out)
     stats.tokens_per_s = len(out) / stats.wall_s
     stats.acceptance_length = gained / stats.rounds if stats.rounds else 0.0
-    _copy_counters(stats, verifier.counters.since(before))
+    _copy_link(stats, verifier, before)
     return Generation(out, reason, stats)
 
 
@@ -127,12 +130,17 @@ def api_generate(
     stats.tokens_per_s = len(out) / stats.wall_s
     stats.rounds = len(out)
     stats.acceptance_length = 1.0
-    _copy_counters(stats, remote.counters.since(before))
+    _copy_link(stats, remote, before)
     return Generation(out, reason, stats)
 
 
-def _copy_counters(stats: GenerationStats, counters) -> None:
+def _copy_link(stats: GenerationStats, verifier, before) -> None:
+    """What this generation cost the link (counters since ``before``) and the verifier's latest link estimates."""
+    counters = verifier.counters.since(before)
     stats.server_calls = counters.server_calls
     stats.bytes_sent = counters.bytes_sent
     stats.bytes_received = counters.bytes_received
     stats.server_compute_s = counters.server_compute_s
+    link = getattr(verifier, "link", None)
+    for name, value in (link.as_stats() if link is not None else {}).items():
+        setattr(stats, name, value)

@@ -1,15 +1,18 @@
 """Where drafts get verified: the remote server over gRPC, or the target in this process.
 
 Both expose the same three calls (open, verify, close), so the decode loop cannot tell them
-apart; ``--local`` is the single-device baseline of the very same loop.
+apart; ``--local`` is the single-device baseline of the very same loop. The remote one also
+times every call it makes, so its ``link`` knows the round-trip time and bandwidth.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
 
+from client.link import PROBE_MAX_BYTES, LinkMonitor
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 from shared.tree import DraftTree
@@ -21,12 +24,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 @dataclass
 class LinkCounters:
-    """What crossing the link cost so far (protobuf message bytes, not counting HTTP/2 framing)."""
+    """What crossing the link cost so far (protobuf message bytes, not counting HTTP/2 framing).
+
+    Link probes are counted apart (``probe_*``): they measure the link, they are not a generation's traffic.
+    """
 
     server_calls: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     server_compute_s: float = 0.0
+    probe_calls: int = 0
+    probe_bytes: int = 0  # both directions
 
     def since(self, earlier: LinkCounters) -> LinkCounters:
         """What was spent after ``earlier`` was copied: one generation's share of a reused link."""
@@ -48,6 +56,7 @@ class LocalVerifier:
         self.max_tree_nodes = 1 << 30
         self.max_context = target.max_context
         self.counters = LinkCounters()
+        self.link = None  # no network to measure
         self.session = None
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
@@ -78,6 +87,7 @@ class RemoteVerifier:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = LinkCounters()
+        self.link = LinkMonitor()
         self.session_id = ""
         self.length = 0
         options = [
@@ -101,18 +111,42 @@ class RemoteVerifier:
         self.max_tree_nodes = self.info.limits.max_tree_nodes
         self.max_context = self.info.limits.max_context
 
-    def _call(self, method, request, count_compute: bool = True):
+    def _timed(self, method, request, timeout_s: float, budget: bool = False):
+        """One unary call: (reply, wall seconds). A failure becomes a SplitspecError naming the server, except
+        running past a measurement ``budget``: that is a TimeoutError, an answer rather than a failure."""
+        start = time.perf_counter()
         try:
-            reply = method(request, timeout=self.rpc_timeout_s)
+            reply = method(request, timeout=timeout_s)
         except grpc.RpcError as exc:
+            if budget and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"probe took longer than {timeout_s:.3f}s") from None
             raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+        return reply, time.perf_counter() - start
+
+    def _call(self, method, request, count_compute: bool = True):
+        reply, wall_s = self._timed(method, request, self.rpc_timeout_s)
+        compute_s = getattr(reply, "compute_s", 0.0)
+        self.link.observe(wall_s, compute_s, request.ByteSize(), reply.ByteSize())
         c = self.counters
         c.server_calls += 1
         c.bytes_sent += request.ByteSize()
         c.bytes_received += reply.ByteSize()
-        if count_compute and hasattr(reply, "compute_s"):
-            c.server_compute_s += reply.compute_s
+        if count_compute:
+            c.server_compute_s += compute_s
         return reply
+
+    def probe_link(self, budget_s: float = 1.5) -> dict[str, float | None]:
+        """Measure the link now with Probe calls (see ``LinkMonitor.probe``); counted apart, in ``counters.probe_*``."""
+        max_bytes = min(PROBE_MAX_BYTES, self.info.limits.max_probe_bytes or PROBE_MAX_BYTES)
+
+        def call(payload_bytes: int, reply_bytes: int, timeout_s: float) -> tuple[float, float]:
+            request = pb.ProbeRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes)
+            reply, wall_s = self._timed(self.stub.Probe, request, timeout_s, budget=True)
+            self.counters.probe_calls += 1
+            self.counters.probe_bytes += request.ByteSize() + reply.ByteSize()
+            return wall_s, reply.compute_s
+
+        return self.link.probe(call, budget_s, max_bytes)
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
         reply = self._call(
@@ -148,10 +182,14 @@ class RemoteVerifier:
         c = self.counters
         c.server_calls += 1
         c.bytes_sent += request.ByteSize()
+        start = time.perf_counter()
         try:
             # the deadline covers the whole stream: allow a generous second per requested token
-            for chunk in self.stub.Generate(request, timeout=self.rpc_timeout_s + max_new_tokens):
-                c.bytes_received += chunk.ByteSize()
+            for i, chunk in enumerate(self.stub.Generate(request, timeout=self.rpc_timeout_s + max_new_tokens)):
+                size = chunk.ByteSize()
+                if i == 0:  # the first chunk is one round trip around the prefill; later ones are pipelined
+                    self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+                c.bytes_received += size
                 c.server_compute_s += chunk.compute_s
                 yield list(chunk.tokens)
         except grpc.RpcError as exc:

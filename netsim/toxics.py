@@ -85,17 +85,38 @@ class Toxic:
         """The sending side finished; runs before the close is passed on."""
 
 
+TIMER_SLACK_S = 0.0005  # asyncio timers fire up to 1 ms late (epoll's millisecond timeout): aim half of it early
+
+
+async def sleep_until(deadline: float) -> None:
+    """Sleep until ``deadline`` (time.monotonic()), right on average despite the event loop's timer granularity."""
+    wait = deadline - time.monotonic() - TIMER_SLACK_S
+    if wait > 0:
+        await asyncio.sleep(wait)
+
+
 class Latency(Toxic):
-    """Adds ``latency`` ± ``jitter`` ms (uniform) to every chunk, counted from its arrival."""
+    """Adds ``latency`` ± ``jitter`` ms (uniform) to every chunk, counted from its arrival.
+
+    One deviation from Toxiproxy, which draws the jitter per chunk: a chunk that arrives while
+    the previous one is still held (a burst) shares its draw. In-order delivery makes a chunk
+    wait for the ones before it, so per-chunk draws would delay a burst by the largest of them:
+    a message written in pieces (gRPC writes headers, data and trailers apart) or a bulk
+    transfer would see more than ``latency`` on average, and a bulk transfer less bandwidth.
+    """
 
     type = "latency"
     fields = {"latency": (int, 0), "jitter": (int, 0)}
 
+    def new_state(self, close):
+        return {"held_until": -1.0, "jitter_ms": 0.0}
+
     async def pipe(self, chunk, state):
-        delay = self.latency + (random.uniform(-self.jitter, self.jitter) if self.jitter else 0.0)
-        wait = chunk.arrived + delay / 1000 - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
+        if self.jitter and chunk.arrived > state["held_until"]:
+            state["jitter_ms"] = random.uniform(-self.jitter, self.jitter)
+        deadline = chunk.arrived + (self.latency + state["jitter_ms"]) / 1000
+        state["held_until"] = deadline
+        await sleep_until(deadline)
         yield chunk
 
 
@@ -103,7 +124,8 @@ class Bandwidth(Toxic):
     """Caps throughput at ``rate`` KB/s (0: unlimited), releasing data in ≤10 ms slices.
 
     A virtual clock (when the link is next free) keeps the rate exact over time however coarse
-    the event loop's timers are.
+    the event loop's timers are, and lets a small message pass without a sleep shorter than
+    the timers can time (its debt stays on the clock for the next one).
     """
 
     type = "bandwidth"
@@ -122,9 +144,7 @@ class Bandwidth(Toxic):
         for i in range(0, len(data), step):
             piece = data[i : i + step]
             state["free_at"] = max(time.monotonic(), state["free_at"]) + len(piece) / bytes_per_s
-            wait = state["free_at"] - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            await sleep_until(state["free_at"])
             yield Chunk(piece, chunk.arrived)
 
 
@@ -135,7 +155,7 @@ class SlowClose(Toxic):
     fields = {"delay": (int, 0)}
 
     async def at_eof(self, state):
-        await asyncio.sleep(self.delay / 1000)
+        await sleep_until(time.monotonic() + self.delay / 1000)
 
 
 class Timeout(Toxic):
@@ -256,7 +276,7 @@ class Loss(Toxic):
     async def pipe(self, chunk, state):
         packets = math.ceil(len(chunk.data) / self.segment)
         if random.random() < 1.0 - (1.0 - self.probability) ** packets:
-            await asyncio.sleep(self.delay / 1000)
+            await sleep_until(time.monotonic() + self.delay / 1000)
         yield chunk
 
 

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=4096, help="tokens per session, prompt included (default 4096)")
     p.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per Generate call (default 4096)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept (default 600)")
+    p.add_argument(
+        "--max-probe-bytes", type=int, default=16 * 1024 * 1024, help="reply bytes per Probe call (default 16 MiB)"
+    )
     p.add_argument("--ready-file", help="write the bound port here once serving (for scripts)")
 
 
@@ -42,12 +45,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    for name in ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens"):
+    for name in ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "max_probe_bytes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
     limits = ServerLimits(
-        args.max_sessions, args.max_tree_nodes, args.max_context, args.max_new_tokens, args.session_ttl
+        args.max_sessions,
+        args.max_tree_nodes,
+        args.max_context,
+        args.max_new_tokens,
+        args.session_ttl,
+        args.max_probe_bytes,
     )
     server, port, service = build_server(target, args.host, args.port, limits)
     server.start()

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class ServerLimits:
     max_context: int = 4096
     max_new_tokens: int = 4096
     session_ttl_s: float = 600.0
+    max_probe_bytes: int = 16 * 1024 * 1024
 
 
 class Abort(Exception):
@@ -65,7 +67,11 @@ def rpc(method):
 class SplitSpecService(pb_grpc.SplitSpecServicer):
     def __init__(self, target: Target, limits: ServerLimits = ServerLimits()):
         self.target = target
-        self.limits = ServerLimits(**{**limits.__dict__, "max_context": min(limits.max_context, target.max_context)})
+        capped = {
+            "max_context": min(limits.max_context, target.max_context),
+            "max_probe_bytes": min(limits.max_probe_bytes, MAX_MESSAGE_BYTES - 1024),  # a reply must fit one message
+        }
+        self.limits = ServerLimits(**{**limits.__dict__, **capped})
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s)
         self.model_lock = threading.Lock()
 
@@ -131,6 +137,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 max_context=lim.max_context,
                 max_new_tokens=lim.max_new_tokens,
                 session_ttl_s=lim.session_ttl_s,
+                max_probe_bytes=lim.max_probe_bytes,
             ),
             device=str(t.device),
             dtype=str(t.dtype).removeprefix("torch."),
@@ -208,6 +215,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         budget = min(budget, self.limits.max_context - len(prompt))
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
         return self._stream(prompt, sampling, budget, stop, context)
+
+    @rpc
+    def Probe(self, request, context):
+        """Link measurement: the upload is already counted by arriving; answer with reply_bytes zero bytes."""
+        if request.reply_bytes > self.limits.max_probe_bytes:
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"reply_bytes {request.reply_bytes} exceeds the probe limit of {self.limits.max_probe_bytes} bytes",
+            )
+        start = time.perf_counter()
+        payload = bytes(request.reply_bytes)
+        return pb.ProbeReply(payload=payload, compute_s=time.perf_counter() - start)
 
     def _stream(self, prompt, sampling, budget, stop, context):
         """One token per chunk, as an API streams; stops early when the client goes away."""

@@ -79,3 +79,12 @@ def tiny_server(tiny_target):
     server, address, service = start_server(tiny_target, max_sessions=4, max_tree_nodes=16, max_context=128)
     yield address, service
     server.stop(grace=None)
+
+
+@pytest.fixture(scope="session")
+def netsim_server():
+    """netsim's own Toxiproxy API in a child process, shared by every test that shapes a link."""
+    from netsim import Netsim
+
+    with Netsim.start_own() as sim:
+        yield sim

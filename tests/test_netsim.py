@@ -1,6 +1,6 @@
 """netsim: Toxiproxy's API (driven by the independent toxiproxy-python client) and real effects.
 
-One netsim server (a child process, as in use) serves the whole module; each test makes its own
+One netsim server (a child process, as in use) serves the whole session; each test makes its own
 proxies in front of a threaded echo server on loopback and removes them.
 """
 
@@ -28,16 +28,10 @@ from shared.cli import main as splitspec
 IO_TIMEOUT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def netsim():
-    with Netsim.start_own() as sim:
-        yield sim
-
-
 @pytest.fixture
-def api(netsim):
-    """A client for the module's server, with every proxy a test made removed afterwards."""
-    client = netsim.client
+def api(netsim_server):
+    """A client for the session's netsim server; every proxy a test made is removed afterwards."""
+    client = netsim_server.client
     yield client
     for name in list(client.proxies()):
         client.delete(name)
@@ -436,7 +430,8 @@ def test_flapper_cuts_and_restores_and_leaves_the_link_up(api, echo):
         Flapper(api, proxy["name"], period_s=1.0, down_s=1.0)
 
 
-def test_simulated_link_uses_toxiproxy_url_and_cleans_up(netsim, echo, monkeypatch):
+def test_simulated_link_uses_toxiproxy_url_and_cleans_up(netsim_server, echo, monkeypatch):
+    netsim = netsim_server
     monkeypatch.setenv("TOXIPROXY_URL", netsim.client.url)
     with simulated_link(echo, "wifi") as link:
         assert link.name in netsim.client.proxies()

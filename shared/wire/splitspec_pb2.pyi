@@ -43,18 +43,20 @@ class HandshakeReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s")
+    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s", "max_probe_bytes")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_tree_nodes: int
     max_context: int
     max_new_tokens: int
     session_ttl_s: float
-    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+    max_probe_bytes: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_probe_bytes: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -143,3 +145,19 @@ class GenerateChunk(_message.Message):
     compute_s: float
     finish_reason: str
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("payload", "compute_s")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    compute_s: float
+    def __init__(self, payload: _Optional[bytes] = ..., compute_s: _Optional[float] = ...) -> None: ...

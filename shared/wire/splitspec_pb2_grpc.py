@@ -59,6 +59,11 @@ class SplitSpecStub:
                 request_serializer=shared_dot_wire_dot_splitspec__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=shared_dot_wire_dot_splitspec__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/splitspec.v1.SplitSpec/Probe',
+                request_serializer=shared_dot_wire_dot_splitspec__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=shared_dot_wire_dot_splitspec__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class SplitSpecServicer:
@@ -99,6 +104,13 @@ class SplitSpecServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Measure the link: the client uploads `payload` and asks for `reply_bytes` bytes back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitSpecServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_SplitSpecServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=shared_dot_wire_dot_splitspec__pb2.GenerateRequest.FromString,
                     response_serializer=shared_dot_wire_dot_splitspec__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=shared_dot_wire_dot_splitspec__pb2.ProbeRequest.FromString,
+                    response_serializer=shared_dot_wire_dot_splitspec__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class SplitSpec:
             '/splitspec.v1.SplitSpec/Generate',
             shared_dot_wire_dot_splitspec__pb2.GenerateRequest.SerializeToString,
             shared_dot_wire_dot_splitspec__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitspec.v1.SplitSpec/Probe',
+            shared_dot_wire_dot_splitspec__pb2.ProbeRequest.SerializeToString,
+            shared_dot_wire_dot_splitspec__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

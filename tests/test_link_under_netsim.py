@@ -1,0 +1,48 @@
+"""The client's link monitor through netsim profiles: it must see the link the profile sets up.
+
+The tiny server runs in this process, netsim in its own; the client probes the link, then
+generates, and its smoothed estimates are compared with the profile's configured RTT and rates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client.decode import speculative_generate
+from client.drafters import make_drafter
+from client.verifiers import RemoteVerifier
+from netsim import get_profile, simulated_link
+from shared.cli import main as splitspec
+
+
+@pytest.mark.parametrize("profile", ["4g", "lte"])
+def test_link_monitor_sees_the_profile(tiny_server, netsim_server, profile):
+    address, _ = tiny_server
+    configured = get_profile(profile)
+    with simulated_link(address, profile, netsim=netsim_server) as link:
+        remote = RemoteVerifier(link.address)
+        try:
+            probe = remote.probe_link(budget_s=4.0)
+            gen = speculative_generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6, 7, 5], 24)
+        finally:
+            remote.shutdown()
+    assert probe["bandwidth_mbps"] and probe["uplink_mbps"], probe
+    stats = gen.stats
+    assert stats.rtt_ms == pytest.approx(configured.rtt_ms, rel=0.25)
+    assert stats.bandwidth_mbps == pytest.approx(configured.down_mbps, rel=0.25)
+    assert stats.uplink_mbps == pytest.approx(configured.up_mbps, rel=0.25)
+    assert stats.server_calls >= 3  # the estimates went on through the generation's own calls
+
+
+def test_generate_via_netsim_reports_the_link(tiny_server, tiny_model_dir, netsim_server, monkeypatch, capsys):
+    address, _ = tiny_server
+    monkeypatch.setenv("TOXIPROXY_URL", netsim_server.client.url)
+    argv = ["generate", "--server", address, "--model", str(tiny_model_dir), "--prompt", "w1 w2 w3 w1 w2"]
+    assert splitspec([*argv, "--via-netsim", "lte", "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["network"] == "lte" and out["stats"]["new_tokens"] == 6
+    assert out["stats"]["rtt_ms"] == pytest.approx(70, rel=0.25)
+    assert out["stats"]["bandwidth_mbps"] == pytest.approx(12, rel=0.25)
+    assert netsim_server.client.proxies() == {}  # the proxy went away with the generation
