@@ -136,7 +136,7 @@ def profile_run(sim: Netsim, upstream: str, name: str, seconds: float, repeats: 
     try:
         apply_profile(sim.client, proxy["name"], profile)
         with _connect(proxy["listen"]) as s:
-            rtts = pings_ms(s, 20 if profile.rtt_ms < 100 else 8)
+            rtts = pings_ms(s, 100 if profile.rtt_ms < 100 else 20)
             rtt_s = statistics.median(rtts) / 1000
             down_n = int(profile.down_mbps * 1e6 / 8 * seconds)
             up_n = int(profile.up_mbps * 1e6 / 8 * seconds)
