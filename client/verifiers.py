@@ -15,6 +15,7 @@ import grpc
 from client.link import PROBE_MAX_BYTES, LinkMonitor
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
+from shared.features import Features
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -45,6 +46,7 @@ class LinkCounters:
 class Round:
     accepted: list[int]
     new_tokens: list[int]
+    features: Features | None = None  # what the target reported about the tokens it cached this round
 
 
 class LocalVerifier:
@@ -59,16 +61,17 @@ class LocalVerifier:
         self.link = None  # no network to measure
         self.session = None
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        self.session = self.target.session(sampling)
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, features=frozenset()) -> Round:
+        """Prefill: the round that yields the first token (and the prompt's features, if asked for)."""
+        self.session = self.target.session(sampling, features)
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
-        return verdict.bonus
+        return Round([], verdict.new_tokens, verdict.features)
 
     def verify(self, tree: DraftTree) -> Round:
         verdict = self.session.verify(tree)
         self.counters.server_compute_s += verdict.compute_s
-        return Round(verdict.accepted, verdict.new_tokens)
+        return Round(verdict.accepted, verdict.new_tokens, verdict.features)
 
     def close(self) -> None:
         self.session = None
@@ -148,12 +151,17 @@ class RemoteVerifier:
 
         return self.link.probe(call, budget_s, max_bytes)
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, features=frozenset()) -> Round:
+        if features:
+            raise SplitspecError(
+                f"this drafter needs the target's {'/'.join(sorted(features))} features, which the server does not "
+                "send yet; run it with --local"
+            )
         reply = self._call(
             self.stub.OpenSession, pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling))
         )
         self.session_id, self.length = reply.session_id, reply.length
-        return reply.first_token
+        return Round([], [reply.first_token])
 
     def verify(self, tree: DraftTree) -> Round:
         request = pb.VerifyRequest(

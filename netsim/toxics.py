@@ -42,8 +42,15 @@ class CloseLink(Exception):
 
 @dataclass
 class Chunk:
+    """Bytes plus when they are due at the next stage (time.monotonic()).
+
+    Stages compute delays from ``due``, not from when they got around to the chunk, so a slow
+    event loop (a busy CPU) delays data but never adds to the simulated latency or steals rate.
+    The proxy sets ``due`` to the moment it read the data.
+    """
+
     data: bytes
-    arrived: float  # time.monotonic() when the proxy read it: latency counts from here
+    due: float
 
 
 class Toxic:
@@ -100,7 +107,7 @@ async def sleep_until(deadline: float) -> None:
 
 
 class Latency(Toxic):
-    """Adds ``latency`` ± ``jitter`` ms (uniform) to every chunk, counted from its arrival.
+    """Adds ``latency`` ± ``jitter`` ms (uniform) to every chunk, counted from when it is due here.
 
     One deviation from Toxiproxy, which draws the jitter per chunk: a chunk that arrives while
     the previous one is still held (a burst) shares its draw. In-order delivery makes a chunk
@@ -116,25 +123,23 @@ class Latency(Toxic):
         return {"held_until": -1.0, "jitter_ms": 0.0}
 
     async def pipe(self, chunk, state):
-        if self.jitter and chunk.arrived > state["held_until"]:
+        if self.jitter and chunk.due > state["held_until"]:
             state["jitter_ms"] = random.uniform(-self.jitter, self.jitter)
-        deadline = chunk.arrived + (self.latency + state["jitter_ms"]) / 1000
-        state["held_until"] = deadline
-        await sleep_until(deadline)
-        yield chunk
+        due = chunk.due + (self.latency + state["jitter_ms"]) / 1000
+        state["held_until"] = due
+        await sleep_until(due)
+        yield Chunk(chunk.data, due)
 
 
 class Bandwidth(Toxic):
     """Caps throughput at ``rate`` KB/s (0: unlimited), releasing data in ≤10 ms slices.
 
     A virtual clock (when the link is next free) keeps the rate exact over time however coarse
-    the event loop's timers are, and lets a small message pass without a sleep shorter than
-    the timers can time (its debt stays on the clock for the next one).
+    or late the event loop's timers are: a slice starts when both it is due and the link is free.
     """
 
     type = "bandwidth"
     fields = {"rate": (int, 0)}
-    IDLE_S = 0.005  # later than this past the clock means idle, not a timer waking late (which must not cost rate)
 
     def new_state(self, close):
         return {"free_at": 0.0}
@@ -148,12 +153,9 @@ class Bandwidth(Toxic):
         data = chunk.data
         for i in range(0, len(data), step):
             piece = data[i : i + step]
-            now = time.monotonic()
-            if now - state["free_at"] > self.IDLE_S:  # the link was idle: it starts afresh now
-                state["free_at"] = now
-            state["free_at"] += len(piece) / bytes_per_s
+            state["free_at"] = max(state["free_at"], chunk.due) + len(piece) / bytes_per_s
             await sleep_until(state["free_at"])
-            yield Chunk(piece, chunk.arrived)
+            yield Chunk(piece, state["free_at"])
 
 
 class SlowClose(Toxic):
@@ -236,7 +238,7 @@ class Slicer(Toxic):
     async def pipe(self, chunk, state):
         start = 0
         for end in self.cuts(0, len(chunk.data)):
-            yield Chunk(chunk.data[start:end], chunk.arrived)
+            yield Chunk(chunk.data[start:end], chunk.due)
             start = end
             if self.delay:
                 await asyncio.sleep(self.delay / 1e6)
@@ -256,7 +258,7 @@ class LimitData(Toxic):
         data = chunk.data[:room]
         if data:
             state["sent"] += len(data)
-            yield Chunk(data, chunk.arrived)
+            yield Chunk(data, chunk.due)
         if state["sent"] >= self.bytes:
             raise CloseLink()
 
@@ -284,7 +286,8 @@ class Loss(Toxic):
     async def pipe(self, chunk, state):
         packets = math.ceil(len(chunk.data) / self.segment)
         if random.random() < 1.0 - (1.0 - self.probability) ** packets:
-            await sleep_until(time.monotonic() + self.delay / 1000)
+            chunk = Chunk(chunk.data, chunk.due + self.delay / 1000)
+            await sleep_until(chunk.due)
         yield chunk
 
 

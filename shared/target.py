@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from shared.acceptance import SamplingParams, accept_tree
+from shared.features import Features, cache_kv
 from shared.tree import DraftTree, tree_attention_mask, tree_positions
 
 
@@ -56,8 +57,9 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def session(self, sampling: SamplingParams = SamplingParams()) -> TargetSession:
-        return TargetSession(self, sampling)
+    def session(self, sampling: SamplingParams = SamplingParams(), features=()) -> TargetSession:
+        """A new sequence; ``features`` names what each prefill/verify reports about newly cached tokens."""
+        return TargetSession(self, sampling, features=Features.check_kinds(features))
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -79,6 +81,7 @@ class Verdict:
     bonus: int
     new_tokens: list[int]
     compute_s: float
+    features: Features | None = None  # about the tokens this call added to the cache
 
 
 @dataclass
@@ -88,6 +91,7 @@ class TargetSession:
     target: Target
     sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
+    features: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.cache = DynamicCache(config=self.target.model.config)
@@ -110,10 +114,17 @@ class TargetSession:
             )
         start = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=self.target.device)
-        out = self.target.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.target.model(
+            input_ids=ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states="hidden" in self.features,
+        )
         _, first = accept_tree([], [], out.logits[0, -1:], self.sampling, self.generator)
         self.tokens = list(prompt_ids) + [first]
-        return Verdict([], first, [first], time.perf_counter() - start)
+        rows = list(range(len(prompt_ids)))
+        return Verdict([], first, [first], time.perf_counter() - start, self._features(0, out, rows))
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree) -> Verdict:
@@ -132,13 +143,28 @@ class TargetSession:
         positions = torch.tensor([tree_positions(tree.parents, prefix)], device=dev)
         mask = None if _is_chain(tree.parents) else tree_attention_mask(tree.parents, prefix, dtype, dev)
         out = self.target.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states="hidden" in self.features,
         )
         accepted, bonus = accept_tree(tree.tokens, tree.parents, out.logits[0], self.sampling, self.generator)
         self._keep(prefix, accepted)
         new = [tree.tokens[i] for i in accepted] + [bonus]
         self.tokens.extend(new)
-        return Verdict(accepted, bonus, new, time.perf_counter() - start)
+        features = self._features(prefix, out, [0] + [1 + i for i in accepted])
+        return Verdict(accepted, bonus, new, time.perf_counter() - start, features)
+
+    def _features(self, start: int, out, rows: list[int]) -> Features | None:
+        """Features of the tokens now cached at [start, start + len(rows)); ``rows`` index the forward's output."""
+        if not self.features:
+            return None
+        end = start + len(rows)
+        kv = cache_kv(self.cache, start, end).clone() if "kv" in self.features else None
+        hidden = out.hidden_states[-1][0, rows].clone() if "hidden" in self.features else None
+        return Features(start, kv=kv, hidden=hidden)
 
     def _keep(self, prefix: int, accepted: list[int]) -> None:
         """Move the accepted nodes' KV right after the root and drop the rest of the tree."""

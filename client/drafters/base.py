@@ -15,10 +15,12 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    #: what the drafter needs the target to report about newly cached tokens (see shared.features)
+    features: frozenset[str] = frozenset()
 
     @abstractmethod
-    def begin(self, tokens: list[int]) -> None:
-        """Start a new sequence: prompt plus the first generated token."""
+    def begin(self, tokens: list[int], payload: object | None = None) -> None:
+        """Start a new sequence: prompt plus the first generated token, with the prompt's features."""
 
     @abstractmethod
     def propose(self, max_nodes: int) -> DraftTree:
@@ -38,7 +40,7 @@ class NoDrafter(Drafter):
 
     name = "none"
 
-    def begin(self, tokens: list[int]) -> None:
+    def begin(self, tokens: list[int], payload: object | None = None) -> None:
         pass
 
     def propose(self, max_nodes: int) -> DraftTree:

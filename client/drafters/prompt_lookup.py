@@ -35,7 +35,7 @@ class PromptLookup(Drafter):
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
 
-    def begin(self, tokens: list[int]) -> None:
+    def begin(self, tokens: list[int], payload: object | None = None) -> None:
         self.history = []
         self.index = defaultdict(list)
         self.length, self._proposed = self.num_tokens, 0

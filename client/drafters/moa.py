@@ -1,0 +1,269 @@
+"""The Mixture-of-Attentions drafter (MoA): LSA, SA, CA and Target Layer Inference.
+
+* Layer Self-Attention (LSA): a verified token's K and V from every target layer form a short
+  sequence (positions = layer indices); one bidirectional block mixes them, a mean pools them,
+  a linear map gives one memory vector per verified token. It runs once per verified token.
+* Self-Attention (SA): one causal block over the target's (frozen) embeddings of verified and
+  drafted tokens, so the drafter knows what it has already drafted.
+* Cross-Attention (CA): SA's outputs query the LSA memory, but only memory of tokens verified
+  before the current draft began (plus a learned null slot). Nothing from the target beyond
+  that point is needed, so training predicts whole segments of future tokens at once
+  ("K-step bounded") — the way the drafter is used.
+* Target Layer Inference (TLI=N): the drafter predicts the hidden state entering the target's
+  last N layers; those frozen layers (attending to the target's KV of verified tokens plus local
+  KV of drafted ones), the final norm and the LM head give the logits. TLI=0 predicts the final
+  (normed) hidden state directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from client.drafters.base import Drafter
+from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask, node_mask
+from client.drafters.target_parts import TargetParts
+from client.drafters.tree_search import eagle2_tree
+from shared.features import Features, split_kv
+from shared.tree import DraftTree
+
+
+@dataclass
+class MoAConfig:
+    tli: int
+    num_layers: int  # of the target
+    hidden_size: int  # E
+    kv_width: int  # Ekv = 2·n_kv·d
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    lsa_heads: int
+    lsa_mlp_hidden: int
+    eps: float
+
+    @classmethod
+    def for_target(cls, parts: TargetParts, tli: int) -> MoAConfig:
+        kv_width = 2 * parts.num_kv_heads * parts.head_dim
+        return cls(tli, parts.num_layers, parts.hidden_size, kv_width, parts.num_heads, parts.num_kv_heads,
+                   parts.head_dim, parts.mlp_hidden, max(1, kv_width // 64), 2 * kv_width, parts.eps)  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MoA(nn.Module):
+    """Trainable LSA/SA/CA + frozen target parts; ``parts`` is excluded from saved weights."""
+
+    kind = "moa"
+    features = frozenset({"kv"})
+
+    def __init__(self, cfg: MoAConfig, parts: TargetParts):
+        super().__init__()
+        self.cfg = cfg
+        E, Ekv = cfg.hidden_size, cfg.kv_width
+        self.lsa_in = RMSNorm(Ekv, cfg.eps)
+        self.layer_pos = nn.Parameter(torch.zeros(cfg.num_layers, Ekv))
+        self.lsa = Block(Ekv, cfg.lsa_heads, cfg.lsa_heads, Ekv // cfg.lsa_heads, cfg.lsa_mlp_hidden, cfg.eps)
+        self.to_memory = nn.Linear(Ekv, E)
+        self.null_memory = nn.Parameter(torch.zeros(1, E))
+        self.sa = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
+        self.ca = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps, source_dim=E)
+        self.out_norm = RMSNorm(E, cfg.eps)
+        self.out = nn.Linear(E, E)
+        nn.init.normal_(self.layer_pos, std=0.02)
+        nn.init.normal_(self.null_memory, std=0.02)
+        self.parts = parts
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
+
+    # --- pieces shared by training and drafting ---
+
+    def memory(self, kv: torch.Tensor) -> torch.Tensor:
+        """LSA: [..., L, Ekv] per-layer KV of verified tokens -> [..., E] memory vectors."""
+        shape = kv.shape[:-2]
+        x = self.lsa_in(kv.reshape(-1, *kv.shape[-2:])) + self.layer_pos
+        x = self.lsa(x, mask=None, rope=None)  # bidirectional over the layers
+        return self.to_memory(x.mean(dim=1)).view(*shape, -1)
+
+    def predict(self, sa_out: torch.Tensor, rope: tuple, memory_kv: tuple, mask: torch.Tensor) -> torch.Tensor:
+        """CA over the memory, then the output map: the hidden state entering the target's last N layers."""
+        return self.out(self.out_norm(self.ca(sa_out, mask, rope, memory=memory_kv)))
+
+    def memory_kv(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CA keys/values of [B, M, E] memory at integer positions [B, M], with the null slot in front."""
+        null = self.null_memory.expand(memory.shape[0], 1, -1).to(memory.dtype)
+        memory = torch.cat([null, memory], dim=1)
+        positions = torch.cat([positions[:, :1] * 0, positions], dim=1)
+        return self.ca.memory_kv(memory, self.parts.rope(positions, memory.dtype))
+
+    # --- training: whole sequences, segments of "future" tokens at once ---
+
+    def forward_train(self, input_ids: torch.Tensor, kv: torch.Tensor, seg_start: torch.Tensor,
+                      tli_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:  # fmt: skip
+        """Predicted hidden states [B, T, E] (entering the target's last N layers) for every position.
+
+        ``kv`` [B, T, L, Ekv] is the target's KV of every token; position t belongs to a draft
+        that began at ``seg_start[b, t]`` (<= t): its CA sees memory of tokens before that only,
+        and its TLI layers see the target's KV before it and the drafter's own KV from it on.
+        """
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        dtype = self.out.weight.dtype
+        rope = self.parts.rope(positions, dtype)
+        x = self.sa(self.parts.embed(input_ids).to(dtype), causal_mask(T, input_ids.device), rope)
+        memory = self.memory(kv.to(dtype))
+        j = torch.arange(T, device=input_ids.device)
+        sees = j[None, None, :] < seg_start[:, :, None]  # [B, T, T]: memory j visible to query t
+        mask = torch.cat([torch.ones(B, T, 1, dtype=torch.bool, device=sees.device), sees], dim=2)
+        return self.predict(x, rope, self.memory_kv(memory, positions), mask)
+
+    def head_train(self, hidden: torch.Tensor, seg_start: torch.Tensor,
+                   tli_kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:  # fmt: skip
+        """Run predicted hidden states [B, T, E] through the TLI layers (teacher KV before each segment)."""
+        if not self.parts.tli:
+            return hidden
+        B, T, _ = hidden.shape
+        positions = torch.arange(T, device=hidden.device).expand(B, T)
+        rope = self.parts.rope(positions, hidden.dtype)
+        j = torch.arange(T, device=hidden.device)
+        teacher = j[None, None, :] < seg_start[:, :, None]
+        own = (j[None, None, :] >= seg_start[:, :, None]) & (j[None, None, :] <= j[None, :, None])
+        mask = torch.cat([teacher, own], dim=2)  # keys: [teacher KV of T positions, own KV of T positions]
+        x = hidden
+        for layer, (tk, tv) in zip(self.parts.layers, tli_kv, strict=True):
+            h = layer.input_layernorm(x)
+            k, v = layer.self_attn.keys_values(h, rope)
+            k, v = torch.cat([tk.to(k.dtype), k], dim=2), torch.cat([tv.to(v.dtype), v], dim=2)
+            x = x + layer.self_attn.attend(h, k, v, mask, rope)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+
+class MoADrafter(Drafter):
+    """Incremental MoA drafting: LSA once per verified token, SA/TLI caches rewound after each tree.
+
+    Cache slots are positions for committed tokens; a tree's draft nodes take the slots after the
+    root, in the order they were fed. The TLI caches hold the target's KV for positions below
+    ``self.cached`` (sent with each verification) and the drafter's own KV from the root on.
+    """
+
+    def __init__(self, model: MoA, width: int = 4, depth: int = 5, name: str = "moa"):
+        self.model = model.eval()
+        self.width, self.depth = width, depth
+        self.name = name
+        self.features = model.features
+
+    @property
+    def _device(self):
+        return self.model.out.weight.device
+
+    @property
+    def _dtype(self):
+        return self.model.out.weight.dtype
+
+    def begin(self, tokens: list[int], payload: Features | None = None) -> None:
+        self.tokens: list[int] = []
+        self.fed = 0  # committed tokens already in the SA cache
+        self.cached = 0  # committed tokens whose target features arrived (all but the root)
+        self.sa_cache = KVCache()
+        self.tli_caches = [KVCache() for _ in self.model.parts.layers]
+        self.mem_k = self.mem_v = None
+        self.absorb(tokens, payload)
+
+    @torch.inference_mode()
+    def absorb(self, tokens: list[int], payload: Features | None = None) -> None:
+        self.tokens += tokens
+        if payload is None or len(payload) == 0:
+            return
+        if payload.start != self.cached or payload.kv is None:
+            raise ValueError(f"MoA needs kv features from position {self.cached}, got {payload}")
+        kv = payload.kv.to(self._device, self._dtype)
+        n = kv.shape[0]
+        positions = torch.arange(payload.start, payload.start + n, device=self._device)[None]
+        k, v = self.model.memory_kv(self.model.memory(kv)[None], positions)
+        if self.mem_k is None:
+            self.mem_k, self.mem_v = k, v
+        else:  # drop the new null slot: it is already at the front
+            self.mem_k = torch.cat([self.mem_k, k[:, :, 1:]], dim=2)
+            self.mem_v = torch.cat([self.mem_v, v[:, :, 1:]], dim=2)
+        if self.tli_caches:
+            first = self.model.parts.num_layers - self.model.parts.tli
+            keys, values = split_kv(kv[:, first:], self.model.parts.num_kv_heads)
+            for cache, lk, lv in zip(self.tli_caches, keys, values, strict=True):
+                cache.write(lk[None], lv[None], payload.start)
+        self.cached = payload.start + n
+        self.fed = min(self.fed, self.cached)  # tokens accepted from a draft are fed again, as committed ones
+
+    def rewind(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.tokens = self.tokens[:-n]
+        root = len(self.tokens) - 1
+        self.fed = min(self.fed, root)
+        if self.cached > root:
+            self.cached = root
+            self.mem_k, self.mem_v = self.mem_k[:, :, : root + 1], self.mem_v[:, :, : root + 1]
+
+    # --- TreeScorer ---
+
+    def _sa(self, tokens: list[int], positions: list[int], at: int, mask: torch.Tensor):
+        """SA over new tokens written at cache slot ``at``: its outputs and their rotary (cos, sin)."""
+        m = self.model
+        ids = torch.tensor([tokens], device=self._device)
+        rope = m.parts.rope(torch.tensor([positions], device=self._device), self._dtype)
+        return m.sa(m.parts.embed(ids).to(self._dtype), mask, rope, self.sa_cache, at), rope
+
+    def _logprobs(self, x: torch.Tensor, rope: tuple, at: int, mask: torch.Tensor) -> torch.Tensor:
+        """CA over all memory, the TLI layers (own KV written at slot ``at``, seeing ``mask``), the LM head."""
+        m = self.model
+        mem_mask = torch.ones(1, x.shape[1], self.mem_k.shape[2], dtype=torch.bool, device=self._device)
+        h = m.predict(x, rope, (self.mem_k, self.mem_v), mem_mask)
+        for layer, cache in zip(m.parts.layers, self.tli_caches, strict=True):
+            h = layer(h, mask, rope, cache, at)
+        return torch.log_softmax(m.parts.logits(h)[0].float(), dim=-1)
+
+    @torch.inference_mode()
+    def root_logprobs(self) -> torch.Tensor:
+        root = len(self.tokens) - 1
+        pending = list(range(self.fed, root + 1))
+        mask = _causal_from(self.fed, len(pending), self._device)
+        x, rope = self._sa([self.tokens[p] for p in pending], pending, self.fed, mask)
+        self.fed = root + 1
+        self.node_parents: list[int] = []
+        self.node_depth: list[int] = []
+        x, rope = x[:, -1:], (rope[0][:, -1:], rope[1][:, -1:])  # only the root drafts; the rest fill the SA cache
+        sees_committed = torch.ones(1, 1, root + 1, dtype=torch.bool, device=self._device)
+        return self._logprobs(x, rope, root, sees_committed)[0]
+
+    @torch.inference_mode()
+    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        root = len(self.tokens) - 1
+        first = len(self.node_parents)
+        self.node_parents += parents
+        self.node_depth += [1 + (self.node_depth[p] if p >= 0 else 0) for p in parents]
+        positions = [root + d for d in self.node_depth[first:]]
+        slots = [root + 1 + i for i in range(len(self.node_parents))]
+        at = root + 1 + first
+        mask = node_mask(self.node_parents, len(tokens), root + 1, slots, at + len(tokens), self._device)
+        x, rope = self._sa(tokens, positions, at, mask)
+        return self._logprobs(x, rope, at, mask)
+
+    def end_tree(self) -> None:
+        self.node_parents, self.node_depth = [], []
+
+    def propose(self, max_nodes: int) -> DraftTree:
+        if max_nodes < 1 or self.mem_k is None:
+            return DraftTree()
+        tree, _ = eagle2_tree(self, self.width, self.depth, max_nodes)
+        return tree
+
+
+def _causal_from(start: int, n: int, device) -> torch.Tensor:
+    """[1, n, start + n]: n new tokens at positions start.. see everything before them and themselves causally."""
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
+    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return mask[None]

@@ -1,0 +1,58 @@
+"""What the target tells a drafter about the tokens it has just cached.
+
+A feature-hungry drafter (MoA, EAGLE) sees the target through these tensors only, whether the
+target runs in-process (``--local``) or across the network (the server sends them, encoded by
+the payload codec). Positions are absolute: ``start`` is the position of the first token covered.
+
+* ``kv``: every layer's key and value of each token, ``[n, L, 2·n_kv·d]`` (keys after RoPE,
+  exactly as cached, then values) — MoA's Layer Self-Attention input, and the KV its Target
+  Layer Inference attends to.
+* ``hidden``: the target's final hidden state (after the final norm) of each token, ``[n, E]``
+  — what EAGLE drafts from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("kv", "hidden")
+
+
+@dataclass
+class Features:
+    start: int
+    kv: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        for t in (self.kv, self.hidden):
+            if t is not None:
+                return t.shape[0]
+        return 0
+
+    @staticmethod
+    def check_kinds(kinds) -> frozenset[str]:
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown feature kinds {sorted(unknown)}; expected some of {list(KINDS)}")
+        return frozenset(kinds)
+
+
+def cache_kv(cache, start: int, end: int) -> torch.Tensor:
+    """``[end-start, L, 2·n_kv·d]`` from a transformers cache holding batch 1: positions [start, end)."""
+    per_layer = []
+    for layer in cache.layers:
+        k = layer.keys[0, :, start:end]  # [n_kv, n, d]
+        v = layer.values[0, :, start:end]
+        per_layer.append(torch.cat([k.transpose(0, 1).flatten(1), v.transpose(0, 1).flatten(1)], dim=-1))
+    return torch.stack(per_layer, dim=1)
+
+
+def split_kv(kv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, L, 2·n_kv·d]`` -> keys, values as ``[L, n_kv, n, d]`` (the inverse of :func:`cache_kv`)."""
+    n, layers, width = kv.shape
+    d = width // (2 * num_kv_heads)
+    k, v = kv.view(n, layers, 2, num_kv_heads, d).permute(2, 1, 3, 0, 4).unbind(0)
+    return k, v
