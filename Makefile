@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-foundation bench-netsim clean
+.PHONY: setup demo test lint proto bench-foundation bench-single bench-netsim clean
 
 setup: $(VENV)/.ready
 
@@ -36,6 +36,10 @@ proto: setup
 
 bench-foundation: setup
 	$(PY) -m bench.foundation
+
+# The single-device table (MoA paper, Table 2): every drafter on MT-Bench + HumanEval, target in-process.
+bench-single: setup
+	$(PY) -m bench.single
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

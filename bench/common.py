@@ -1,4 +1,4 @@
-"""What every benchmark records next to its numbers: the machine and the command that made them."""
+"""What every benchmark records next to its numbers (the machine and the command that made them), and shared helpers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import shlex
+import statistics
 import sys
 
 
@@ -27,3 +28,47 @@ def machine() -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(sys.orig_argv),
     }
+
+
+def environment(threads: int) -> dict:
+    """The machine plus the library versions and torch threads a model benchmark ran with."""
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads, **machine()}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def mark_differences(done: dict[str, tuple[object, list[int]]], reference: str, where: str) -> None:
+    """Check each run's greedy ids against ``reference``'s: {method: (run, ids)}; sets the runs'
+    ``first_difference`` and ``matches_reference`` and warns (never fails) on a difference."""
+    from tqdm import tqdm
+
+    ref_ids = done[reference][1]
+    for name, (run, ids) in done.items():
+        if name == reference:
+            continue
+        run.first_difference = first_difference(ids, ref_ids)
+        run.matches_reference = run.first_difference is None
+        if not run.matches_reference:
+            tqdm.write(
+                f"WARNING: {where}: {name} differs from {reference} at token {run.first_difference} "
+                f"({len(ids)} vs {len(ref_ids)} tokens)",
+                file=sys.stderr,
+            )
+
+
+def median(values: list[float]) -> float | None:
+    """The median rounded to 3 decimals, None for no values."""
+    return round(statistics.median(values), 3) if values else None
+
+
+def cell(value: float | None, fmt: str) -> str:
+    """A markdown table cell: ``value`` formatted, or an en dash for None."""
+    return "–" if value is None else format(value, fmt)

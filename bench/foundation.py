@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import machine
+from bench.common import cell, environment, mark_differences, median
 from client.decode import Generation, api_generate, speculative_generate
 from client.demo import server_child
 from client.drafters import NoDrafter, PromptLookup
@@ -166,13 +166,6 @@ def server_process(threads: int, workdir: Path, timeout_s: float = 300.0):
     return server_child(["--threads", str(threads)], workdir, timeout_s)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 def benchmark(
     methods: dict[str, Runner], prompts: list[tuple[str, list[int]]], max_new_tokens: int, repeats: int
 ) -> list[Run]:
@@ -194,24 +187,9 @@ def benchmark(
                 done[name] = (run, ids)
                 runs.append(run)
                 bar.update()
-            ref_ids = done[reference][1]
-            for name, (run, ids) in done.items():
-                if name == reference:
-                    continue
-                run.first_difference = first_difference(ids, ref_ids)
-                run.matches_reference = run.first_difference is None
-                if not run.matches_reference:
-                    tqdm.write(
-                        f"WARNING: prompt {p} repeat {repeat}: {name} differs from {reference} at token "
-                        f"{run.first_difference} ({len(ids)} vs {len(ref_ids)} tokens)",
-                        file=sys.stderr,
-                    )
+            mark_differences(done, reference, f"prompt {p} repeat {repeat}")
     bar.close()
     return runs
-
-
-def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 3) if values else None
 
 
 def per_prompt_tps(runs: list[Run], method: str) -> dict[int, float]:
@@ -225,23 +203,19 @@ def summarize(runs: list[Run], names: list[str], kinds: list[str]) -> dict[str, 
     tps = {m: per_prompt_tps(runs, m) for m in names}
     summary = {}
     for m in names:
-        s: dict = {"median_tokens_per_s": _median(list(tps[m].values()))}
+        s: dict = {"median_tokens_per_s": median(list(tps[m].values()))}
         for kind in ("code", "chat"):
-            s[f"median_tokens_per_s_{kind}"] = _median([v for p, v in tps[m].items() if kinds[p] == kind])
+            s[f"median_tokens_per_s_{kind}"] = median([v for p, v in tps[m].items() if kinds[p] == kind])
         for base in BASELINES:
             ratios = [v / tps[base][p] for p, v in tps[m].items()] if base in tps else []
-            s[f"median_speedup_vs_{base.replace('-', '_')}"] = _median(ratios)
-        s["median_acceptance_length"] = _median(
+            s[f"median_speedup_vs_{base.replace('-', '_')}"] = median(ratios)
+        s["median_acceptance_length"] = median(
             [r.acceptance_length for r in runs if r.method == m and r.acceptance_length is not None]
         )
         s["mismatches"] = sum(r.matches_reference is False for r in runs if r.method == m)
         s["runs"] = sum(r.method == m for r in runs)
         summary[m] = s
     return summary
-
-
-def _cell(value: float | None, fmt: str) -> str:
-    return "–" if value is None else format(value, fmt)
 
 
 def markdown(runs: list[Run], summary: dict[str, dict], kinds: list[str], reference: str) -> str:
@@ -252,12 +226,12 @@ def markdown(runs: list[Run], summary: dict[str, dict], kinds: list[str], refere
     ]
     for m, s in summary.items():
         cells = [
-            _cell(s["median_tokens_per_s"], ".2f"),
-            _cell(s["median_tokens_per_s_code"], ".2f"),
-            _cell(s["median_tokens_per_s_chat"], ".2f"),
-            _cell(s["median_speedup_vs_plain_local"], ".2f"),
-            _cell(s["median_speedup_vs_hf_generate"], ".2f"),
-            _cell(s["median_acceptance_length"], ".2f"),
+            cell(s["median_tokens_per_s"], ".2f"),
+            cell(s["median_tokens_per_s_code"], ".2f"),
+            cell(s["median_tokens_per_s_chat"], ".2f"),
+            cell(s["median_speedup_vs_plain_local"], ".2f"),
+            cell(s["median_speedup_vs_hf_generate"], ".2f"),
+            cell(s["median_acceptance_length"], ".2f"),
             "–" if m == reference else f"{s['mismatches']}/{s['runs']}",
         ]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -270,7 +244,7 @@ def markdown(runs: list[Run], summary: dict[str, dict], kinds: list[str], refere
         "|---:|---|---:|" + "---:|" * len(names),
     ]
     for p in sorted(tokens):
-        row = " | ".join(_cell(tps[m].get(p), ".2f") for m in names)
+        row = " | ".join(cell(tps[m].get(p), ".2f") for m in names)
         lines.append(f"| {p} | {kinds[p]} | {tokens[p]} | {row} |")
     return "\n".join(lines)
 
@@ -302,12 +276,6 @@ def plot(runs: list[Run], summary: dict[str, dict], kinds: list[str], path: Path
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def environment(threads: int) -> dict:
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads, **machine()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

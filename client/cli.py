@@ -31,7 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--probe-link", action="store_true", help="measure RTT and bandwidth first (implied by --via-netsim)"
     )
     p.add_argument("--baseline", choices=["api"], help="api: the server decodes alone and streams (no drafts)")
-    p.add_argument("--drafter", default="prompt-lookup", help="none, prompt-lookup (default prompt-lookup)")
+    p.add_argument(
+        "--drafter",
+        default="prompt-lookup",
+        help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, independent) "
+        "or a bundle's path; trained drafters run with --local for now",
+    )
+    p.add_argument("--tree-width", type=int, help="trained drafters: EAGLE-2 tree width B")
+    p.add_argument("--tree-depth", type=int, help="trained drafters: EAGLE-2 tree depth D")
     p.add_argument("--max-tree-nodes", type=int, default=64, help="draft tree budget per round (default 64)")
     p.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup: tokens copied per match (default 10)")
     p.add_argument(
@@ -140,7 +147,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         options = {}
         if args.drafter in ("prompt-lookup", "pld"):
             options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
-        drafter = make_drafter(args.drafter, **options)
+        drafter = make_drafter(
+            args.drafter, target=target if args.local else None, width=args.tree_width, depth=args.tree_depth, **options
+        )
         gen = speculative_generate(
             verifier,
             drafter,

@@ -56,5 +56,5 @@ def test_unknown_drafter_is_a_clear_error():
 
     from shared.errors import SplitspecError
 
-    with pytest.raises(SplitspecError, match="unknown drafter 'nope'; expected one of none, prompt-lookup"):
+    with pytest.raises(SplitspecError, match="unknown drafter 'nope': expected one of none, prompt-lookup.*moa-tli1"):
         make_drafter("nope")

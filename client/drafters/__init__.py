@@ -1,4 +1,9 @@
-"""Drafters by name. Every drafter implements ``client.drafters.base.Drafter``."""
+"""Drafters by name. Every drafter implements ``client.drafters.base.Drafter``.
+
+Training-free ones are built from their name; trained ones come from a bundle — a shipped one
+by name (``moa-tli1``, ``eagle``, ``independent``, ...) or any bundle folder by path — and need
+the target whose frozen parts they reuse.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,40 @@ DRAFTERS = {
     "prompt-lookup": PromptLookup,
 }
 ALIASES = {"pld": "prompt-lookup", "plain": "none"}
+TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent")
 
 
-def make_drafter(name: str, **options) -> Drafter:
-    """Build a drafter from its name (see ``DRAFTERS``)."""
+def make_drafter(name: str, target=None, width: int | None = None, depth: int | None = None, **options) -> Drafter:
+    """Build a drafter from its name (see ``DRAFTERS``) or from a bundle (name or path; needs ``target``)."""
     cls = DRAFTERS.get(ALIASES.get(name, name))
-    if cls is None:
-        raise SplitspecError(f"unknown drafter {name!r}; expected one of {', '.join([*DRAFTERS, *ALIASES])}")
-    return cls(**options)
+    if cls is not None:
+        return cls(**options)
+    from client.drafters.bundle import find_bundle, load_bundle
+
+    path = find_bundle(name)
+    if path is None:
+        known = ", ".join([*DRAFTERS, *ALIASES, *TRAINED])
+        raise SplitspecError(f"unknown drafter {name!r}: expected one of {known}, or the path of a drafter bundle")
+    if target is None:
+        raise SplitspecError(f"drafter {name!r} is a trained bundle: it needs the target model loaded beside it")
+    model, config = load_bundle(path, target)
+    tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
+    return drafter_for(model, name=config["name"], **tree)
 
 
-__all__ = ["DRAFTERS", "Drafter", "NoDrafter", "PromptLookup", "make_drafter"]
+def drafter_for(model, name: str, **tree) -> Drafter:
+    """The incremental drafter that runs a trained model."""
+    if model.kind == "moa":
+        from client.drafters.moa import MoADrafter
+
+        return MoADrafter(model, name=name, **tree)
+    if model.kind == "eagle":
+        from client.drafters.eagle import EagleDrafter
+
+        return EagleDrafter(model, name=name, **tree)
+    from client.drafters.independent import IndependentDrafter
+
+    return IndependentDrafter(model, name=name, **tree)
+
+
+__all__ = ["DRAFTERS", "TRAINED", "Drafter", "NoDrafter", "PromptLookup", "drafter_for", "make_drafter"]

@@ -137,8 +137,7 @@ class Block(nn.Module):
         return self.self_attn.keys_values(memory, rope)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, rope: tuple | None,
-                cache: KVCache | None = None, at: int = 0, memory: tuple | None = None,
-                memory_rope: tuple | None = None) -> torch.Tensor:  # fmt: skip
+                cache: KVCache | None = None, at: int = 0, memory: tuple | None = None) -> torch.Tensor:  # fmt: skip
         h = self.input_layernorm(x)
         if self.cross:
             k, v = memory

@@ -20,12 +20,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.base import Drafter
 from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask, node_mask
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_search import eagle2_tree
+from client.training.teacher import TargetBatch, distill_kl
 from shared.features import Features, split_kv
 from shared.tree import DraftTree
 
@@ -142,6 +144,44 @@ class MoA(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
+    def loss(self, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+        """λ0·KL(target ‖ drafter) + λ1·SmoothL1 on the predicted hidden state, over random draft segments.
+
+        Variable future length: the sequence is cut into drafts of 6..14 tokens; each draft sees
+        the target's memory only up to where it began. For TLI>0 the feature loss is split
+        between the TLI input (what the drafter predicts) and the final hidden state.
+        """
+        L, N = self.cfg.num_layers, self.cfg.tli
+        seg_start = draft_segments(*tb.input_ids.shape, generator=generator).to(tb.input_ids.device)
+        hidden = self.forward_train(tb.input_ids, tb.kv, seg_start)
+        out = self.head_train(hidden, seg_start, tb.layer_kv[L - N :] if N else None)
+        r, c = tb.rows, tb.cols
+        logits = self.parts.logits(out[r, c])
+        kl = distill_kl(tb.teacher_logits, logits)
+        feat = F.smooth_l1_loss(hidden[r, c].float(), tb.hidden[L - N][r, c].float())
+        if N:
+            final = F.smooth_l1_loss(self.parts.norm(out[r, c]).float(), tb.hidden[L][r, c].float())
+            feat = (feat + final) / 2
+        acc = (logits.argmax(-1) == tb.teacher_logits.argmax(-1)).float().mean()
+        return KL_WEIGHT * kl + feat, {"kl": kl.item(), "feat": feat.item(), "acc": acc.item()}
+
+
+KL_WEIGHT = 0.1  # λ0 of the official MoA code (λ1 = 1 on the feature loss)
+SEGMENT = (6, 15)  # draft lengths k ∈ [6, 15) for "variable future length"
+
+
+def draft_segments(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, T] start of the draft each position belongs to: random cuts every 6..14 tokens, random phase."""
+    starts = torch.empty(batch, length, dtype=torch.long)
+    low, high = SEGMENT
+    for b in range(batch):
+        t = -int(torch.randint(0, high - 1, (1,), generator=generator))
+        while t < length:
+            k = int(torch.randint(low, high, (1,), generator=generator))
+            starts[b, max(t, 0) : t + k] = max(t, 0)
+            t += k
+    return starts
+
 
 class MoADrafter(Drafter):
     """Incremental MoA drafting: LSA once per verified token, SA/TLI caches rewound after each tree.
@@ -195,8 +235,7 @@ class MoADrafter(Drafter):
             keys, values = split_kv(kv[:, first:], self.model.parts.num_kv_heads)
             for cache, lk, lv in zip(self.tli_caches, keys, values, strict=True):
                 cache.write(lk[None], lv[None], payload.start)
-        self.cached = payload.start + n
-        self.fed = min(self.fed, self.cached)  # tokens accepted from a draft are fed again, as committed ones
+        self.cached = payload.start + n  # tokens accepted from a draft sit past ``fed``: fed again as committed
 
     def rewind(self, n: int) -> None:
         if n <= 0:
@@ -229,9 +268,10 @@ class MoADrafter(Drafter):
     @torch.inference_mode()
     def root_logprobs(self) -> torch.Tensor:
         root = len(self.tokens) - 1
-        pending = list(range(self.fed, root + 1))
-        mask = _causal_from(self.fed, len(pending), self._device)
-        x, rope = self._sa([self.tokens[p] for p in pending], pending, self.fed, mask)
+        start = min(self.fed, root)  # the root again if nothing is pending (a second tree for the same root)
+        pending = list(range(start, root + 1))
+        mask = _causal_from(start, len(pending), self._device)
+        x, rope = self._sa([self.tokens[p] for p in pending], pending, start, mask)
         self.fed = root + 1
         self.node_parents: list[int] = []
         self.node_depth: list[int] = []
@@ -258,7 +298,7 @@ class MoADrafter(Drafter):
     def propose(self, max_nodes: int) -> DraftTree:
         if max_nodes < 1 or self.mem_k is None:
             return DraftTree()
-        tree, _ = eagle2_tree(self, self.width, self.depth, max_nodes)
+        tree, _ = eagle2_tree(self, self.width, self.depth, max_nodes, vocab_ids=self.model.parts.vocab_ids)
         return tree
 
 

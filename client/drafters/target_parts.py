@@ -9,6 +9,7 @@ re-extracted from whatever target is loaded, which must match the bundle's finge
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.layers import Block
@@ -30,9 +31,14 @@ def _block_sharing(layer: nn.Module, cfg) -> Block:
 
 
 class TargetParts(nn.Module):
-    """Embeddings, rotary positions, the last ``tli`` layers, final norm and LM head — frozen, shared."""
+    """Embeddings, rotary positions, the last ``tli`` layers, final norm and LM head — frozen, shared.
 
-    def __init__(self, target, tli: int = 0):
+    With ``vocab_ids`` the LM head is cut to a draft vocabulary (the tokens a drafter may
+    propose): the head is most of a small drafter's cost, and a few thousand frequent tokens
+    cover nearly all of what the target says. Logits then index ``vocab_ids``.
+    """
+
+    def __init__(self, target, tli: int = 0, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         model, cfg = target.model, target.model.config
         if not 0 <= tli <= cfg.num_hidden_layers:
@@ -51,6 +57,13 @@ class TargetParts(nn.Module):
         self.rotary = model.model.rotary_emb
         first = cfg.num_hidden_layers - tli
         self.layers = nn.ModuleList(_block_sharing(layer, cfg) for layer in model.model.layers[first:])
+        self.vocab_ids: torch.Tensor | None = None
+        self.head_weight = self.lm_head.weight
+        if vocab_ids is not None and len(vocab_ids):
+            self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=self.head_weight.device)
+            if int(self.vocab_ids.max()) >= self.head_weight.shape[0] or int(self.vocab_ids.min()) < 0:
+                raise ValueError(f"draft vocabulary ids must lie in [0, {self.head_weight.shape[0]})")
+            self.head_weight = nn.Parameter(self.head_weight[self.vocab_ids].detach().clone())
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -61,4 +74,4 @@ class TargetParts(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over a final hidden state: TLI=0 predicts it after the final norm, TLI>0 before it."""
-        return self.lm_head(self.norm(hidden) if self.tli else hidden)
+        return F.linear(self.norm(hidden) if self.tli else hidden, self.head_weight)

@@ -64,19 +64,26 @@ class TreeScorer(Protocol):
 
 
 def eagle2_tree(
-    scorer: TreeScorer, width: int, depth: int, max_nodes: int, vocab_mask: torch.Tensor | None = None
+    scorer: TreeScorer,
+    width: int,
+    depth: int,
+    max_nodes: int,
+    vocab_mask: torch.Tensor | None = None,
+    vocab_ids: torch.Tensor | None = None,
 ) -> tuple[DraftTree, list[float]]:
     """Build an EAGLE-2 draft tree; return it with each node's cumulative log-probability, in rank order.
 
     ``vocab_mask`` (bool [V], True = may be drafted) keeps tokens out of the tree without renormalising the
     drafter's probabilities. Tokens of probability zero are never drafted, so the tree may be smaller than
-    ``max_nodes``. ``scorer.end_tree()`` is always called, also when the search fails.
+    ``max_nodes``. ``scorer.end_tree()`` is always called, also when the search fails. With a pruned draft
+    vocabulary the scorer's log-probabilities index it and ``vocab_ids`` [V] maps each index to its token id:
+    ``expand`` and the tree then see token ids.
     """
     for name, value in (("width", width), ("depth", depth), ("max_nodes", max_nodes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     try:
-        return _search(scorer, width, depth, max_nodes, vocab_mask)
+        return _search(scorer, width, depth, max_nodes, vocab_mask, vocab_ids)
     finally:
         scorer.end_tree()
 
@@ -90,7 +97,12 @@ def chain_draft(scorer: TreeScorer, length: int) -> DraftTree:
 
 
 def _search(
-    scorer: TreeScorer, width: int, depth: int, max_nodes: int, vocab_mask: torch.Tensor | None
+    scorer: TreeScorer,
+    width: int,
+    depth: int,
+    max_nodes: int,
+    vocab_mask: torch.Tensor | None,
+    vocab_ids: torch.Tensor | None,
 ) -> tuple[DraftTree, list[float]]:
     # Every candidate ever scored, as parallel lists indexed by candidate number (parents come first).
     tokens: list[int] = []
@@ -105,6 +117,8 @@ def _search(
         if blocked is not None:
             logprobs = logprobs.masked_fill(blocked, -math.inf)
         values, ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+        if vocab_ids is not None:
+            ids = vocab_ids[ids]
         new: list[int] = []
         for parent, row_values, row_ids in zip(frontier, values.tolist(), ids.tolist(), strict=True):
             base, level = (0.0, 1) if parent == ROOT else (scores[parent], levels[parent] + 1)

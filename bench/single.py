@@ -1,0 +1,345 @@
+"""Single-device drafter benchmark: each drafter on MT-Bench and HumanEval, target in-process (MoA paper, Table 2).
+
+One process, greedy, ``--local`` (the target verifies through ``client.verifiers.LocalVerifier``): what each
+drafter buys before any network is involved. Prompts:
+
+* MT-Bench   the first turn of each of its 80 questions, as a chat user message
+* HumanEval  each of its 164 function stubs, wrapped as the user message
+             "Complete this Python function:\\n\\n```python\\n{prompt}```". SmolLM2-135M-Instruct is a chat
+             model: fed the bare stub through its chat template it tends to chat about the code instead of
+             writing it, and the MoA paper evaluates chat-tuned targets the same way (an instruction, then
+             the code). The stub is quoted whole, so the answer repeats much of the prompt, as code answers do.
+
+Methods (``--drafters``): ``none`` (plain decoding through the same loop: the baseline and the reference for
+greedy ids), ``prompt-lookup`` (training-free) and trained drafters, each loaded from a bundle
+(``--bundle-dir DIR/<name>`` first, then the shipped ``client/drafters/bundles/<name>``). A trained drafter
+without a bundle is skipped with a warning and listed under ``skipped`` in the JSON. Trained drafters draft
+EAGLE-2 dynamic trees of ``--tree-width`` B, ``--tree-depth`` D and at most ``--max-tree-nodes`` nodes; prompt
+lookup drafts its own chain (≤10 nodes) whatever those flags say.
+
+Every method runs on every prompt, interleaved per prompt with the order rotated from prompt to prompt (and
+the two datasets alternated), so machine noise hits all methods alike. Per prompt: tokens/s = new tokens /
+wall seconds of the whole call (prefill included, stopping at EOS as the decode loop does), τ = tokens gained
+per verification round (accepted drafts + the bonus token), rounds, drafting seconds, and whether the token
+ids equal ``none``'s (greedy must give the same ids; a floating-point tie may rarely flip one: counted and
+reported, never fatal). Per (method, dataset): median tokens/s, mean τ over prompts, speedup = median over
+prompts of (method tok/s / none tok/s on that prompt), and the mismatch count.
+
+Run:  .venv/bin/python -m bench.single [--limit K] [--max-new-tokens N] [--drafters a,b] [--bundle-dir DIR]
+Writes single.json, single.md and single.png under --out (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.common import cell, environment, mark_differences, median
+from client.decode import speculative_generate
+from client.drafters import ALIASES, DRAFTERS, make_drafter
+from client.training.datasets import humaneval_problems, mtbench_questions
+from client.verifiers import LocalVerifier
+from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFTERS = ["none", "prompt-lookup", "eagle", "independent", "moa-tli0", "moa-tli1", "moa-tli3"]
+REFERENCE = "none"  # speedups and greedy ids are measured against plain decoding through the same loop
+DATASETS = ["mt-bench", "humaneval"]
+HUMANEVAL_TEMPLATE = "Complete this Python function:\n\n```python\n{prompt}```"
+UNTRAINED_MAX_TREE_NODES = 64  # the decode loop's default; prompt lookup never drafts that many
+WARMUP_PROMPT = "Say hello."
+
+
+@dataclass
+class Prompt:
+    dataset: str
+    index: int  # position within its dataset
+    id: str  # MT-Bench question_id or HumanEval task_id
+    text: str
+    ids: list[int]
+
+
+@dataclass
+class Run:
+    """One timed generation: the raw numbers that go into the JSON."""
+
+    dataset: str
+    prompt: int
+    method: str
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    acceptance_length: float
+    rounds: int
+    draft_s: float
+    finish_reason: str
+    matches_reference: bool | None = None
+    first_difference: int | None = None
+
+
+@dataclass
+class Method:
+    name: str
+    drafter: object
+    max_tree_nodes: int
+    bundle: dict | None = None  # a trained drafter's bundle config (its "training" budget among it)
+
+
+def load_prompts(tokenizer, limit: int | None) -> list[Prompt]:
+    """The first ``limit`` prompts of each dataset, alternated (mt-bench 0, humaneval 0, mt-bench 1, ...)."""
+    mt = [(str(q["question_id"]), q["turns"][0]) for q in mtbench_questions()]
+    he = [(p["task_id"], HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])) for p in humaneval_problems()]
+    per_dataset = {
+        name: [
+            Prompt(name, i, pid, text, encode_prompt(tokenizer, text, chat=True)) for i, (pid, text) in enumerate(items)
+        ]
+        for name, items in zip(DATASETS, (mt[:limit], he[:limit]), strict=True)
+    }
+    longest = max(len(v) for v in per_dataset.values())
+    return [ps[i] for i in range(longest) for ps in per_dataset.values() if i < len(ps)]
+
+
+def bundle_path(name: str, bundle_dir: Path | None) -> Path | None:
+    """A trained drafter's bundle: ``bundle_dir/name`` first, then what ``find_bundle`` finds; None if nowhere."""
+    from client.drafters.bundle import find_bundle
+
+    if bundle_dir is not None and (bundle_dir / name / "config.json").is_file():
+        return bundle_dir / name
+    return find_bundle(name)
+
+
+def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[list[Method], dict[str, str]]:
+    """The drafters that can run, in the chosen order, and {name: why} for those skipped."""
+    methods, skipped = [], {}
+    for name in names:
+        if ALIASES.get(name, name) in DRAFTERS:
+            methods.append(Method(name, make_drafter(name), UNTRAINED_MAX_TREE_NODES))
+            continue
+        path = bundle_path(name, args.bundle_dir)
+        if path is None:
+            where = f"{args.bundle_dir / name} nor " if args.bundle_dir else ""
+            skipped[name] = f"no bundle: neither {where}a shipped bundle client/drafters/bundles/{name} exists"
+            print(f"WARNING: skipping {name}: {skipped[name]} (train one, or pass --bundle-dir)", file=sys.stderr)
+            continue
+        drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth)
+        config = json.loads((path / "config.json").read_text())
+        config["path"] = str(path)
+        methods.append(Method(name, drafter, args.max_tree_nodes, config))
+    return methods, skipped
+
+
+def generate(target, method: Method, prompt_ids: list[int], max_new_tokens: int):
+    return speculative_generate(
+        LocalVerifier(target), method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes
+    )
+
+
+def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_tokens: int) -> list[Run]:
+    """Run every method on every prompt, interleaved and rotated, and check greedy ids against ``none``'s."""
+    runs: list[Run] = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="single", unit="run", file=sys.stderr)
+    for k, prompt in enumerate(prompts):
+        shift = k % len(methods)  # rotate so no method always runs first (or right after another)
+        done: dict[str, tuple[Run, list[int]]] = {}
+        for method in methods[shift:] + methods[:shift]:
+            bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {method.name}")
+            gen = generate(target, method, prompt.ids, max_new_tokens)
+            s = gen.stats
+            run = Run(
+                prompt.dataset, prompt.index, method.name, s.new_tokens, round(s.wall_s, 4), round(s.tokens_per_s, 3),
+                round(s.acceptance_length, 4), s.rounds, round(s.draft_s, 4), gen.finish_reason,
+            )  # fmt: skip
+            done[method.name] = (run, gen.token_ids)
+            runs.append(run)
+            bar.update()
+        mark_differences(done, REFERENCE, f"{prompt.dataset} prompt {prompt.index} ({prompt.id})")
+    bar.close()
+    return runs
+
+
+def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
+    """{method: {dataset: median tok/s, mean τ, median speedup over none, mismatches, ...}}."""
+    summary: dict[str, dict[str, dict]] = {}
+    for m in names:
+        summary[m] = {}
+        for d in DATASETS:
+            mine = [r for r in runs if r.method == m and r.dataset == d]
+            if not mine:
+                continue
+            base = {r.prompt: r.tokens_per_s for r in runs if r.method == REFERENCE and r.dataset == d}
+            summary[m][d] = {
+                "prompts": len(mine),
+                "median_tokens_per_s": median([r.tokens_per_s for r in mine]),
+                "mean_acceptance_length": round(statistics.fmean(r.acceptance_length for r in mine), 3),
+                "median_speedup": median([r.tokens_per_s / base[r.prompt] for r in mine if r.prompt in base]),
+                "median_draft_share": median([r.draft_s / r.wall_s for r in mine]),
+                "mean_new_tokens": round(statistics.fmean(r.tokens for r in mine), 1),
+                "mismatches": sum(r.matches_reference is False for r in mine),
+            }
+    return summary
+
+
+def markdown(summary: dict[str, dict[str, dict]]) -> str:
+    lines = [
+        f"| method | dataset | τ | tok/s | speedup | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for m, per in summary.items():
+        for d, s in per.items():
+            cells = [
+                cell(s["mean_acceptance_length"], ".2f"),
+                cell(s["median_tokens_per_s"], ".2f"),
+                cell(s["median_speedup"], ".2f") + ("×" if s["median_speedup"] is not None else ""),
+                "–" if m == REFERENCE else f"{s['mismatches']}/{s['prompts']}",
+            ]
+            lines.append(f"| {m} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def training_lines(methods: list[Method]) -> list[str]:
+    """One line per trained drafter: its training budget as its bundle records it."""
+    lines = []
+    for m in methods:
+        if m.bundle is None:
+            continue
+        t = m.bundle.get("training") or {}
+        tokens = f"{t['tokens']:,} tokens" if isinstance(t.get("tokens"), int) else "? tokens"
+        wall = f"{t['wall_s'] / 3600:.2f} h" if isinstance(t.get("wall_s"), int | float) else "? h"
+        lines.append(f"* {m.name}: trained on {tokens} in {wall} on {t.get('hardware', '?')} ({m.bundle['path']})")
+    return lines
+
+
+def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
+    """Grouped bars, one group per method, one bar per dataset: speedup over plain decoding, and τ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = {"mt-bench": "#1b9e77", "humaneval": "#d95f02"}
+    width = 0.8 / len(DATASETS)
+    for ax, key, label in (
+        (axes[0], "median_speedup", "speedup over plain decoding (median over prompts)"),
+        (axes[1], "mean_acceptance_length", "τ: tokens per verification round (mean over prompts)"),
+    ):
+        for j, d in enumerate(DATASETS):
+            xs = [i + (j - (len(DATASETS) - 1) / 2) * width for i in range(len(names))]
+            values = [(summary[m].get(d) or {}).get(key) or 0.0 for m in names]
+            bars = ax.bar(xs, values, width, color=colors[d], label=d)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default = ",".join(DEFAULT_DRAFTERS)
+    p.add_argument("--drafters", default=default, help=f"comma list (default {default}); '{REFERENCE}' always runs")
+    p.add_argument("--bundle-dir", type=Path, help="look for trained drafters' bundles in DIR/<name> first")
+    p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
+    p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
+    p.add_argument("--max-tree-nodes", type=int, default=64, help="trained drafters: tree nodes per round (default 64)")
+    p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    p.add_argument("--device", default="cpu", help="target (and drafter) device (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target dtype (default float32)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
+    args = p.parse_args(argv)
+    names = [ALIASES.get(m.strip(), m.strip()) for m in args.drafters.split(",") if m.strip()]
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)
+    args.drafters = list(dict.fromkeys(names))
+    for name in ("limit", "max_new_tokens", "threads", "tree_width", "tree_depth", "max_tree_nodes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(args.threads)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    prompts = load_prompts(target.tokenizer, args.limit)
+    methods, skipped = make_methods(args.drafters, target, args)
+    names = [m.name for m in methods]
+
+    warm_ids = encode_prompt(target.tokenizer, WARMUP_PROMPT, chat=True)
+    for method in tqdm(methods, desc="warm-up", unit="method", file=sys.stderr):
+        generate(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
+    runs = benchmark(target, methods, prompts, args.max_new_tokens)
+
+    env = {**environment(args.threads), "device": args.device, "dtype": args.dtype}
+    summary = summarize(runs, names)
+    table = markdown(summary)
+    counts = {d: sum(p.dataset == d for p in prompts) for d in DATASETS}
+    settings = {
+        "model": args.model,
+        "max_new_tokens": args.max_new_tokens,
+        "greedy": True,
+        "methods": names,
+        "skipped": skipped,
+        "reference": REFERENCE,
+        "tree": {"width": args.tree_width, "depth": args.tree_depth, "max_tree_nodes": args.max_tree_nodes},
+        "untrained_max_tree_nodes": UNTRAINED_MAX_TREE_NODES,
+        "humaneval_template": HUMANEVAL_TEMPLATE,
+        "prompts": counts,
+        "bundles": {m.name: m.bundle for m in methods if m.bundle is not None},
+    }
+    mismatches = sum(s["mismatches"] for per in summary.values() for s in per.values())
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches}
+    result["prompts"] = [
+        {"dataset": p.dataset, "index": p.index, "id": p.id, "prompt_tokens": len(p.ids), "text": p.text}
+        for p in prompts
+    ]
+    result["runs"] = [asdict(r) for r in runs]
+    (args.out / "single.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    trained = training_lines(methods)
+    header = (
+        f"# Single-device drafter benchmark\n\n`{env['command']}`\n\n{env['date']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}, {args.model} ({args.dtype}, {args.device}), {env['threads']} threads "
+        f"of {env['cpu_count']} CPUs ({env['cpu']}); {counts['mt-bench']} MT-Bench first turns + "
+        f"{counts['humaneval']} HumanEval problems, greedy, ≤{args.max_new_tokens} new tokens, stop at EOS; "
+        f"trained drafters: EAGLE-2 trees B={args.tree_width}, D={args.tree_depth}, ≤{args.max_tree_nodes} nodes.\n"
+        f"τ = tokens per verification round, mean over prompts; tok/s = median over prompts; speedup = median over "
+        f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; ≠ plain counts prompts whose token ids differ "
+        f"from plain decoding's.\n\n"
+        + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
+        + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
+    )
+    (args.out / "single.md").write_text(header + table + "\n")
+    title = (f"{args.model}, single device ({args.device}, {args.threads} threads), greedy, "
+             f"≤{args.max_new_tokens} new tokens, {counts['mt-bench']} + {counts['humaneval']} prompts")  # fmt: skip
+    plot(summary, args.out / "single.png", title)
+    print(table)
+    if skipped:
+        print(f"\nskipped (no bundle): {', '.join(skipped)}", file=sys.stderr)
+    if mismatches:
+        print(f"\nWARNING: {mismatches} run(s) produced token ids different from {REFERENCE}", file=sys.stderr)
+    print(f"\nwrote {args.out}/single.{{json,md,png}}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

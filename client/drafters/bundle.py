@@ -1,0 +1,119 @@
+"""Drafter bundles: a trained drafter's own weights plus what it was trained for and with.
+
+A bundle is a folder: ``weights.safetensors`` (the trainable weights only — the frozen target
+parts are re-extracted from the loaded target) and ``config.json`` (format, kind, TLI,
+dimensions, the target's name and tokenizer fingerprint, the training budget). Loading checks
+the fingerprint and dimensions against the target at hand, so a drafter is never silently
+paired with a target whose token ids or shapes mean something else.
+
+Shipped bundles live in ``client/drafters/bundles/<name>`` and are found by name
+(``--drafter moa-tli1``); any other bundle by its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.errors import SplitspecError
+
+FORMAT = "splitspec-drafter/1"
+DRAFT_VOCAB = "draft_vocab"  # token ids of a pruned draft vocabulary, kept beside the weights
+SHIPPED = Path(__file__).resolve().parent / "bundles"
+
+
+def model_classes() -> dict:
+    from client.drafters.eagle import Eagle, EagleConfig
+    from client.drafters.independent import Independent, IndependentConfig
+    from client.drafters.moa import MoA, MoAConfig
+
+    return {"moa": (MoA, MoAConfig), "eagle": (Eagle, EagleConfig), "independent": (Independent, IndependentConfig)}
+
+
+def bundle_name(kind: str, tli: int = 0) -> str:
+    return f"moa-tli{tli}" if kind == "moa" else kind
+
+
+def save_bundle(model, path: Path, target, training: dict, dtype: torch.dtype = torch.float16) -> Path:
+    """Write a bundle atomically (a temporary folder renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {
+        "format": FORMAT,
+        "kind": model.kind,
+        "tli": getattr(model.cfg, "tli", 0),
+        "name": bundle_name(model.kind, getattr(model.cfg, "tli", 0)),
+        "model": model.cfg.to_dict(),
+        "target": {"name": target.name, "tokenizer_fingerprint": target.fingerprint, "vocab_size": target.vocab_size,
+                   "hidden_size": target.hidden_size, "num_layers": target.num_layers},  # fmt: skip
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "training": training,
+    }
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.trainable_state().items()}
+    if model.parts.vocab_ids is not None:
+        state[DRAFT_VOCAB] = model.parts.vocab_ids.detach().to("cpu").contiguous()
+        config["draft_vocab_size"] = len(model.parts.vocab_ids)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    save_file(state, str(tmp / "weights.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def find_bundle(name_or_path: str) -> Path | None:
+    """A shipped bundle by name, or a folder holding config.json; None when neither."""
+    for candidate in (SHIPPED / name_or_path, Path(name_or_path).expanduser()):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = None):
+    """(model, config) for the bundle at ``path``, built on ``target``'s frozen parts; refuses a mismatch."""
+    from client.drafters.target_parts import TargetParts
+
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SplitspecError(f"{path} is not a drafter bundle: {exc}") from None
+    if config.get("format") != FORMAT:
+        raise SplitspecError(f"{path}: bundle format {config.get('format')!r}, expected {FORMAT!r}")
+    want = config["target"]
+    if want["tokenizer_fingerprint"] != target.fingerprint:
+        raise SplitspecError(
+            f"drafter bundle {path} was trained for target {want['name']!r} "
+            f"(tokenizer {want['tokenizer_fingerprint']}), but the target here is {target.name!r} "
+            f"(tokenizer {target.fingerprint}); use a bundle made for it"
+        )
+    for key in ("vocab_size", "hidden_size", "num_layers"):
+        if want[key] != getattr(target, key):
+            raise SplitspecError(f"drafter bundle {path} expects a target with {key}={want[key]}, "
+                                 f"this one has {getattr(target, key)}")  # fmt: skip
+    classes = model_classes()
+    if config["kind"] not in classes:
+        raise SplitspecError(f"{path}: unknown drafter kind {config['kind']!r}; expected one of {sorted(classes)}")
+    model_cls, cfg_cls = classes[config["kind"]]
+    cfg = cfg_cls(**config["model"])
+    state = load_file(str(path / "weights.safetensors"))
+    vocab_ids = state.pop(DRAFT_VOCAB, None)
+    model = model_cls(cfg, TargetParts(target, getattr(cfg, "tli", 0), vocab_ids))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("parts.")]
+    if missing or unexpected:
+        raise SplitspecError(f"{path}: weights do not fit {config['kind']}: missing {missing}, unexpected {unexpected}")
+    model.to(device or target.device, dtype or target.dtype)
+    return model.eval(), config

@@ -1,0 +1,90 @@
+"""`splitspec train`: train drafters against the frozen target, resumable across sittings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shared.models import DEFAULT_MODEL, DTYPES
+
+KINDS = ("moa", "eagle", "independent")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True, help=f"comma list of {', '.join(KINDS)} (trained together)")
+    p.add_argument("--tli", default="1", help="MoA Target Layer Inference depths, comma list (default 1)")
+    p.add_argument("--tokens", type=int, required=True, help="budget: tokens through the target (e.g. 2000000)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the checkpoint and the bundles")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
+    p.add_argument("--warmup-tokens", type=int, default=200_000, help="linear warm-up length (default 200000)")
+    p.add_argument(
+        "--draft-vocab", type=int, default=16384, help="tokens a drafter may propose, most frequent first (0: all)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
+    p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints (default 600)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default smollm2-135m)")
+    p.add_argument("--cache-dir", help="where converted models are kept")
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="target and drafter dtype")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_drafters(drafter: str, tli: str) -> list[tuple[str, int]]:
+    from shared.errors import SplitspecError
+
+    out = []
+    for kind in filter(None, (k.strip() for k in drafter.split(","))):
+        if kind not in KINDS:
+            raise SplitspecError(f"unknown drafter kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if kind == "moa":
+            try:
+                out += [("moa", int(n)) for n in tli.split(",") if n.strip()]
+            except ValueError:
+                raise SplitspecError(f"--tli takes comma-separated integers, got {tli!r}") from None
+        else:
+            out.append((kind, 0))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from client.training.trainer import CHECKPOINT, TrainConfig, Trainer
+    from shared.errors import SplitspecError
+    from shared.models import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    drafters = parse_drafters(args.drafter, args.tli)
+    if args.tokens < 1:
+        raise SplitspecError(f"--tokens must be >= 1, got {args.tokens}")
+    if (args.out / CHECKPOINT).exists() and not args.resume:
+        raise SplitspecError(f"{args.out} already holds a checkpoint: pass --resume to continue it, or another --out")
+    target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
+    cfg = TrainConfig(
+        drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+        warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
+    )  # fmt: skip
+    vocab_ids = None
+    if args.draft_vocab:
+        from client.training.vocab import draft_vocab
+
+        vocab_ids, coverage = draft_vocab(target.tokenizer, args.draft_vocab, seq_len=args.seq_len, seed=args.seed)
+        print(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.2%} of sampled assistant tokens")
+    trainer = Trainer(target, cfg, vocab_ids.to(target.device) if vocab_ids is not None else None)
+    if args.resume and trainer.resume():
+        print(f"resuming at {trainer.seen} tokens, step {trainer.steps}")
+    metrics = trainer.run(time_limit_s=args.time_limit)
+    for name, m in metrics.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()) + f" -> {args.out / name}")
+    return 0

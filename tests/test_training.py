@@ -1,0 +1,121 @@
+"""Training and bundles on a tiny random Llama: loss falls, resume is exact, bundles round-trip, strangers refused."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from client.decode import speculative_generate
+from client.drafters import NoDrafter, drafter_for, make_drafter
+from client.drafters.bundle import load_bundle, save_bundle
+from client.training.datasets import TrainingStream
+from client.training.trainer import TrainConfig, Trainer
+from client.verifiers import LocalVerifier
+from shared.cli import main as splitspec
+from shared.errors import SplitspecError
+
+DRAFTERS = [("moa", 0), ("moa", 1), ("eagle", 0), ("independent", 0)]
+
+
+def conversations(count: int = 40, seed: int = 0) -> list[list[dict]]:
+    """Chats whose replies repeat patterns of their prompts, so there is something to learn."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        words = [f"w{rng.randrange(240)}" for _ in range(6)]
+        reply = " ".join(words * 3)
+        out.append([{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": reply}])
+    return out
+
+
+def stream(tokenizer, skip: int = 0) -> TrainingStream:
+    return TrainingStream(tokenizer, 64, seed=0, skip=skip, conversations=conversations())
+
+
+def make_trainer(target, tmp_path, tokens: int, drafters=DRAFTERS) -> Trainer:
+    cfg = TrainConfig(list(drafters), tokens, tmp_path, seq_len=64, batch_size=2, lr=2e-3, warmup_tokens=50)
+    return Trainer(target, cfg)
+
+
+def test_training_lowers_every_drafters_loss(tiny_target, tmp_path):
+    trainer = make_trainer(tiny_target, tmp_path, 10_000)
+    batch = [next(stream(tiny_target.tokenizer)) for _ in range(2)]
+    trainer.seen = 10**9  # past warm-up: a constant (minimum) learning rate for this test
+    trainer.cfg.min_lr_ratio = 1.0
+    first = trainer.step(batch)
+    for _ in range(15):
+        last = trainer.step(batch)
+    for name in first:
+        assert last[name]["loss"] < 0.7 * first[name]["loss"], (name, first[name], last[name])
+
+
+def test_resume_continues_exactly(tiny_target, tmp_path):
+    whole = make_trainer(tiny_target, tmp_path / "whole", 600, drafters=[("moa", 1), ("eagle", 0)])
+    whole.run(stream(tiny_target.tokenizer), progress=False)
+
+    half = make_trainer(tiny_target, tmp_path / "split", 600, drafters=[("moa", 1), ("eagle", 0)])
+    half.run(stream(tiny_target.tokenizer), progress=False, until_tokens=300)
+    assert 300 <= half.seen < 600
+    resumed = make_trainer(tiny_target, tmp_path / "split", 600, drafters=[("moa", 1), ("eagle", 0)])
+    assert resumed.resume() and resumed.steps == half.steps and resumed.position == half.position
+    resumed.run(stream(tiny_target.tokenizer, skip=resumed.position), progress=False)
+
+    assert resumed.steps == whole.steps and resumed.seen == whole.seen
+    for name, model in whole.models.items():
+        for key, value in model.trainable_state().items():
+            assert torch.allclose(value, resumed.models[name].trainable_state()[key], atol=1e-6), (name, key)
+
+
+def test_a_checkpoint_refuses_other_drafters(tiny_target, tmp_path):
+    make_trainer(tiny_target, tmp_path, 100, drafters=[("eagle", 0)]).run(stream(tiny_target.tokenizer), progress=False)
+    other = make_trainer(tiny_target, tmp_path, 200, drafters=[("moa", 0)])
+    with pytest.raises(SplitspecError, match="resume with the same"):
+        other.resume()
+
+
+@pytest.mark.parametrize(("kind", "tli"), DRAFTERS)
+def test_bundle_round_trip_gives_the_same_drafts(tiny_target, tmp_path, kind, tli):
+    trainer = make_trainer(tiny_target, tmp_path, 200, drafters=[(kind, tli)])
+    trainer.run(stream(tiny_target.tokenizer), progress=False)
+    name = next(iter(trainer.models))
+    path = save_bundle(trainer.models[name], tmp_path / "b", tiny_target, trainer.budget(), dtype=torch.float32)
+    config = json.loads((path / "config.json").read_text())
+    assert config["training"]["tokens"] == trainer.seen and config["kind"] == kind and config["tli"] == tli
+    assert not any(k.startswith("parts.") for k in load_file(str(path / "weights.safetensors")))
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
+    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
+    drafts = []
+    for model in (trainer.models[name], load_bundle(path, tiny_target)[0]):
+        drafter = drafter_for(model.eval(), name)
+        gen = speculative_generate(LocalVerifier(tiny_target), drafter, prompt, 24, max_tree_nodes=8)
+        assert gen.token_ids == plain.token_ids  # lossless whatever the drafter
+        drafter.begin(prompt, tiny_target.session(features=drafter.features).prefill(prompt[:-1]).features)
+        tree = drafter.propose(8)
+        drafts.append((tree.tokens, tree.parents))
+    assert drafts[0] == drafts[1]
+
+
+def test_bundles_for_another_target_are_refused(tiny_target, tmp_path):
+    trainer = make_trainer(tiny_target, tmp_path, 100, drafters=[("moa", 0)])
+    trainer.run(stream(tiny_target.tokenizer), progress=False)
+    path = tmp_path / "moa-tli0"
+    config = json.loads((path / "config.json").read_text())
+    config["target"]["tokenizer_fingerprint"] = "0123456789abcdef"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SplitspecError, match="tokenizer 0123456789abcdef"):
+        load_bundle(path, tiny_target)
+    with pytest.raises(SplitspecError, match="unknown drafter"):
+        make_drafter(str(tmp_path / "nowhere"), target=tiny_target)
+
+
+def test_generate_local_with_a_bundle_path(tiny_target, tiny_model_dir, tmp_path, capsys):
+    trainer = make_trainer(tiny_target, tmp_path, 100, drafters=[("moa", 1)])
+    trainer.run(stream(tiny_target.tokenizer), progress=False)
+    argv = ["generate", "--local", "--model", str(tiny_model_dir), "--prompt", "w1 w2 w3 w1 w2", "--json"]
+    assert splitspec([*argv, "--drafter", str(tmp_path / "moa-tli1"), "--max-new-tokens", "12"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drafter"] == "moa-tli1" and out["stats"]["new_tokens"] == 12
