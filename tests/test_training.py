@@ -119,3 +119,17 @@ def test_generate_local_with_a_bundle_path(tiny_target, tiny_model_dir, tmp_path
     assert splitspec([*argv, "--drafter", str(tmp_path / "moa-tli1"), "--max-new-tokens", "12"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["drafter"] == "moa-tli1" and out["stats"]["new_tokens"] == 12
+
+
+def test_warm_start_from_bundles_alone(tiny_target, tmp_path):
+    """Checkpoints are too big for git: bundles alone bring back the weights and the progress."""
+    first = make_trainer(tiny_target, tmp_path, 600, drafters=[("moa", 0), ("independent", 0)])
+    first.run(stream(tiny_target.tokenizer), progress=False, until_tokens=300)
+    (tmp_path / "checkpoint.pt").unlink()
+    again = make_trainer(tiny_target, tmp_path, 600, drafters=[("moa", 0), ("independent", 0)])
+    assert again.resume()
+    assert (again.seen, again.steps, again.position) == (first.seen, first.steps, first.position)
+    for name, model in first.models.items():
+        for key, value in model.trainable_state().items():
+            assert torch.allclose(value, again.models[name].trainable_state()[key], atol=2e-3, rtol=1e-3), key
+    assert not make_trainer(tiny_target, tmp_path / "empty", 600, drafters=[("eagle", 0)]).resume()

@@ -42,15 +42,19 @@ class MoAConfig:
     kv_heads: int
     head_dim: int
     mlp_hidden: int
+    lsa_dim: int  # LSA width: Ekv squeezed to this before mixing the layers (the paper mixes at Ekv)
     lsa_heads: int
     lsa_mlp_hidden: int
     eps: float
 
     @classmethod
-    def for_target(cls, parts: TargetParts, tli: int) -> MoAConfig:
+    def for_target(cls, parts: TargetParts, tli: int, lsa_dim: int = 128) -> MoAConfig:
+        """Target-sized SA/CA; a narrow LSA: it runs over every layer of every token (30x the tokens in
+        training), and at Ekv wide it cost ~10x an EAGLE step on a CPU for little gain."""
         kv_width = 2 * parts.num_kv_heads * parts.head_dim
-        return cls(tli, parts.num_layers, parts.hidden_size, kv_width, parts.num_heads, parts.num_kv_heads,
-                   parts.head_dim, parts.mlp_hidden, max(1, kv_width // 64), 2 * kv_width, parts.eps)  # fmt: skip
+        heads = (parts.num_heads, parts.num_kv_heads, parts.head_dim, parts.mlp_hidden)
+        lsa = (lsa_dim, max(1, lsa_dim // 64), 2 * lsa_dim)
+        return cls(tli, parts.num_layers, parts.hidden_size, kv_width, *heads, *lsa, parts.eps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,10 +70,12 @@ class MoA(nn.Module):
         super().__init__()
         self.cfg = cfg
         E, Ekv = cfg.hidden_size, cfg.kv_width
+        D = cfg.lsa_dim
         self.lsa_in = RMSNorm(Ekv, cfg.eps)
-        self.layer_pos = nn.Parameter(torch.zeros(cfg.num_layers, Ekv))
-        self.lsa = Block(Ekv, cfg.lsa_heads, cfg.lsa_heads, Ekv // cfg.lsa_heads, cfg.lsa_mlp_hidden, cfg.eps)
-        self.to_memory = nn.Linear(Ekv, E)
+        self.lsa_proj = nn.Linear(Ekv, D)
+        self.layer_pos = nn.Parameter(torch.zeros(cfg.num_layers, D))
+        self.lsa = Block(D, cfg.lsa_heads, cfg.lsa_heads, D // cfg.lsa_heads, cfg.lsa_mlp_hidden, cfg.eps)
+        self.to_memory = nn.Linear(D, E)
         self.null_memory = nn.Parameter(torch.zeros(1, E))
         self.sa = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
         self.ca = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps, source_dim=E)
@@ -87,7 +93,7 @@ class MoA(nn.Module):
     def memory(self, kv: torch.Tensor) -> torch.Tensor:
         """LSA: [..., L, Ekv] per-layer KV of verified tokens -> [..., E] memory vectors."""
         shape = kv.shape[:-2]
-        x = self.lsa_in(kv.reshape(-1, *kv.shape[-2:])) + self.layer_pos
+        x = self.lsa_proj(self.lsa_in(kv.reshape(-1, *kv.shape[-2:]))) + self.layer_pos
         x = self.lsa(x, mask=None, rope=None)  # bidirectional over the layers
         return self.to_memory(x.mean(dim=1)).view(*shape, -1)
 

@@ -9,6 +9,7 @@ sittings; bundles are written beside it each time, so the newest weights are alw
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from client.drafters.bundle import bundle_name, model_classes, save_bundle
+from client.drafters.bundle import DRAFT_VOCAB, bundle_name, model_classes, save_bundle
 from client.drafters.target_parts import TargetParts
 from client.training.datasets import TrainingStream
 from client.training.teacher import pad_batch, run_teacher
@@ -106,9 +108,10 @@ class Trainer:
             save_bundle(model, out / name, self.target, self.budget())
 
     def resume(self) -> bool:
+        """Continue from the checkpoint in ``out``; without one, warm-start from the bundles there."""
         path = self.cfg.out / CHECKPOINT
         if not path.is_file():
-            return False
+            return self.warm_start()
         state = torch.load(path, map_location=self.target.device, weights_only=False)
         if state["fingerprint"] != self.target.fingerprint:
             raise SplitspecError(f"{path} was trained on another target (tokenizer {state['fingerprint']})")
@@ -127,6 +130,27 @@ class Trainer:
         self.generator.set_state(state["generator"])
         return True
 
+    def warm_start(self) -> bool:
+        """Continue from bundles alone (a checkpoint is too big to keep in git): weights and progress
+        come back, the optimizer's moments start afresh. False when ``out`` lacks any of the bundles."""
+        configs = {}
+        for name in self.models:
+            config = self.cfg.out / name / "config.json"
+            if not config.is_file():
+                return False
+            configs[name] = json.loads(config.read_text())
+        for name, model in self.models.items():
+            state = load_file(str(self.cfg.out / name / "weights.safetensors"))
+            vocab = state.pop(DRAFT_VOCAB, None)
+            if (vocab is None) != (self.vocab_ids is None) or (vocab is not None and not torch.equal(
+                    vocab, self.vocab_ids.cpu())):  # fmt: skip
+                raise SplitspecError(f"{self.cfg.out / name} used another draft vocabulary than this run")
+            model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+        training = min((c["training"] for c in configs.values()), key=lambda t: t["tokens"])
+        self.seen, self.trained, self.steps = training["tokens"], training["trained_positions"], training["steps"]
+        self.wall_s, self.position = training["wall_s"], training.get("data_position", 0)
+        return True
+
     def budget(self) -> dict:
         return {
             "tokens": self.seen, "trained_positions": self.trained, "steps": self.steps,
@@ -135,6 +159,7 @@ class Trainer:
             "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size, "peak_lr": self.cfg.lr,
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids),
+            "data_position": self.position, "planned_tokens": self.cfg.tokens,
         }  # fmt: skip
 
     # --- the loop ---
