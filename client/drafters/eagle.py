@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client.drafters.independent import DraftNodes, TreeDrafter, agreement, causal_from
 from client.drafters.layers import Block, KVCache, causal_mask
 from client.drafters.target_parts import TargetParts
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter, agreement, causal_from
 from client.training.teacher import TargetBatch, distill_kl
 from shared.features import Features
 

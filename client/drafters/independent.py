@@ -4,26 +4,20 @@ It shares the target's tokenizer, embeddings and LM head (frozen, never saved) b
 from the target at run time: no features cross the link, any verifier will do, and it keeps
 drafting when the server is gone. The price: it sees tokens only, never the target's states, so
 its few layers must learn the target's distribution on their own.
-
-Also here, shared with the EAGLE drafter: ``TreeDrafter`` (a drafter that scores its own EAGLE-2
-trees), ``DraftNodes`` (a tree's node positions, cache slots and masks) and ``causal_from``.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from client.drafters.base import Drafter
-from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask, node_mask
+from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_search import eagle2_tree
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter, agreement, causal_from
 from client.training.teacher import TargetBatch, distill_kl
 from shared.features import Features
-from shared.tree import DraftTree
 
 
 @dataclass
@@ -88,73 +82,6 @@ class Independent(nn.Module):
         logits = self.parts.logits(hidden[tb.rows, tb.cols])
         kl = distill_kl(tb.teacher_logits, logits)
         return kl, {"kl": kl.item(), "acc": agreement(tb.teacher_logits, logits)}
-
-
-def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
-    """How often the drafter's top-1 token is the target's: what greedy acceptance rewards."""
-    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
-
-
-# --- incremental tree drafting: shared with the EAGLE drafter ---
-
-
-class TreeDrafter(Drafter):
-    """A drafter that is its own ``TreeScorer``: ``propose`` searches an EAGLE-2 tree of ``width`` x ``depth``."""
-
-    def __init__(self, model: nn.Module, width: int = 4, depth: int = 5, name: str | None = None):
-        self.model = model.eval()
-        self.width, self.depth = width, depth
-        self.name = name or model.kind
-        self.features = model.features
-
-    @property
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @abstractmethod
-    def can_draft(self) -> bool:
-        """Whether there is enough context to draft from (otherwise ``propose`` returns an empty tree)."""
-
-    def propose(self, max_nodes: int) -> DraftTree:
-        if max_nodes < 1 or not self.can_draft():
-            return DraftTree()
-        tree, _ = eagle2_tree(self, self.width, self.depth, max_nodes, vocab_ids=self.model.parts.vocab_ids)
-        return tree
-
-
-@dataclass
-class DraftNodes:
-    """The draft nodes fed since a tree began, in feeding order: node i sits at cache slot ``first_slot + i``.
-
-    Cache slots below ``first_slot`` hold the committed context (up to and including the root),
-    which every node sees; beyond that a node sees only its ancestors and itself.
-    """
-
-    root: int  # the root's position: a node at depth k sits at position root + k
-    first_slot: int
-    parents: list[int] = field(default_factory=list)  # index of each node's parent, -1 for the root
-    depths: list[int] = field(default_factory=list)
-
-    def add(self, parents: list[int], device=None) -> tuple[list[int], int, torch.Tensor]:
-        """Record new nodes; return their positions, the cache slot of the first, and their [1, n, slots] mask."""
-        first = len(self.parents)
-        self.parents += parents
-        self.depths += [1 + (self.depths[p] if p >= 0 else 0) for p in parents]
-        at = self.first_slot + first
-        slots = list(range(self.first_slot, at + len(parents)))
-        mask = node_mask(self.parents, len(parents), self.first_slot, slots, at + len(parents), device)
-        return [self.root + d for d in self.depths[first:]], at, mask
-
-
-def causal_from(start: int, n: int, device=None) -> torch.Tensor:
-    """[1, n, start + n]: n new tokens at slots start.. see every slot before them and themselves causally."""
-    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
-    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return mask[None]
 
 
 class IndependentDrafter(TreeDrafter):

@@ -23,13 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client.drafters.base import Drafter
-from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask, node_mask
+from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_search import eagle2_tree
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
 from client.training.teacher import TargetBatch, distill_kl
 from shared.features import Features, split_kv
-from shared.tree import DraftTree
 
 
 @dataclass
@@ -189,7 +187,7 @@ def draft_segments(batch: int, length: int, generator: torch.Generator | None = 
     return starts
 
 
-class MoADrafter(Drafter):
+class MoADrafter(TreeDrafter):
     """Incremental MoA drafting: LSA once per verified token, SA/TLI caches rewound after each tree.
 
     Cache slots are positions for committed tokens; a tree's draft nodes take the slots after the
@@ -198,18 +196,10 @@ class MoADrafter(Drafter):
     """
 
     def __init__(self, model: MoA, width: int = 4, depth: int = 5, name: str = "moa"):
-        self.model = model.eval()
-        self.width, self.depth = width, depth
-        self.name = name
-        self.features = model.features
+        super().__init__(model, width, depth, name)
 
-    @property
-    def _device(self):
-        return self.model.out.weight.device
-
-    @property
-    def _dtype(self):
-        return self.model.out.weight.dtype
+    def can_draft(self) -> bool:
+        return self.mem_k is not None
 
     def begin(self, tokens: list[int], payload: Features | None = None) -> None:
         self.tokens: list[int] = []
@@ -218,6 +208,7 @@ class MoADrafter(Drafter):
         self.sa_cache = KVCache()
         self.tli_caches = [KVCache() for _ in self.model.parts.layers]
         self.mem_k = self.mem_v = None
+        self.nodes = DraftNodes(0, 0)
         self.absorb(tokens, payload)
 
     @torch.inference_mode()
@@ -276,40 +267,19 @@ class MoADrafter(Drafter):
         root = len(self.tokens) - 1
         start = min(self.fed, root)  # the root again if nothing is pending (a second tree for the same root)
         pending = list(range(start, root + 1))
-        mask = _causal_from(start, len(pending), self._device)
-        x, rope = self._sa([self.tokens[p] for p in pending], pending, start, mask)
+        x, rope = self._sa([self.tokens[p] for p in pending], pending, start, causal_from(start, len(pending),
+                                                                                            self._device))  # fmt: skip
         self.fed = root + 1
-        self.node_parents: list[int] = []
-        self.node_depth: list[int] = []
+        self.nodes = DraftNodes(root, root + 1)
         x, rope = x[:, -1:], (rope[0][:, -1:], rope[1][:, -1:])  # only the root drafts; the rest fill the SA cache
         sees_committed = torch.ones(1, 1, root + 1, dtype=torch.bool, device=self._device)
         return self._logprobs(x, rope, root, sees_committed)[0]
 
     @torch.inference_mode()
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        root = len(self.tokens) - 1
-        first = len(self.node_parents)
-        self.node_parents += parents
-        self.node_depth += [1 + (self.node_depth[p] if p >= 0 else 0) for p in parents]
-        positions = [root + d for d in self.node_depth[first:]]
-        slots = [root + 1 + i for i in range(len(self.node_parents))]
-        at = root + 1 + first
-        mask = node_mask(self.node_parents, len(tokens), root + 1, slots, at + len(tokens), self._device)
+        positions, at, mask = self.nodes.add(parents, self._device)
         x, rope = self._sa(tokens, positions, at, mask)
         return self._logprobs(x, rope, at, mask)
 
     def end_tree(self) -> None:
-        self.node_parents, self.node_depth = [], []
-
-    def propose(self, max_nodes: int) -> DraftTree:
-        if max_nodes < 1 or self.mem_k is None:
-            return DraftTree()
-        tree, _ = eagle2_tree(self, self.width, self.depth, max_nodes, vocab_ids=self.model.parts.vocab_ids)
-        return tree
-
-
-def _causal_from(start: int, n: int, device) -> torch.Tensor:
-    """[1, n, start + n]: n new tokens at positions start.. see everything before them and themselves causally."""
-    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
-    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return mask[None]
+        self.nodes = DraftNodes(len(self.tokens) - 1, len(self.tokens))
