@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bundle-dir", type=Path, help="look for trained drafters' bundles in DIR/<name> first")
     p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
     p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
-    p.add_argument("--max-tree-nodes", type=int, default=64, help="trained drafters: tree nodes per round (default 64)")
+    p.add_argument("--max-tree-nodes", type=int, default=16, help="trained drafters: tree nodes per round (default 16)")
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")

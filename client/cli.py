@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tree-width", type=int, help="trained drafters: EAGLE-2 tree width B")
     p.add_argument("--tree-depth", type=int, help="trained drafters: EAGLE-2 tree depth D")
-    p.add_argument("--max-tree-nodes", type=int, default=64, help="draft tree budget per round (default 64)")
+    p.add_argument(
+        "--max-tree-nodes", type=int, default=16, help="draft tree budget per round (default 16: CPU-sized)"
+    )
     p.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup: tokens copied per match (default 10)")
     p.add_argument(
         "--draft-branches", type=int, default=1, help="prompt lookup: matches merged into a tree (default 1)"
