@@ -31,6 +31,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="target and drafter dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument(
+        "--autocast", choices=["bf16", "none"], default=None,
+        help="matmuls in bfloat16 with fp32 weights (default: bf16 on CUDA or a CPU with avx512_bf16, else none)",
+    )  # fmt: skip
+
+
+def _bf16_fast(device: str) -> bool:
+    """bfloat16 matmuls pay off on GPUs and on CPUs with native bf16 dot products (avx512_bf16, AMX)."""
+    if device.startswith("cuda"):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
+    except OSError:
+        return False
 
 
 def _cuda() -> bool:
@@ -74,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
+        autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"),
     )  # fmt: skip
     vocab_ids = None
     if args.draft_vocab:
