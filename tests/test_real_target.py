@@ -84,3 +84,19 @@ def test_grpc_greedy_equals_transformers(real_target, references):
         remote.shutdown()
     finally:
         server.stop(grace=None)
+
+
+@pytest.mark.parametrize("name", ["moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent"])
+def test_shipped_trained_drafters_keep_greedy_output_exact(real_target, references, name):
+    """Each shipped bundle, on the real target, in-process: the same tokens as transformers' greedy generate."""
+    from client.drafters import make_drafter
+    from client.drafters.bundle import find_bundle
+
+    if find_bundle(name) is None:
+        pytest.skip(f"no shipped bundle {name} (train one with `splitspec train`)")
+    drafter = make_drafter(name, target=real_target)
+    for i in (0, 2, 15):  # chat, code-editing and raw-code prompts
+        ids, expected = references[i]
+        gen = speculative_generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, max_tree_nodes=16)
+        assert gen.token_ids == expected[: len(gen.token_ids)], (name, i)
+        assert gen.finish_reason == "stop" or len(gen.token_ids) == NEW_TOKENS
