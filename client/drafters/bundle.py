@@ -59,6 +59,7 @@ def save_bundle(model, path: Path, target, training: dict, dtype: torch.dtype = 
         state[DRAFT_VOCAB] = model.parts.vocab_ids.detach().to("cpu").contiguous()
         config["draft_vocab_size"] = len(model.parts.vocab_ids)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    tmp.chmod(0o755)
     save_file(state, str(tmp / "weights.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if path.exists():
