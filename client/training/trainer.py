@@ -59,7 +59,12 @@ def lr_at(cfg: TrainConfig, seen: int) -> float:
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return f"{name or platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
 class Trainer:
