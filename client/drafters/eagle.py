@@ -21,11 +21,10 @@ from torch import nn
 
 from client.drafters.layers import Block, KVCache, causal_mask
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_drafter import DraftNodes, TreeDrafter, agreement, causal_from
-from client.training.teacher import TargetBatch, distill_kl
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
+from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features
 
-KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)
 FEATURE_NOISE = 0.1  # training inputs get U(-0.1, 0.1) added to the true features, as EAGLE does
 
 

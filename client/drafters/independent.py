@@ -15,8 +15,8 @@ from torch import nn
 
 from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_drafter import DraftNodes, TreeDrafter, agreement, causal_from
-from client.training.teacher import TargetBatch, distill_kl
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
+from client.training.teacher import TargetBatch, agreement, distill_kl
 from shared.features import Features
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
-from client.training.teacher import TargetBatch, distill_kl
+from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features, split_kv
 
 
@@ -166,11 +166,10 @@ class MoA(nn.Module):
         if N:
             final = F.smooth_l1_loss(self.parts.norm(out[r, c]).float(), tb.hidden[L][r, c].float())
             feat = (feat + final) / 2
-        acc = (logits.argmax(-1) == tb.teacher_logits.argmax(-1)).float().mean()
-        return KL_WEIGHT * kl + feat, {"kl": kl.item(), "feat": feat.item(), "acc": acc.item()}
+        metrics = {"kl": kl.item(), "feat": feat.item(), "acc": agreement(tb.teacher_logits, logits)}
+        return KL_WEIGHT * kl + feat, metrics
 
 
-KL_WEIGHT = 0.1  # λ0 of the official MoA code (λ1 = 1 on the feature loss)
 SEGMENT = (6, 15)  # draft lengths k ∈ [6, 15) for "variable future length"
 
 

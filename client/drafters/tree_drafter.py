@@ -18,11 +18,6 @@ from client.drafters.tree_search import eagle2_tree
 from shared.tree import DraftTree
 
 
-def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
-    """How often the drafter's top-1 token is the target's: what greedy acceptance rewards."""
-    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
-
-
 class TreeDrafter(Drafter):
     """A drafter that is its own ``TreeScorer``: ``propose`` searches an EAGLE-2 tree of ``width`` x ``depth``."""
 

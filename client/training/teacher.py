@@ -90,6 +90,14 @@ def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask:
     return TargetBatch(input_ids, valid, out.hidden_states, layer_kv, rows, cols, teacher)
 
 
+KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)
+
+
+def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
+    """How often the drafter's top-1 token is the target's: what greedy acceptance rewards."""
+    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
+
+
 def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """KL(p_target || q_drafter) per position, averaged: the drafter learns the target's whole distribution."""
     p_log = F.log_softmax(teacher_logits.float(), dim=-1)
