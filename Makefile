@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-foundation bench-single bench-netsim clean
+.PHONY: setup demo test lint proto bench-foundation bench-single bench-trees bench-netsim clean
 
 setup: $(VENV)/.ready
 
@@ -40,6 +40,9 @@ bench-foundation: setup
 # The single-device table (MoA paper, Table 2): every drafter on MT-Bench + HumanEval, target in-process.
 bench-single: setup
 	$(PY) -m bench.single
+
+bench-trees: setup
+	$(PY) -m bench.trees
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

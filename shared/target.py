@@ -24,10 +24,14 @@ from shared.tree import DraftTree, tree_attention_mask, tree_positions
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the vocabulary and special tokens: equal exactly when token ids mean the same."""
+    """A short hash of the vocabulary (added tokens included): equal exactly when token ids mean the same.
+
+    Which tokens a tokenizer calls "special" is left out on purpose: transformers 5.17 and 5.23 read
+    the same GGUF into the same 49,152 ids but disagree on that list (and on EOS), which made bundles
+    trained on one machine refuse to load on the other. End-of-turn ids travel in the handshake.
+    """
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = sorted(tokenizer.all_special_tokens)
-    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    blob = json.dumps(vocab, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -162,12 +162,23 @@ class MoA(nn.Module):
         r, c = tb.rows, tb.cols
         logits = self.parts.logits(out[r, c])
         kl = distill_kl(tb.teacher_logits, logits)
-        feat = F.smooth_l1_loss(hidden[r, c].float(), tb.hidden[L - N][r, c].float())
+        feat = feature_loss(hidden[r, c], tb.hidden[L - N][r, c])
         if N:
-            final = F.smooth_l1_loss(self.parts.norm(out[r, c]).float(), tb.hidden[L][r, c].float())
+            final = feature_loss(self.parts.norm(out[r, c]), tb.hidden[L][r, c])
             feat = (feat + final) / 2
         metrics = {"kl": kl.item(), "feat": feat.item(), "acc": agreement(tb.teacher_logits, logits)}
         return KL_WEIGHT * kl + feat, metrics
+
+
+def feature_loss(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+    """SmoothL1 in units of each true state's RMS.
+
+    The residual stream entering layer L-N (what a TLI>0 drafter predicts) is many times larger
+    than a normed final state; unscaled, its loss stays in SmoothL1's linear regime and drowns the
+    KL term, so TLI>0 drafters learned agreement worse than TLI=0 ones (0.14 vs 0.21 at 613k tokens).
+    """
+    scale = true.float().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+    return F.smooth_l1_loss(predicted.float() / scale, true.float() / scale)
 
 
 SEGMENT = (6, 15)  # draft lengths k ∈ [6, 15) for "variable future length"

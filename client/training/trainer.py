@@ -133,7 +133,7 @@ class Trainer:
             self.optims[name].load_state_dict(state["optims"][name])
         for key in ("seen", "trained", "steps", "wall_s", "position"):
             setattr(self, key, state[key])
-        self.generator.set_state(state["generator"])
+        self.generator.set_state(state["generator"].cpu())  # map_location moved it to the device
         return True
 
     def warm_start(self) -> bool:
