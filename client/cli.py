@@ -35,12 +35,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="prompt-lookup",
         help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, independent) "
-        "or a bundle's path; trained drafters run with --local for now",
+        "or a bundle's path",
+    )
+    p.add_argument(
+        "--payload",
+        choices=["kv", "lsa"],
+        help="pin how a MoA drafter gets its memory over the network: every layer's KV (kv) or the server "
+        "runs the drafter's LSA and ships one vector per token (lsa, ~20x fewer bytes); default: adaptive",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "int8", "int4"],
+        help="pin the payload precision (int8/int4: per-row scales; all zstd); default: adaptive",
+    )
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="no adaptive policy: verify the whole drafted tree (--max-tree-nodes, default 16), payload kv fp16",
     )
     p.add_argument("--tree-width", type=int, help="trained drafters: EAGLE-2 tree width B")
     p.add_argument("--tree-depth", type=int, help="trained drafters: EAGLE-2 tree depth D")
     p.add_argument(
-        "--max-tree-nodes", type=int, default=16, help="draft tree budget per round (default 16: CPU-sized)"
+        "--max-tree-nodes",
+        type=int,
+        help="pin the nodes verified per round (default: adaptive, at most 64; 16 with --static)",
     )
     p.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup: tokens copied per match (default 10)")
     p.add_argument(
@@ -91,6 +109,37 @@ def stats_line(gen) -> str:
     )
 
 
+def connect(address: str, fingerprint: str, drafter, args: argparse.Namespace):
+    """A RemoteVerifier with the payload ``drafter`` needs, and the payloads an adaptive policy may switch between.
+
+    A MoA drafter prefers mode lsa (the server runs its LSA); when the server cannot (no such
+    bundle, or another version of it) and no mode was pinned, it falls back to kv with a warning.
+    """
+    from client.verifiers import RemoteVerifier, payload_spec
+    from shared.errors import SplitspecError
+
+    def make(spec):
+        extra = {"payload": spec, "drafter_bundle": drafter.bundle} if spec else {}
+        return RemoteVerifier(address, fingerprint=fingerprint, connect_timeout_s=args.connect_timeout, **extra)
+
+    if drafter is None or not drafter.features:
+        return make(None), []
+    precisions = [args.precision] if args.precision else ["fp16", "int8", "int4"]
+    if "kv" not in drafter.features:
+        options = [payload_spec(drafter, precision=p) for p in precisions]
+        return make(options[0]), options
+    modes = [args.payload] if args.payload else (["lsa", "kv"] if drafter.bundle is not None else ["kv"])
+    for mode in modes:
+        options = [payload_spec(drafter, mode, p) for p in precisions]
+        try:
+            return make(options[0]), options
+        except SplitspecError as exc:
+            if mode == modes[-1]:
+                raise
+            print(f"splitspec: payload mode {mode} unavailable ({exc}); using {modes[-1]}", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
 def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         return _run(args, stack)
@@ -100,8 +149,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import torch
 
     from client.decode import api_generate, speculative_generate
-    from client.drafters import make_drafter
-    from client.verifiers import LocalVerifier, RemoteVerifier
+    from client.drafters import ALIASES, DRAFTERS, make_drafter
+    from client.verifiers import LocalVerifier
     from shared.acceptance import SamplingParams
     from shared.errors import SplitspecError
     from shared.models import encode_prompt, load_target, load_tokenizer
@@ -122,11 +171,21 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if not text:
         raise SplitspecError("empty prompt: pass --prompt TEXT")
 
-    if args.local:
+    drafter = None
+    trained = args.baseline is None and args.drafter not in DRAFTERS and args.drafter not in ALIASES
+    if args.local or trained:  # a trained drafter reuses the target's frozen embeddings, last layers and head
         target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
-        tokenizer, verifier = target.tokenizer, LocalVerifier(target)
+        tokenizer = target.tokenizer
     else:
-        tokenizer = load_tokenizer(args.model, args.cache_dir)
+        target, tokenizer = None, load_tokenizer(args.model, args.cache_dir)
+    if args.baseline is None:
+        options = {}
+        if args.drafter in ("prompt-lookup", "pld"):
+            options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
+        drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth, **options)
+    if args.local:
+        verifier, options = LocalVerifier(target), []
+    else:
         from shared.target import tokenizer_fingerprint
 
         address = args.server
@@ -134,9 +193,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             from netsim import simulated_link
 
             address = stack.enter_context(simulated_link(args.server, args.via_netsim)).address
-        verifier = RemoteVerifier(
-            address, fingerprint=tokenizer_fingerprint(tokenizer), connect_timeout_s=args.connect_timeout
-        )
+        verifier, options = connect(address, tokenizer_fingerprint(tokenizer), drafter, args)
         stack.callback(verifier.shutdown)
         if args.probe_link or args.via_netsim:
             verifier.probe_link()
@@ -146,21 +203,22 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_tokens=stream)
         drafter_name = "api"
     else:
-        options = {}
-        if args.drafter in ("prompt-lookup", "pld"):
-            options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
-        drafter = make_drafter(
-            args.drafter, target=target if args.local else None, width=args.tree_width, depth=args.tree_depth, **options
-        )
+        policy = None
+        if not args.static:
+            from client.adaptive import AdaptivePolicy
+
+            link = None if args.local else verifier.link
+            pinned = args.payload is not None or args.precision is not None
+            policy = AdaptivePolicy(
+                link, pin_nodes=args.max_tree_nodes, pin_depth=args.tree_depth,
+                payload_options=[] if args.local or pinned else options,
+                bytes_per_token=None if args.local else verifier.payload_bytes_per_token,
+            )  # fmt: skip
+        nodes = args.max_tree_nodes or (16 if args.static else 64)
         gen = speculative_generate(
-            verifier,
-            drafter,
-            prompt_ids,
-            args.max_new_tokens,
-            sampling,
-            max_tree_nodes=args.max_tree_nodes,
-            on_tokens=stream,
-        )
+            verifier, drafter, prompt_ids, args.max_new_tokens, sampling, max_tree_nodes=nodes, on_tokens=stream,
+            policy=policy,
+        )  # fmt: skip
         drafter_name = drafter.name
     if args.json:
         print(
@@ -172,6 +230,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     "drafter": drafter_name,
                     "mode": "local" if args.local else "remote",
                     "network": args.via_netsim,
+                    "payload": None if args.local or drafter is None or not drafter.features
+                    else {"mode": verifier.payload.mode, "precision": verifier.payload.precision},
                     "stats": gen.stats.as_dict(),
                 }
             )

@@ -25,6 +25,11 @@ class GenerationStats:
     acceptance_length: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    payload_bytes: int = 0  # encoded feature payloads among bytes_received
+    bytes_up_per_round: float = 0.0  # a round: one server call that verifies (or prefills)
+    bytes_down_per_round: float = 0.0
+    bytes_down_per_token: float = 0.0  # per generated token
+    payload_bytes_per_token: float = 0.0
     server_compute_s: float = 0.0
     ttft_s: float = 0.0
     draft_s: float = 0.0
@@ -61,8 +66,13 @@ def speculative_generate(
     stop_ids: list[int] | None = None,
     max_tree_nodes: int = 64,
     on_tokens: Callable[[list[int]], None] | None = None,
+    policy=None,
 ) -> Generation:
-    """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding."""
+    """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
+
+    With a ``policy`` (``client.adaptive.AdaptivePolicy``) each round's tree is drafted to the
+    policy's depth, cut to the size it expects to pay off, and the payload is the one it picks.
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
@@ -83,9 +93,20 @@ def speculative_generate(
                 reason = "context"
                 break
             t0 = time.perf_counter()
-            tree = drafter.propose(min(max_tree_nodes, verifier.max_tree_nodes, room - 1))
-            stats.draft_s += time.perf_counter() - t0
+            budget = min(max_tree_nodes, verifier.max_tree_nodes, room - 1)
+            depth = policy.depth if policy is not None else None
+            tree = drafter.propose(budget, depth)
+            draft_s = time.perf_counter() - t0
+            stats.draft_s += draft_s
+            if policy is not None:
+                spec = policy.payload(1.0 + (policy.history[-1].expected_gain if policy.history else 1.0))
+                if spec is not None:
+                    verifier.payload = spec
+                per_token = policy.bytes_per_token(verifier.payload) if policy.bytes_per_token else 0.0
+                tree = policy.cut(tree, per_token)
             result = verifier.verify(tree)
+            if policy is not None:
+                policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
             stats.rounds += 1
             gained += len(result.new_tokens)
             drafter.absorb(result.new_tokens, result.features)
@@ -140,6 +161,12 @@ def _copy_link(stats: GenerationStats, verifier, before) -> None:
     stats.server_calls = counters.server_calls
     stats.bytes_sent = counters.bytes_sent
     stats.bytes_received = counters.bytes_received
+    stats.payload_bytes = getattr(counters, "payload_bytes", 0)
+    calls = max(counters.server_calls, 1)
+    stats.bytes_up_per_round = counters.bytes_sent / calls
+    stats.bytes_down_per_round = counters.bytes_received / calls
+    stats.bytes_down_per_token = counters.bytes_received / max(stats.new_tokens, 1)
+    stats.payload_bytes_per_token = stats.payload_bytes / max(stats.new_tokens, 1)
     stats.server_compute_s = counters.server_compute_s
     link = getattr(verifier, "link", None)
     for name, value in (link.as_stats() if link is not None else {}).items():

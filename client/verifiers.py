@@ -13,9 +13,12 @@ from dataclasses import dataclass
 import grpc
 
 from client.link import PROBE_MAX_BYTES, LinkMonitor
+from shared import payload
 from shared.acceptance import SamplingParams
+from shared.codec import CodecError
 from shared.errors import SplitspecError
 from shared.features import Features
+from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -36,6 +39,8 @@ class LinkCounters:
     server_compute_s: float = 0.0
     probe_calls: int = 0
     probe_bytes: int = 0  # both directions
+    payload_bytes: int = 0  # encoded feature payloads received (part of bytes_received)
+    payload_refetches: int = 0  # payloads that failed to decode and were asked for again
 
     def since(self, earlier: LinkCounters) -> LinkCounters:
         """What was spent after ``earlier`` was copied: one generation's share of a reused link."""
@@ -47,6 +52,7 @@ class Round:
     accepted: list[int]
     new_tokens: list[int]
     features: Features | None = None  # what the target reported about the tokens it cached this round
+    compute_s: float = 0.0  # the server's (or in-process target's) time on this round
 
 
 class LocalVerifier:
@@ -71,7 +77,7 @@ class LocalVerifier:
     def verify(self, tree: DraftTree) -> Round:
         verdict = self.session.verify(tree)
         self.counters.server_compute_s += verdict.compute_s
-        return Round(verdict.accepted, verdict.new_tokens, verdict.features)
+        return Round(verdict.accepted, verdict.new_tokens, verdict.features, verdict.compute_s)
 
     def close(self) -> None:
         self.session = None
@@ -81,13 +87,41 @@ def _sampling_msg(sampling: SamplingParams) -> pb.Sampling:
     return pb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
 
 
+PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many times before giving up
+
+
+def payload_spec(drafter, mode: str = "kv", precision: str = "fp16") -> PayloadSpec:
+    """What ``drafter`` needs from the server, in payload ``mode`` (kv or lsa: how a MoA drafter gets its memory)."""
+    if "kv" in drafter.features:
+        if mode not in ("kv", "lsa"):
+            raise SplitspecError(f"a MoA drafter takes payload mode kv or lsa, not {mode!r}")
+        tli = drafter.tli if mode == "lsa" else 0
+        return PayloadSpec(mode, precision, tli, drafter.name if mode == "lsa" else "")
+    if "hidden" in drafter.features:
+        return PayloadSpec("hidden", precision)
+    return PayloadSpec()
+
+
 class RemoteVerifier:
-    """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer."""
+    """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer.
+
+    ``payload`` says which features of newly cached tokens the server sends with each reply (what
+    a MoA or EAGLE drafter needs); it may be changed between rounds (``self.payload``). Mode
+    ``lsa`` names a drafter bundle at connect (``drafter_bundle``: its folder, whose weights digest
+    the server compares with its own copy).
+    """
 
     def __init__(
-        self, address: str, fingerprint: str = "", connect_timeout_s: float = 10.0, rpc_timeout_s: float = 120.0
+        self,
+        address: str,
+        fingerprint: str = "",
+        connect_timeout_s: float = 10.0,
+        rpc_timeout_s: float = 120.0,
+        payload: PayloadSpec = PayloadSpec(),
+        drafter_bundle=None,
     ):
         self.address = address
+        self.payload = payload
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = LinkCounters()
         self.link = LinkMonitor()
@@ -107,9 +141,16 @@ class RemoteVerifier:
                 "start one with `splitspec serve` or check --server"
             ) from None
         self.stub = pb_grpc.SplitSpecStub(self.channel)
-        self.info = self._call(
-            self.stub.Handshake, pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
-        )
+        hello = pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
+        if payload.mode == "lsa":
+            from shared.lsa import weights_digest
+
+            if drafter_bundle is None:
+                raise SplitspecError(f"payload mode lsa needs the bundle of drafter {payload.drafter!r}")
+            hello.drafter, hello.drafter_digest = payload.drafter, weights_digest(drafter_bundle)
+        self.info = self._call(self.stub.Handshake, hello)
+        info = self.info
+        self.dims = (info.num_layers, 2 * info.num_kv_heads * info.head_dim, info.hidden_size)
         self.eos_token_ids = list(self.info.eos_token_ids)
         self.max_tree_nodes = self.info.limits.max_tree_nodes
         self.max_context = self.info.limits.max_context
@@ -152,25 +193,76 @@ class RemoteVerifier:
         return self.link.probe(call, budget_s, max_bytes)
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, features=frozenset()) -> Round:
-        if features:
+        mode = self.payload.mode
+        wanted = {"kv": {"kv", "lsa"}, "hidden": {"hidden"}}
+        missing = [f for f in sorted(features) if mode not in wanted.get(f, ())]
+        if missing:
             raise SplitspecError(
-                f"this drafter needs the target's {'/'.join(sorted(features))} features, which the server does not "
-                "send yet; run it with --local"
+                f"this drafter needs the target's {'/'.join(missing)} features but the payload mode is "
+                f"{mode or 'none'!r}; use --payload kv or lsa for MoA drafters (EAGLE-style ones get 'hidden')"
             )
-        reply = self._call(
-            self.stub.OpenSession, pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling))
-        )
+        request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
+                                        payload=self.payload.to_msg())  # fmt: skip
+        reply = self._call(self.stub.OpenSession, request)
         self.session_id, self.length = reply.session_id, reply.length
-        return Round([], [reply.first_token])
+        return Round([], [reply.first_token], self._features(reply.payload))
 
     def verify(self, tree: DraftTree) -> Round:
-        request = pb.VerifyRequest(
-            session_id=self.session_id, tokens=tree.tokens, parents=tree.parents, length=self.length
-        )
+        request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
+                                   length=self.length, payload=self.payload.to_msg())  # fmt: skip
         reply = self._call(self.stub.Verify, request)
         self.length = reply.length
         accepted = list(reply.accepted)
-        return Round(accepted, [tree.tokens[i] for i in accepted] + [reply.bonus_token])
+        new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
+        return Round(accepted, new, self._features(reply.payload), reply.compute_s)
+
+    def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
+        """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""
+        return payload.raw_bytes_per_token(spec, *self.dims) if spec else 0.0
+
+    def _features(self, msg: pb.Payload) -> Features | None:
+        """Decode a reply's payload; fetch it (again) when it is pending or does not decode."""
+        if not self.payload:
+            return None
+        self.counters.payload_bytes += msg.ByteSize()
+        shapes = payload.expected_shapes(self.payload, msg.count, *self.dims)
+        error: Exception | None = None
+        if not msg.pending:
+            try:
+                return payload.decode(msg, shapes)
+            except CodecError as exc:
+                error = exc
+                self.counters.payload_refetches += 1
+        for _ in range(PAYLOAD_RETRIES):
+            try:
+                return self._fetch(msg.start, msg.start + msg.count)
+            except CodecError as exc:
+                error = exc
+                self.counters.payload_refetches += 1
+        raise SplitspecError(f"server {self.address}: payload for tokens [{msg.start}, {msg.start + msg.count}) "
+                             f"does not decode after {PAYLOAD_RETRIES} re-requests: {error}")  # fmt: skip
+
+    def _fetch(self, start: int, end: int) -> Features:
+        """FetchPayload: the features of cached tokens [start, end), streamed in chunks."""
+        request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.payload.to_msg())
+        c = self.counters
+        c.server_calls += 1
+        c.bytes_sent += request.ByteSize()
+        parts = []
+        try:  # not a link sample: the stream's time includes server work it does not report
+            for chunk in self.stub.FetchPayload(request, timeout=self.rpc_timeout_s):
+                size = chunk.ByteSize()
+                c.bytes_received += size
+                c.payload_bytes += size
+                shapes = payload.expected_shapes(self.payload, chunk.count, *self.dims)
+                parts.append(payload.decode(chunk, shapes))
+        except grpc.RpcError as exc:
+            raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+        features = payload.concat(parts)
+        if features.start != start or len(features) != end - start:
+            got = f"[{features.start}, {features.start + len(features)})"
+            raise CodecError(f"FetchPayload returned tokens {got}, asked for [{start}, {end})")
+        return features
 
     def close(self) -> None:
         if self.session_id:

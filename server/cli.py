@@ -33,6 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-probe-bytes", type=int, default=16 * 1024 * 1024, help="reply bytes per Probe call (default 16 MiB)"
     )
+    p.add_argument(
+        "--max-inline-payload",
+        type=int,
+        default=1024 * 1024,
+        help="payload bytes carried inside a reply; more is streamed by FetchPayload (default 1 MiB)",
+    )
+    p.add_argument(
+        "--bundle-dir",
+        action="append",
+        help="folder of drafter bundles whose LSA clients may ask the server to run (payload mode lsa); "
+        "repeatable (default: the shipped client/drafters/bundles)",
+    )
     p.add_argument("--ready-file", help="write the bound port here once serving (for scripts)")
 
 
@@ -45,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    for name in ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "max_probe_bytes"):
+    names = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "max_probe_bytes", "max_inline_payload")
+    for name in names:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
@@ -56,8 +69,12 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         args.session_ttl,
         args.max_probe_bytes,
+        args.max_inline_payload,
     )
-    server, port, service = build_server(target, args.host, args.port, limits)
+    from shared.bundles import SHIPPED
+
+    bundle_dirs = tuple(args.bundle_dir or (SHIPPED,))
+    server, port, service = build_server(target, args.host, args.port, limits, bundle_dirs)
     server.start()
     stopped = threading.Event()
 

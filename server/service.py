@@ -18,8 +18,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from server import payloads
 from server.sessions import SessionStore, StoreFull
 from shared.acceptance import SamplingParams
+from shared.bundles import SHIPPED
+from shared.errors import SplitspecError
+from shared.payload import PayloadSpec
 from shared.target import Target
 from shared.tree import DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
@@ -38,6 +42,7 @@ class ServerLimits:
     max_new_tokens: int = 4096
     session_ttl_s: float = 600.0
     max_probe_bytes: int = 16 * 1024 * 1024
+    max_inline_payload_bytes: int = 1024 * 1024  # bigger payloads go by FetchPayload, in chunks this size
 
 
 class Abort(Exception):
@@ -65,11 +70,13 @@ def rpc(method):
 
 
 class SplitSpecService(pb_grpc.SplitSpecServicer):
-    def __init__(self, target: Target, limits: ServerLimits = ServerLimits()):
+    def __init__(self, target: Target, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
         self.target = target
+        self.lsas = payloads.LSARegistry(target, bundle_dirs)
         capped = {
             "max_context": min(limits.max_context, target.max_context),
             "max_probe_bytes": min(limits.max_probe_bytes, MAX_MESSAGE_BYTES - 1024),  # a reply must fit one message
+            "max_inline_payload_bytes": min(limits.max_inline_payload_bytes, MAX_MESSAGE_BYTES // 2),
         }
         self.limits = ServerLimits(**{**limits.__dict__, **capped})
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s)
@@ -103,6 +110,30 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             )
         return ids
 
+    def _spec(self, msg: pb.PayloadSpec, session=None) -> PayloadSpec:
+        try:
+            spec = PayloadSpec.from_msg(msg)
+            if spec:
+                has_hidden = spec.mode == "hidden" if session is None else session.hidden is not None
+                payloads.check_spec(spec, self.target, self.lsas, has_hidden)
+        except ValueError as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"payload: {exc}") from None
+        except payloads.Unavailable as exc:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"payload: {exc}") from None
+        return spec
+
+    def _payload(self, session, spec: PayloadSpec, start: int, end: int) -> pb.Payload:
+        """Inline when it fits ``max_inline_payload_bytes``, else only the range, marked pending."""
+        if not spec:
+            return pb.Payload(start=start, count=0)
+        per_token = payloads.bytes_per_token(spec, self.target)
+        if (end - start) * per_token // 2 > self.limits.max_inline_payload_bytes:  # fp16 at the very least
+            return pb.Payload(start=start, count=end - start, pending=True)
+        msg = payloads.export(session, spec, self.lsas, start, end)
+        if msg.ByteSize() > self.limits.max_inline_payload_bytes:
+            return pb.Payload(start=start, count=end - start, pending=True)
+        return msg
+
     def _session(self, session_id: str):
         session = self.sessions.get(session_id)
         if session is None:
@@ -120,6 +151,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 f"tokenizer fingerprint {request.tokenizer_fingerprint} does not match the server's "
                 f"{t.fingerprint} (model {t.name}); the client must use this target's tokenizer",
             )
+        if request.drafter:
+            try:
+                self.lsas.load(request.drafter, request.drafter_digest)
+            except SplitspecError as exc:
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {request.drafter!r}: {exc}") from None
         lim = self.limits
         return pb.HandshakeReply(
             protocol_version=PROTOCOL_VERSION,
@@ -138,27 +174,34 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 max_new_tokens=lim.max_new_tokens,
                 session_ttl_s=lim.session_ttl_s,
                 max_probe_bytes=lim.max_probe_bytes,
+                max_inline_payload_bytes=lim.max_inline_payload_bytes,
             ),
             device=str(t.device),
             dtype=str(t.dtype).removeprefix("torch."),
+            drafter=request.drafter,
         )
 
     @rpc
     def OpenSession(self, request, context):
         prompt = self._prompt(request.prompt_ids)
         sampling = self._sampling(request.sampling)
+        spec = self._spec(request.payload)
         try:
             self.sessions.reserve()
-            engine = self.target.session(sampling)
+            start = time.perf_counter()
+            engine = self.target.session(sampling, features=("hidden",) if spec.mode == "hidden" else ())
             with self.model_lock:
                 verdict = engine.prefill(prompt)
-            session = self.sessions.add(engine)
+                session = self.sessions.add(engine)
+                if spec.mode == "hidden":
+                    session.hidden = verdict.features.hidden
+                payload = self._payload(session, spec, 0, engine.cached_len)
         except StoreFull as exc:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id, len(prompt), verdict.compute_s)
-        return pb.OpenSessionReply(
-            session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens), compute_s=verdict.compute_s
-        )
+        compute_s = time.perf_counter() - start
+        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id, len(prompt), compute_s)
+        return pb.OpenSessionReply(session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens),
+                                   compute_s=compute_s, payload=payload)  # fmt: skip
 
     @rpc
     def Verify(self, request, context):
@@ -168,6 +211,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             validate_tree(tokens, parents, self.target.vocab_size, self.limits.max_tree_nodes)
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        spec = self._spec(request.payload, session)
         if not session.lock.acquire(blocking=False):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
         try:
@@ -183,17 +227,35 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     f"{len(engine.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "
                     f"of {self.limits.max_context}",
                 )
+            start, before = time.perf_counter(), engine.cached_len
             try:
                 with self.model_lock:
                     verdict = engine.verify(DraftTree(tokens, parents))
+                    session.keep_hidden(verdict)
+                    payload = self._payload(session, spec, before, engine.cached_len)
             except Exception:
                 self.sessions.pop(session.id)  # its cache may be half-written: never serve it again
                 raise
         finally:
             session.lock.release()
-        return pb.VerifyReply(
-            accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens), compute_s=verdict.compute_s
-        )
+        return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens),
+                              compute_s=time.perf_counter() - start, payload=payload)  # fmt: skip
+
+    @rpc
+    def FetchPayload(self, request, context):
+        """Stream features of cached tokens [start, end) in chunks that each fit the inline limit."""
+        session = self._session(request.session_id)
+        spec = self._spec(request.spec, session)
+        if not spec:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "payload: FetchPayload needs a spec with a mode")
+        cached = session.engine.cached_len
+        if not 0 <= request.start < request.end <= cached:
+            raise Abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"payload range [{request.start}, {request.end}) is not within the {cached} cached tokens",
+            )
+        chunk = max(1, 2 * self.limits.max_inline_payload_bytes // payloads.bytes_per_token(spec, self.target))
+        return self._fetch(session, spec, request.start, request.end, chunk, context)
 
     @rpc
     def CloseSession(self, request, context):
@@ -228,6 +290,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         payload = bytes(request.reply_bytes)
         return pb.ProbeReply(payload=payload, compute_s=time.perf_counter() - start)
 
+    def _fetch(self, session, spec: PayloadSpec, start: int, end: int, chunk: int, context):
+        try:
+            for a in range(start, end, chunk):
+                if not context.is_active():
+                    return
+                with session.lock, self.model_lock:
+                    msg = payloads.export(session, spec, self.lsas, a, min(a + chunk, end))
+                yield msg
+        except Exception as exc:
+            log.exception("FetchPayload failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"FetchPayload failed: {exc.__class__.__name__}: {exc}")
+
     def _stream(self, prompt, sampling, budget, stop, context):
         """One token per chunk, as an API streams; stops early when the client goes away."""
         try:
@@ -248,9 +322,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}")
 
 
-def build_server(target: Target, host: str, port: int, limits: ServerLimits = ServerLimits()):
+def build_server(
+    target: Target, host: str, port: int, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)
+):
     """Create (not start) a gRPC server for ``target``; returns (server, bound port, service)."""
-    service = SplitSpecService(target, limits)
+    service = SplitSpecService(target, limits, bundle_dirs)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from shared.target import TargetSession
 
 
@@ -20,6 +22,11 @@ class Session:
     engine: TargetSession
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    hidden: torch.Tensor | None = None  # [cached, E] final hidden states, kept for payload mode "hidden"
+
+    def keep_hidden(self, verdict) -> None:
+        if self.hidden is not None and verdict.features is not None and verdict.features.hidden is not None:
+            self.hidden = torch.cat([self.hidden[: verdict.features.start], verdict.features.hidden])
 
 
 class SessionStore:

@@ -9,6 +9,10 @@ the payload codec). Positions are absolute: ``start`` is the position of the fir
   Layer Inference attends to.
 * ``hidden``: the target's final hidden state (after the final norm) of each token, ``[n, E]``
   — what EAGLE drafts from.
+
+Over the network a MoA drafter may get, instead of ``kv``, what it would have computed from it:
+``memory`` (its LSA output, computed by the server, ``[n, E]``) and ``tli_kv`` (the last N
+layers' KV, ``[n, N, 2·n_kv·d]``); see ``shared.payload``.
 """
 
 from __future__ import annotations
@@ -25,9 +29,15 @@ class Features:
     start: int
     kv: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    memory: torch.Tensor | None = None
+    tli_kv: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        shapes = [f"{k}={tuple(v.shape)}" for k, v in vars(self).items() if isinstance(v, torch.Tensor)]
+        return f"Features(start={self.start}, {', '.join(shapes) or 'empty'})"
 
     def __len__(self) -> int:
-        for t in (self.kv, self.hidden):
+        for t in (self.kv, self.hidden, self.memory, self.tli_kv):
             if t is not None:
                 return t.shape[0]
         return 0

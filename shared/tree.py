@@ -21,9 +21,16 @@ class DraftTree:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    # the drafter's cumulative log-probability of each node, when it has one (never sent: the
+    # client's adaptive policy reads it to decide how much of the tree is worth verifying)
+    scores: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def head(self, k: int) -> DraftTree:
+        """The first ``k`` nodes: itself a tree when nodes come parents first (EAGLE-2's rank order)."""
+        return DraftTree(self.tokens[:k], self.parents[:k], None if self.scores is None else self.scores[:k])
 
     @classmethod
     def chain(cls, tokens: list[int]) -> DraftTree:

@@ -9,11 +9,11 @@ from client.decode import speculative_generate
 from client.drafters import NoDrafter
 from client.drafters.eagle import Eagle, EagleConfig, EagleDrafter
 from client.drafters.independent import Independent, IndependentConfig, IndependentDrafter
-from client.drafters.layers import causal_mask
 from client.drafters.target_parts import TargetParts
 from client.training.teacher import pad_batch, run_teacher
 from client.verifiers import LocalVerifier
 from shared.acceptance import SamplingParams
+from shared.layers import causal_mask
 from shared.tree import DraftTree
 
 KINDS = ["eagle", "independent"]

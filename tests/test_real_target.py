@@ -100,3 +100,32 @@ def test_shipped_trained_drafters_keep_greedy_output_exact(real_target, referenc
         gen = speculative_generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, max_tree_nodes=16)
         assert gen.token_ids == expected[: len(gen.token_ids)], (name, i)
         assert gen.finish_reason == "stop" or len(gen.token_ids) == NEW_TOKENS
+
+
+def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
+    """MoA TLI=1 with the target behind gRPC: a ~450-token prompt's all-layer KV is ~10 MB at fp16 (more
+    than gRPC's 4 MB default), streamed by FetchPayload; kv and lsa payloads give the local greedy tokens,
+    and lsa ships ~1.9 KB per newly cached token (memory 576 + TLI KV 384 values at fp16)."""
+    from client.drafters import make_drafter
+    from client.verifiers import payload_spec
+
+    text = "Continue this list of fruits, one per line:\n" + "\n".join(["apple", "banana", "cherry"] * 60)
+    ids = encode_prompt(real_target.tokenizer, text, chat=True)
+    assert len(ids) > 400
+    want = speculative_generate(LocalVerifier(real_target), NoDrafter(), ids, 24).token_ids
+    server, address, _ = start_server(real_target)
+    try:
+        for mode in ("kv", "lsa"):
+            drafter = make_drafter("moa-tli1", target=real_target)
+            remote = RemoteVerifier(address, payload=payload_spec(drafter, mode, "fp16"), drafter_bundle=drafter.bundle)
+            gen = speculative_generate(remote, drafter, ids, 24, max_tree_nodes=16)
+            remote.shutdown()
+            assert gen.token_ids == want, mode
+            assert gen.stats.server_calls >= gen.stats.rounds + 2  # open + FetchPayload for the prefill + rounds
+            if mode == "kv":
+                assert gen.stats.payload_bytes > 4 * 1024 * 1024
+            else:
+                cached = len(ids) + len(gen.token_ids) - 1
+                assert gen.stats.payload_bytes / cached < 2.0 * 1024
+    finally:
+        server.stop(grace=None)

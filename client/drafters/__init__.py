@@ -34,7 +34,9 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         raise SplitspecError(f"drafter {name!r} is a trained bundle: it needs the target model loaded beside it")
     model, config = load_bundle(path, target)
     tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
-    return drafter_for(model, name=config["name"], **tree)
+    drafter = drafter_for(model, name=config["name"], **tree)
+    drafter.bundle = path
+    return drafter
 
 
 def drafter_for(model, name: str, **tree) -> Drafter:

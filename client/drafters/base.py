@@ -17,14 +17,19 @@ class Drafter(ABC):
     name: str = "drafter"
     #: what the drafter needs the target to report about newly cached tokens (see shared.features)
     features: frozenset[str] = frozenset()
+    #: how many of the target's last layers the drafter runs itself (MoA's Target Layer Inference)
+    tli: int = 0
+    #: the bundle folder a trained drafter was loaded from (payload mode lsa names it to the server)
+    bundle = None
 
     @abstractmethod
     def begin(self, tokens: list[int], payload: object | None = None) -> None:
         """Start a new sequence: prompt plus the first generated token, with the prompt's features."""
 
     @abstractmethod
-    def propose(self, max_nodes: int) -> DraftTree:
-        """A tree of at most ``max_nodes`` drafted tokens (may be empty)."""
+    def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
+        """A tree of at most ``max_nodes`` drafted tokens (may be empty), at most ``depth`` deep if given
+        (tree drafters; the adaptive policy sets it)."""
 
     @abstractmethod
     def absorb(self, tokens: list[int], payload: object | None = None) -> None:
@@ -43,7 +48,7 @@ class NoDrafter(Drafter):
     def begin(self, tokens: list[int], payload: object | None = None) -> None:
         pass
 
-    def propose(self, max_nodes: int) -> DraftTree:
+    def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         return DraftTree()
 
     def absorb(self, tokens: list[int], payload: object | None = None) -> None:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared import bundles as shared_bundles
+from shared.bundles import FORMAT, SHIPPED
 from shared.errors import SplitspecError
 
-FORMAT = "splitspec-drafter/1"
 DRAFT_VOCAB = "draft_vocab"  # token ids of a pruned draft vocabulary, kept beside the weights
-SHIPPED = Path(__file__).resolve().parent / "bundles"
 
 
 def model_classes() -> dict:
@@ -76,10 +76,7 @@ def save_bundle(model, path: Path, target, training: dict, dtype: torch.dtype = 
 
 def find_bundle(name_or_path: str) -> Path | None:
     """A shipped bundle by name, or a folder holding config.json; None when neither."""
-    for candidate in (SHIPPED / name_or_path, Path(name_or_path).expanduser()):
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
+    return shared_bundles.find_bundle(name_or_path, (SHIPPED,))
 
 
 def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = None):
@@ -87,23 +84,7 @@ def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = Non
     from client.drafters.target_parts import TargetParts
 
     path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise SplitspecError(f"{path} is not a drafter bundle: {exc}") from None
-    if config.get("format") != FORMAT:
-        raise SplitspecError(f"{path}: bundle format {config.get('format')!r}, expected {FORMAT!r}")
-    want = config["target"]
-    if want["tokenizer_fingerprint"] != target.fingerprint:
-        raise SplitspecError(
-            f"drafter bundle {path} was trained for target {want['name']!r} "
-            f"(tokenizer {want['tokenizer_fingerprint']}), but the target here is {target.name!r} "
-            f"(tokenizer {target.fingerprint}); use a bundle made for it"
-        )
-    for key in ("vocab_size", "hidden_size", "num_layers"):
-        if want[key] != getattr(target, key):
-            raise SplitspecError(f"drafter bundle {path} expects a target with {key}={want[key]}, "
-                                 f"this one has {getattr(target, key)}")  # fmt: skip
+    config = shared_bundles.read_bundle(path, target)
     classes = model_classes()
     if config["kind"] not in classes:
         raise SplitspecError(f"{path}: unknown drafter kind {config['kind']!r}; expected one of {sorted(classes)}")

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
 from client.training.teacher import TargetBatch, agreement, distill_kl
 from shared.features import Features
+from shared.layers import Block, KVCache, RMSNorm, causal_mask
 
 
 @dataclass

@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client.drafters.layers import Block, KVCache, RMSNorm, causal_mask
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
 from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features, split_kv
+from shared.layers import Block, KVCache, RMSNorm, causal_mask
+from shared.lsa import LayerSelfAttention
 
 
 @dataclass
@@ -58,28 +59,22 @@ class MoAConfig:
         return asdict(self)
 
 
-class MoA(nn.Module):
-    """Trainable LSA/SA/CA + frozen target parts; ``parts`` is excluded from saved weights."""
+class MoA(LayerSelfAttention):
+    """LSA (``shared.lsa``, so the server can run it too) + trainable SA/CA + frozen target parts;
+    ``parts`` is excluded from saved weights."""
 
     kind = "moa"
     features = frozenset({"kv"})
 
     def __init__(self, cfg: MoAConfig, parts: TargetParts):
-        super().__init__()
+        super().__init__(**LayerSelfAttention.dims(cfg.to_dict()))
         self.cfg = cfg
-        E, Ekv = cfg.hidden_size, cfg.kv_width
-        D = cfg.lsa_dim
-        self.lsa_in = RMSNorm(Ekv, cfg.eps)
-        self.lsa_proj = nn.Linear(Ekv, D)
-        self.layer_pos = nn.Parameter(torch.zeros(cfg.num_layers, D))
-        self.lsa = Block(D, cfg.lsa_heads, cfg.lsa_heads, D // cfg.lsa_heads, cfg.lsa_mlp_hidden, cfg.eps)
-        self.to_memory = nn.Linear(D, E)
+        E = cfg.hidden_size
         self.null_memory = nn.Parameter(torch.zeros(1, E))
         self.sa = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
         self.ca = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps, source_dim=E)
         self.out_norm = RMSNorm(E, cfg.eps)
         self.out = nn.Linear(E, E)
-        nn.init.normal_(self.layer_pos, std=0.02)
         nn.init.normal_(self.null_memory, std=0.02)
         self.parts = parts
 
@@ -87,13 +82,6 @@ class MoA(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
 
     # --- pieces shared by training and drafting ---
-
-    def memory(self, kv: torch.Tensor) -> torch.Tensor:
-        """LSA: [..., L, Ekv] per-layer KV of verified tokens -> [..., E] memory vectors."""
-        shape = kv.shape[:-2]
-        x = self.lsa_proj(self.lsa_in(kv.reshape(-1, *kv.shape[-2:]))) + self.layer_pos
-        x = self.lsa(x, mask=None, rope=None)  # bidirectional over the layers
-        return self.to_memory(x.mean(dim=1)).view(*shape, -1)
 
     def predict(self, sa_out: torch.Tensor, rope: tuple, memory_kv: tuple, mask: torch.Tensor) -> torch.Tensor:
         """CA over the memory, then the output map: the hidden state entering the target's last N layers."""
@@ -226,20 +214,29 @@ class MoADrafter(TreeDrafter):
         self.tokens += tokens
         if payload is None or len(payload) == 0:
             return
-        if payload.start != self.cached or payload.kv is None:
-            raise ValueError(f"MoA needs kv features from position {self.cached}, got {payload}")
-        kv = payload.kv.to(self._device, self._dtype)
-        n = kv.shape[0]
+        if payload.start != self.cached:
+            raise ValueError(f"MoA needs features from position {self.cached}, got {payload}")
+        m, N = self.model, self.model.parts.tli
+        kv = None if payload.kv is None else payload.kv.to(self._device, self._dtype)
+        if payload.memory is not None:  # payload mode lsa: the server ran our LSA
+            memory = payload.memory.to(self._device, self._dtype)
+        elif kv is not None:
+            memory = m.memory(kv)
+        else:
+            raise ValueError(f"MoA needs kv or memory features, got {payload}")
+        n = memory.shape[0]
         positions = torch.arange(payload.start, payload.start + n, device=self._device)[None]
-        k, v = self.model.memory_kv(self.model.memory(kv)[None], positions)
+        k, v = m.memory_kv(memory[None], positions)
         if self.mem_k is None:
             self.mem_k, self.mem_v = k, v
         else:  # drop the new null slot: it is already at the front
             self.mem_k = torch.cat([self.mem_k, k[:, :, 1:]], dim=2)
             self.mem_v = torch.cat([self.mem_v, v[:, :, 1:]], dim=2)
-        if self.tli_caches:
-            first = self.model.parts.num_layers - self.model.parts.tli
-            keys, values = split_kv(kv[:, first:], self.model.parts.num_kv_heads)
+        if N:
+            tli_kv = kv[:, m.parts.num_layers - N :] if payload.tli_kv is None else payload.tli_kv
+            if tli_kv is None or tli_kv.shape[1] != N:
+                raise ValueError(f"MoA TLI={N} needs the last {N} layers' KV, got {payload}")
+            keys, values = split_kv(tli_kv.to(self._device, self._dtype), m.parts.num_kv_heads)
             for cache, lk, lv in zip(self.tli_caches, keys, values, strict=True):
                 cache.write(lk[None], lv[None], payload.start)
         self.cached = payload.start + n  # tokens accepted from a draft sit past ``fed``: fed again as committed

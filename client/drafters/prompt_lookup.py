@@ -55,7 +55,7 @@ class PromptLookup(Drafter):
     def rewind(self, n: int) -> None:
         self.begin(self.history[: len(self.history) - n])
 
-    def propose(self, max_nodes: int) -> DraftTree:
+    def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         tree = DraftTree()
         end = len(self.history)
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):

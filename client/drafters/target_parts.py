@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client.drafters.layers import Block
+from shared.layers import Block
 
 
 def _block_sharing(layer: nn.Module, cfg) -> Block:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from client.drafters.base import Drafter
-from client.drafters.layers import node_mask
 from client.drafters.tree_search import eagle2_tree
+from shared.layers import node_mask
 from shared.tree import DraftTree
 
 
@@ -26,6 +26,7 @@ class TreeDrafter(Drafter):
         self.width, self.depth = width, depth
         self.name = name or model.kind
         self.features = model.features
+        self.tli = model.parts.tli
 
     @property
     def _device(self) -> torch.device:
@@ -39,10 +40,12 @@ class TreeDrafter(Drafter):
     def can_draft(self) -> bool:
         """Whether there is enough context to draft from (otherwise ``propose`` returns an empty tree)."""
 
-    def propose(self, max_nodes: int) -> DraftTree:
+    def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         if max_nodes < 1 or not self.can_draft():
             return DraftTree()
-        tree, _ = eagle2_tree(self, self.width, self.depth, max_nodes, vocab_ids=self.model.parts.vocab_ids)
+        depth = self.depth if depth is None else depth
+        tree, scores = eagle2_tree(self, self.width, depth, max_nodes, vocab_ids=self.model.parts.vocab_ids)
+        tree.scores = scores
         return tree
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshared/wire/splitspec.proto\x12\x0csplitspec.v1\"A\n\x10HandshakeRequest\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\"\x9e\x02\n\x0eHandshakeReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12$\n\x06limits\x18\n \x01(\x0b\x32\x14.splitspec.v1.Limits\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\x93\x01\n\x06Limits\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x15\n\rsession_ttl_s\x18\x05 \x01(\x01\x12\x17\n\x0fmax_probe_bytes\x18\x06 \x01(\r\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"R\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\"^\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\"T\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\x11\x12\x0e\n\x06length\x18\x04 \x01(\r\"W\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x11\x43loseSessionReply\x12\x0e\n\x06length\x18\x01 \x01(\r\"\x7f\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\"I\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"0\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x32\xc6\x03\n\tSplitSpec\x12I\n\tHandshake\x12\x1e.splitspec.v1.HandshakeRequest\x1a\x1c.splitspec.v1.HandshakeReply\x12O\n\x0bOpenSession\x12 .splitspec.v1.OpenSessionRequest\x1a\x1e.splitspec.v1.OpenSessionReply\x12@\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x19.splitspec.v1.VerifyReply\x12R\n\x0c\x43loseSession\x12!.splitspec.v1.CloseSessionRequest\x1a\x1f.splitspec.v1.CloseSessionReply\x12H\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1b.splitspec.v1.GenerateChunk0\x01\x12=\n\x05Probe\x12\x1a.splitspec.v1.ProbeRequest\x1a\x18.splitspec.v1.ProbeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshared/wire/splitspec.proto\x12\x0csplitspec.v1\"j\n\x10HandshakeRequest\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x16\n\x0e\x64rafter_digest\x18\x04 \x01(\t\"\xaf\x02\n\x0eHandshakeReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12$\n\x06limits\x18\n \x01(\x0b\x32\x14.splitspec.v1.Limits\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x0f\n\x07\x64rafter\x18\r \x01(\t\"\xb5\x01\n\x06Limits\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x15\n\rsession_ttl_s\x18\x05 \x01(\x01\x12\x17\n\x0fmax_probe_bytes\x18\x06 \x01(\r\x12 \n\x18max_inline_payload_bytes\x18\x07 \x01(\r\"S\n\x0bPayloadSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tprecision\x18\x02 \x01(\t\x12\x12\n\ntli_layers\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\"$\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"_\n\x07Payload\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.splitspec.v1.Tensor\x12\x0f\n\x07pending\x18\x04 \x01(\x08\"n\n\x13\x46\x65tchPayloadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"~\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12*\n\x07payload\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"\x86\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12&\n\x07payload\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Payload\"\x80\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\x11\x12\x0e\n\x06length\x18\x04 \x01(\r\x12*\n\x07payload\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"\x7f\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12&\n\x07payload\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Payload\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x11\x43loseSessionReply\x12\x0e\n\x06length\x18\x01 \x01(\r\"\x7f\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\"I\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"0\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x32\x92\x04\n\tSplitSpec\x12I\n\tHandshake\x12\x1e.splitspec.v1.HandshakeRequest\x1a\x1c.splitspec.v1.HandshakeReply\x12O\n\x0bOpenSession\x12 .splitspec.v1.OpenSessionRequest\x1a\x1e.splitspec.v1.OpenSessionReply\x12@\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x19.splitspec.v1.VerifyReply\x12R\n\x0c\x43loseSession\x12!.splitspec.v1.CloseSessionRequest\x1a\x1f.splitspec.v1.CloseSessionReply\x12H\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1b.splitspec.v1.GenerateChunk0\x01\x12=\n\x05Probe\x12\x1a.splitspec.v1.ProbeRequest\x1a\x18.splitspec.v1.ProbeReply\x12J\n\x0c\x46\x65tchPayload\x12!.splitspec.v1.FetchPayloadRequest\x1a\x15.splitspec.v1.Payload0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.wire.splitspec_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKEREQUEST']._serialized_start=45
-  _globals['_HANDSHAKEREQUEST']._serialized_end=110
-  _globals['_HANDSHAKEREPLY']._serialized_start=113
-  _globals['_HANDSHAKEREPLY']._serialized_end=399
-  _globals['_LIMITS']._serialized_start=402
-  _globals['_LIMITS']._serialized_end=549
-  _globals['_SAMPLING']._serialized_start=551
-  _globals['_SAMPLING']._serialized_end=611
-  _globals['_OPENSESSIONREQUEST']._serialized_start=613
-  _globals['_OPENSESSIONREQUEST']._serialized_end=695
-  _globals['_OPENSESSIONREPLY']._serialized_start=697
-  _globals['_OPENSESSIONREPLY']._serialized_end=791
-  _globals['_VERIFYREQUEST']._serialized_start=793
-  _globals['_VERIFYREQUEST']._serialized_end=877
-  _globals['_VERIFYREPLY']._serialized_start=879
-  _globals['_VERIFYREPLY']._serialized_end=966
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=968
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1009
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1011
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1046
-  _globals['_GENERATEREQUEST']._serialized_start=1048
-  _globals['_GENERATEREQUEST']._serialized_end=1175
-  _globals['_GENERATECHUNK']._serialized_start=1177
-  _globals['_GENERATECHUNK']._serialized_end=1250
-  _globals['_PROBEREQUEST']._serialized_start=1252
-  _globals['_PROBEREQUEST']._serialized_end=1304
-  _globals['_PROBEREPLY']._serialized_start=1306
-  _globals['_PROBEREPLY']._serialized_end=1354
-  _globals['_SPLITSPEC']._serialized_start=1357
-  _globals['_SPLITSPEC']._serialized_end=1811
+  _globals['_HANDSHAKEREQUEST']._serialized_end=151
+  _globals['_HANDSHAKEREPLY']._serialized_start=154
+  _globals['_HANDSHAKEREPLY']._serialized_end=457
+  _globals['_LIMITS']._serialized_start=460
+  _globals['_LIMITS']._serialized_end=641
+  _globals['_PAYLOADSPEC']._serialized_start=643
+  _globals['_PAYLOADSPEC']._serialized_end=726
+  _globals['_TENSOR']._serialized_start=728
+  _globals['_TENSOR']._serialized_end=764
+  _globals['_PAYLOAD']._serialized_start=766
+  _globals['_PAYLOAD']._serialized_end=861
+  _globals['_FETCHPAYLOADREQUEST']._serialized_start=863
+  _globals['_FETCHPAYLOADREQUEST']._serialized_end=973
+  _globals['_SAMPLING']._serialized_start=975
+  _globals['_SAMPLING']._serialized_end=1035
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1037
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1163
+  _globals['_OPENSESSIONREPLY']._serialized_start=1166
+  _globals['_OPENSESSIONREPLY']._serialized_end=1300
+  _globals['_VERIFYREQUEST']._serialized_start=1303
+  _globals['_VERIFYREQUEST']._serialized_end=1431
+  _globals['_VERIFYREPLY']._serialized_start=1433
+  _globals['_VERIFYREPLY']._serialized_end=1560
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1562
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1603
+  _globals['_CLOSESESSIONREPLY']._serialized_start=1605
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1640
+  _globals['_GENERATEREQUEST']._serialized_start=1642
+  _globals['_GENERATEREQUEST']._serialized_end=1769
+  _globals['_GENERATECHUNK']._serialized_start=1771
+  _globals['_GENERATECHUNK']._serialized_end=1844
+  _globals['_PROBEREQUEST']._serialized_start=1846
+  _globals['_PROBEREQUEST']._serialized_end=1898
+  _globals['_PROBEREPLY']._serialized_start=1900
+  _globals['_PROBEREPLY']._serialized_end=1948
+  _globals['_SPLITSPEC']._serialized_start=1951
+  _globals['_SPLITSPEC']._serialized_end=2481
 # @@protoc_insertion_point(module_scope)

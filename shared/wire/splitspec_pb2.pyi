@@ -7,15 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("client", "tokenizer_fingerprint")
+    __slots__ = ("client", "tokenizer_fingerprint", "drafter", "drafter_digest")
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     client: str
     tokenizer_fingerprint: str
-    def __init__(self, client: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    drafter: str
+    drafter_digest: str
+    def __init__(self, client: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., drafter_digest: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("protocol_version", "model_name", "tokenizer_fingerprint", "vocab_size", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "eos_token_ids", "limits", "device", "dtype")
+    __slots__ = ("protocol_version", "model_name", "tokenizer_fingerprint", "vocab_size", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "eos_token_ids", "limits", "device", "dtype", "drafter")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +32,7 @@ class HandshakeReply(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_name: str
     tokenizer_fingerprint: str
@@ -40,23 +45,70 @@ class HandshakeReply(_message.Message):
     limits: Limits
     device: str
     dtype: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    drafter: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s", "max_probe_bytes")
+    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s", "max_probe_bytes", "max_inline_payload_bytes")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INLINE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_tree_nodes: int
     max_context: int
     max_new_tokens: int
     session_ttl_s: float
     max_probe_bytes: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_probe_bytes: _Optional[int] = ...) -> None: ...
+    max_inline_payload_bytes: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_probe_bytes: _Optional[int] = ..., max_inline_payload_bytes: _Optional[int] = ...) -> None: ...
+
+class PayloadSpec(_message.Message):
+    __slots__ = ("mode", "precision", "tli_layers", "drafter")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    TLI_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    precision: str
+    tli_layers: int
+    drafter: str
+    def __init__(self, mode: _Optional[str] = ..., precision: _Optional[str] = ..., tli_layers: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("start", "count", "tensors", "pending")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    count: int
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    pending: bool
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., pending: _Optional[bool] = ...) -> None: ...
+
+class FetchPayloadRequest(_message.Message):
+    __slots__ = ("session_id", "start", "end", "spec")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    end: int
+    spec: PayloadSpec
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., spec: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -69,48 +121,56 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling")
+    __slots__ = ("prompt_ids", "sampling", "payload")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    payload: PayloadSpec
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "first_token", "length", "compute_s")
+    __slots__ = ("session_id", "first_token", "length", "compute_s", "payload")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token: int
     length: int
     compute_s: float
-    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    payload: Payload
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "parents", "length")
+    __slots__ = ("session_id", "tokens", "parents", "length", "payload")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     length: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
+    payload: PayloadSpec
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "length", "compute_s")
+    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     length: int
     compute_s: float
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    payload: Payload
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

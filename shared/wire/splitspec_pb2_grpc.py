@@ -64,6 +64,11 @@ class SplitSpecStub:
                 request_serializer=shared_dot_wire_dot_splitspec__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=shared_dot_wire_dot_splitspec__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.FetchPayload = channel.unary_stream(
+                '/splitspec.v1.SplitSpec/FetchPayload',
+                request_serializer=shared_dot_wire_dot_splitspec__pb2.FetchPayloadRequest.SerializeToString,
+                response_deserializer=shared_dot_wire_dot_splitspec__pb2.Payload.FromString,
+                _registered_method=True)
 
 
 class SplitSpecServicer:
@@ -111,6 +116,14 @@ class SplitSpecServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPayload(self, request, context):
+        """Features of cached tokens [start, end), streamed in chunks: a prefill's payload too big to
+        ride inline, or a re-request after a payload failed to decode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitSpecServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_SplitSpecServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=shared_dot_wire_dot_splitspec__pb2.ProbeRequest.FromString,
                     response_serializer=shared_dot_wire_dot_splitspec__pb2.ProbeReply.SerializeToString,
+            ),
+            'FetchPayload': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPayload,
+                    request_deserializer=shared_dot_wire_dot_splitspec__pb2.FetchPayloadRequest.FromString,
+                    response_serializer=shared_dot_wire_dot_splitspec__pb2.Payload.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class SplitSpec:
             '/splitspec.v1.SplitSpec/Probe',
             shared_dot_wire_dot_splitspec__pb2.ProbeRequest.SerializeToString,
             shared_dot_wire_dot_splitspec__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPayload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitspec.v1.SplitSpec/FetchPayload',
+            shared_dot_wire_dot_splitspec__pb2.FetchPayloadRequest.SerializeToString,
+            shared_dot_wire_dot_splitspec__pb2.Payload.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-"""Building blocks of the trained drafters: Llama-style blocks over explicit masks and caches.
+"""Llama-style blocks over explicit masks and caches: the drafters' layers, and the LSA the server runs.
 
 Written out instead of borrowed from transformers so that one block serves every use a drafter
 has: causal or bidirectional self-attention, cross-attention to a memory, tree-masked draft

@@ -1,0 +1,182 @@
+"""Network-adaptive drafting: each round, send the part of the draft tree that maximises expected tokens/s.
+
+A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate`` and gains
+``1 + E[accepted | n]`` tokens. Everything in it is measured as decoding goes:
+
+* ``E[accepted | n]`` — the drafter ranks its EAGLE-2 tree by cumulative log-probability, and the
+  expected number of accepted nodes is the sum of the kept nodes' path probabilities
+  ``Σ exp(score)``; a calibration factor (observed accepted ÷ predicted, averaged) corrects a
+  drafter that is over- or under-confident. The tree comes parents-first in rank order, so
+  keeping its first n nodes is exactly the tree a budget of n would have given.
+* ``verify(n)`` — the server reports its compute time per call; a running least-squares line
+  over (nodes, seconds) predicts it for any n.
+* ``RTT``, rates — the link monitor (``client.link``).
+* ``draft`` — measured per depth step; the drafted depth follows the deepest node the policy
+  actually kept (plus one), so drafting stops paying for levels that never get sent.
+
+The payload (mode and precision) is chosen by what it costs to download per round: the most
+faithful option whose transfer takes at most ``PAYLOAD_SHARE`` of the round, else the smallest.
+``lsa`` ships one memory vector per token instead of every layer's KV, so it wins whenever the
+server holds the drafter's bundle; precision only drops below fp16 on very slow links. Any of
+these can be pinned (``--max-tree-nodes``/``--tree-depth``/``--payload``/``--precision``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared.payload import PayloadSpec
+from shared.tree import DraftTree
+
+GAIN = 0.2  # weight of a new sample in the running averages
+# Verification cost is learned from the sizes actually sent, so sizes must vary: the first rounds
+# send these shares of the tree, and every EXPLORE_EVERY-th round one of them again.
+EXPLORE = (1.0, 0.25, 0.5)
+EXPLORE_EVERY = 8
+PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
+
+
+@dataclass
+class LineFit:
+    """Running least squares of y = a + b·x with exponential forgetting (the machine's speed drifts)."""
+
+    forget: float = 0.95
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        f = self.forget
+        self.n, self.sx, self.sy = f * self.n + 1, f * self.sx + x, f * self.sy + y
+        self.sxx, self.sxy = f * self.sxx + x * x, f * self.sxy + x * y
+
+    def __call__(self, x: float, default: float) -> float:
+        if self.n < 1:
+            return default
+        spread = self.n * self.sxx - self.sx**2
+        if spread <= 1e-9 * max(1.0, self.n * self.sxx):  # one x value seen so far: the mean is all we know
+            return self.sy / self.n
+        b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
+        a = (self.sy - b * self.sx) / self.n
+        return max(0.0, a + b * x)
+
+
+@dataclass
+class Decision:
+    nodes: int
+    expected_gain: float
+    expected_round_s: float
+
+
+@dataclass
+class AdaptivePolicy:
+    """Chooses per round how many drafted nodes to verify, how deep to draft, and the payload.
+
+    ``payload_options``: the payloads the drafter may use, most faithful first (e.g. lsa/fp16,
+    lsa/int8, kv/fp16); ``bytes_per_token(spec)`` sizes them. ``pin_nodes``/``pin_depth``/
+    ``pin_payload`` fix a choice instead of adapting it.
+    """
+
+    link: object  # client.link.LinkMonitor (or None for a local verifier)
+    max_nodes: int = 64
+    max_depth: int = 8
+    min_depth: int = 2
+    payload_options: list[PayloadSpec] = field(default_factory=list)
+    bytes_per_token: object = None  # callable(spec) -> raw bytes per token
+    pin_nodes: int | None = None
+    pin_depth: int | None = None
+    pin_payload: PayloadSpec | None = None
+    verify_fit: LineFit = field(default_factory=LineFit)
+    draft_step_s: float | None = None
+    calibration: float = 1.0
+    depth: int = 0
+    rounds: int = 0
+    history: list[Decision] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.depth = self.pin_depth or min(self.max_depth, 5)
+
+    # --- estimates ---
+
+    def _transfer_s(self, up_bytes: float, down_bytes: float) -> tuple[float, float]:
+        """(round trip, transfer) seconds on the link as measured; zero without a link."""
+        if self.link is None:
+            return 0.0, 0.0
+        rtt = self.link.srtt_s or 0.0
+        return rtt, self.link.transfer_s(int(up_bytes), int(down_bytes))
+
+    def round_s(self, nodes: int, down_bytes: float) -> float:
+        verify = self.verify_fit(nodes + 1, default=0.0)
+        draft = (self.draft_step_s or 0.0) * self.depth
+        rtt, transfer = self._transfer_s(16 + 6 * nodes, down_bytes)
+        return draft + verify + rtt + transfer
+
+    # --- the three choices ---
+
+    def cut(self, tree: DraftTree, payload_per_token: float = 0.0) -> DraftTree:
+        """The first n nodes of ``tree`` maximising expected tokens per second."""
+        if self.pin_nodes is not None or tree.scores is None or not tree.tokens:
+            n = len(tree) if self.pin_nodes is None else min(self.pin_nodes, len(tree))
+            self.history.append(Decision(n, float("nan"), float("nan")))
+            return tree.head(n)
+        self.rounds += 1
+        explore = self.rounds - 1 if self.rounds <= len(EXPLORE) else None
+        if explore is None and self.rounds % EXPLORE_EVERY == 0:
+            explore = (self.rounds // EXPLORE_EVERY) % len(EXPLORE)
+        if explore is not None:
+            n = max(1, math.ceil(EXPLORE[explore] * len(tree)))
+            self.history.append(Decision(n, 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n])), float("nan")))
+            return tree.head(n)
+        best, best_rate, gain, cumulative = 0, 0.0, 1.0, 0.0
+        for n in range(0, len(tree) + 1):
+            if n:
+                cumulative += math.exp(tree.scores[n - 1])
+            gain = 1.0 + self.calibration * cumulative
+            seconds = self.round_s(n, gain * payload_per_token)
+            rate = gain / seconds if seconds > 0 else gain
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        predicted = 1.0 + self.calibration * sum(math.exp(s) for s in tree.scores[:best])
+        self.history.append(Decision(best, predicted, predicted / best_rate if best_rate else 0.0))
+        if self.pin_depth is None:
+            depth = _depth(tree.parents[:best])
+            self.depth = max(self.min_depth, min(self.max_depth, depth + 1))
+        return tree.head(best)
+
+    def payload(self, expected_tokens: float = 2.0) -> PayloadSpec | None:
+        """The payload for the next round (None: no choice to make)."""
+        if self.pin_payload is not None or not self.payload_options:
+            return self.pin_payload
+        if not math.isfinite(expected_tokens):
+            expected_tokens = 2.0
+        last = self.history[-1].expected_round_s if self.history else float("nan")
+        budget = PAYLOAD_SHARE * (last if math.isfinite(last) and last > 0 else 0.1)
+        sized = [(spec, expected_tokens * self.bytes_per_token(spec)) for spec in self.payload_options]
+        for spec, size in sized:
+            if self._transfer_s(0, size)[1] <= budget:
+                return spec
+        return min(sized, key=lambda pair: pair[1])[0]
+
+    # --- learning from what happened ---
+
+    def observe(self, sent: DraftTree, accepted: int, compute_s: float, draft_s: float, depth: int) -> None:
+        if compute_s > 0:
+            self.verify_fit.add(len(sent) + 1, compute_s)
+        if depth > 0:
+            step = draft_s / depth
+            self.draft_step_s = step if self.draft_step_s is None else (1 - GAIN) * self.draft_step_s + GAIN * step
+        if sent.scores:
+            predicted = sum(math.exp(s) for s in sent.scores)
+            if predicted > 0.05:
+                ratio = min(3.0, max(0.2, accepted / predicted))
+                self.calibration = (1 - GAIN) * self.calibration + GAIN * ratio
+
+
+def _depth(parents: list[int]) -> int:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 + (depths[p] if p >= 0 else 0))
+    return max(depths, default=0)

@@ -1,0 +1,88 @@
+"""What the server exports about cached tokens, and the LSAs it runs for clients (payload mode ``lsa``).
+
+Every payload is derived from state the session already holds — the KV cache (all layers, every
+committed token but the root) and, for EAGLE-style clients, the final hidden states kept beside
+it — so any range can be exported again later: that is how a long prefill is streamed in chunks
+and how a payload the client could not decode is sent once more.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from shared import payload
+from shared.bundles import SHIPPED, find_bundle
+from shared.errors import SplitspecError
+from shared.features import cache_kv
+from shared.lsa import LayerSelfAttention, load_lsa, weights_digest
+from shared.payload import PayloadSpec
+from shared.wire import splitspec_pb2 as pb
+
+
+class LSARegistry:
+    """LSAs of drafter bundles by name, loaded once (and checked against the target) on first request."""
+
+    def __init__(self, target, bundle_dirs: tuple[Path, ...] = (SHIPPED,)):
+        self.target = target
+        self.bundle_dirs = tuple(Path(d) for d in bundle_dirs)
+        self._loaded: dict[str, tuple[LayerSelfAttention, str]] = {}
+        self._lock = threading.Lock()
+
+    def load(self, name: str, digest: str = "") -> LayerSelfAttention:
+        """The LSA of bundle ``name``; SplitspecError if there is no such MoA bundle, it does not fit the
+        target, or its weights differ from the client's (``digest``)."""
+        if not name or "/" in name or name.startswith("."):
+            raise SplitspecError(f"drafter name {name!r} must be a bundle's folder name, like 'moa-tli1'")
+        with self._lock:
+            if name not in self._loaded:
+                path = find_bundle(name, self.bundle_dirs)
+                if path is None or path.parent.resolve() not in {d.resolve() for d in self.bundle_dirs}:
+                    where = ", ".join(str(d) for d in self.bundle_dirs)
+                    raise SplitspecError(f"the server has no drafter bundle {name!r} (looked in {where})")
+                lsa, _ = load_lsa(path, self.target)
+                self._loaded[name] = (lsa, weights_digest(path))
+            lsa, ours = self._loaded[name]
+        if digest and digest != ours:
+            raise SplitspecError(
+                f"the server's bundle {name!r} has weights {ours}, the client's has {digest}: "
+                "both sides must hold the same bundle for payload mode 'lsa'"
+            )
+        return lsa
+
+    def get(self, name: str) -> LayerSelfAttention | None:
+        with self._lock:
+            entry = self._loaded.get(name)
+        return entry[0] if entry else None
+
+
+class Unavailable(Exception):
+    """A well-formed payload request this server or session cannot serve (yet)."""
+
+
+def check_spec(spec: PayloadSpec, target, lsas: LSARegistry, has_hidden: bool) -> None:
+    """ValueError for a spec that is wrong for this target, Unavailable for one this session cannot serve."""
+    if spec.tli_layers > target.num_layers:
+        raise ValueError(f"tli_layers {spec.tli_layers} exceeds the target's {target.num_layers} layers")
+    if spec.mode == "lsa" and lsas.get(spec.drafter) is None:
+        raise Unavailable(f"drafter {spec.drafter!r} was not named at Handshake: the server has not loaded its LSA")
+    if spec.mode == "hidden" and not has_hidden:
+        raise Unavailable("this session was opened without payload mode 'hidden'; its hidden states were not kept")
+
+
+def export(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int) -> pb.Payload:
+    """Encode the features of cached tokens [start, end) as ``spec`` asks."""
+    if not spec:
+        return pb.Payload(start=start, count=0)
+    engine = session.engine
+    kv = cache_kv(engine.cache, start, end).float()
+    hidden = session.hidden[start:end].float() if session.hidden is not None else None
+    tensors = payload.tensors_for(spec, kv, hidden, lsas.get(spec.drafter) if spec.mode == "lsa" else None)
+    return payload.encode(start, {k: v.float() for k, v in tensors.items()}, spec.precision)
+
+
+def bytes_per_token(spec: PayloadSpec, target) -> int:
+    """Raw fp32 bytes of one token's payload, however it will be encoded: sizes FetchPayload's chunks."""
+    kv_width = 2 * target.num_kv_heads * target.head_dim
+    fp32 = PayloadSpec(spec.mode, "fp32", spec.tli_layers, spec.drafter)
+    return int(payload.raw_bytes_per_token(fp32, target.num_layers, kv_width, target.hidden_size))
