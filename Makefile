@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-foundation bench-single bench-trees bench-netsim clean
+.PHONY: setup demo test lint proto bench-foundation bench-single bench-trees bench-network bench-netsim clean
 
 setup: $(VENV)/.ready
 
@@ -43,6 +43,9 @@ bench-single: setup
 
 bench-trees: setup
 	$(PY) -m bench.trees
+
+bench-network: setup
+	$(PY) -m bench.network
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

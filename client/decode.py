@@ -26,10 +26,11 @@ class GenerationStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     payload_bytes: int = 0  # encoded feature payloads among bytes_received
+    prefill_payload_bytes: int = 0  # the prompt's share of payload_bytes
     bytes_up_per_round: float = 0.0  # a round: one server call that verifies (or prefills)
     bytes_down_per_round: float = 0.0
     bytes_down_per_token: float = 0.0  # per generated token
-    payload_bytes_per_token: float = 0.0
+    payload_bytes_per_token: float = 0.0  # payloads of the rounds (not the prompt's) per generated token
     server_compute_s: float = 0.0
     ttft_s: float = 0.0
     draft_s: float = 0.0
@@ -162,11 +163,12 @@ def _copy_link(stats: GenerationStats, verifier, before) -> None:
     stats.bytes_sent = counters.bytes_sent
     stats.bytes_received = counters.bytes_received
     stats.payload_bytes = getattr(counters, "payload_bytes", 0)
+    stats.prefill_payload_bytes = getattr(counters, "prefill_payload_bytes", 0)
     calls = max(counters.server_calls, 1)
     stats.bytes_up_per_round = counters.bytes_sent / calls
     stats.bytes_down_per_round = counters.bytes_received / calls
     stats.bytes_down_per_token = counters.bytes_received / max(stats.new_tokens, 1)
-    stats.payload_bytes_per_token = stats.payload_bytes / max(stats.new_tokens, 1)
+    stats.payload_bytes_per_token = (stats.payload_bytes - stats.prefill_payload_bytes) / max(stats.new_tokens, 1)
     stats.server_compute_s = counters.server_compute_s
     link = getattr(verifier, "link", None)
     for name, value in (link.as_stats() if link is not None else {}).items():

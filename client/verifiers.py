@@ -39,7 +39,8 @@ class LinkCounters:
     server_compute_s: float = 0.0
     probe_calls: int = 0
     probe_bytes: int = 0  # both directions
-    payload_bytes: int = 0  # encoded feature payloads received (part of bytes_received)
+    payload_bytes: int = 0  # encoded feature payloads received (part of bytes_received), prefills included
+    prefill_payload_bytes: int = 0  # the prompts' share of payload_bytes
     payload_refetches: int = 0  # payloads that failed to decode and were asked for again
 
     def since(self, earlier: LinkCounters) -> LinkCounters:
@@ -205,7 +206,10 @@ class RemoteVerifier:
                                         payload=self.payload.to_msg())  # fmt: skip
         reply = self._call(self.stub.OpenSession, request)
         self.session_id, self.length = reply.session_id, reply.length
-        return Round([], [reply.first_token], self._features(reply.payload))
+        before = self.counters.payload_bytes
+        features = self._features(reply.payload)
+        self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
+        return Round([], [reply.first_token], features)
 
     def verify(self, tree: DraftTree) -> Round:
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,

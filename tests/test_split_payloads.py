@@ -187,6 +187,12 @@ def test_handshake_refuses_a_bundle_that_does_not_fit(tiny_target, bundles, tmp_
     config = json.loads((bundles / "moa-tli0" / "config.json").read_text())
     config["target"]["tokenizer_fingerprint"] = "0123456789abcdef"
     (foreign / "config.json").write_text(json.dumps(config))
+    other_shape = tmp_path / "moa-wide"
+    other_shape.mkdir()
+    (other_shape / "weights.safetensors").write_bytes((bundles / "moa-tli0" / "weights.safetensors").read_bytes())
+    config = json.loads((bundles / "moa-tli0" / "config.json").read_text())
+    config["target"]["hidden_size"] *= 2
+    (other_shape / "config.json").write_text(json.dumps(config))
     srv, port, _ = build_server(tiny_target, "127.0.0.1", 0, bundle_dirs=(tmp_path, bundles))
     srv.start()
     address = f"127.0.0.1:{port}"
@@ -196,6 +202,7 @@ def test_handshake_refuses_a_bundle_that_does_not_fit(tiny_target, bundles, tmp_
             ("moa-tli1", "moa-tli0", "the server's bundle 'moa-tli1' has weights"),
             ("eagle", "eagle", "only MoA bundles have an LSA"),
             ("moa-tli9", "moa-tli0", "has no drafter bundle 'moa-tli9'"),
+            ("moa-wide", "moa-tli0", "expects a target with hidden_size=128, this one has 64"),
         ]
         for name, held, message in cases:
             with pytest.raises(SplitspecError, match=f"FAILED_PRECONDITION: .*{message}"):

@@ -1,0 +1,311 @@
+"""Client–server benchmark under simulated networks (MoA paper, Table 3): drafters on the client, target on the server.
+
+A `splitspec serve` child hosts the target on loopback; netsim (the Toxiproxy-compatible proxy) puts a
+network profile between it and this process, which runs the drafters (trained ones load the target too,
+for the frozen parts they reuse). Per profile (``none`` = straight to the server) and prompt, every method
+generates greedily, interleaved and rotated as in ``bench.single``:
+
+* ``api``            the server decodes alone and streams tokens (one call)
+* ``prompt-lookup``  training-free drafts, verified remotely
+* ``independent``    the distilled small LM (no payload)
+* ``eagle``          EAGLE-style: the server ships each new token's last hidden state (payload ``hidden``)
+* ``moa-tliN``       MoA, static: payload ``lsa`` at fp16 (the server runs the LSA; TLI>0 adds the last N
+                     layers' KV), EAGLE-2 tree B=4, D=5, 16 nodes, all of it verified every round
+* ``moa-tliN-paper`` the same with the MoA paper's fixed tree (B=8, D=6, 62 nodes)
+* ``moa-tliN-adaptive`` the adaptive policy (``client.adaptive``): tree size, depth and payload per round
+
+``plain-local`` — plain decoding with the target in this process on the whole machine — is the
+single-device reference ("recovers single-device speed"). Per run: tokens/s, τ, server calls per 100
+tokens, server compute seconds per token, bytes per token up and down, payload bytes per token, time to
+first token, and whether the ids equal the API's (the target's greedy).
+
+Run:  .venv/bin/python -m bench.network [--profiles none,5g,4g,lte,3g] [--limit K] [--methods a,b]
+Writes network.json, network.md and network.png under --out (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.common import cell, environment, mark_differences, median
+from bench.single import load_prompts
+from client.adaptive import AdaptivePolicy
+from client.decode import api_generate, speculative_generate
+from client.demo import server_child
+from client.drafters import make_drafter
+from client.verifiers import LocalVerifier, RemoteVerifier, payload_spec
+from netsim.profiles import PROFILES
+from shared.models import DEFAULT_MODEL, load_target
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
+DEFAULT_METHODS = ["api", "prompt-lookup", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3",
+                   "moa-tli3-paper", "moa-tli3-adaptive"]  # fmt: skip
+REFERENCE = "api"
+STATIC_TREE = (4, 5, 16)
+PAPER_TREE = (8, 6, 62)
+
+
+@dataclass
+class Run:
+    profile: str
+    dataset: str
+    prompt: int
+    method: str
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    acceptance_length: float
+    rounds: int
+    server_calls: int
+    server_compute_s: float
+    bytes_sent: int
+    bytes_received: int
+    payload_bytes: int
+    prefill_payload_bytes: int
+    ttft_s: float
+    payload: str
+    matches_reference: bool | None = None
+    first_difference: int | None = None
+
+
+class Method:
+    """One way to generate against the server: a drafter (or the API), its payload, tree and policy."""
+
+    def __init__(self, name: str, target, address: str):
+        self.name, self.target = name, target
+        self.drafter, self.policy, self.nodes = None, None, STATIC_TREE[2]
+        base = name.removesuffix("-paper").removesuffix("-adaptive")
+        if name != "api":
+            tree = PAPER_TREE if name.endswith("-paper") else STATIC_TREE
+            trained = base not in ("prompt-lookup", "none")
+            self.drafter = make_drafter(base, target=target if trained else None,
+                                        **({"width": tree[0], "depth": tree[1]} if trained else {}))  # fmt: skip
+            self.nodes = tree[2] if trained else 64
+        spec = payload_spec(self.drafter, "lsa", "fp16") if self.drafter is not None else None
+        extra = {"payload": spec, "drafter_bundle": self.drafter.bundle} if spec else {}
+        self.verifier = RemoteVerifier(address, fingerprint=target.fingerprint, **extra)
+        self.verifier.probe_link()
+        self.adaptive = name.endswith("-adaptive")
+        if self.adaptive:
+            self.nodes = 64
+        self.options = [payload_spec(self.drafter, "lsa", p) for p in ("fp16", "int8", "int4")] if spec else []
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+        if self.drafter is None:
+            return api_generate(self.verifier, prompt_ids, max_new_tokens)
+        policy = None
+        if self.adaptive:  # a fresh policy per generation: what it learns is this generation's
+            policy = AdaptivePolicy(self.verifier.link, payload_options=self.options,
+                                    bytes_per_token=self.verifier.payload_bytes_per_token)  # fmt: skip
+            self.verifier.payload = self.options[0]
+        return speculative_generate(self.verifier, self.drafter, prompt_ids, max_new_tokens,
+                                    max_tree_nodes=self.nodes, policy=policy)  # fmt: skip
+
+    def close(self) -> None:
+        self.verifier.shutdown()
+
+
+def run_profile(profile: str, upstream: str, netsim, target, names: list[str], prompts, args) -> list[Run]:
+    from netsim import simulated_link
+
+    runs: list[Run] = []
+    with contextlib.ExitStack() as stack:
+        address = upstream
+        if profile != "none":
+            address = stack.enter_context(simulated_link(upstream, profile, netsim=netsim)).address
+        methods = [Method(n, target, address) for n in names]
+        for m in methods:
+            stack.callback(m.close)
+        bar = tqdm(total=len(prompts) * len(methods), desc=f"network {profile}", unit="run", file=sys.stderr)
+        for k, prompt in enumerate(prompts):
+            shift = k % len(methods)
+            done = {}
+            for m in methods[shift:] + methods[:shift]:
+                bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {m.name}")
+                gen = m.generate(prompt.ids, args.max_new_tokens)
+                s = gen.stats
+                payload = m.verifier.payload
+                run = Run(
+                    profile, prompt.dataset, prompt.index, m.name, s.new_tokens, round(s.wall_s, 4),
+                    round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, s.server_calls,
+                    round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
+                    s.prefill_payload_bytes, round(s.ttft_s, 4),
+                    f"{payload.mode}/{payload.precision}" if payload else "-",
+                )  # fmt: skip
+                runs.append(run)
+                done[m.name] = (run, gen.token_ids)
+                bar.update()
+            if REFERENCE in done:
+                mark_differences(done, REFERENCE, f"{profile} {prompt.dataset} prompt {prompt.index}")
+        bar.close()
+    return runs
+
+
+def plain_local(target, prompts, args) -> list[Run]:
+    """Plain decoding in-process on the whole machine: the single-device reference."""
+    torch.set_num_threads(args.server_threads + args.client_threads)
+    runs = []
+    try:
+        for prompt in tqdm(prompts, desc="plain-local", unit="run", file=sys.stderr):
+            gen = speculative_generate(LocalVerifier(target), make_drafter("none"), prompt.ids, args.max_new_tokens)
+            s = gen.stats
+            runs.append(Run("local", prompt.dataset, prompt.index, "plain-local", s.new_tokens, round(s.wall_s, 4),
+                            round(s.tokens_per_s, 3), 1.0, s.rounds, 0, round(s.server_compute_s, 4), 0, 0, 0, 0,
+                            round(s.ttft_s, 4), "-"))  # fmt: skip
+    finally:
+        torch.set_num_threads(args.client_threads)
+    return runs
+
+
+def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
+    """{profile: {method: medians over prompts}}."""
+    out: dict[str, dict[str, dict]] = {}
+    for r in runs:
+        out.setdefault(r.profile, {}).setdefault(r.method, {})
+    for profile, methods in out.items():
+        for method in methods:
+            mine = [r for r in runs if r.profile == profile and r.method == method]
+            tokens = [max(r.tokens, 1) for r in mine]
+            methods[method] = {
+                "prompts": len(mine),
+                "median_tokens_per_s": median([r.tokens_per_s for r in mine]),
+                "mean_acceptance_length": round(statistics.fmean(r.acceptance_length for r in mine), 3),
+                "calls_per_100_tokens": median([100 * r.server_calls / t for r, t in zip(mine, tokens, strict=True)]),
+                "server_s_per_token": median([r.server_compute_s / t for r, t in zip(mine, tokens, strict=True)]),
+                "bytes_up_per_token": median([r.bytes_sent / t for r, t in zip(mine, tokens, strict=True)]),
+                "bytes_down_per_token": median([r.bytes_received / t for r, t in zip(mine, tokens, strict=True)]),
+                "payload_bytes_per_token": median(  # the rounds' payloads; the prompt's is prefill_payload_bytes
+                    [(r.payload_bytes - r.prefill_payload_bytes) / t for r, t in zip(mine, tokens, strict=True)]
+                ),
+                "prefill_payload_bytes": median([r.prefill_payload_bytes for r in mine]),
+                "median_ttft_s": median([r.ttft_s for r in mine]),
+                "mismatches": sum(r.matches_reference is False for r in mine),
+            }
+    return out
+
+
+def markdown(summary: dict[str, dict[str, dict]]) -> str:
+    lines = [
+        "| profile | method | tok/s | τ | calls/100 tok | server ms/tok | B/tok up | B/tok down | payload B/tok "
+        "| prefill payload KB | TTFT s | ≠ api |",
+        "|---|---|" + "---:|" * 10,
+    ]
+    for profile, methods in summary.items():
+        for m, s in methods.items():
+            ms = None if s["server_s_per_token"] is None else 1000 * s["server_s_per_token"]
+            cells = [
+                cell(s["median_tokens_per_s"], ".2f"), cell(s["mean_acceptance_length"], ".2f"),
+                cell(s["calls_per_100_tokens"], ".1f"), cell(ms, ".1f"), cell(s["bytes_up_per_token"], ".0f"),
+                cell(s["bytes_down_per_token"], ".0f"), cell(s["payload_bytes_per_token"], ".0f"),
+                cell(None if s["prefill_payload_bytes"] is None else s["prefill_payload_bytes"] / 1024, ".0f"),
+                cell(s["median_ttft_s"], ".2f"), "–" if m in (REFERENCE, "plain-local") else str(s["mismatches"]),
+            ]  # fmt: skip
+            lines.append(f"| {profile} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = [p for p in summary if p != "local"]
+    methods = list(dict.fromkeys(m for p in profiles for m in summary[p]))
+    fig, ax = plt.subplots(figsize=(13, 5))
+    width = 0.8 / max(1, len(methods))
+    cmap = plt.get_cmap("tab10")
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(profiles))]
+        ys = [(summary[p].get(m) or {}).get("median_tokens_per_s") or 0.0 for p in profiles]
+        ax.bar(xs, ys, width, label=m, color=cmap(j % 10))
+    local = (summary.get("local", {}).get("plain-local") or {}).get("median_tokens_per_s")
+    if local:
+        ax.axhline(local, color="black", ls="--", lw=1, label=f"plain, single device ({local:.1f})")
+    ax.set_xticks(range(len(profiles)), profiles)
+    ax.set_ylabel("tokens/s (median over prompts)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profiles", default=",".join(DEFAULT_PROFILES), help="comma list of netsim profiles and/or none")
+    p.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list (default {','.join(DEFAULT_METHODS)})"
+    )
+    p.add_argument("--limit", type=int, default=2, help="first K prompts of each dataset (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
+    p.add_argument("--server-threads", type=int, default=1, help="torch threads of the server child (default 1)")
+    p.add_argument("--client-threads", type=int, default=1, help="torch threads here (default 1)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
+    args = p.parse_args(argv)
+    args.profiles = [x.strip() for x in args.profiles.split(",") if x.strip()]
+    args.methods = [x.strip() for x in args.methods.split(",") if x.strip()]
+    bad = [x for x in args.profiles if x != "none" and x not in PROFILES]
+    if bad:
+        p.error(f"unknown profile(s) {bad}; expected none or {', '.join(PROFILES)}")
+    if args.limit < 1 or args.max_new_tokens < 1:
+        p.error("--limit and --max-new-tokens must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from netsim import Netsim
+
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(args.client_threads)
+    target = load_target(args.model)
+    prompts = load_prompts(target.tokenizer, args.limit)
+    runs = plain_local(target, prompts, args)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(server_child(["--threads", str(args.server_threads)], Path(tmp)))
+        netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
+        for profile in args.profiles:
+            runs += run_profile(profile, upstream, netsim, target, args.methods, prompts, args)
+    summary = summarize(runs)
+    env = {**environment(args.client_threads), "server_threads": args.server_threads}
+    table = markdown(summary)
+    counts = {d: sum(p.dataset == d for p in prompts) for d in ("mt-bench", "humaneval")}
+    settings = {
+        "profiles": args.profiles, "methods": args.methods, "max_new_tokens": args.max_new_tokens, "prompts": counts,
+        "static_tree": STATIC_TREE, "paper_tree": PAPER_TREE,
+        "profiles_set": {p: asdict(PROFILES[p]) for p in args.profiles if p in PROFILES},
+    }  # fmt: skip
+    result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "network.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    header = (
+        f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
+        f"{args.model} (float32, cpu): server child {args.server_threads} thread(s), client {args.client_threads}, "
+        f"on {env['cpu_count']} CPUs ({env['cpu']}); {counts['mt-bench']} MT-Bench + {counts['humaneval']} HumanEval "
+        f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
+        f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"
+    )
+    (args.out / "network.md").write_text(header + table + "\n")
+    plot(summary, args.out / "network.png", f"{args.model}: tokens/s by network profile (client and server on one CPU)")
+    print(table)
+    print(f"\nwrote {args.out}/network.{{json,md,png}}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

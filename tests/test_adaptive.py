@@ -1,0 +1,105 @@
+"""The adaptive policy's choices follow its cost model: slow links buy bigger trees, costly nodes smaller ones."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from client.adaptive import EXPLORE, AdaptivePolicy, LineFit
+from shared.payload import PayloadSpec
+from shared.tree import DraftTree
+
+
+class FakeLink:
+    """A link monitor with a fixed RTT and rate (bytes/s both ways)."""
+
+    def __init__(self, rtt_s: float, rate: float):
+        self.srtt_s, self.rate = rtt_s, rate
+
+    def transfer_s(self, up: int, down: int) -> float:
+        return (up + down) / self.rate
+
+
+def ranked_tree(probabilities: list[float]) -> DraftTree:
+    """A chain whose node i has path probability probabilities[i] (non-increasing, as EAGLE-2 ranks)."""
+    tree = DraftTree.chain(list(range(10, 10 + len(probabilities))))
+    tree.scores = [math.log(p) for p in probabilities]
+    return tree
+
+
+def trained(policy: AdaptivePolicy, verify_base: float, per_node: float) -> AdaptivePolicy:
+    """Feed the policy past its exploration rounds with a server whose verify time is base + per_node·n."""
+    for n in (1, 8, 16, 4, 12):
+        policy.verify_fit.add(n + 1, verify_base + per_node * (n + 1))
+    policy.rounds = len(EXPLORE)  # exploration done
+    policy.draft_step_s = 0.01
+    return policy
+
+
+TREE = ranked_tree([0.9, 0.8, 0.7, 0.55, 0.45, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002])
+
+
+def test_line_fit_recovers_a_line_and_falls_back_to_the_mean():
+    fit = LineFit()
+    assert fit(10, default=7.0) == 7.0
+    fit.add(5, 1.0)
+    assert fit(100, default=0.0) == pytest.approx(1.0)  # one x seen: no slope yet
+    for x in (1, 2, 3, 9):
+        fit.add(x, 0.5 + 0.1 * x)
+    fit.add(5, 1.0)
+    assert fit(20, default=0.0) == pytest.approx(2.5, rel=0.05)
+
+
+def test_a_slow_link_makes_the_policy_send_more_of_the_tree():
+    fast = trained(AdaptivePolicy(FakeLink(0.001, 1e8)), verify_base=0.05, per_node=0.004)
+    slow = trained(AdaptivePolicy(FakeLink(0.300, 2e5)), verify_base=0.05, per_node=0.004)
+    n_fast, n_slow = len(fast.cut(TREE)), len(slow.cut(TREE))
+    assert 1 <= n_fast < n_slow
+    assert n_slow >= 8
+
+
+def test_costlier_nodes_make_the_policy_send_less():
+    cheap = trained(AdaptivePolicy(FakeLink(0.02, 1e7)), verify_base=0.05, per_node=0.0005)
+    dear = trained(AdaptivePolicy(FakeLink(0.02, 1e7)), verify_base=0.05, per_node=0.02)
+    assert len(dear.cut(TREE)) < len(cheap.cut(TREE))
+
+
+def test_the_cut_maximises_the_modelled_rate_and_keeps_a_tree():
+    policy = trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003)
+    cut = policy.cut(TREE)
+    rate = lambda n: (1 + sum(math.exp(s) for s in TREE.scores[:n])) / policy.round_s(n, 0.0)  # noqa: E731
+    assert rate(len(cut)) == pytest.approx(max(rate(n) for n in range(len(TREE) + 1)))
+    assert cut.tokens == TREE.tokens[: len(cut)] and cut.parents == TREE.parents[: len(cut)]
+    assert policy.depth == min(policy.max_depth, max(policy.min_depth, len(cut) + 1))  # a chain: depth = nodes
+
+
+def test_exploration_rounds_vary_the_size_then_pins_hold():
+    policy = AdaptivePolicy(FakeLink(0.01, 1e7))
+    sizes = [len(policy.cut(TREE)) for _ in EXPLORE]
+    assert sizes == [math.ceil(share * len(TREE)) for share in EXPLORE]
+    pinned = AdaptivePolicy(FakeLink(0.01, 1e7), pin_nodes=3, pin_depth=4)
+    assert len(pinned.cut(TREE)) == 3 and pinned.depth == 4
+
+
+def test_calibration_follows_what_was_accepted():
+    policy = AdaptivePolicy(None)
+    sent = TREE.head(6)
+    predicted = sum(math.exp(s) for s in sent.scores)
+    for _ in range(30):
+        policy.observe(sent, accepted=1, compute_s=0.1, draft_s=0.05, depth=5)
+    assert policy.calibration == pytest.approx(1 / predicted, rel=0.05)
+    assert policy.draft_step_s == pytest.approx(0.01)
+
+
+def test_payload_choice_drops_precision_only_when_the_link_is_slow():
+    options = [PayloadSpec("lsa", p, 1, "moa-tli1") for p in ("fp16", "int8", "int4")]
+    size = {"fp16": 1920.0, "int8": 960.0, "int4": 480.0}
+
+    def policy(rate: float) -> AdaptivePolicy:
+        link = FakeLink(0.05, rate)
+        return AdaptivePolicy(link, payload_options=options, bytes_per_token=lambda s: size[s.precision])
+
+    assert policy(5e6).payload(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
+    assert policy(3e4).payload(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget -> the smallest
+    assert AdaptivePolicy(None, pin_payload=options[1]).payload(3.0) is options[1]
