@@ -115,10 +115,16 @@ class EagleDrafter(TreeDrafter):
         self.cached = 0  # positions whose target features arrived (all but the root)
         self.known = torch.empty(0, self.model.cfg.hidden_size, device=self._device, dtype=self._dtype)  # f_0, f_1..
         self.cache = KVCache()
+        self.root_feature = None  # f̂ of the current root, from its last root_logprobs
         self.end_tree()
         self.absorb(tokens, payload)
 
     def absorb(self, tokens: list[int], payload: Features | None = None) -> None:
+        if (payload is None or len(payload) == 0) and tokens and self.root_feature is not None:
+            # a token committed without the target (offline): the root's own predicted feature stands in
+            # for the true one the target would have sent, until a verification replaces it
+            if len(self.known) == len(self.tokens) - 1:
+                self.known = torch.cat([self.known, self.root_feature[None]])
         self.tokens += tokens
         if payload is None or len(payload) == 0:
             return
@@ -133,6 +139,8 @@ class EagleDrafter(TreeDrafter):
             self.tokens = self.tokens[:-n]
             self.fed = min(self.fed, len(self.tokens))
             self.cached = min(self.cached, len(self.tokens) - 1)
+            self.known = self.known[: len(self.tokens) - 1]
+            self.root_feature = None
 
     # --- TreeScorer ---
 
@@ -153,6 +161,7 @@ class EagleDrafter(TreeDrafter):
         self.fed = root + 1
         self.nodes = DraftNodes(root, root)  # the root sits at slot root - 1
         self.node_features = out[0, -1:]  # the root's f̂ first, then each node's, in feeding order
+        self.root_feature = out[0, -1]
         return logprobs[-1]
 
     @torch.inference_mode()
@@ -169,4 +178,4 @@ class EagleDrafter(TreeDrafter):
 
     def can_draft(self) -> bool:
         root = len(self.tokens) - 1
-        return root >= 1 and self.cached >= root  # the root's input needs f_{root-1}
+        return root >= 1 and len(self.known) >= root  # the root's input needs f_{root-1} (true or stand-in)

@@ -1,0 +1,92 @@
+"""Offline generation with the drafter alone, then verify-reconciliation: greedy output ends as if never cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from client.decode import speculative_generate
+from client.drafters.base import NoDrafter
+from client.drafters.eagle import EagleDrafter
+from client.drafters.independent import IndependentDrafter
+from client.drafters.moa import MoADrafter
+from client.offline import local_token, reconcile_verify
+from client.verifiers import LocalVerifier
+from shared.acceptance import SamplingParams
+from tests.test_eagle_independent import make_model
+from tests.test_moa import make_moa
+
+PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
+TOTAL = 40
+
+
+def drafter(tiny_target, kind: str):
+    if kind.startswith("moa"):
+        return MoADrafter(make_moa(tiny_target, int(kind[-1])), width=3, depth=3)
+    model = make_model(tiny_target, kind)
+    return EagleDrafter(model, width=3, depth=3) if kind == "eagle" else IndependentDrafter(model, width=3, depth=3)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return speculative_generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, TOTAL + 8).token_ids
+
+
+def start(tiny_target, d):
+    verifier = LocalVerifier(tiny_target)
+    opened = verifier.open(PROMPT, SamplingParams(), d.features)
+    d.begin(PROMPT + opened.new_tokens, opened.features)
+    return verifier, list(opened.new_tokens)
+
+
+def online_rounds(verifier, d, out: list[int], until: int) -> None:
+    while len(out) < until:
+        result = verifier.verify(d.propose(8))
+        d.absorb(result.new_tokens, result.features)
+        out += result.new_tokens
+
+
+@pytest.mark.parametrize("kind", ["moa-tli0", "moa-tli1", "eagle", "independent"])
+@pytest.mark.parametrize("offline_tokens", [1, 7])
+def test_offline_then_verify_ends_like_an_uninterrupted_run(tiny_target, plain, kind, offline_tokens):
+    d = drafter(tiny_target, kind)
+    verifier, out = start(tiny_target, d)
+    online_rounds(verifier, d, out, 6)
+    local = [t for t in (local_token(d) for _ in range(offline_tokens)) if t is not None]
+    assert len(local) == offline_tokens  # every trained drafter keeps generating without the server
+    out += reconcile_verify(verifier, d, local, max_nodes=3)  # small chunks: the chunk seams are exercised
+    online_rounds(verifier, d, out, TOTAL)
+    assert out[:TOTAL] == plain[:TOTAL]
+
+
+@pytest.mark.parametrize("kind", ["moa-tli1", "eagle"])
+def test_local_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, kind):
+    """Local tokens equal to the target's own continuation: every one is kept, across chunk seams."""
+    d = drafter(tiny_target, kind)
+    verifier, out = start(tiny_target, d)
+    online_rounds(verifier, d, out, 4)
+    local = plain[len(out) : len(out) + 8]
+    for token in local:  # committed without the target, as offline generation does
+        local_token(d)  # advance the drafter's own state ...
+        d.rewind(1)
+        d.absorb([token])  # ... then commit the token we want instead
+    replaced = reconcile_verify(verifier, d, local, max_nodes=3)
+    assert replaced[:8] == local and len(replaced) in (8, 9)  # + the target's next token when a chunk ended there
+    assert replaced == plain[len(out) : len(out) + len(replaced)]
+    out += replaced
+    online_rounds(verifier, d, out, TOTAL)
+    assert out[:TOTAL] == plain[:TOTAL]
+
+
+def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target, plain):
+    d = drafter(tiny_target, "moa-tli1")
+    verifier, out = start(tiny_target, d)
+    online_rounds(verifier, d, out, 4)
+    n = len(out)
+    wrong = (plain[n + 3] + 1) % 200 + 6
+    local = plain[n : n + 3] + [wrong, 7, 8]
+    for token in local:
+        d.absorb([token])
+    assert reconcile_verify(verifier, d, local, max_nodes=16) == plain[n : n + 4]
+    out += plain[n : n + 4]
+    online_rounds(verifier, d, out, TOTAL)
+    assert out[:TOTAL] == plain[:TOTAL]
