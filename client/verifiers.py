@@ -75,17 +75,34 @@ class LocalVerifier:
         self.counters.server_compute_s += verdict.compute_s
         return Round([], verdict.new_tokens, verdict.features)
 
-    def verify(self, tree: DraftTree) -> Round:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
         verdict = self.session.verify(tree)
         self.counters.server_compute_s += verdict.compute_s
         return Round(verdict.accepted, verdict.new_tokens, verdict.features, verdict.compute_s)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         self.session = None
 
 
 def _sampling_msg(sampling: SamplingParams) -> pb.Sampling:
     return pb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+
+
+class LinkDown(SplitspecError):
+    """The server could not be reached, or did not answer in time: the link (or the server) is down."""
+
+
+class SessionLost(SplitspecError):
+    """The server no longer holds this session (expired, or the server restarted)."""
+
+
+LINK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+def rpc_error(address: str, exc: grpc.RpcError) -> SplitspecError:
+    """The SplitspecError (or LinkDown / SessionLost) for a failed call."""
+    kind = LinkDown if exc.code() in LINK_CODES else SessionLost if exc.code() == grpc.StatusCode.NOT_FOUND else None
+    return (kind or SplitspecError)(f"server {address}: {exc.code().name}: {exc.details()}")
 
 
 PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many times before giving up
@@ -149,6 +166,7 @@ class RemoteVerifier:
             if drafter_bundle is None:
                 raise SplitspecError(f"payload mode lsa needs the bundle of drafter {payload.drafter!r}")
             hello.drafter, hello.drafter_digest = payload.drafter, weights_digest(drafter_bundle)
+        self.hello = hello  # sent again on reconnection: a restarted server must load the LSA again
         self.info = self._call(self.stub.Handshake, hello)
         info = self.info
         self.dims = (info.num_layers, 2 * info.num_kv_heads * info.head_dim, info.hidden_size)
@@ -165,11 +183,11 @@ class RemoteVerifier:
         except grpc.RpcError as exc:
             if budget and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"probe took longer than {timeout_s:.3f}s") from None
-            raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+            raise rpc_error(self.address, exc) from None
         return reply, time.perf_counter() - start
 
-    def _call(self, method, request, count_compute: bool = True):
-        reply, wall_s = self._timed(method, request, self.rpc_timeout_s)
+    def _call(self, method, request, count_compute: bool = True, timeout_s: float | None = None):
+        reply, wall_s = self._timed(method, request, timeout_s or self.rpc_timeout_s)
         compute_s = getattr(reply, "compute_s", 0.0)
         self.link.observe(wall_s, compute_s, request.ByteSize(), reply.ByteSize())
         c = self.counters
@@ -179,6 +197,14 @@ class RemoteVerifier:
         if count_compute:
             c.server_compute_s += compute_s
         return reply
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this.)"""
+        try:
+            self._timed(self.stub.Handshake, self.hello, timeout_s)
+        except SplitspecError:
+            return False
+        return True
 
     def probe_link(self, budget_s: float = 1.5) -> dict[str, float | None]:
         """Measure the link now with Probe calls (see ``LinkMonitor.probe``); counted apart, in ``counters.probe_*``."""
@@ -211,10 +237,11 @@ class RemoteVerifier:
         self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
         return Round([], [reply.first_token], features)
 
-    def verify(self, tree: DraftTree) -> Round:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
+        """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
                                    length=self.length, payload=self.payload.to_msg())  # fmt: skip
-        reply = self._call(self.stub.Verify, request)
+        reply = self._call(self.stub.Verify, request, timeout_s=timeout_s)
         self.length = reply.length
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
@@ -261,17 +288,18 @@ class RemoteVerifier:
                 shapes = payload.expected_shapes(self.payload, chunk.count, *self.dims)
                 parts.append(payload.decode(chunk, shapes))
         except grpc.RpcError as exc:
-            raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+            raise rpc_error(self.address, exc) from None
         features = payload.concat(parts)
         if features.start != start or len(features) != end - start:
             got = f"[{features.start}, {features.start + len(features)})"
             raise CodecError(f"FetchPayload returned tokens {got}, asked for [{start}, {end})")
         return features
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         if self.session_id:
             try:
-                self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
+                request = pb.CloseSessionRequest(session_id=self.session_id)
+                self._call(self.stub.CloseSession, request, timeout_s=timeout_s)
             finally:
                 self.session_id = ""
 
