@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pin the payload precision (int8/int4: per-row scales; all zstd); default: adaptive",
     )
     p.add_argument(
+        "--on-reconnect",
+        choices=["verify", "keep"],
+        help="survive link failures: generate locally while the server is unreachable, then have the server "
+        "verify the local tokens (verify: greedy output as if never cut) or take them as they are (keep)",
+    )
+    p.add_argument(
         "--static",
         action="store_true",
         help="no adaptive policy: verify the whole drafted tree (--max-tree-nodes, default 16), payload kv fp16",
@@ -215,10 +221,22 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                 bytes_per_token=None if args.local else verifier.payload_bytes_per_token,
             )  # fmt: skip
         nodes = args.max_tree_nodes or (16 if args.static else 64)
-        gen = speculative_generate(
-            verifier, drafter, prompt_ids, args.max_new_tokens, sampling, max_tree_nodes=nodes, on_tokens=stream,
-            policy=policy,
-        )  # fmt: skip
+        if args.on_reconnect:
+            from client.resilient import resilient_generate
+
+            if args.local:
+                raise SplitspecError("--on-reconnect needs a server; drop --local")
+            gen = resilient_generate(
+                verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
+                on_reconnect=args.on_reconnect, max_tree_nodes=args.max_tree_nodes or 16,
+            )  # fmt: skip
+            if stream:
+                stream(gen.token_ids)
+        else:
+            gen = speculative_generate(
+                verifier, drafter, prompt_ids, args.max_new_tokens, sampling, max_tree_nodes=nodes, on_tokens=stream,
+                policy=policy,
+            )  # fmt: skip
         drafter_name = drafter.name
     if args.json:
         print(
@@ -233,6 +251,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     "payload": None if args.local or drafter is None or not drafter.features
                     else {"mode": verifier.payload.mode, "precision": verifier.payload.precision},
                     "stats": gen.stats.as_dict(),
+                    **({"verified": gen.verified} if hasattr(gen, "verified") else {}),
                 }
             )
         )

@@ -54,6 +54,7 @@ class ResilienceStats(GenerationStats):
     local_tokens: int = 0  # tokens generated without the server (kept or not)
     disconnects: int = 0
     reconnects: int = 0
+    reconnect_attempts: int = 0  # server polls while offline
     offline_s: float = 0.0
     switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
 
@@ -170,41 +171,61 @@ def _open(verifier, drafter: Drafter, prompt_ids: list[int], sampling, history: 
 
 def _offline(verifier, drafter, out, verified, prompt_ids, sampling, stats, stop, limit, on_reconnect,
              max_nodes, backoff, max_offline_s):  # fmt: skip
-    """Generate locally until the server answers again (or the budget ends), then settle the local tail."""
-    began = time.perf_counter()
-    first_local = len(out)
-    reconnector = Reconnector(verifier.reachable, backoff)
-    reconnector.start()
+    """Generate locally until the server answers again (or the budget ends), then settle the local tail.
+
+    A settlement the link breaks again leaves the drafter half-settled: the next one reopens the
+    session from the verified history instead, and no more local tokens are made meanwhile.
+    """
+    began, first_local, fresh = time.perf_counter(), len(out), True
     try:
-        while not reconnector.up.is_set():
-            if _finished(out, stop, limit, verifier, prompt_ids) or time.perf_counter() - began > max_offline_s:
-                break
-            token = local_token(drafter)
-            if token is None:  # nothing to offer offline (prompt lookup without a match): wait for the link
-                reconnector.up.wait(0.05)
-                continue
-            out.append(token)
-            verified.append(False)
-            stats.local_tokens += 1
-        if not reconnector.up.wait(max(0.0, max_offline_s - (time.perf_counter() - began))):
-            return out, verified  # finished offline (or out of budget): the tail stays unverified
+        while True:
+            reconnector = Reconnector(verifier.reachable, backoff)
+            reconnector.start()
+            try:
+                while fresh and not reconnector.up.is_set():
+                    if _finished(out, stop, limit, verifier, prompt_ids) or time.perf_counter() - began > max_offline_s:
+                        break
+                    token = local_token(drafter)
+                    if token is None:  # nothing to offer offline (prompt lookup without a match): wait
+                        reconnector.up.wait(0.05)
+                        continue
+                    out.append(token)
+                    verified.append(False)
+                    stats.local_tokens += 1
+                if not reconnector.up.wait(max(0.0, max_offline_s - (time.perf_counter() - began))):
+                    return out, verified  # out of budget: the tail stays unverified
+            finally:
+                reconnector.stop.set()
+                stats.reconnect_attempts += reconnector.attempts
+            stats.reconnects += 1
+            try:
+                chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
+                return _settle(verifier, drafter, out, verified, first_local, fresh, prompt_ids, sampling,
+                               on_reconnect, chunk)  # fmt: skip
+            except (LinkDown, SessionLost):
+                stats.disconnects += 1
+                fresh = False
     finally:
-        reconnector.stop.set()
         stats.offline_s += time.perf_counter() - began
-    stats.reconnects += 1
+
+
+def _settle(verifier, drafter, out, verified, first_local, fresh, prompt_ids, sampling, on_reconnect, max_nodes):
+    """The history after reconnection: ``out[first_local:]`` kept (keep) or verified against the target (verify)."""
     local = out[first_local:]
     if on_reconnect == "keep":
-        history = out
-        tail, _ = _open(verifier, drafter, prompt_ids, sampling, history)
-        return tail, verified + [True] * (len(tail) - len(history))
-    try:
-        replaced = reconcile_verify(verifier, drafter, local, max_nodes)
-    except SessionLost:  # the server forgot us: reopen from what was verified, then settle the tail
-        history = out[:first_local]
-        reopened, _ = _open(verifier, drafter, prompt_ids, sampling, history[:-1])
-        if reopened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
-            return reopened, verified[: len(reopened) - 1] + [True]
-        for token in local:
-            drafter.absorb([token])
-        replaced = reconcile_verify(verifier, drafter, local, max_nodes)
-    return out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced)
+        tail, _ = _open(verifier, drafter, prompt_ids, sampling, out)
+        return tail, verified[: len(out)] + [True] * (len(tail) - len(out))
+    if fresh:
+        try:
+            replaced = reconcile_verify(verifier, drafter, local, max_nodes)
+            return out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced)
+        except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
+            pass
+    history = out[:first_local]
+    reopened, _ = _open(verifier, drafter, prompt_ids, sampling, history[:-1])
+    if reopened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
+        return reopened, verified[: len(reopened) - 1] + [True]
+    for token in local:
+        drafter.absorb([token])
+    replaced = reconcile_verify(verifier, drafter, local, max_nodes)
+    return history + replaced, verified[:first_local] + [True] * len(replaced)

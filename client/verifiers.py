@@ -93,7 +93,8 @@ class LinkDown(SplitspecError):
 
 
 class SessionLost(SplitspecError):
-    """The server no longer holds this session (expired, or the server restarted)."""
+    """The server no longer holds this session as the client knows it: expired, lost in a restart, or out
+    of step (a request whose reply the link lost had already changed it)."""
 
 
 LINK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -101,7 +102,8 @@ LINK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 
 def rpc_error(address: str, exc: grpc.RpcError) -> SplitspecError:
     """The SplitspecError (or LinkDown / SessionLost) for a failed call."""
-    kind = LinkDown if exc.code() in LINK_CODES else SessionLost if exc.code() == grpc.StatusCode.NOT_FOUND else None
+    lost = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+    kind = LinkDown if exc.code() in LINK_CODES else SessionLost if exc.code() in lost else None
     return (kind or SplitspecError)(f"server {address}: {exc.code().name}: {exc.details()}")
 
 
@@ -148,6 +150,11 @@ class RemoteVerifier:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC's own reconnection backoff grows to 2 minutes; ours (client.resilient) polls on its
+            # own schedule, so the channel must be ready to try again within a fraction of a second
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
         ]
         self.channel = grpc.insecure_channel(address, options=options)
         try:

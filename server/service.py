@@ -216,9 +216,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
         try:
             engine = session.engine
-            if request.length and request.length != len(engine.tokens):
+            if request.length and request.length != len(engine.tokens):  # a sequencer check: ABORTED, as gRPC says
                 raise Abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.ABORTED,
                     f"client believes the session holds {request.length} tokens, the server holds {len(engine.tokens)}",
                 )
             if len(engine.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token

@@ -250,7 +250,7 @@ BAD_REQUESTS = [
     pytest.param(tree_beyond_context, Code.OUT_OF_RANGE,
                  f"121 tokens plus a tree of 8 exceed the context limit of {MAX_CONTEXT}", id="tree-beyond-context"),
     # sessions
-    pytest.param(lambda c: c.verify([], [], length=len(c.victim.tokens) + 1), Code.FAILED_PRECONDITION,
+    pytest.param(lambda c: c.verify([], [], length=len(c.victim.tokens) + 1), Code.ABORTED,
                  "the server holds", id="verify-stale-length"),
     pytest.param(lambda c: c.verify([], [], session_id="no-such-session"), Code.NOT_FOUND,
                  "unknown or closed session 'no-such-session'", id="verify-unknown-session"),
