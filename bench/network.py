@@ -85,7 +85,7 @@ class Method:
 
     def __init__(self, name: str, target, address: str):
         self.name, self.target = name, target
-        self.drafter, self.policy, self.nodes = None, None, STATIC_TREE[2]
+        self.drafter, self.nodes = None, STATIC_TREE[2]
         base = name.removesuffix("-paper").removesuffix("-adaptive")
         if name != "api":
             tree = PAPER_TREE if name.endswith("-paper") else STATIC_TREE

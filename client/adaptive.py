@@ -130,7 +130,7 @@ class AdaptivePolicy:
             n = max(1, math.ceil(EXPLORE[explore] * len(tree)))
             self.history.append(Decision(n, 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n])), float("nan")))
             return tree.head(n)
-        best, best_rate, gain, cumulative = 0, 0.0, 1.0, 0.0
+        best, best_rate, best_gain, cumulative = 0, 0.0, 1.0, 0.0
         for n in range(0, len(tree) + 1):
             if n:
                 cumulative += math.exp(tree.scores[n - 1])
@@ -138,9 +138,8 @@ class AdaptivePolicy:
             seconds = self.round_s(n, gain * payload_per_token)
             rate = gain / seconds if seconds > 0 else gain
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
-        predicted = 1.0 + self.calibration * sum(math.exp(s) for s in tree.scores[:best])
-        self.history.append(Decision(best, predicted, predicted / best_rate if best_rate else 0.0))
+                best, best_rate, best_gain = n, rate, gain
+        self.history.append(Decision(best, best_gain, best_gain / best_rate if best_rate else 0.0))
         if self.pin_depth is None:
             depth = _depth(tree.parents[:best])
             self.depth = max(self.min_depth, min(self.max_depth, depth + 1))

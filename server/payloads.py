@@ -78,7 +78,7 @@ def export(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int) 
     kv = cache_kv(engine.cache, start, end).float()
     hidden = session.hidden[start:end].float() if session.hidden is not None else None
     tensors = payload.tensors_for(spec, kv, hidden, lsas.get(spec.drafter) if spec.mode == "lsa" else None)
-    return payload.encode(start, {k: v.float() for k, v in tensors.items()}, spec.precision)
+    return payload.encode(start, tensors, spec.precision)  # the codec converts to float32 itself
 
 
 def bytes_per_token(spec: PayloadSpec, target) -> int:
