@@ -120,7 +120,7 @@ def speculative_generate(
     stats.new_tokens = len(out)
     stats.tokens_per_s = len(out) / stats.wall_s
     stats.acceptance_length = gained / stats.rounds if stats.rounds else 0.0
-    _copy_link(stats, verifier, before)
+    copy_link_stats(stats, verifier, before)
     return Generation(out, reason, stats)
 
 
@@ -152,11 +152,11 @@ def api_generate(
     stats.tokens_per_s = len(out) / stats.wall_s
     stats.rounds = len(out)
     stats.acceptance_length = 1.0
-    _copy_link(stats, remote, before)
+    copy_link_stats(stats, remote, before)
     return Generation(out, reason, stats)
 
 
-def _copy_link(stats: GenerationStats, verifier, before) -> None:
+def copy_link_stats(stats: GenerationStats, verifier, before) -> None:
     """What this generation cost the link (counters since ``before``) and the verifier's latest link estimates."""
     counters = verifier.counters.since(before)
     stats.server_calls = counters.server_calls

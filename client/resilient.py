@@ -20,16 +20,19 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
-from client.decode import GenerationStats
+from client.decode import GenerationStats, copy_link_stats
 from client.drafters.base import Drafter
 from client.offline import local_token, reconcile_verify
 from client.verifiers import LinkDown, SessionLost
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 
-MIN_DEADLINE_S = 0.25
+MIN_DEADLINE_S = 0.1
+DEADLINE_MARGIN_S = 0.05
+UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has been measured
 
 
 @dataclass
@@ -55,8 +58,14 @@ class ResilienceStats(GenerationStats):
     disconnects: int = 0
     reconnects: int = 0
     reconnect_attempts: int = 0  # server polls while offline
-    offline_s: float = 0.0
+    offline_s: float = 0.0  # from each detected failure to the settlement (or the end)
+    local_s: float = 0.0  # of which spent generating local tokens
     switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
+    switched_at: list[float] = field(default_factory=list)  # perf_counter() when local generation began
+
+    @property
+    def local_tokens_per_s(self) -> float:
+        return self.local_tokens / self.local_s if self.local_s > 0 else 0.0
 
 
 @dataclass
@@ -98,134 +107,193 @@ def resilient_generate(
     max_tree_nodes: int = 16,
     backoff: Backoff | None = None,
     max_offline_s: float = 600.0,
+    settle_wait_s: float | None = None,
+    on_update: Callable[[list[int], list[bool]], None] | None = None,
 ) -> ResilientGeneration:
-    """Generate like ``speculative_generate``, carrying on locally through link failures."""
+    """Generate like ``speculative_generate``, carrying on locally through link failures.
+
+    ``max_offline_s`` bounds one stretch without the server; ``settle_wait_s`` bounds how long a
+    generation already complete offline waits for the server to settle it (default: the rest of
+    ``max_offline_s``; 0 returns at once with the tail unverified). ``on_update(tokens, verified)``
+    sees the whole output after every change: local tokens appear unverified and may later be
+    replaced (policy verify) — a streaming consumer prints what is verified, or all of it under keep.
+    """
     if on_reconnect not in ("verify", "keep"):
         raise ValueError(f"on_reconnect must be 'verify' or 'keep', got {on_reconnect!r}")
-    backoff = backoff or Backoff()
-    stop = set(verifier.eos_token_ids)
-    stats = ResilienceStats()
-    start = time.perf_counter()
-    prompt_ids = list(prompt_ids)
-    out, verified = _open(verifier, drafter, prompt_ids, sampling, [])
-    stats.ttft_s = time.perf_counter() - start
-    settle = (prompt_ids, sampling, stats, stop, max_new_tokens, on_reconnect, max_tree_nodes, backoff, max_offline_s)
-    verify_s = 0.1  # running estimate of one verification, for the deadline
-    reason = ""
-    try:
-        while not (reason := _finished(out, stop, max_new_tokens, verifier, prompt_ids)):
-            t0 = time.perf_counter()
-            tree = drafter.propose(min(max_tree_nodes, verifier.max_tree_nodes, max_new_tokens))
-            stats.draft_s += time.perf_counter() - t0
-            call = time.perf_counter()
-            try:
-                deadline = 2 * verify_s + (verifier.link.timeout_s() or 0.0) + 0.1
-                result = verifier.verify(tree, timeout_s=max(MIN_DEADLINE_S, deadline))
-            except (LinkDown, SessionLost):
-                stats.disconnects += 1
-                stats.switch_s.append(time.perf_counter() - call)
-                out, verified = _offline(verifier, drafter, out, verified, *settle)
-                continue
-            verify_s = 0.8 * verify_s + 0.2 * max(result.compute_s, 0.0)
-            stats.rounds += 1
-            drafter.absorb(result.new_tokens, result.features)
-            out += result.new_tokens
-            verified += [True] * len(result.new_tokens)
-    finally:
+    run = _Run(verifier, drafter, list(prompt_ids), max_new_tokens, sampling, on_reconnect,
+               max_tree_nodes, backoff or Backoff(), max_offline_s, settle_wait_s, on_update)  # fmt: skip
+    return run.generate()
+
+
+def verify_deadline(link, verify_s: float, bytes_up: int, bytes_down: float) -> float:
+    """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR),
+    the server's expected compute with headroom, the transfers at the measured rates, a margin."""
+    rtt = link.timeout_s() if link is not None else None
+    transfer = link.transfer_s(bytes_up, int(bytes_down)) if link is not None else 0.0
+    rtt = UNMEASURED_RTT_S if rtt is None else rtt
+    return max(MIN_DEADLINE_S, rtt + 1.5 * verify_s + transfer + DEADLINE_MARGIN_S)
+
+
+class _Run:
+    """One resilient generation: the output so far, which of it is verified, and the settings."""
+
+    def __init__(self, verifier, drafter, prompt_ids, limit, sampling, policy, max_nodes, backoff, max_offline_s,
+                 settle_wait_s, on_update):  # fmt: skip
+        self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
+        self.sampling, self.policy, self.max_nodes, self.backoff = sampling, policy, max_nodes, backoff
+        self.max_offline_s, self.settle_wait_s, self.on_update = max_offline_s, settle_wait_s, on_update
+        self.stop = set(verifier.eos_token_ids)
+        self.stats = ResilienceStats()
+        self.out: list[int] = []
+        self.verified: list[bool] = []
+
+    def generate(self) -> ResilientGeneration:
+        verifier, drafter, stats = self.verifier, self.drafter, self.stats
+        before = replace(verifier.counters)
+        start = time.perf_counter()
+        self._open([])
+        stats.ttft_s = time.perf_counter() - start
+        # running estimates of one verification, for the deadline: the prefill's compute is the first guess
+        verify_s, reply_bytes = self.prefill_s, 0.0
+        reason = ""
         try:
-            verifier.close(timeout_s=1.0)
-        except SplitspecError:  # the link may be down for good: the server's TTL frees the session
-            verifier.session_id = ""
-    out, verified = out[:max_new_tokens], verified[:max_new_tokens]
-    if reason == "stop":
-        cut = next(i for i, t in enumerate(out) if t in stop) + 1
-        out, verified = out[:cut], verified[:cut]
-    stats.new_tokens, stats.wall_s = len(out), time.perf_counter() - start
-    stats.tokens_per_s = len(out) / stats.wall_s
-    stats.acceptance_length = sum(verified) / stats.rounds if stats.rounds else 0.0
-    return ResilientGeneration(out, verified, reason, stats)
-
-
-def _finished(out: list[int], stop: set[int], limit: int, verifier, prompt_ids) -> str:
-    if any(t in stop for t in out):
-        return "stop"
-    if len(out) >= limit:
-        return "length"
-    if len(prompt_ids) + len(out) >= verifier.max_context:
-        return "context"
-    return ""
-
-
-def _open(verifier, drafter: Drafter, prompt_ids: list[int], sampling, history: list[int]):
-    """(Re)open a session after ``prompt_ids + history``; the server's first token joins the history."""
-    if getattr(verifier, "session_id", ""):
-        try:
-            verifier.close(timeout_s=2.0)  # the old session, if the server still has it
-        except SplitspecError:
-            verifier.session_id = ""
-    opened = verifier.open(prompt_ids + history, sampling, drafter.features)
-    tokens = history + opened.new_tokens
-    drafter.begin(prompt_ids + tokens, opened.features)
-    return tokens, [True] * len(tokens)
-
-
-def _offline(verifier, drafter, out, verified, prompt_ids, sampling, stats, stop, limit, on_reconnect,
-             max_nodes, backoff, max_offline_s):  # fmt: skip
-    """Generate locally until the server answers again (or the budget ends), then settle the local tail.
-
-    A settlement the link breaks again leaves the drafter half-settled: the next one reopens the
-    session from the verified history instead, and no more local tokens are made meanwhile.
-    """
-    began, first_local, fresh = time.perf_counter(), len(out), True
-    try:
-        while True:
-            reconnector = Reconnector(verifier.reachable, backoff)
-            reconnector.start()
+            while not (reason := self._finished()):
+                t0 = time.perf_counter()
+                tree = drafter.propose(min(self.max_nodes, verifier.max_tree_nodes, self.limit))
+                stats.draft_s += time.perf_counter() - t0
+                call = time.perf_counter()
+                received = verifier.counters.bytes_received
+                try:
+                    deadline = verify_deadline(verifier.link, verify_s, 8 * len(tree) + 64, 2 * reply_bytes)
+                    result = verifier.verify(tree, timeout_s=deadline)
+                except (LinkDown, SessionLost):
+                    stats.disconnects += 1
+                    stats.switch_s.append(time.perf_counter() - call)
+                    self._offline()
+                    continue
+                compute = max(result.compute_s, 0.0)
+                verify_s = max(compute, 0.8 * verify_s + 0.2 * compute)  # up at once, down slowly
+                reply_bytes = 0.8 * reply_bytes + 0.2 * (verifier.counters.bytes_received - received)
+                stats.rounds += 1
+                drafter.absorb(result.new_tokens, result.features)
+                self._commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
+        finally:
             try:
-                while fresh and not reconnector.up.is_set():
-                    if _finished(out, stop, limit, verifier, prompt_ids) or time.perf_counter() - began > max_offline_s:
-                        break
-                    token = local_token(drafter)
-                    if token is None:  # nothing to offer offline (prompt lookup without a match): wait
-                        reconnector.up.wait(0.05)
-                        continue
-                    out.append(token)
-                    verified.append(False)
-                    stats.local_tokens += 1
-                if not reconnector.up.wait(max(0.0, max_offline_s - (time.perf_counter() - began))):
-                    return out, verified  # out of budget: the tail stays unverified
-            finally:
-                reconnector.stop.set()
-                stats.reconnect_attempts += reconnector.attempts
-            stats.reconnects += 1
+                verifier.close(timeout_s=1.0)
+            except SplitspecError:  # the link may be down for good: the server's TTL frees the session
+                verifier.session_id = ""
+        out, verified = self.out[: self.limit], self.verified[: self.limit]
+        if reason == "stop":
+            cut = next(i for i, t in enumerate(out) if t in self.stop) + 1
+            out, verified = out[:cut], verified[:cut]
+        stats.new_tokens, stats.wall_s = len(out), time.perf_counter() - start
+        stats.tokens_per_s = len(out) / stats.wall_s
+        stats.acceptance_length = sum(verified) / stats.rounds if stats.rounds else 0.0
+        copy_link_stats(stats, verifier, before)
+        return ResilientGeneration(out, verified, reason, stats)
+
+    def _commit(self, out: list[int], verified: list[bool]) -> None:
+        self.out, self.verified = out, verified
+        if self.on_update:
+            self.on_update(out[: self.limit], verified[: self.limit])
+
+    def _finished(self) -> str:
+        if any(t in self.stop for t in self.out):
+            return "stop"
+        if len(self.out) >= self.limit:
+            return "length"
+        if len(self.prompt_ids) + len(self.out) >= self.verifier.max_context:
+            return "context"
+        return ""
+
+    def _open(self, history: list[int]) -> list[int]:
+        """(Re)open a session after ``prompt + history``; returns the history plus the server's next token."""
+        verifier = self.verifier
+        if getattr(verifier, "session_id", ""):
             try:
-                chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
-                return _settle(verifier, drafter, out, verified, first_local, fresh, prompt_ids, sampling,
-                               on_reconnect, chunk)  # fmt: skip
-            except (LinkDown, SessionLost):
-                stats.disconnects += 1
-                fresh = False
-    finally:
-        stats.offline_s += time.perf_counter() - began
+                verifier.close(timeout_s=2.0)  # the old session, if the server still has it
+            except SplitspecError:
+                verifier.session_id = ""
+        opened = verifier.open(self.prompt_ids + history, self.sampling, self.drafter.features)
+        self.prefill_s = opened.compute_s
+        tokens = history + opened.new_tokens
+        self.drafter.begin(self.prompt_ids + tokens, opened.features)
+        if not history:
+            self._commit(tokens, [True] * len(tokens))
+        return tokens
 
+    def _offline(self) -> None:
+        """Generate locally until the server answers again (or the budget ends), then settle the local tail.
 
-def _settle(verifier, drafter, out, verified, first_local, fresh, prompt_ids, sampling, on_reconnect, max_nodes):
-    """The history after reconnection: ``out[first_local:]`` kept (keep) or verified against the target (verify)."""
-    local = out[first_local:]
-    if on_reconnect == "keep":
-        tail, _ = _open(verifier, drafter, prompt_ids, sampling, out)
-        return tail, verified[: len(out)] + [True] * (len(tail) - len(out))
-    if fresh:
+        A settlement the link breaks again leaves the drafter half-settled: the next one reopens the
+        session from the verified history instead, and no more local tokens are made meanwhile.
+        """
+        stats = self.stats
+        began, first_local, fresh = time.perf_counter(), len(self.out), True
+        stats.switched_at.append(began)
         try:
-            replaced = reconcile_verify(verifier, drafter, local, max_nodes)
-            return out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced)
-        except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
-            pass
-    history = out[:first_local]
-    reopened, _ = _open(verifier, drafter, prompt_ids, sampling, history[:-1])
-    if reopened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
-        return reopened, verified[: len(reopened) - 1] + [True]
-    for token in local:
-        drafter.absorb([token])
-    replaced = reconcile_verify(verifier, drafter, local, max_nodes)
-    return history + replaced, verified[:first_local] + [True] * len(replaced)
+            while True:
+                reconnector = Reconnector(self.verifier.reachable, self.backoff)
+                reconnector.start()
+                try:
+                    if fresh:
+                        self._generate_locally(reconnector, began)
+                    wait = self.max_offline_s - (time.perf_counter() - began)
+                    if self._finished() and self.settle_wait_s is not None:
+                        wait = min(wait, self.settle_wait_s)
+                    if not reconnector.up.wait(max(0.0, wait)):
+                        return  # out of budget: the tail stays unverified
+                finally:
+                    reconnector.stop.set()
+                    stats.reconnect_attempts += reconnector.attempts
+                stats.reconnects += 1
+                try:
+                    self._settle(first_local, fresh)
+                    return
+                except (LinkDown, SessionLost):
+                    stats.disconnects += 1
+                    fresh = False
+        finally:
+            stats.offline_s += time.perf_counter() - began
+
+    def _generate_locally(self, reconnector: Reconnector, began: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            while not reconnector.up.is_set():
+                if self._finished() or time.perf_counter() - began > self.max_offline_s:
+                    return
+                token = local_token(self.drafter)
+                if token is None:  # nothing to offer offline (prompt lookup without a match): wait
+                    reconnector.up.wait(0.05)
+                    continue
+                self.stats.local_tokens += 1
+                self._commit(self.out + [token], self.verified + [False])
+        finally:
+            self.stats.local_s += time.perf_counter() - t0
+
+    def _settle(self, first_local: int, fresh: bool) -> None:
+        """The history after reconnection: the local tail kept (keep) or verified against the target (verify)."""
+        verifier, drafter = self.verifier, self.drafter
+        out, verified = self.out, self.verified
+        local = out[first_local:]
+        chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
+        if self.policy == "keep":
+            tail = self._open(out)
+            self._commit(tail, verified[: len(out)] + [True] * (len(tail) - len(out)))
+            return
+        if fresh:
+            try:
+                replaced = reconcile_verify(verifier, drafter, local, chunk)
+                self._commit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
+                return
+            except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
+                pass
+        history = out[:first_local]
+        reopened = self._open(history[:-1])
+        if reopened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
+            self._commit(reopened, verified[: len(reopened) - 1] + [True])
+            return
+        for token in local:
+            drafter.absorb([token])
+        replaced = reconcile_verify(verifier, drafter, local, chunk)
+        self._commit(history + replaced, verified[:first_local] + [True] * len(replaced))

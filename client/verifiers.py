@@ -242,7 +242,7 @@ class RemoteVerifier:
         before = self.counters.payload_bytes
         features = self._features(reply.payload)
         self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
-        return Round([], [reply.first_token], features)
+        return Round([], [reply.first_token], features, reply.compute_s)
 
     def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
         """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""

@@ -135,6 +135,9 @@ class Flapper:
         self._thread.join(timeout=10)
 
 
+SILENT_CUT = {"upstream": "silent-cut-up", "downstream": "silent-cut-down"}
+
+
 class SimulatedLink:
     """A proxy in front of one upstream: connect to ``address`` instead of the upstream."""
 
@@ -153,11 +156,21 @@ class SimulatedLink:
             self.flapper = Flapper(self.client, self.name, self.period_s, self.down_s).start()
         return self.profile
 
-    def cut(self) -> None:
-        """The link goes dead: live connections are closed and new ones refused."""
-        self.client.update(self.name, enabled=False)
+    def cut(self, silent: bool = False) -> None:
+        """The link goes dead. Loud (default): live connections are closed and new ones refused, as when
+        the peer's host is gone. Silent: every byte is dropped both ways and nothing is closed, as when a
+        radio link fades — only a deadline or a keepalive can tell."""
+        if silent:
+            for stream in SILENT_CUT:
+                self.client.add_toxic(self.name, "timeout", stream=stream, name=SILENT_CUT[stream], timeout=0)
+        else:
+            self.client.update(self.name, enabled=False)
 
     def restore(self) -> None:
+        names = {t["name"] for t in self.client.toxics(self.name)}
+        for name in SILENT_CUT.values():
+            if name in names:
+                self.client.remove_toxic(self.name, name)
         self.client.update(self.name, enabled=True)
 
     def close(self) -> None:

@@ -216,11 +216,13 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
         try:
             engine = session.engine
-            if request.length and request.length != len(engine.tokens):  # a sequencer check: ABORTED, as gRPC says
+            if request.length > len(engine.tokens):  # a sequencer check: ABORTED, as gRPC says
                 raise Abort(
                     grpc.StatusCode.ABORTED,
                     f"client believes the session holds {request.length} tokens, the server holds {len(engine.tokens)}",
                 )
+            if request.length and request.length < len(engine.tokens):  # a reply the client never got: roll back
+                session.truncate(request.length)
             if len(engine.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
                     grpc.StatusCode.OUT_OF_RANGE,
@@ -322,9 +324,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}")
 
 
-def build_server(
-    target: Target, host: str, port: int, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)
-):
+def build_server(target: Target, host: str, port: int, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
     """Create (not start) a gRPC server for ``target``; returns (server, bound port, service)."""
     service = SplitSpecService(target, limits, bundle_dirs)
     options = [

@@ -28,6 +28,12 @@ class Session:
         if self.hidden is not None and verdict.features is not None and verdict.features.hidden is not None:
             self.hidden = torch.cat([self.hidden[: verdict.features.start], verdict.features.hidden])
 
+    def truncate(self, length: int) -> None:
+        """Back to ``length`` committed tokens: the client re-sends a round whose reply it never received."""
+        self.engine.truncate(length)
+        if self.hidden is not None:
+            self.hidden = self.hidden[: self.engine.cached_len]
+
 
 class SessionStore:
     """Holds each session's KV cache; thread-safe; evicts sessions idle longer than ``ttl_s``."""

@@ -15,6 +15,7 @@ from client.resilient import Backoff, resilient_generate
 from client.verifiers import LocalVerifier, RemoteVerifier, payload_spec
 from netsim import simulated_link
 from netsim.harness import Flapper
+from netsim.profiles import Profile
 from tests.conftest import start_server
 from tests.test_moa import make_moa
 
@@ -36,21 +37,24 @@ def plain(tiny_target):
     return speculative_generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW).token_ids
 
 
-def cut_on_round(verifier, link, round_no: int, down_s: float, before=None) -> None:
-    """Cut the link just before the ``round_no``-th Verify and restore it ``down_s`` later."""
+def cut_on_round(verifier, link, round_no: int, down_s: float, before=None, silent: bool = False) -> list[float]:
+    """Cut the link just before the ``round_no``-th Verify and restore it ``down_s`` later; the list
+    returned gets the moment of the cut (``time.perf_counter()``)."""
     verifier.__dict__.pop("verify", None)  # unwrap an earlier cut
-    original, calls = verifier.verify, []
+    original, calls, cut_at = verifier.verify, [], []
 
     def verify(tree, **kw):
         calls.append(1)
         if len(calls) == round_no:
             if before:
                 before()
-            link.cut()
+            link.cut(silent=silent)
+            cut_at.append(time.perf_counter())
             threading.Timer(down_s, link.restore).start()
         return original(tree, **kw)
 
     verifier.verify = verify
+    return cut_at
 
 
 def run(tiny_target, tiny_server, netsim_server, policy: str, before=None):
@@ -136,3 +140,56 @@ def test_a_flapping_link_neither_hangs_nor_spins(tiny_target, tiny_server, netsi
     assert elapsed < 90 and flapper.cuts >= 2 and s.disconnects >= 1
     # no spinning: polls are spaced by the backoff (>= 10 ms: 20 ms base, jitter halves it at worst)
     assert s.reconnect_attempts <= s.offline_s / 0.01 + s.disconnects
+
+
+def test_a_silent_cut_is_detected_within_two_rtts_and_100ms(tiny_target, tiny_server, netsim_server, plain):
+    """Packets vanish, nothing is closed: only the RTT-derived deadline can tell. The issue's bound is
+    2 x RTT + 100 ms from the cut; the assertion allows twice that for a loaded machine (the
+    benchmark reports the precise figure)."""
+    rtt_ms = 40
+    drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
+    with simulated_link(tiny_server[0], Profile("test-40ms", rtt_ms=rtt_ms), netsim=netsim_server) as link:
+        verifier = RemoteVerifier(link.address, payload=payload_spec(drafter, "kv", "fp16"))
+        try:
+            cut_at = cut_on_round(verifier, link, 8, 1.0, silent=True)
+            gen = resilient_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=4,
+                                     backoff=Backoff(base_s=0.02, cap_s=0.2, seed=5))  # fmt: skip
+        finally:
+            verifier.shutdown()
+    switch = gen.stats.switched_at[0] - cut_at[0]
+    bound = 2 * rtt_ms / 1000 + 0.1
+    print(f"silent cut: switched to local {1000 * switch:.0f} ms after the cut (bound {1000 * bound:.0f} ms)")
+    assert gen.token_ids == plain and all(gen.verified)
+    assert gen.stats.local_tokens >= 1 and gen.stats.reconnects == 1
+    assert 0 < switch <= 2 * bound
+
+
+def test_a_server_killed_and_restarted_mid_generation(tiny_target, tiny_model_dir, netsim_server, plain, tmp_path):
+    """A real `splitspec serve` process, SIGKILLed at the third round and started again on the same port:
+    the client bridges the gap locally, finds its session gone and reopens it from its own history."""
+    from client.demo import ServerChild
+
+    child = ServerChild(["--model", str(tiny_model_dir), "--max-tree-nodes", "16", "--max-context", "128",
+                         "--threads", "1"], tmp_path, timeout_s=120)  # fmt: skip
+    child.start()
+    restarted = []
+
+    def crash():
+        child.kill()
+        threading.Thread(target=lambda: restarted.append(child.start()), daemon=True).start()
+
+    try:
+        drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
+        with simulated_link(child.address, "none", netsim=netsim_server) as link:
+            verifier = RemoteVerifier(link.address, payload=payload_spec(drafter, "kv", "fp16"))
+            try:
+                cut_on_round(verifier, link, 3, 0.0, before=crash)
+                gen = resilient_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, max_offline_s=120,
+                                         backoff=Backoff(base_s=0.05, cap_s=0.5, seed=2))  # fmt: skip
+            finally:
+                verifier.shutdown()
+    finally:
+        child.stop()
+    assert restarted == [child.address]  # the same port: a restart, as the client sees one
+    assert gen.token_ids == plain and all(gen.verified)
+    assert gen.stats.disconnects >= 1 and gen.stats.reconnects >= 1 and gen.stats.local_tokens >= 1

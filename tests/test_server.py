@@ -444,3 +444,21 @@ def test_a_session_never_holds_more_than_max_context_tokens(stub, service, open_
     else:
         seq.tokens.append(reply.bonus_token)  # keep the teardown's length check in step with the server
         pytest.fail(f"the session grew to {reply.length} tokens, over max_context {MAX_CONTEXT}")
+
+
+def test_a_verify_resent_after_a_lost_reply_rolls_the_session_back(stub, service, open_seq, witness_reference):
+    """The client never saw a round's reply (a cut link): it sends the round again with its own, shorter length;
+    the server drops what that round committed and answers as the first time."""
+    seq = open_seq(WITNESS_PROMPT, GREEDY, guide=witness_reference)
+    seq.step()
+    n = len(seq.tokens)
+    tree = DraftTree.chain(witness_reference[n : n + 3])
+    first = stub.Verify(seq.request(tree), timeout=TIMEOUT)  # the reply "lost": seq.tokens stays at n
+    again = stub.Verify(seq.request(tree), timeout=TIMEOUT)
+    assert (list(again.accepted), again.bonus_token, again.length) == (
+        list(first.accepted), first.bonus_token, first.length,
+    )  # fmt: skip
+    seq.tokens += [tree.tokens[i] for i in again.accepted] + [again.bonus_token]
+    seq.mirror.verify(tree)
+    seq.step()  # and the session goes on in step with its mirror
+    assert seq.tokens == witness_reference[: len(seq.tokens)]
