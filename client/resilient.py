@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from client.decode import GenerationStats, copy_link_stats
 from client.drafters.base import Drafter
+from client.heartbeat import Heartbeat
 from client.offline import local_token, reconcile_verify
 from client.verifiers import LinkDown, SessionLost
 from shared.acceptance import SamplingParams
@@ -62,6 +63,7 @@ class ResilienceStats(GenerationStats):
     local_s: float = 0.0  # of which spent generating local tokens
     switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
     switched_at: list[float] = field(default_factory=list)  # perf_counter() when local generation began
+    heartbeat_probes: int = 0
 
     @property
     def local_tokens_per_s(self) -> float:
@@ -109,6 +111,7 @@ def resilient_generate(
     max_offline_s: float = 600.0,
     settle_wait_s: float | None = None,
     on_update: Callable[[list[int], list[bool]], None] | None = None,
+    heartbeat: bool = True,
 ) -> ResilientGeneration:
     """Generate like ``speculative_generate``, carrying on locally through link failures.
 
@@ -117,12 +120,21 @@ def resilient_generate(
     ``max_offline_s``; 0 returns at once with the tail unverified). ``on_update(tokens, verified)``
     sees the whole output after every change: local tokens appear unverified and may later be
     replaced (policy verify) — a streaming consumer prints what is verified, or all of it under keep.
+    ``heartbeat`` probes the server on a connection of its own (``client.heartbeat``) so that a
+    silent cut is noticed within about two round trips, not only at a Verify's deadline.
     """
     if on_reconnect not in ("verify", "keep"):
         raise ValueError(f"on_reconnect must be 'verify' or 'keep', got {on_reconnect!r}")
     run = _Run(verifier, drafter, list(prompt_ids), max_new_tokens, sampling, on_reconnect,
                max_tree_nodes, backoff or Backoff(), max_offline_s, settle_wait_s, on_update)  # fmt: skip
-    return run.generate()
+    if not heartbeat or not hasattr(verifier, "abort"):
+        return run.generate()
+    run.heartbeat = Heartbeat(verifier.address, verifier.link)
+    run.heartbeat.on_dead(verifier.abort)
+    try:
+        return run.generate()
+    finally:
+        run.heartbeat.close()
 
 
 def verify_deadline(link, verify_s: float, bytes_up: int, bytes_down: float) -> float:
@@ -146,6 +158,7 @@ class _Run:
         self.stats = ResilienceStats()
         self.out: list[int] = []
         self.verified: list[bool] = []
+        self.heartbeat: Heartbeat | None = None
 
     def generate(self) -> ResilientGeneration:
         verifier, drafter, stats = self.verifier, self.drafter, self.stats
@@ -153,6 +166,8 @@ class _Run:
         start = time.perf_counter()
         self._open([])
         stats.ttft_s = time.perf_counter() - start
+        if self.heartbeat:
+            self.heartbeat.start()  # the prefill gave the link an RTT estimate to set its deadline from
         # running estimates of one verification, for the deadline: the prefill's compute is the first guess
         verify_s, reply_bytes = self.prefill_s, 0.0
         reason = ""
@@ -164,6 +179,8 @@ class _Run:
                 call = time.perf_counter()
                 received = verifier.counters.bytes_received
                 try:
+                    if self.heartbeat and self.heartbeat.dead.is_set():
+                        raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
                     deadline = verify_deadline(verifier.link, verify_s, 8 * len(tree) + 64, 2 * reply_bytes)
                     result = verifier.verify(tree, timeout_s=deadline)
                 except (LinkDown, SessionLost):
@@ -190,6 +207,7 @@ class _Run:
         stats.tokens_per_s = len(out) / stats.wall_s
         stats.acceptance_length = sum(verified) / stats.rounds if stats.rounds else 0.0
         copy_link_stats(stats, verifier, before)
+        stats.heartbeat_probes = self.heartbeat.probes if self.heartbeat else 0
         return ResilientGeneration(out, verified, reason, stats)
 
     def _commit(self, out: list[int], verified: list[bool]) -> None:
@@ -249,6 +267,8 @@ class _Run:
                 stats.reconnects += 1
                 try:
                     self._settle(first_local, fresh)
+                    if self.heartbeat:
+                        self.heartbeat.revive()
                     return
                 except (LinkDown, SessionLost):
                     stats.disconnects += 1

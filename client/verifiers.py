@@ -147,6 +147,8 @@ class RemoteVerifier:
         self.link = LinkMonitor()
         self.session_id = ""
         self.length = 0
+        self._inflight: grpc.Future | None = None
+        self._aborted = ""
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -185,13 +187,27 @@ class RemoteVerifier:
         """One unary call: (reply, wall seconds). A failure becomes a SplitspecError naming the server, except
         running past a measurement ``budget``: that is a TimeoutError, an answer rather than a failure."""
         start = time.perf_counter()
+        future = method.future(request, timeout=timeout_s)
+        self._inflight, self._aborted = future, ""
         try:
-            reply = method(request, timeout=timeout_s)
+            reply = future.result()
+        except grpc.FutureCancelledError:
+            raise LinkDown(f"server {self.address}: call abandoned: {self._aborted or 'cancelled'}") from None
         except grpc.RpcError as exc:
             if budget and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"probe took longer than {timeout_s:.3f}s") from None
             raise rpc_error(self.address, exc) from None
+        finally:
+            self._inflight = None
         return reply, time.perf_counter() - start
+
+    def abort(self, reason: str) -> None:
+        """Abandon the call in flight, if any (from another thread: the heartbeat found the link dead);
+        the caller sees LinkDown naming ``reason``."""
+        future = self._inflight
+        if future is not None:
+            self._aborted = reason
+            future.cancel()
 
     def _call(self, method, request, count_compute: bool = True, timeout_s: float | None = None):
         reply, wall_s = self._timed(method, request, timeout_s or self.rpc_timeout_s)
