@@ -103,6 +103,42 @@ class TextStream:
         self.printed = len(text)
 
 
+class SettledStream:
+    """Streams the part of a resilient generation that can no longer change.
+
+    Verified tokens are final, and so are local ones under ``keep``; under ``verify`` a local token
+    may still be replaced when the server is back, so it waits. On a terminal, stderr says when the
+    link goes down and comes back. Tokens still unverified at the end are printed then, with a note.
+    """
+
+    def __init__(self, text: TextStream, final_local: bool, status=sys.stderr):
+        self.text, self.final_local, self.status = text, final_local, status
+        self.shown = 0
+        self.notify = status.isatty()
+        self.offline = False
+
+    def __call__(self, tokens: list[int], verified: list[bool]) -> None:
+        first_local = next((i for i, v in enumerate(verified) if not v), len(tokens))
+        final = len(tokens) if self.final_local else first_local
+        if final > self.shown:
+            self.text(tokens[self.shown : final])
+            self.shown = final
+        offline = first_local < len(tokens) and not verified[-1]
+        if self.notify and offline != self.offline:
+            waiting = "" if self.final_local else "; the text resumes once the server has checked it"
+            note = f"[link down: generating locally{waiting}]" if offline else "[link back]"
+            print(f"\n{note}", file=self.status, flush=True)
+        self.offline = offline
+
+    def finish(self, tokens: list[int], verified: list[bool]) -> None:
+        if len(tokens) > self.shown:
+            self.text(tokens[self.shown :])
+            self.shown = len(tokens)
+        unverified = len(verified) - sum(verified)
+        if unverified:
+            print(f"\n[{unverified} tokens were generated locally and never verified by the server]", file=self.status)
+
+
 def stats_line(gen) -> str:
     s = gen.stats
     return (
@@ -226,12 +262,13 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
             if args.local:
                 raise SplitspecError("--on-reconnect needs a server; drop --local")
+            settled = SettledStream(stream, final_local=args.on_reconnect == "keep") if stream else None
             gen = resilient_generate(
                 verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
-                on_reconnect=args.on_reconnect, max_tree_nodes=args.max_tree_nodes or 16,
+                on_reconnect=args.on_reconnect, max_tree_nodes=args.max_tree_nodes or 16, on_update=settled,
             )  # fmt: skip
-            if stream:
-                stream(gen.token_ids)
+            if settled:
+                settled.finish(gen.token_ids, gen.verified)
         else:
             gen = speculative_generate(
                 verifier, drafter, prompt_ids, args.max_new_tokens, sampling, max_tree_nodes=nodes, on_tokens=stream,

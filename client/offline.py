@@ -10,17 +10,45 @@ at the first divergence and drops the rest, so a greedy run ends exactly as an u
 
 from __future__ import annotations
 
+import torch
+
 from client.drafters.base import Drafter
+from shared.acceptance import SamplingParams
 from shared.tree import DraftTree
 
 
-def local_token(drafter: Drafter) -> int | None:
-    """The drafter's own next token, committed (unverified); None if it has nothing to offer."""
-    tree = drafter.propose(1, 1)
-    if not tree.tokens:
+def local_token(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
+                generator: torch.Generator | None = None, width: int = 8) -> int | None:  # fmt: skip
+    """The drafter's own next token, committed (unverified); None if it has nothing to offer.
+
+    Greedy: its most likely token. Sampling: a draw, at the requested temperature and top-p, among
+    the first level of its tree (at most ``width`` tokens, the drafter's own top-B): a truncated
+    version of its distribution, which a tree drafter does not expose whole.
+    """
+    if sampling.temperature == 0:
+        tree = drafter.propose(1, 1)
+        token = tree.tokens[0] if tree.tokens else None
+    else:
+        tree = drafter.propose(width, 1)
+        token = _draw(tree, sampling, generator)
+    if token is not None:
+        drafter.absorb([token])
+    return token
+
+
+def _draw(tree: DraftTree, sampling: SamplingParams, generator: torch.Generator | None) -> int | None:
+    roots = [i for i, p in enumerate(tree.parents) if p == -1]
+    if not roots:
         return None
-    drafter.absorb([tree.tokens[0]])
-    return tree.tokens[0]
+    if not tree.scores:  # no probabilities (prompt lookup): its one candidate
+        return tree.tokens[roots[0]]
+    logits = torch.tensor([tree.scores[i] for i in roots], dtype=torch.float64) / sampling.temperature
+    probs = torch.softmax(logits, dim=0)
+    order = torch.argsort(probs, descending=True)
+    kept = torch.cumsum(probs[order], 0) - probs[order] < sampling.top_p  # the nucleus, the top token always
+    probs = torch.zeros_like(probs).index_put_((order[kept],), probs[order[kept]])
+    pick = torch.multinomial(probs / probs.sum(), 1, generator=generator).item()
+    return tree.tokens[roots[pick]]
 
 
 def reconcile_verify(verifier, drafter: Drafter, local: list[int], max_nodes: int) -> list[int]:

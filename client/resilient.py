@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from client.decode import GenerationStats, copy_link_stats
 from client.drafters.base import Drafter
 from client.heartbeat import Heartbeat
@@ -159,6 +161,7 @@ class _Run:
         self.out: list[int] = []
         self.verified: list[bool] = []
         self.heartbeat: Heartbeat | None = None
+        self.generator = torch.Generator().manual_seed(sampling.seed)  # offline sampling: reproducible per seed
 
     def generate(self) -> ResilientGeneration:
         verifier, drafter, stats = self.verifier, self.drafter, self.stats
@@ -282,7 +285,7 @@ class _Run:
             while not reconnector.up.is_set():
                 if self._finished() or time.perf_counter() - began > self.max_offline_s:
                     return
-                token = local_token(self.drafter)
+                token = local_token(self.drafter, self.sampling, self.generator)
                 if token is None:  # nothing to offer offline (prompt lookup without a match): wait
                     reconnector.up.wait(0.05)
                     continue

@@ -97,3 +97,42 @@ def test_committed_stubs_match_the_proto(tmp_path):
         fresh = (tmp_path / "shared/wire" / name).read_text().splitlines()[5:]  # skip the version banner
         committed = (ROOT / "shared/wire" / name).read_text().splitlines()[5:]
         assert fresh == committed, f"shared/wire/{name} is stale: run `make proto`"
+
+
+def test_on_reconnect_json_marks_every_token_verified_on_a_healthy_link(tiny_model_dir, tiny_server):
+    address, _ = tiny_server
+    common = ["--model", str(tiny_model_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "10", "--json"]
+    plain = json.loads(splitspec("generate", "--server", address, *common).stdout)
+    proc = splitspec("generate", "--server", address, "--on-reconnect", "verify", *common)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == plain["token_ids"] and out["verified"] == [True] * len(out["token_ids"])
+    assert out["stats"]["disconnects"] == 0 and out["stats"]["local_tokens"] == 0
+
+
+class Words:
+    """A tokenizer stand-in for TextStream: token i is the word "t<i> "."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"t{i} " for i in ids)
+
+
+def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
+    import io
+
+    from client.cli import SettledStream, TextStream
+
+    out = io.StringIO()
+    stream = SettledStream(TextStream(Words(), out), final_local=False, status=io.StringIO())
+    stream([1, 2], [True, True])
+    stream([1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 may still be replaced
+    assert out.getvalue() == "t1 t2 "
+    stream([1, 2, 3, 5], [True, True, True, True])  # the server kept 3 and replaced 4 by 5
+    stream([1, 2, 3, 5, 6], [True] * 4 + [False])
+    stream.finish([1, 2, 3, 5, 6], [True] * 4 + [False])  # never verified: printed at the end all the same
+    assert out.getvalue() == "t1 t2 t3 t5 t6 "
+
+    out = io.StringIO()
+    keep = SettledStream(TextStream(Words(), out), final_local=True, status=io.StringIO())
+    keep([1, 2, 3], [True, True, False])  # under keep a local token is final at once
+    assert out.getvalue() == "t1 t2 t3 "

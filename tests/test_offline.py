@@ -90,3 +90,28 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
     out += plain[n : n + 4]
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
+
+
+def test_offline_sampling_draws_from_the_drafters_top_level_reproducibly(tiny_target):
+    """Sampling offline: a draw among the drafter's first-level candidates, the same for the same seed;
+    a hot temperature leaves the greedy path somewhere, a near-zero one does not."""
+    import torch
+
+    def offline(sampling: SamplingParams, seed: int = 0) -> list[int]:
+        d = drafter(tiny_target, "moa1")
+        start(tiny_target, d)
+        generator = torch.Generator().manual_seed(seed)
+        return [local_token(d, sampling, generator) for _ in range(16)]
+
+    greedy = offline(SamplingParams())
+    hot = SamplingParams(temperature=5.0, seed=1)
+    assert offline(hot, 1) == offline(hot, 1) and offline(hot, 1) != greedy
+    assert offline(SamplingParams(temperature=1e-4, seed=1), 1) == greedy
+    d = drafter(tiny_target, "moa1")
+    start(tiny_target, d)
+    first_level = d.propose(8, 1).tokens
+    draws = set()
+    for s in range(12):  # draw, take it back, draw again
+        draws.add(local_token(d, hot, torch.Generator().manual_seed(s)))
+        d.rewind(1)
+    assert draws <= set(first_level) and len(draws) >= 2
