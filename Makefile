@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-foundation bench-single bench-trees bench-network bench-netsim clean
+.PHONY: setup demo test lint proto bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim clean
 
 setup: $(VENV)/.ready
 
@@ -46,6 +46,10 @@ bench-trees: setup
 
 bench-network: setup
 	$(PY) -m bench.network
+
+# The link cut for good after N tokens (MoA paper, Table 4): offline speed, agreement, HumanEval pass@1.
+bench-disconnect: setup
+	$(PY) -m bench.disconnect
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -54,6 +54,7 @@ from shared.models import DEFAULT_MODEL, load_target
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = ["api", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3"]
 DEFAULT_CUTS = [0, 25, 50, 100]
+SESSION_TTL_S = 20
 TAU_SLACK = STATIC_TREE[1] + 1  # a round may overshoot the cut point by up to depth + 1 tokens
 
 
@@ -332,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = {n: round(sum(v) / len(v), 4) for n, v in ceiling_runs.items()}
     runs: list[Run] = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        upstream = stack.enter_context(server_child(["--threads", str(args.server_threads)], Path(tmp)))
+        # every run leaves a session behind the dead link: a short TTL frees it while the next runs go on
+        serve = ["--threads", str(args.server_threads), "--session-ttl", str(SESSION_TTL_S), "--max-sessions", "32"]
+        upstream = stack.enter_context(server_child(serve, Path(tmp)))
         netsim = stack.enter_context(Netsim.start_own())
         bar = tqdm(total=len(prompts) * len(args.cuts) * len(args.methods), desc="disconnect", unit="run",
                    file=sys.stderr)  # fmt: skip

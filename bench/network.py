@@ -13,6 +13,8 @@ generates greedily, interleaved and rotated as in ``bench.single``:
                      layers' KV), EAGLE-2 tree B=4, D=5, 16 nodes, all of it verified every round
 * ``moa-tliN-paper`` the same with the MoA paper's fixed tree (B=8, D=6, 62 nodes)
 * ``moa-tliN-adaptive`` the adaptive policy (``client.adaptive``): tree size, depth and payload per round
+* ``<method>-resilient`` the static method through ``client.resilient`` (heartbeat, deadlines, ready to go
+                     local): what surviving disconnections costs on a healthy link
 
 ``plain-local`` — plain decoding with the target in this process on the whole machine — is the
 single-device reference ("recovers single-device speed"). Per run: tokens/s, τ, server calls per 100
@@ -44,6 +46,7 @@ from client.adaptive import AdaptivePolicy
 from client.decode import api_generate, speculative_generate
 from client.demo import server_child
 from client.drafters import make_drafter
+from client.resilient import resilient_generate
 from client.verifiers import LocalVerifier, RemoteVerifier, payload_spec
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL, load_target
@@ -86,7 +89,8 @@ class Method:
     def __init__(self, name: str, target, address: str):
         self.name, self.target = name, target
         self.drafter, self.nodes = None, STATIC_TREE[2]
-        base = name.removesuffix("-paper").removesuffix("-adaptive")
+        self.resilient = name.endswith("-resilient")
+        base = name.removesuffix("-resilient").removesuffix("-paper").removesuffix("-adaptive")
         if name != "api":
             tree = PAPER_TREE if name.endswith("-paper") else STATIC_TREE
             trained = base not in ("prompt-lookup", "none")
@@ -105,6 +109,9 @@ class Method:
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
         if self.drafter is None:
             return api_generate(self.verifier, prompt_ids, max_new_tokens)
+        if self.resilient:
+            nodes = self.nodes
+            return resilient_generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=nodes)
         policy = None
         if self.adaptive:  # a fresh policy per generation: what it learns is this generation's
             policy = AdaptivePolicy(self.verifier.link, payload_options=self.options,

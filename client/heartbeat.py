@@ -75,7 +75,8 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=1.0)
         self.channel.close()
 
     def _run(self) -> None:

@@ -35,6 +35,7 @@ from shared.errors import SplitspecError
 
 MIN_DEADLINE_S = 0.1
 DEADLINE_MARGIN_S = 0.05
+MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
 UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has been measured
 
 
@@ -254,7 +255,7 @@ class _Run:
         stats.switched_at.append(began)
         try:
             while True:
-                reconnector = Reconnector(self.verifier.reachable, self.backoff)
+                reconnector = Reconnector(self._reachable, self.backoff)
                 reconnector.start()
                 try:
                     if fresh:
@@ -278,6 +279,12 @@ class _Run:
                     fresh = False
         finally:
             stats.offline_s += time.perf_counter() - began
+
+    def _reachable(self) -> bool:
+        """One Handshake, given as long as a healthy link would need, so a dead one costs each poll little."""
+        link = getattr(self.verifier, "link", None)
+        bound = link.timeout_s() if link is not None else None
+        return self.verifier.reachable(timeout_s=max(MIN_POLL_S, 2 * bound + 0.1) if bound else 1.0)
 
     def _generate_locally(self, reconnector: Reconnector, began: float) -> None:
         t0 = time.perf_counter()
