@@ -131,19 +131,37 @@ def corrupt(payload: pb.Payload) -> None:
     payload.tensors[0].data = bytes(data)
 
 
+class Tampered:
+    """A unary stub method whose replies pass through ``change`` (the verifier calls it as ``.future``)."""
+
+    def __init__(self, call, change):
+        self.call, self.change = call, change
+
+    def future(self, request, **kw):
+        inner, change = self.call.future(request, **kw), self.change
+
+        class Future:
+            def result(self):
+                return change(inner.result())
+
+            def cancel(self):
+                return inner.cancel()
+
+        return Future()
+
+
 def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, bundles, server, plain):
     drafter = load(tiny_target, bundles, "moa-tli0")
     verifier = remote(server[0], drafter, "lsa", "int8")
-    original, hits = verifier.stub.Verify, []
+    hits = []
 
-    def verify(request, **kw):
-        reply = original(request, **kw)
+    def change(reply):
         if len(hits) == 2 and reply.payload.tensors:
             corrupt(reply.payload)
         hits.append(1)
         return reply
 
-    verifier.stub.Verify = verify
+    verifier.stub.Verify = Tampered(verifier.stub.Verify, change)
     try:
         got = speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
     finally:
@@ -155,10 +173,9 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
 def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundles, server):
     drafter = load(tiny_target, bundles, "moa-tli0")
     verifier = remote(server[0], drafter, "kv", "fp16")
-    original_verify, original_fetch = verifier.stub.Verify, verifier.stub.FetchPayload
+    original_fetch = verifier.stub.FetchPayload
 
-    def verify(request, **kw):
-        reply = original_verify(request, **kw)
+    def change(reply):
         if reply.payload.tensors:
             corrupt(reply.payload)
         return reply
@@ -170,7 +187,7 @@ def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundl
             chunk.tensors[0].data = bytes(data)
             yield chunk
 
-    verifier.stub.Verify, verifier.stub.FetchPayload = verify, fetch
+    verifier.stub.Verify, verifier.stub.FetchPayload = Tampered(verifier.stub.Verify, change), fetch
     try:
         with pytest.raises(SplitspecError, match=r"does not decode after 2 re-requests.*version 99"):
             speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
