@@ -28,6 +28,7 @@ from shared.wire import splitspec_pb2_grpc as pb_grpc
 MIN_INTERVAL_S = 0.025
 MARGIN_S = 0.05
 UNMEASURED_DEADLINE_S = 1.0  # before the link has an RTT estimate
+READY_WAIT_S = 0.5  # the least time a new heartbeat connection gets to come up
 
 
 class Heartbeat:
@@ -36,13 +37,9 @@ class Heartbeat:
     def __init__(self, address: str, link: LinkMonitor, min_interval_s: float = MIN_INTERVAL_S,
                  margin_s: float = MARGIN_S):  # fmt: skip
         self.link, self.min_interval_s, self.margin_s = link, min_interval_s, margin_s
-        options = [
-            ("grpc.use_local_subchannel_pool", 1),  # a TCP connection of its own, not the Verify one
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ]
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.address = address
+        self.generation = 0  # which connection: a failure on a replaced one is not news
+        self.channel = self._connect()
         self.stub = pb_grpc.SplitSpecStub(self.channel)
         self.dead = threading.Event()
         self.reason = ""
@@ -50,6 +47,7 @@ class Heartbeat:
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._fresh = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-heartbeat")
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
@@ -68,10 +66,12 @@ class Heartbeat:
         return self
 
     def revive(self) -> None:
-        """The link works again (the caller has just talked to the server): resume probing."""
+        """The link works again (the caller has just talked to the server): resume probing, on a new
+        connection — the old one was closed by the cut, or lost bytes in it and is beyond repair."""
         with self._lock:
             self.dead.clear()
             self.reason = ""
+            self._fresh.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -79,25 +79,51 @@ class Heartbeat:
             self._thread.join(timeout=1.0)
         self.channel.close()
 
+    def _connect(self) -> grpc.Channel:
+        options = [
+            ("grpc.use_local_subchannel_pool", 1),  # a TCP connection of its own, not the Verify one
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
+        return grpc.insecure_channel(self.address, options=options)
+
+    def _reconnect(self) -> None:
+        """A new connection, ready before the first probe: failures of the old one no longer count."""
+        old = self.channel
+        self.generation += 1
+        self.channel = self._connect()
+        self.stub = pb_grpc.SplitSpecStub(self.channel)
+        old.close()
+        wait = max(READY_WAIT_S, 4 * self.deadline_s())
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            self._mark_dead(f"heartbeat could not reconnect within {1000 * wait:.0f} ms", self.generation)
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._fresh.is_set():
+                self._fresh.clear()
+                self._reconnect()
             if not self.dead.is_set():
-                deadline = self.deadline_s()
+                deadline, generation = self.deadline_s(), self.generation
                 future = self.stub.Probe.future(pb.ProbeRequest(), timeout=deadline)
-                future.add_done_callback(lambda f, d=deadline: self._answered(f, d))
+                future.add_done_callback(lambda f, d=deadline, g=generation: self._answered(f, d, g))
                 self.probes += 1
             self._stop.wait(self.interval_s())
 
-    def _answered(self, future: grpc.Future, deadline: float) -> None:
+    def _answered(self, future: grpc.Future, deadline: float, generation: int) -> None:
         if self._stop.is_set() or future.cancelled():
             return
         exc = future.exception()
-        if exc is None:
-            return
-        reason = f"heartbeat unanswered within {1000 * deadline:.0f} ms ({exc.code().name})"
+        if exc is not None:
+            self._mark_dead(f"heartbeat unanswered within {1000 * deadline:.0f} ms ({exc.code().name})", generation)
+
+    def _mark_dead(self, reason: str, generation: int) -> None:
         with self._lock:
-            if self.dead.is_set():
-                return
+            if self.dead.is_set() or generation != self.generation or self._fresh.is_set():
+                return  # already known, or about a connection since replaced
             self.reason = reason
             self.dead.set()
         for callback in self._callbacks:

@@ -76,7 +76,8 @@ def test_a_cut_link_is_bridged_locally_and_verify_restores_the_exact_output(
     s = gen.stats
     assert gen.token_ids == plain
     assert all(gen.verified)  # every kept token was verified in the end
-    assert s.disconnects == 1 and s.reconnects == 1 and s.local_tokens >= 1 and s.offline_s >= 0.3
+    # one cut; a loaded machine may add a false alarm, which must be bridged the same way
+    assert s.disconnects >= 1 and s.reconnects == s.disconnects and s.local_tokens >= 1 and s.offline_s >= 0.3
     assert s.switch_s[0] < 0.5  # a closed connection is noticed at once, not at the deadline
 
 
@@ -99,7 +100,7 @@ def test_a_session_the_server_lost_is_reopened_from_history(tiny_target, tiny_se
 
     gen = run(tiny_target, tiny_server, netsim_server, "verify", before=forget)
     assert gen.token_ids == plain
-    assert gen.stats.disconnects == 1 and gen.stats.reconnects == 1
+    assert gen.stats.disconnects >= 1 and gen.stats.reconnects == gen.stats.disconnects
 
 
 def test_twenty_generations_cut_at_random_points_all_end_exactly(tiny_target, tiny_server, netsim_server, plain):
@@ -143,7 +144,7 @@ def test_a_flapping_link_neither_hangs_nor_spins(tiny_target, tiny_server, netsi
 
 
 def test_a_silent_cut_is_detected_within_two_rtts_and_100ms(tiny_target, tiny_server, netsim_server, plain):
-    """Packets vanish, nothing is closed: only the RTT-derived deadline can tell. The issue's bound is
+    """Packets vanish, nothing is closed: only the heartbeat or a deadline can tell. The issue's bound is
     2 x RTT + 100 ms from the cut; the assertion allows twice that for a loaded machine (the
     benchmark reports the precise figure)."""
     rtt_ms = 40
@@ -160,7 +161,7 @@ def test_a_silent_cut_is_detected_within_two_rtts_and_100ms(tiny_target, tiny_se
     bound = 2 * rtt_ms / 1000 + 0.1
     print(f"silent cut: switched to local {1000 * switch:.0f} ms after the cut (bound {1000 * bound:.0f} ms)")
     assert gen.token_ids == plain and all(gen.verified)
-    assert gen.stats.local_tokens >= 1 and gen.stats.reconnects == 1
+    assert gen.stats.local_tokens >= 1 and gen.stats.reconnects == gen.stats.disconnects >= 1
     assert 0 < switch <= 2 * bound
 
 
