@@ -158,6 +158,7 @@ class RemoteVerifier:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500),
         ]
+        self._options = options
         self.channel = grpc.insecure_channel(address, options=options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
@@ -222,10 +223,17 @@ class RemoteVerifier:
         return reply
 
     def reachable(self, timeout_s: float = 1.0) -> bool:
-        """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this.)"""
+        """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this.)
+
+        A failed poll replaces the channel, so the next one starts on a new connection: after a
+        silent cut the old one lost bytes mid-stream and would only fail again once the link is back.
+        """
         try:
             self._timed(self.stub.Handshake, self.hello, timeout_s)
         except SplitspecError:
+            old, self.channel = self.channel, grpc.insecure_channel(self.address, options=self._options)
+            self.stub = pb_grpc.SplitSpecStub(self.channel)
+            old.close()
             return False
         return True
 

@@ -1,9 +1,9 @@
 """`splitspec netsim`: serve the Toxiproxy API, or drive one (ours or a real toxiproxy-server).
 
-    splitspec netsim serve [--host 127.0.0.1] [--port 8474]
-    splitspec netsim apply --proxy NAME --profile 4g [--upstream HOST:PORT]
-    splitspec netsim cut|restore --proxy NAME
-    splitspec netsim status
+splitspec netsim serve [--host 127.0.0.1] [--port 8474]
+splitspec netsim apply --proxy NAME --profile 4g [--upstream HOST:PORT]
+splitspec netsim cut [--silent]|restore --proxy NAME
+splitspec netsim status
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     apply.add_argument("--period", type=float, default=10.0, help="flaky: seconds between cuts (default 10)")
     apply.add_argument("--down", type=float, default=2.0, help="flaky: seconds each cut lasts (default 2)")
     apply.add_argument("--duration", type=float, help="flaky: stop flapping after this many seconds")
-    sub.add_parser("cut", parents=[proxy], help="take a proxy down: cut live connections, refuse new ones")
+    cut = sub.add_parser("cut", parents=[proxy], help="take a proxy down: cut live connections, refuse new ones")
+    cut.add_argument("--silent", action="store_true",
+                     help="drop every byte both ways instead, closing nothing (a fading radio link)")  # fmt: skip
     sub.add_parser("restore", parents=[proxy], help="bring a proxy back up")
     sub.add_parser("status", parents=[url], help="list proxies and their toxics")
 
@@ -52,7 +54,12 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "apply":
         return _apply(client, args)
     if args.action in ("cut", "restore"):
-        client.update(args.proxy, enabled=args.action == "restore")
+        from netsim.harness import cut_link, restore_link
+
+        if args.action == "cut":
+            cut_link(client, args.proxy, args.silent)
+        else:
+            restore_link(client, args.proxy)
         print(f"{args.proxy}: {'down' if args.action == 'cut' else 'up'}")
         return 0
     _status(client)

@@ -138,6 +138,26 @@ class Flapper:
 SILENT_CUT = {"upstream": "silent-cut-up", "downstream": "silent-cut-down"}
 
 
+def cut_link(client: ToxiproxyClient, proxy: str, silent: bool = False) -> None:
+    """Take ``proxy``'s link down. Loud (default): live connections are closed and new ones refused, as
+    when the peer's host is gone. Silent: every byte is dropped both ways and nothing is closed, as when
+    a radio link fades — only a deadline or a heartbeat can tell."""
+    if silent:
+        for stream, name in SILENT_CUT.items():
+            client.add_toxic(proxy, "timeout", stream=stream, name=name, timeout=0)
+    else:
+        client.update(proxy, enabled=False)
+
+
+def restore_link(client: ToxiproxyClient, proxy: str) -> None:
+    """Undo either kind of cut."""
+    names = {t["name"] for t in client.toxics(proxy)}
+    for name in SILENT_CUT.values():
+        if name in names:
+            client.remove_toxic(proxy, name)
+    client.update(proxy, enabled=True)
+
+
 class SimulatedLink:
     """A proxy in front of one upstream: connect to ``address`` instead of the upstream."""
 
@@ -157,21 +177,11 @@ class SimulatedLink:
         return self.profile
 
     def cut(self, silent: bool = False) -> None:
-        """The link goes dead. Loud (default): live connections are closed and new ones refused, as when
-        the peer's host is gone. Silent: every byte is dropped both ways and nothing is closed, as when a
-        radio link fades — only a deadline or a keepalive can tell."""
-        if silent:
-            for stream in SILENT_CUT:
-                self.client.add_toxic(self.name, "timeout", stream=stream, name=SILENT_CUT[stream], timeout=0)
-        else:
-            self.client.update(self.name, enabled=False)
+        """The link goes dead (see ``cut_link``)."""
+        cut_link(self.client, self.name, silent)
 
     def restore(self) -> None:
-        names = {t["name"] for t in self.client.toxics(self.name)}
-        for name in SILENT_CUT.values():
-            if name in names:
-                self.client.remove_toxic(self.name, name)
-        self.client.update(self.name, enabled=True)
+        restore_link(self.client, self.name)
 
     def close(self) -> None:
         if self.flapper:

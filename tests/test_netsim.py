@@ -23,6 +23,7 @@ from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 from netsim import Netsim, apply_profile, get_profile, simulated_link
 from netsim.client import ToxiproxyClient, ToxiproxyError
 from netsim.harness import Flapper
+from netsim.proxy import split_address
 from shared.cli import main as splitspec
 
 IO_TIMEOUT_S = 10.0
@@ -441,6 +442,13 @@ def test_simulated_link_uses_toxiproxy_url_and_cleans_up(netsim_server, echo, mo
             connect(link.address)
         link.restore()
         assert round_trip_ms(link.address, count=2) < 50
+        link.cut(silent=True)  # connections are accepted and kept, but nothing gets through either way
+        with socket.create_connection(split_address(link.address), timeout=0.3) as sock:
+            sock.sendall(b"ping")
+            with pytest.raises(TimeoutError):
+                sock.recv(4)
+        link.restore()
+        assert round_trip_ms(link.address, count=2) < 50
     assert link.name not in netsim.client.proxies()
 
 
@@ -471,6 +479,10 @@ def test_connect_to_a_dead_url_says_so(monkeypatch):
     assert info.value.status == 0
 
 
+def toxic_names(api, proxy: str) -> set[str]:
+    return {t["name"] for t in api.toxics(proxy)}
+
+
 def test_cli_apply_cut_restore_status(api, echo, capsys):
     url = ["--url", api.url]
     assert splitspec(["netsim", "apply", "--proxy", "cli", "--profile", "3g", "--upstream", echo, *url]) == 0
@@ -481,6 +493,10 @@ def test_cli_apply_cut_restore_status(api, echo, capsys):
     assert api.proxy("cli")["enabled"] is False
     assert splitspec(["netsim", "restore", "--proxy", "cli", *url]) == 0
     assert api.proxy("cli")["enabled"] is True
+    assert splitspec(["netsim", "cut", "--silent", "--proxy", "cli", *url]) == 0
+    assert api.proxy("cli")["enabled"] is True and {"silent-cut-up", "silent-cut-down"} <= toxic_names(api, "cli")
+    assert splitspec(["netsim", "restore", "--proxy", "cli", *url]) == 0
+    assert not toxic_names(api, "cli") & {"silent-cut-up", "silent-cut-down"}
     assert splitspec(["netsim", "apply", "--proxy", "ghost", "--profile", "4g", *url]) == 2
     assert "no proxy named 'ghost'" in capsys.readouterr().err
     flaky = ["netsim", "apply", "--proxy", "cli", "--profile", "flaky", "--period", "0.3", "--down", "0.1"]
