@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
 import statistics
 import sys
+from pathlib import Path
 
 
 def cpu_model() -> str:
@@ -72,3 +74,21 @@ def median(values: list[float]) -> float | None:
 def cell(value: float | None, fmt: str) -> str:
     """A markdown table cell: ``value`` formatted, or an en dash for None."""
     return "–" if value is None else format(value, fmt)
+
+
+def save_results(out: Path, stem: str, result: dict, markdown: str) -> None:
+    """``out/stem.json`` (the whole result) and ``out/stem.md`` (the human-readable table)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str, ensure_ascii=False) + "\n")
+    (out / f"{stem}.md").write_text(markdown + "\n")
+
+
+def save_figure(fig, path: Path, title: str | None = None) -> None:
+    """Lay out, title (when given), write and free a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

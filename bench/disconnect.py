@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, median
+from bench.common import cell, environment, median, save_figure, save_results
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
@@ -277,10 +276,7 @@ def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
     ceiling = summary.get("target", {})
     axes[-1].plot([int(n) for n in ceiling], [v["pass_at_1"] for v in ceiling.values()], "k--", label="target, uncut")
     axes[-1].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -363,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
         "problems": [p["task_id"] for p in problems[: args.limit]], "tree": STATIC_TREE, "payload": "lsa/fp16",
     }  # fmt: skip
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "disconnect.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     table = markdown(summary)
     header = (
         f"# The link cut for good mid-generation\n\n`{env['command']}`\n\n{env['date']}, {args.model} (float32, cpu): "
@@ -373,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         f"never restored; agreement over the next {args.window} tokens against the target's own greedy "
         f"continuation; pass@1 at {args.window + TAU_SLACK} + N tokens; medians over problems (agreement: mean).\n\n"
     )
-    (args.out / "disconnect.md").write_text(header + table + "\n")
+    save_results(args.out, "disconnect", result, header + table)
     plot(summary, args.out / "disconnect.png", f"{args.model}: the link cut for good after N tokens ({args.profile})")
     print(table)
     print(f"\nwrote {args.out}/disconnect.{{json,md,png}}", file=sys.stderr)

@@ -19,7 +19,6 @@ Writes foundation.json, foundation.md and foundation.png under --out (default be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, mark_differences, median
+from bench.common import cell, environment, mark_differences, median, save_figure, save_results
 from client.decode import Generation, api_generate, speculative_generate
 from client.demo import server_child
 from client.drafters import NoDrafter, PromptLookup
@@ -273,9 +272,7 @@ def plot(runs: list[Run], summary: dict[str, dict], kinds: list[str], path: Path
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -339,10 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     mismatches = sum(s["mismatches"] for s in summary.values())
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches}
     result["runs"] = [asdict(r) for r in runs]
-    (args.out / "foundation.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     header = (
         f"# Foundation benchmark\n\n`{env['command']}`\n\n{env['date']}, torch {env['torch']}, "
         f"transformers {env['transformers']}, {env['threads']} threads of {env['cpu_count']} CPUs ({env['cpu']}); "
@@ -350,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         f"tok/s and speedups are medians over prompts (each prompt: median over repeats); τ = tokens per "
         f"verification round; ≠ counts runs whose token ids differ from {reference}.\n\n"
     )
-    (args.out / "foundation.md").write_text(header + table + "\n")
+    save_results(args.out, "foundation", result, header + table)
     title = f"{MODEL}, {args.threads} threads, {len(prompts)} prompts, ≤{args.max_new_tokens} new tokens, greedy"
     plot(runs, summary, kinds, args.out / "foundation.png", title)
     print(table)

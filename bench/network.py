@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, mark_differences, median
+from bench.common import cell, environment, mark_differences, median, save_figure, save_results
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
 from client.decode import api_generate, speculative_generate
@@ -246,9 +245,7 @@ def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=3)
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -298,8 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         "profiles_set": {p: asdict(PROFILES[p]) for p in args.profiles if p in PROFILES},
     }  # fmt: skip
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "network.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
         f"{args.model} (float32, cpu): server child {args.server_threads} thread(s), client {args.client_threads}, "
@@ -307,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
         f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"
     )
-    (args.out / "network.md").write_text(header + table + "\n")
+    save_results(args.out, "network", result, header + table)
     plot(summary, args.out / "network.png", f"{args.model}: tokens/s by network profile (client and server on one CPU)")
     print(table)
     print(f"\nwrote {args.out}/network.{{json,md,png}}", file=sys.stderr)

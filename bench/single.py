@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, mark_differences, median
+from bench.common import cell, environment, mark_differences, median, save_figure, save_results
 from client.decode import speculative_generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
@@ -242,10 +242,7 @@ def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
         ax.set_ylabel(label, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -307,14 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         "bundles": {m.name: m.bundle for m in methods if m.bundle is not None},
     }
     mismatches = sum(s["mismatches"] for per in summary.values() for s in per.values())
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches}
     result["prompts"] = [
         {"dataset": p.dataset, "index": p.index, "id": p.id, "prompt_tokens": len(p.ids), "text": p.text}
         for p in prompts
     ]
     result["runs"] = [asdict(r) for r in runs]
-    (args.out / "single.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     trained = training_lines(methods)
     header = (
         f"# Single-device drafter benchmark\n\n`{env['command']}`\n\n{env['date']}, torch {env['torch']}, "
@@ -328,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
-    (args.out / "single.md").write_text(header + table + "\n")
+    save_results(args.out, "single", result, header + table)
     title = (f"{args.model}, single device ({args.device}, {args.threads} threads), greedy, "
              f"≤{args.max_new_tokens} new tokens, {counts['mt-bench']} + {counts['humaneval']} prompts")  # fmt: skip
     plot(summary, args.out / "single.png", title)

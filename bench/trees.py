@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from bench import single
-from bench.common import environment
+from bench.common import environment, save_results
 from client.drafters import make_drafter
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
 
@@ -99,15 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "runs": [asdict(r) for r in runs],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "trees.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     header = (
         f"# Tree-shape sweep\n\n`{env['command']}`\n\n{env['date']}, {args.model} (float32, cpu), {env['threads']} "
         f"threads of {env['cpu_count']} CPUs ({env['cpu']}); {args.drafter} under EAGLE-2 trees of width B, depth D, "
         f"at most m nodes; first {args.limit} MT-Bench + {args.limit} HumanEval prompts, greedy, "
         f"≤{args.max_new_tokens} new tokens. τ mean, tok/s median, speedup median of per-prompt ratios.\n\n"
     )
-    (args.out / "trees.md").write_text(header + table + "\n")
+    save_results(args.out, "trees", result, header + table)
     single.plot(summary, args.out / "trees.png", f"{args.drafter}: EAGLE-2 tree shapes (B, D, m) on this CPU")
     print(table)
     print(f"\nwrote {args.out}/trees.{{json,md,png}}", file=sys.stderr)
