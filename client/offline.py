@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from client.drafters.base import Drafter
-from shared.acceptance import SamplingParams
+from shared.acceptance import SamplingParams, target_probs
 from shared.tree import DraftTree
 
 
@@ -42,13 +42,8 @@ def _draw(tree: DraftTree, sampling: SamplingParams, generator: torch.Generator 
         return None
     if not tree.scores:  # no probabilities (prompt lookup): its one candidate
         return tree.tokens[roots[0]]
-    logits = torch.tensor([tree.scores[i] for i in roots], dtype=torch.float64) / sampling.temperature
-    probs = torch.softmax(logits, dim=0)
-    order = torch.argsort(probs, descending=True)
-    kept = torch.cumsum(probs[order], 0) - probs[order] < sampling.top_p  # the nucleus, the top token always
-    probs = torch.zeros_like(probs).index_put_((order[kept],), probs[order[kept]])
-    pick = torch.multinomial(probs / probs.sum(), 1, generator=generator).item()
-    return tree.tokens[roots[pick]]
+    probs = target_probs(torch.tensor([tree.scores[i] for i in roots]), sampling)  # the target's own rule
+    return tree.tokens[roots[torch.multinomial(probs, 1, generator=generator).item()]]
 
 
 def reconcile_verify(verifier, drafter: Drafter, local: list[int], max_nodes: int) -> list[int]:
