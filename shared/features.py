@@ -50,14 +50,11 @@ class Features:
         return frozenset(kinds)
 
 
-def cache_kv(cache, start: int, end: int) -> torch.Tensor:
-    """``[end-start, L, 2·n_kv·d]`` from a transformers cache holding batch 1: positions [start, end)."""
-    per_layer = []
-    for layer in cache.layers:
-        k = layer.keys[0, :, start:end]  # [n_kv, n, d]
-        v = layer.values[0, :, start:end]
-        per_layer.append(torch.cat([k.transpose(0, 1).flatten(1), v.transpose(0, 1).flatten(1)], dim=-1))
-    return torch.stack(per_layer, dim=1)
+def cache_kv(cache, start: int, end: int, slot: int = 0) -> torch.Tensor:
+    """``[end-start, L, 2·n_kv·d]``: positions [start, end) of ``slot`` in an engine cache (``shared.engine.Cache``)."""
+    k = cache.k[:, slot, :, start:end]  # [L, n_kv, n, d]
+    v = cache.v[:, slot, :, start:end]
+    return torch.cat([k.permute(2, 0, 1, 3).flatten(2), v.permute(2, 0, 1, 3).flatten(2)], dim=-1)
 
 
 def split_kv(kv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,12 @@
-"""Llama-style blocks over explicit masks and caches: the drafters' layers, and the LSA the server runs.
+"""Llama-style building blocks over explicit masks and static caches: the target engine and every drafter.
 
-Written out instead of borrowed from transformers so that one block serves every use a drafter
-has: causal or bidirectional self-attention, cross-attention to a memory, tree-masked draft
-nodes, and — sharing the target's own weights — the target's last layers for Target Layer
-Inference. Masks are boolean (True = may attend) of shape [B, Tq, Tk]; caches are written by
-position (gpt-fast style), so rewinding a draft is just moving a length back.
+One block serves every use: the target's own decoder layers (``shared.engine``), causal or
+bidirectional self-attention in the drafters, cross-attention to a memory, tree-masked draft
+nodes, and — being the target's very modules — the last layers a MoA drafter runs for Target
+Layer Inference. Masks are boolean (True = may attend) of shape [B, Tq, Tk]; caches are
+preallocated and written by position (gpt-fast style), so accepting a draft path is an index
+copy and rewinding is moving a length back. Projections are fused (one QKV and one gate/up
+matmul): on a CPU each matmul call costs a fixed overhead that a 576-wide model feels.
 """
 
 from __future__ import annotations
@@ -27,34 +29,75 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Rotary(nn.Module):
+    """Rotary position tables (cos, sin per position), computed once the way transformers computes them.
+
+    ``inv_freq`` and ``scale`` come from the model's rope settings (``shared.engine.rope_frequencies``);
+    looking rows up by position gives bit-identical values to computing them per call. The tables
+    are plain fp32 attributes, not buffers: casting a model to bf16 must not round them.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0, max_positions: int = 2048):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq.float()[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim] for integer positions [B, T]."""
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, d]; cos, sin [B, T, d] (as the target's rotary embedding returns them)."""
+    """x [B, H, T, d]; cos, sin [B, T, d]."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class KVCache:
-    """Keys and values of one attention layer, [B, H, capacity, d], written by position."""
+    """Keys and values of one attention layer, [B, H, capacity, d], written by position.
 
-    def __init__(self) -> None:
+    With ``capacity`` the storage is allocated once, on the first write (its batch, heads, dtype
+    and device come from what is written); without, it grows by doubling (drafters that do not
+    know their context length). Only the filled prefix is ever attended to: ``write`` returns
+    views up to the end of what it wrote.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache over given (preallocated) storage [B, H, capacity, d]: ``shared.engine.Cache``'s layers."""
+        cache = cls(k.shape[2])
+        cache.k, cache.v = k, v
+        return cache
+
+    def _reserve(self, like: torch.Tensor, end: int) -> None:
+        size = 0 if self.k is None else self.k.shape[2]
+        if self.k is not None and size >= end:
+            return
+        grow = max(end, self.capacity or 0, 2 * size, 64)
+        new_k = like.new_zeros(*like.shape[:2], grow, like.shape[3])
+        new_v = like.new_zeros(*like.shape[:2], grow, like.shape[3])
+        if self.k is not None:
+            new_k[:, :, :size] = self.k
+            new_v[:, :, :size] = self.v
+        self.k, self.v = new_k, new_v
+
     def write(self, k: torch.Tensor, v: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v at positions [at, at + n); return everything up to there."""
+        """Store k, v [B, H, n, d] at positions [at, at + n); return everything up to there."""
         end = at + k.shape[2]
-        if self.k is None or self.k.shape[2] < end:
-            grow = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 64)
-            new_k = k.new_zeros(*k.shape[:2], grow, k.shape[3])
-            new_v = v.new_zeros(*v.shape[:2], grow, v.shape[3])
-            if self.k is not None:
-                new_k[:, :, : self.k.shape[2]] = self.k
-                new_v[:, :, : self.v.shape[2]] = self.v
-            self.k, self.v = new_k, new_v
+        self._reserve(k, end)
         self.k[:, :, at:end] = k
         self.v[:, :, at:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
@@ -68,70 +111,102 @@ class KVCache:
             self.v[:, :, d] = self.v[:, :, s]
 
 
+def _fuse(state: dict, prefix: str, parts: tuple[str, ...], fused: str) -> None:
+    """Load-time fusion: separate ``q_proj``/``k_proj``/... weights (a transformers checkpoint, an older
+    bundle) become one fused matrix, so every checkpoint loads into the same fused modules."""
+    for kind in ("weight", "bias"):
+        names = [f"{prefix}{p}.{kind}" for p in parts]
+        if all(n in state for n in names):
+            state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
 class Attention(nn.Module):
-    """Grouped-query attention; keys and values come from ``source`` (the queries' own input for self-attention)."""
+    """Grouped-query attention with fused projections.
+
+    Self-attention: one ``qkv`` matmul. Cross-attention (``source_dim`` set): ``q_proj`` on the
+    queries' input, one ``kv_proj`` on the memory, made once per memory entry (``keys_values``).
+    """
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, source_dim: int | None = None,
-                 bias: bool = False):  # fmt: skip
+                 bias: bool = False, out_bias: bool = False):  # fmt: skip
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        source_dim = source_dim or dim
-        self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(source_dim, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(source_dim, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias)
+        self.cross = source_dim is not None
+        if self.cross:
+            self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias)
+            self.kv_proj = nn.Linear(source_dim, 2 * kv_heads * head_dim, bias=bias)
+        else:
+            self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, dim, bias=out_bias)
+        self._register_load_state_dict_pre_hook(self._fuse_checkpoint)
+
+    def _fuse_checkpoint(self, state, prefix, *args) -> None:
+        if self.cross:
+            _fuse(state, prefix, ("k_proj", "v_proj"), "kv_proj")
+        else:
+            _fuse(state, prefix, ("q_proj", "k_proj", "v_proj"), "qkv")
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
 
-    def keys_values(self, source: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._split(self.k_proj(source), self.kv_heads)
-        v = self._split(self.v_proj(source), self.kv_heads)
+    def project(self, x: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, ...]:
+        """Self-attention's q [B, H, T, d], k, v [B, kv_heads, T, d] for input x [B, T, dim], rotated."""
+        q, k, v = self.qkv(x).split([self.heads * self.head_dim, *2 * [self.kv_heads * self.head_dim]], dim=-1)
+        q, k, v = self._split(q, self.heads), self._split(k, self.kv_heads), self._split(v, self.kv_heads)
         if rope is not None:
-            k = apply_rotary(k, *rope)
-        return k, v
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               rope: tuple | None) -> torch.Tensor:  # fmt: skip
-        """x [B, T, dim] attends to k, v [B, kv_heads, S, d] under mask [B or 1, T, S]."""
+    def query(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
         q = self._split(self.q_proj(x), self.heads)
-        if rope is not None:
-            q = apply_rotary(q, *rope)
-        groups = self.heads // self.kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+        return q if rope is None else apply_rotary(q, *rope)
+
+    def keys_values(self, source: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values of a memory [B, M, source_dim]."""
+        k, v = self.kv_proj(source).chunk(2, dim=-1)
+        k, v = self._split(k, self.kv_heads), self._split(v, self.kv_heads)
+        return (k if rope is None else apply_rotary(k, *rope)), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, T, d] attends to k, v [B, kv_heads, S, d] under mask [B or 1, T, S] (None: everything)."""
+        mask = None if mask is None else mask[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
+    """SwiGLU with one fused gate/up matmul."""
+
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self._register_load_state_dict_pre_hook(lambda state, prefix, *a: _fuse(state, prefix,
+                                                                               ("gate_proj", "up_proj"), "gate_up"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
     """A pre-norm Llama block (attention + SwiGLU MLP, both residual); the same names as a Llama layer.
 
     Self-attention: ``forward(x, mask, rope, cache, at)`` computes this input's keys and values,
-    writes them into ``cache`` at position ``at`` (if given) and attends to everything there.
-    Cross-attention (``source_dim`` set): ``forward(x, mask, rope, memory=(k, v))`` attends to
-    keys and values made once per memory entry by ``memory_kv``.
+    writes them into ``cache`` at position ``at`` (if given) and attends to everything there that
+    ``mask`` allows. Cross-attention (``source_dim`` set): ``forward(x, mask, rope, memory=(k, v))``
+    attends to keys and values made once per memory entry by ``memory_kv``.
     """
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp_hidden: int, eps: float = 1e-5,
-                 source_dim: int | None = None, bias: bool = False):  # fmt: skip
+                 source_dim: int | None = None, bias: bool = False, out_bias: bool = False,
+                 mlp_bias: bool = False):  # fmt: skip
         super().__init__()
         self.cross = source_dim is not None
         self.input_layernorm = RMSNorm(dim, eps)
-        self.self_attn = Attention(dim, heads, kv_heads, head_dim, source_dim, bias)
+        self.self_attn = Attention(dim, heads, kv_heads, head_dim, source_dim, bias, out_bias)
         self.post_attention_layernorm = RMSNorm(dim, eps)
-        self.mlp = MLP(dim, mlp_hidden, bias)
+        self.mlp = MLP(dim, mlp_hidden, mlp_bias)
 
     def memory_kv(self, memory: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.self_attn.keys_values(memory, rope)
@@ -140,17 +215,24 @@ class Block(nn.Module):
                 cache: KVCache | None = None, at: int = 0, memory: tuple | None = None) -> torch.Tensor:  # fmt: skip
         h = self.input_layernorm(x)
         if self.cross:
-            k, v = memory
+            q, (k, v) = self.self_attn.query(h, rope), memory
         else:
-            k, v = self.self_attn.keys_values(h, rope)
+            q, k, v = self.self_attn.project(h, rope)
             if cache is not None:
                 k, v = cache.write(k, v, at)
-        x = x + self.self_attn.attend(h, k, v, mask, rope)
+        x = x + self.self_attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def causal_mask(n: int, device=None) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+
+
+def causal_from(start: int, n: int, device=None) -> torch.Tensor:
+    """[1, n, start + n]: n new tokens at slots start.. see every slot before them and themselves causally."""
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
+    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return mask[None]
 
 
 def node_mask(parents: list[int], new: int, visible: int, slots: list[int], total: int, device=None) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""The target model engine: one KV cache per sequence, trees verified in one forward pass.
+"""The target model engine: one static KV cache per sequence, trees verified in one forward pass.
 
 Used by the server and by the client's single-device (``--local``) path alike, so both verify
-with the same mask, positions, cache bookkeeping and acceptance rule.
+with the same mask, positions, cache bookkeeping and acceptance rule. The forward is our own
+(``shared.engine``); transformers' model is loaded only on request, as the reference to check
+against (``Target.reference_model``).
 
 Cache invariant: the cache holds every committed token except the newest, the *root*. A
-verification feeds [root, drafted nodes...] with an ancestor mask, keeps the KV of the root and
-the accepted path, and the bonus token becomes the next root.
+verification writes [root, drafted nodes...] after the cached prefix with an ancestor mask,
+moves the KV of the accepted path into place right after the root and sets the length; the
+bonus token becomes the next root. Rolling back is setting the length.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from shared.acceptance import SamplingParams, accept_tree
+from shared.engine import Transformer
 from shared.features import Features, cache_kv
-from shared.tree import DraftTree, tree_attention_mask, tree_positions
+from shared.layers import causal_from
+from shared.tree import DraftTree, tree_mask, tree_positions
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -36,45 +41,51 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 class Target:
-    """A loaded causal LM plus the facts about it that both sides of the wire need."""
+    """A loaded decoder (``shared.engine.Transformer``) plus the facts about it that both sides of the wire need."""
 
-    def __init__(self, model, tokenizer=None, name: str = "", max_context: int | None = None):
-        self.model = model.eval()
+    def __init__(self, engine: Transformer, tokenizer=None, name: str = "", max_context: int | None = None,
+                 path: str | Path | None = None, eos_token_ids: list[int] | None = None):  # fmt: skip
+        self.engine = engine.eval()
         self.tokenizer = tokenizer
-        self.name = name or getattr(model.config, "name_or_path", "") or model.config.model_type
-        cfg = model.config
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.num_layers = cfg.num_hidden_layers
+        self.path = path
+        cfg = engine.cfg
+        self.name = name or cfg.model_type
+        self.vocab_size = engine.lm_head.weight.shape[0]
+        self.num_layers = cfg.num_layers
         self.hidden_size = cfg.hidden_size
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        limit = getattr(cfg, "max_position_embeddings", None) or 2048
-        self.max_context = min(limit, max_context) if max_context else limit
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.max_context = min(cfg.max_positions, max_context) if max_context else cfg.max_positions
+        ids = set(eos_token_ids or ())
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(ids)
         self.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
+        self._reference = None
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self.engine.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self.engine.dtype
 
     def session(self, sampling: SamplingParams = SamplingParams(), features=()) -> TargetSession:
         """A new sequence; ``features`` names what each prefill/verify reports about newly cached tokens."""
         return TargetSession(self, sampling, features=Features.check_kinds(features))
 
+    def reference_model(self):
+        """transformers' own model of the same folder, in the same dtype (loaded once, on first use): the
+        reference that tests and benchmarks check the engine against. Never on a serving path."""
+        if self._reference is None:
+            from transformers import AutoModelForCausalLM
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
+            if self.path is None:
+                raise ValueError("this target was not loaded from a folder: it has no reference model")
+            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype, attn_implementation="sdpa")
+            self._reference = model.to(self.device).eval()
+        return self._reference
 
 
 @dataclass
@@ -90,7 +101,7 @@ class Verdict:
 
 @dataclass
 class TargetSession:
-    """One sequence on the target: its committed tokens, KV cache and random stream."""
+    """One sequence on the target: its committed tokens, static KV cache and random stream."""
 
     target: Target
     sampling: SamplingParams
@@ -98,12 +109,16 @@ class TargetSession:
     features: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        self.cache = DynamicCache(config=self.target.model.config)
+        self.cache = self.target.engine.new_cache(self.target.max_context)
+        self.cached_len = 0  # cache slots [0, cached_len) hold committed tokens: all but the root
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
-    @property
-    def cached_len(self) -> int:
-        return self.cache.get_seq_length()
+    def _forward(self, ids: list[int], positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
+        """Final hidden states [T, E] of ``ids`` written at slot ``cached_len`` (not yet committed)."""
+        dev = self.target.device
+        ids_t = torch.tensor([ids], device=dev)
+        pos_t = torch.tensor([positions], device=dev)
+        return self.target.engine(ids_t, pos_t, mask, self.cache, self.cached_len)[0]
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> Verdict:
@@ -117,18 +132,13 @@ class TargetSession:
                 f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.target.max_context}"
             )
         start = time.perf_counter()
-        ids = torch.tensor([prompt_ids], device=self.target.device)
-        out = self.target.model(
-            input_ids=ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states="hidden" in self.features,
-        )
-        _, first = accept_tree([], [], out.logits[0, -1:], self.sampling, self.generator)
+        n = len(prompt_ids)
+        hidden = self._forward(list(prompt_ids), list(range(n)), causal_from(0, n, self.target.device))
+        logits = self.target.engine.logits(hidden[-1:])
+        _, first = accept_tree([], [], logits, self.sampling, self.generator)
         self.tokens = list(prompt_ids) + [first]
-        rows = list(range(len(prompt_ids)))
-        return Verdict([], first, [first], time.perf_counter() - start, self._features(0, out, rows))
+        self.cached_len = n
+        return Verdict([], first, [first], time.perf_counter() - start, self._features(0, hidden))
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree) -> Verdict:
@@ -142,58 +152,40 @@ class TargetSession:
                 f"tree of {n} nodes after {prefix + 1} tokens exceeds the context of {self.target.max_context}"
             )
         start = time.perf_counter()
-        dev, dtype = self.target.device, self.target.dtype
-        ids = torch.tensor([[self.tokens[-1], *tree.tokens]], device=dev)
-        positions = torch.tensor([tree_positions(tree.parents, prefix)], device=dev)
-        mask = None if _is_chain(tree.parents) else tree_attention_mask(tree.parents, prefix, dtype, dev)
-        out = self.target.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states="hidden" in self.features,
-        )
-        accepted, bonus = accept_tree(tree.tokens, tree.parents, out.logits[0], self.sampling, self.generator)
-        self._keep(prefix, accepted)
+        dev = self.target.device
+        if n == 0:
+            mask = None  # one token sees the whole prefix
+        elif _is_chain(tree.parents):
+            mask = causal_from(prefix, n + 1, dev)
+        else:
+            mask = tree_mask(tree.parents, prefix, dev)
+        hidden = self._forward([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
+        logits = self.target.engine.logits(hidden)
+        accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
+        kept = [1 + i for i in accepted]
+        self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
+        self.cached_len = prefix + 1 + len(kept)
         new = [tree.tokens[i] for i in accepted] + [bonus]
         self.tokens.extend(new)
-        features = self._features(prefix, out, [0] + [1 + i for i in accepted])
+        features = self._features(prefix, hidden[[0, *kept]]) if self.features else None
         return Verdict(accepted, bonus, new, time.perf_counter() - start, features)
 
-    def _features(self, start: int, out, rows: list[int]) -> Features | None:
-        """Features of the tokens now cached at [start, start + len(rows)); ``rows`` index the forward's output."""
+    def _features(self, start: int, hidden: torch.Tensor) -> Features | None:
+        """Features of the tokens now cached at [start, start + len(hidden)); ``hidden`` are their final states."""
         if not self.features:
             return None
-        end = start + len(rows)
+        end = start + hidden.shape[0]
         kv = cache_kv(self.cache, start, end).clone() if "kv" in self.features else None
-        hidden = out.hidden_states[-1][0, rows].clone() if "hidden" in self.features else None
-        return Features(start, kv=kv, hidden=hidden)
-
-    def _keep(self, prefix: int, accepted: list[int]) -> None:
-        """Move the accepted nodes' KV right after the root and drop the rest of the tree."""
-        src = [prefix + 1 + i for i in accepted]
-        dst = list(range(prefix + 1, prefix + 1 + len(accepted)))
-        if src != dst:
-            src_t = torch.tensor(src, device=self.target.device)
-            for layer in self.cache.layers:
-                layer.keys[:, :, dst[0] : dst[-1] + 1] = layer.keys.index_select(2, src_t)
-                layer.values[:, :, dst[0] : dst[-1] + 1] = layer.values.index_select(2, src_t)
-        self._crop_to(prefix + 1 + len(accepted))
-
-    def _crop_to(self, length: int) -> None:
-        extra = self.cached_len - length
-        if extra > 0:
-            self.cache.crop(-extra)  # transformers 5.x crops by a negative count
+        return Features(start, kv=kv, hidden=hidden.clone() if "hidden" in self.features else None)
 
     def truncate(self, length: int) -> None:
         """Forget committed tokens beyond ``length`` (the last kept one becomes the root)."""
         if not 1 <= length <= len(self.tokens):
             raise ValueError(f"cannot truncate {len(self.tokens)} tokens to {length}")
         self.tokens = self.tokens[:length]
-        self._crop_to(length - 1)
+        self.cached_len = min(self.cached_len, length - 1)
 
 
 def _is_chain(parents: list[int]) -> bool:
-    """A chain needs no custom mask: the model's own causal mask is exact for it."""
+    """A chain is causal after the prefix: no tree mask to build."""
     return all(p == i - 1 for i, p in enumerate(parents))

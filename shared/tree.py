@@ -96,13 +96,21 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def tree_attention_mask(
-    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str
-) -> torch.Tensor:
-    """Additive [1, 1, n+1, prefix_len+n+1] mask: causal over the cached prefix, ancestors inside the tree."""
+def tree_mask(parents: list[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [1, n+1, prefix_len+n+1] mask (True = may attend) for root + nodes written after a cached
+    prefix: everything in the prefix, then each node's ancestors and itself (the root sees itself)."""
     n = len(parents)
     allowed = torch.ones(n + 1, prefix_len + n + 1, dtype=torch.bool)
     allowed[:, prefix_len:] = ancestor_mask(parents)
+    return allowed[None].to(device)
+
+
+def tree_attention_mask(
+    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """The same mask in transformers' additive form, [1, 1, n+1, prefix_len+n+1] (0 = may attend): for
+    checking the engine against a transformers model fed the same tree."""
+    allowed = tree_mask(parents, prefix_len)[0]
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].to(device)

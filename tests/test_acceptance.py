@@ -129,7 +129,7 @@ def test_sampling_params_are_checked():
 def test_session_sampling_matches_target_distribution(tiny_target):
     """End to end on a tiny model: tokens emitted by tree verification follow the target's p."""
     params = SamplingParams(temperature=0.3, seed=7)  # peaked enough that drafts get accepted, not one-hot
-    model = tiny_target.model
+    model = tiny_target.reference_model()
     prompt = [5, 17, 42, 8, 99, 3]
     session = tiny_target.session(params)
     session.prefill(prompt)

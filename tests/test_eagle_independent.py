@@ -40,7 +40,7 @@ def make_drafter(model: Eagle | Independent, **options):
 def target_features(target, ids: list[int]) -> torch.Tensor:
     """The target's final (normed) hidden state of each token, [T, E]."""
     with torch.no_grad():
-        return target.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        return target.reference_model()(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
 
 
 def batch_logprobs(target, model, ids: list[int], committed: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from client.drafters.moa import MoA, MoAConfig, MoADrafter
 from client.drafters.target_parts import TargetParts
 from client.verifiers import LocalVerifier
 from shared.features import cache_kv
+from shared.layers import causal_mask
 
 
 def make_moa(target, tli: int, seed: int = 0) -> MoA:
@@ -24,13 +25,13 @@ def make_moa(target, tli: int, seed: int = 0) -> MoA:
 
 
 def target_pass(target, ids: torch.Tensor):
-    """The target's KV per token [1, T, L, Ekv], hidden states per layer, logits and cache."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.model.config)
+    """The target's KV per token [1, T, L, Ekv], hidden states per layer (transformers' convention), logits, cache."""
+    T = ids.shape[1]
+    cache = target.engine.new_cache(T)
+    trace: list[torch.Tensor] = []
     with torch.no_grad():
-        out = target.model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    return cache_kv(cache, 0, ids.shape[1])[None], out.hidden_states, out.logits, cache
+        final = target.engine(ids, torch.arange(T)[None], causal_mask(T), cache, 0, trace=trace)
+    return cache_kv(cache, 0, T)[None], (*trace, final), target.engine.logits(final), cache
 
 
 @pytest.mark.parametrize("tli", [1, 2])
@@ -44,7 +45,7 @@ def test_tli_reproduces_the_target_from_its_own_hidden_state(tiny_target, tli):
     every, none = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
     segmentations = [every, none, torch.tensor([[0, 0, 0, 3, 3, 5, 5, 5]])]
     for starts in segmentations:
-        tli_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(L - tli, L)]
+        tli_kv = [(cache.layers[i].k, cache.layers[i].v) for i in range(L - tli, L)]
         out = model.head_train(entering, starts, tli_kv)
         assert torch.allclose(model.parts.logits(out), logits, atol=1e-4), starts
 
@@ -76,7 +77,7 @@ def test_incremental_drafting_matches_the_training_pass(tiny_target, tli):
     T = ids.shape[1]
     starts = torch.tensor([[min(t, root) for t in range(T)]])
     L = tiny_target.num_layers
-    tli_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(L - tli, L)]
+    tli_kv = [(cache.layers[i].k, cache.layers[i].v) for i in range(L - tli, L)]
     with torch.no_grad():
         batch = torch.log_softmax(model.parts.logits(model.head_train(model.forward_train(ids, kv, starts), starts,
                                                                       tli_kv)), -1)[0]  # fmt: skip

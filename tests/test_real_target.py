@@ -46,7 +46,7 @@ def references(real_target):
     for text, chat in PROMPTS:
         ids = encode_prompt(real_target.tokenizer, text, chat)
         with torch.no_grad():
-            out = real_target.model.generate(
+            out = real_target.reference_model().generate(
                 torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=real_target.eos_token_ids[0],
             )  # fmt: skip

@@ -49,21 +49,21 @@ def test_validate_tree_names_the_problem(tokens, parents, message):
 def test_tree_logits_match_sequential_paths(tiny_target, seed):
     """Every tree node's logits equal those of its root-to-node path run as a plain sequence."""
     rng = random.Random(seed)
-    model, vocab = tiny_target.model, tiny_target.vocab_size
+    model, vocab = tiny_target.reference_model(), tiny_target.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(3, 20))]
     tree = random_tree(rng, 15, vocab)
     session = tiny_target.session()
     session.prefill(prompt)
     root = session.tokens[-1]
 
-    from shared.tree import tree_attention_mask
+    from shared.tree import tree_mask
 
     prefix = session.cached_len
-    with torch.no_grad():
+    with torch.no_grad():  # the engine's tree forward, checked against transformers run on each path alone
         ids = torch.tensor([[root, *tree.tokens]])
         pos = torch.tensor([tree_positions(tree.parents, prefix)])
-        mask = tree_attention_mask(tree.parents, prefix, model.dtype, "cpu")
-        tree_logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=session.cache).logits[0]
+        hidden = tiny_target.engine(ids, pos, tree_mask(tree.parents, prefix), session.cache, prefix)
+        tree_logits = tiny_target.engine.logits(hidden)[0]
         for node in range(-1, len(tree)):
             path = [] if node == -1 else [tree.tokens[i] for i in path_to(tree.parents, node)]
             seq = torch.tensor([prompt + [root] + path])
@@ -93,6 +93,7 @@ def test_verify_keeps_only_the_accepted_path(tiny_target, seed):
         assert session.cached_len == len(session.tokens) - 1
     fresh = tiny_target.session()
     fresh.prefill(session.tokens[:-1])
-    for a, b in zip(session.cache.layers, fresh.cache.layers, strict=True):
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
+    n = fresh.cached_len
+    assert session.cached_len == n
+    torch.testing.assert_close(session.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(session.cache.v[:, :, :, :n], fresh.cache.v[:, :, :, :n], atol=1e-4, rtol=1e-4)

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features
-from shared.layers import Block, KVCache, causal_mask
+from shared.layers import Block, KVCache, causal_from, causal_mask
 
 FEATURE_NOISE = 0.1  # training inputs get U(-0.1, 0.1) added to the true features, as EAGLE does
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from client.training.teacher import TargetBatch, agreement, distill_kl
 from shared.features import Features
-from shared.layers import Block, KVCache, RMSNorm, causal_mask
+from shared.layers import Block, KVCache, RMSNorm, causal_from, causal_mask
 
 
 @dataclass

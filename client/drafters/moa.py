@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.target_parts import TargetParts
-from client.drafters.tree_drafter import DraftNodes, TreeDrafter, causal_from
+from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features, split_kv
-from shared.layers import Block, KVCache, RMSNorm, causal_mask
+from shared.layers import Block, KVCache, RMSNorm, causal_from, causal_mask
 from shared.lsa import LayerSelfAttention
 
 
@@ -130,9 +130,9 @@ class MoA(LayerSelfAttention):
         x = hidden
         for layer, (tk, tv) in zip(self.parts.layers, tli_kv, strict=True):
             h = layer.input_layernorm(x)
-            k, v = layer.self_attn.keys_values(h, rope)
+            q, k, v = layer.self_attn.project(h, rope)
             k, v = torch.cat([tk.to(k.dtype), k], dim=2), torch.cat([tv.to(v.dtype), v], dim=2)
-            x = x + layer.self_attn.attend(h, k, v, mask, rope)
+            x = x + layer.self_attn.attend(q, k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 

@@ -12,23 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.layers import Block
-
-
-def _block_sharing(layer: nn.Module, cfg) -> Block:
-    """A :class:`Block` whose parameters *are* the given transformers Llama layer's (no copy)."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    block = Block(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                  cfg.intermediate_size, cfg.rms_norm_eps)  # fmt: skip
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        setattr(block.self_attn, name, getattr(layer.self_attn, name))
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        setattr(block.mlp, name, getattr(layer.mlp, name))
-    block.input_layernorm.weight = layer.input_layernorm.weight
-    block.post_attention_layernorm.weight = layer.post_attention_layernorm.weight
-    block.input_layernorm.eps = block.post_attention_layernorm.eps = cfg.rms_norm_eps
-    return block
-
 
 class TargetParts(nn.Module):
     """Embeddings, rotary positions, the last ``tli`` layers, final norm and LM head — frozen, shared.
@@ -40,25 +23,24 @@ class TargetParts(nn.Module):
 
     def __init__(self, target, tli: int = 0, vocab_ids: torch.Tensor | None = None):
         super().__init__()
-        model, cfg = target.model, target.model.config
-        if not 0 <= tli <= cfg.num_hidden_layers:
-            raise ValueError(f"tli must be within [0, {cfg.num_hidden_layers}] for this target, got {tli}")
+        engine, cfg = target.engine, target.engine.cfg
+        if not 0 <= tli <= cfg.num_layers:
+            raise ValueError(f"tli must be within [0, {cfg.num_layers}] for this target, got {tli}")
         self.tli = tli
         self.hidden_size = cfg.hidden_size
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.mlp_hidden = cfg.intermediate_size
-        self.eps = cfg.rms_norm_eps
-        self.embed = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()
-        self.norm = model.model.norm
-        self.rotary = model.model.rotary_emb
-        first = cfg.num_hidden_layers - tli
-        self.layers = nn.ModuleList(_block_sharing(layer, cfg) for layer in model.model.layers[first:])
+        self.num_layers = cfg.num_layers
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.mlp_hidden = cfg.mlp_hidden
+        self.eps = cfg.eps
+        self.embed = engine.embed_tokens
+        self.norm = engine.norm
+        self.rotary = engine.rotary
+        # the target's own blocks (not copies): TLI runs them with the same code and cache layout
+        self.layers = nn.ModuleList(engine.layers[cfg.num_layers - tli :])
         self.vocab_ids: torch.Tensor | None = None
-        self.head_weight = self.lm_head.weight
+        self.head_weight = engine.lm_head.weight
         if vocab_ids is not None and len(vocab_ids):
             self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=self.head_weight.device)
             if int(self.vocab_ids.max()) >= self.head_weight.shape[0] or int(self.vocab_ids.min()) < 0:
@@ -68,9 +50,8 @@ class TargetParts(nn.Module):
             p.requires_grad_(False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, head_dim] for integer positions [B, T], from the target's own rotary embedding."""
-        probe = torch.empty(0, device=positions.device, dtype=dtype)
-        return self.rotary(probe, positions)
+        """cos, sin [B, T, head_dim] for integer positions [B, T], from the target's own rotary tables."""
+        return self.rotary(positions, dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over a final hidden state: TLI=0 predicts it after the final norm, TLI>0 before it."""

@@ -71,10 +71,3 @@ class DraftNodes:
         slots = list(range(self.first_slot, at + len(parents)))
         mask = node_mask(self.parents, len(parents), self.first_slot, slots, at + len(parents), device)
         return [self.root + d for d in self.depths[first:]], at, mask
-
-
-def causal_from(start: int, n: int, device=None) -> torch.Tensor:
-    """[1, n, start + n]: n new tokens at slots start.. see every slot before them and themselves causally."""
-    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
-    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return mask[None]

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+
+from shared.layers import causal_mask
 
 
 @dataclass
@@ -67,27 +68,25 @@ def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask:
     With ``vocab_ids`` the teacher's logits cover only that draft vocabulary (its softmax is then
     the target's distribution renormalised over it — what a drafter limited to it can learn).
     """
-    model = target.model
+    engine = target.engine
     dev = target.device
     input_ids, valid, loss_mask = input_ids.to(dev), valid.to(dev), loss_mask.to(dev)
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=valid.long(),
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
-        logits_to_keep=1,  # the full [B, T, V] would be huge: the teacher's logits are made below, where trained
-    )
+    B, T = input_ids.shape
+    cache = engine.new_cache(T, batch=B)
+    trace: list[torch.Tensor] = []
+    # right padding: a causal mask alone keeps every real token's states exact (padding comes after it)
+    positions = torch.arange(T, device=dev).expand(B, T)
+    final = engine(input_ids, positions, causal_mask(T, dev), cache, 0, trace=trace)
+    hidden = (*trace, final)
     predicts = torch.zeros_like(loss_mask)
     predicts[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
     rows, cols = predicts.nonzero(as_tuple=True)
-    layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
-    head = model.get_output_embeddings().weight
+    layer_kv = [(layer.k, layer.v) for layer in cache.layers]
+    head = engine.lm_head.weight
     if vocab_ids is not None:
         head = head[vocab_ids.to(head.device)]
-    teacher = F.linear(out.hidden_states[-1][rows, cols], head).float()
-    return TargetBatch(input_ids, valid, out.hidden_states, layer_kv, rows, cols, teacher)
+    teacher = F.linear(final[rows, cols], head).float()
+    return TargetBatch(input_ids, valid, hidden, layer_kv, rows, cols, teacher)
 
 
 KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)

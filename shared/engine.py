@@ -1,0 +1,210 @@
+"""The target engine: a Llama-family decoder in plain PyTorch, over the weights of a Hugging Face folder.
+
+What SmolLM2, Llama-2/3 and Qwen2-style configs describe: grouped-query attention, RoPE with its
+scaling, SwiGLU, RMSNorm, a tied or untied head, optional QKV biases. No transformers module runs
+on the hot path (transformers only parses the config and computes the rope frequencies once):
+one forward is embeddings -> ``shared.layers.Block`` x L -> norm, with projections fused and a
+static KV cache written by position. The same blocks are the drafters' building blocks, so a MoA
+drafter's Target Layer Inference runs the target's last layers with this very code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.layers import Block, KVCache, RMSNorm, Rotary
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The facts about a decoder the engine needs, read from a Hugging Face ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    eps: float
+    max_positions: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf) -> ModelConfig:
+        if hf.model_type not in ARCHITECTURES:
+            raise ValueError(f"model type {hf.model_type!r} is not supported by the engine; expected one of "
+                             f"{', '.join(ARCHITECTURES)} (Llama-family decoders)")  # fmt: skip
+        window = getattr(hf, "sliding_window", None)
+        slides = getattr(hf, "use_sliding_window", hf.model_type == "mistral")
+        if window and slides and window < hf.max_position_embeddings:
+            raise ValueError(f"sliding-window attention ({window} tokens) is not supported by the engine")
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        qwen = hf.model_type == "qwen2"  # Qwen2: biases on q, k, v only
+        return cls(
+            model_type=hf.model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            mlp_hidden=hf.intermediate_size,
+            eps=hf.rms_norm_eps,
+            max_positions=hf.max_position_embeddings,
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qwen or attention_bias,
+            out_bias=attention_bias and not qwen,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        )
+
+
+def rope_frequencies(hf) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scale) for a config's rope settings, by transformers' own formulas."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf, "rope_parameters", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))
+        base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope type {kind!r} is not supported; expected default or one of "
+                         f"{sorted(ROPE_INIT_FUNCTIONS)}")  # fmt: skip
+    if kind == "dynamic":
+        raise ValueError("dynamic NTK rope rescales with the sequence length; the engine supports static rope only")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    return inv_freq, float(scale)
+
+
+class Cache:
+    """A static KV cache for every layer: keys and values [L, B, n_kv, capacity, d], preallocated.
+
+    ``layers[i]`` is layer i's :class:`KVCache`, a view of the same storage, so moving an
+    accepted path into place or reading a token's KV across all layers is one indexing op.
+    ``B`` is a slot dimension: one forward may serve several sequences.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device) -> None:  # fmt: skip
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [KVCache.over(self.k[i], self.v[i]) for i in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy the entries at positions ``src`` to ``dst`` in every layer (an accepted path into place)."""
+        if src != dst:
+            s = torch.tensor(src, device=self.k.device)
+            d = torch.tensor(dst, device=self.k.device)
+            self.k[:, :, :, d] = self.k[:, :, :, s]
+            self.v[:, :, :, d] = self.v[:, :, :, s]
+
+
+class Transformer(nn.Module):
+    """Embeddings, decoder blocks, final norm and LM head; module names follow a Llama checkpoint."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, E)
+        self.layers = nn.ModuleList(
+            Block(E, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps,
+                  bias=cfg.qkv_bias, out_bias=cfg.out_bias, mlp_bias=cfg.mlp_bias)  # fmt: skip
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(E, cfg.eps)
+        self.lm_head = nn.Linear(E, cfg.vocab_size, bias=False)
+        self.rotary = rotary
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, capacity: int, batch: int = 1) -> Cache:
+        c = self.cfg
+        return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                cache: Cache | None = None, at: int = 0,
+                trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """Final (normed) hidden states [B, T, E] of tokens ``ids`` [B, T] at integer ``positions`` [B, T].
+
+        Their keys and values are written into ``cache`` at slot ``at``; each token attends to the
+        cache slots [0, at + T) that ``mask`` [B or 1, T, at + T] allows (None: all of them). With
+        ``trace`` the hidden state entering each layer is appended to it (transformers' ``hidden_states``
+        but the last, which is the return value).
+        """
+        x = self.embed_tokens(ids)
+        rope = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            if trace is not None:
+                trace.append(x)
+            x = layer(x, mask, rope, None if cache is None else cache.layers[i], at)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight)
+
+
+def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                ) -> tuple[Transformer, object]:  # fmt: skip
+    """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = Path(path)
+    hf = AutoConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf(hf)
+    inv_freq, scale = rope_frequencies(hf)
+    index = path / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    missing_files = [f for f in files if not (path / f).is_file()]
+    if missing_files:
+        raise FileNotFoundError(f"{path} has no {', '.join(missing_files)}: the engine loads safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    rotary = Rotary(inv_freq, scale, cfg.max_positions)
+    with torch.device("meta"):  # no random init of weights about to be replaced
+        model = Transformer(cfg, rotary)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not fit a {cfg.model_type} decoder: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")  # fmt: skip
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype)
+    return model.eval().requires_grad_(False), hf
