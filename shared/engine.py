@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shared.layers import Block, KVCache, RMSNorm, Rotary
+from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, attention_dtype
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -133,8 +132,9 @@ class Transformer(nn.Module):
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(E, cfg.eps)
-        self.lm_head = nn.Linear(E, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(E, cfg.vocab_size, bias=False)
         self.rotary = rotary
+        self.exact = True  # see ``load_engine``
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -148,7 +148,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> Cache:
         c = self.cfg
-        return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
+        dtype = torch.float64 if self.exact and self.device.type == "cpu" else attention_dtype(self.dtype, self.device)
+        return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, dtype, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: Cache | None = None, at: int = 0,
@@ -169,12 +170,21 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)
 
 
 def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                ) -> tuple[Transformer, object]:  # fmt: skip
-    """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config."""
+                exact: bool = True) -> tuple[Transformer, object]:  # fmt: skip
+    """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config.
+
+    ``exact`` (CPU): the KV cache and attention in fp64, so that a token's states do not depend on how
+    many tokens share its forward. Attention kernels reduce over keys in an order that depends on the
+    query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
+    choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
+    ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain
+    decoding give bit-identical states. It costs ~0.3 ms a token and ~4 ms a 17-token tree here.
+    Drafters' own attention stays fp32: drafts never change outputs.
+    """
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -207,4 +217,5 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype)
+    model.exact = exact
     return model.eval().requires_grad_(False), hf

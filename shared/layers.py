@@ -61,6 +61,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def attention_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """What attention computes in: fp32 on a CPU for a bf16 model, else the model's dtype.
+
+    torch's CPU attention kernels are several times slower in bf16 than in fp32 (measured: one
+    query over 300 keys, 151 vs 18 us a layer) and the matmuls there are tiny, so a bf16 model
+    keeps its KV cache and attention in fp32 on a CPU; that is also more precise. On CUDA bf16
+    flash kernels are the fast path.
+    """
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        return torch.float32
+    return dtype
+
+
 class KVCache:
     """Keys and values of one attention layer, [B, H, capacity, d], written by position.
 
@@ -111,6 +124,23 @@ class KVCache:
             self.v[:, :, d] = self.v[:, :, s]
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose rows do not depend on how many rows are multiplied together.
+
+    oneDNN's bf16 GEMM gives bit-identical rows for any M >= 2 but takes another path for a single
+    row with K = 1536 (SmolLM2's down projection), whose sums round differently: plain decoding
+    (one token) then drifted from tree verification (many) and greedy outputs parted at near-ties.
+    A single row is multiplied as two (the second a zero row): no slower, since the weights are
+    streamed once either way.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1] or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        pair = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.shape[-1])])
+        return F.linear(pair, self.weight, self.bias)[:1].view(*x.shape[:-1], -1)
+
+
 def _fuse(state: dict, prefix: str, parts: tuple[str, ...], fused: str) -> None:
     """Load-time fusion: separate ``q_proj``/``k_proj``/... weights (a transformers checkpoint, an older
     bundle) become one fused matrix, so every checkpoint loads into the same fused modules."""
@@ -133,11 +163,11 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.cross = source_dim is not None
         if self.cross:
-            self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias)
-            self.kv_proj = nn.Linear(source_dim, 2 * kv_heads * head_dim, bias=bias)
+            self.q_proj = Linear(dim, heads * head_dim, bias=bias)
+            self.kv_proj = Linear(source_dim, 2 * kv_heads * head_dim, bias=bias)
         else:
-            self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, dim, bias=out_bias)
+            self.qkv = Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, dim, bias=out_bias)
         self._register_load_state_dict_pre_hook(self._fuse_checkpoint)
 
     def _fuse_checkpoint(self, state, prefix, *args) -> None:
@@ -169,9 +199,12 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, H, T, d] attends to k, v [B, kv_heads, S, d] under mask [B or 1, T, S] (None: everything)."""
+        # in the cache's precision if that is higher (the target's exact mode keeps it in fp64)
+        work = torch.promote_types(attention_dtype(q.dtype, q.device), k.dtype)
+        q, k, v = q.to(work), k.to(work), v.to(work)
         mask = None if mask is None else mask[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return self.o_proj(out.transpose(1, 2).flatten(2).to(self.o_proj.weight.dtype))
 
 
 class MLP(nn.Module):
@@ -179,8 +212,8 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
-        self.gate_up = nn.Linear(dim, 2 * hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.gate_up = Linear(dim, 2 * hidden, bias=bias)
+        self.down_proj = Linear(hidden, dim, bias=bias)
         self._register_load_state_dict_pre_hook(lambda state, prefix, *a: _fuse(state, prefix,
                                                                                ("gate_proj", "up_proj"), "gate_up"))
 

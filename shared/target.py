@@ -160,7 +160,7 @@ class TargetSession:
         else:
             mask = tree_mask(tree.parents, prefix, dev)
         hidden = self._forward([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
-        logits = self.target.engine.logits(hidden)
+        logits = TreeLogits(self.target.engine, hidden, tree.parents)
         accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
         kept = [1 + i for i in accepted]
         self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
@@ -184,6 +184,25 @@ class TargetSession:
             raise ValueError(f"cannot truncate {len(self.tokens)} tokens to {length}")
         self.tokens = self.tokens[:length]
         self.cached_len = min(self.cached_len, length - 1)
+
+
+class TreeLogits:
+    """A verified tree's logits, row by row as the acceptance walk reaches them (row 0: the root, i + 1: node i).
+
+    The rows of the root and of every node with children come from one matmul; a leaf's only if the
+    walk ends on it. Most of a wide tree's nodes are leaves and the LM head is a forward's biggest
+    matmul. Row results do not depend on which rows are computed together (one GEMM per row set).
+    """
+
+    def __init__(self, engine: Transformer, hidden: torch.Tensor, parents: list[int]):
+        self.engine, self.hidden = engine, hidden
+        inner = sorted({0} | {p + 1 for p in parents})
+        self.rows = dict(zip(inner, engine.logits(hidden[inner]), strict=True))
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self.rows:
+            self.rows[row] = self.engine.logits(self.hidden[row : row + 1])[0]
+        return self.rows[row]
 
 
 def _is_chain(parents: list[int]) -> bool:
