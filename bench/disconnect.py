@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.client_threads)
-    target = load_target(args.model)
+    target = load_target(args.model, dtype="auto")
+    dtype = str(target.dtype).removeprefix("torch.")
     problems = humaneval_problems()
     prompts = [p for p in load_prompts(target.tokenizer, args.limit) if p.dataset == "humaneval"]
     drafters = make_drafters(args.methods, target)
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
     table = markdown(summary)
     header = (
-        f"# The link cut for good mid-generation\n\n`{env['command']}`\n\n{env['date']}, {args.model} (float32, cpu): "
+        f"# The link cut for good mid-generation\n\n`{env['command']}`\n\n{env['date']}, {args.model} ({dtype}, cpu): "
         f"server child {args.server_threads} thread(s), client {args.client_threads}, on {env['cpu_count']} CPUs; "
         f"first {len(prompts)} HumanEval problems, greedy, link {args.profile} cut silently after N new tokens and "
         f"never restored; agreement over the next {args.window} tokens against the target's own greedy "

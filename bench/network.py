@@ -277,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.client_threads)
-    target = load_target(args.model)
+    target = load_target(args.model, dtype="auto")
+    dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
     runs = plain_local(target, prompts, args)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
-        f"{args.model} (float32, cpu): server child {args.server_threads} thread(s), client {args.client_threads}, "
+        f"{args.model} ({dtype}, cpu): server child {args.server_threads} thread(s), client {args.client_threads}, "
         f"on {env['cpu_count']} CPUs ({env['cpu']}); {counts['mt-bench']} MT-Bench + {counts['humaneval']} HumanEval "
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
         f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"

@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="target (and drafter) device (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target dtype (default float32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: bf16 here)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     names = [ALIASES.get(m.strip(), m.strip()) for m in args.drafters.split(",") if m.strip()]
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         generate(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
     runs = benchmark(target, methods, prompts, args.max_new_tokens)
 
-    env = {**environment(args.threads), "device": args.device, "dtype": args.dtype}
+    env = {**environment(args.threads), "device": args.device, "dtype": str(target.dtype).removeprefix("torch.")}
     summary = summarize(runs, names)
     table = markdown(summary)
     counts = {d: sum(p.dataset == d for p in prompts) for d in DATASETS}
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     trained = training_lines(methods)
     header = (
         f"# Single-device drafter benchmark\n\n`{env['command']}`\n\n{env['date']}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, {args.model} ({args.dtype}, {args.device}), {env['threads']} threads "
+        f"transformers {env['transformers']}, {args.model} ({env['dtype']}, {args.device}), {env['threads']} threads "
         f"of {env['cpu_count']} CPUs ({env['cpu']}); {counts['mt-bench']} MT-Bench first turns + "
         f"{counts['humaneval']} HumanEval problems, greedy, ≤{args.max_new_tokens} new tokens, stop at EOS; "
         f"trained drafters: EAGLE-2 trees B={args.tree_width}, D={args.tree_depth}, ≤{args.max_tree_nodes} nodes.\n"

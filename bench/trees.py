@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
-    target = load_target(args.model)
+    target = load_target(args.model, dtype="auto")
+    dtype = str(target.dtype).removeprefix("torch.")
     path = single.bundle_path(args.drafter, None) if not Path(args.drafter).is_dir() else Path(args.drafter)
     if path is None:
         print(f"error: no bundle for {args.drafter!r}; train one or pass a bundle folder", file=sys.stderr)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [asdict(r) for r in runs],
     }
     header = (
-        f"# Tree-shape sweep\n\n`{env['command']}`\n\n{env['date']}, {args.model} (float32, cpu), {env['threads']} "
+        f"# Tree-shape sweep\n\n`{env['command']}`\n\n{env['date']}, {args.model} ({dtype}, cpu), {env['threads']} "
         f"threads of {env['cpu_count']} CPUs ({env['cpu']}); {args.drafter} under EAGLE-2 trees of width B, depth D, "
         f"at most m nodes; first {args.limit} MT-Bench + {args.limit} HumanEval prompts, greedy, "
         f"≤{args.max_new_tokens} new tokens. τ mean, tok/s median, speedup median of per-prompt ratios.\n\n"

@@ -81,7 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-dir", help="where converted models are kept")
     p.add_argument("--device", default="cpu", help="--local only: cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="--local only (default float32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="the in-process target's (--local, or a trained drafter's frozen parts) and the drafter's: "
+                        "auto = bf16 where the hardware computes it (AVX512-BF16/AMX CPUs, CUDA), else float32; "
+                        "float32 gives transformers' own greedy output")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 

@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default 50051)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(
-        "--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations (default float32)"
+        "--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+        help="weights and activations: auto (default) = bf16 where the hardware computes it, else float32"
     )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (default 16)")
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print(
-        f"splitspec: serving {target.name} on {args.host}:{port} ({target.device}, {args.dtype}, "
+        f"splitspec: serving {target.name} on {args.host}:{port} ({target.device}, {str(target.dtype)[6:]}, "
         f"context {service.limits.max_context}, {limits.max_sessions} sessions)",
         flush=True,
     )

@@ -129,3 +129,44 @@ def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
                 assert gen.stats.payload_bytes / cached < 2.0 * 1024
     finally:
         server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def real_bf16():
+    from shared.models import load_target
+
+    return load_target("smollm2-135m", dtype="bfloat16")
+
+
+def test_real_target_engine_matches_transformers_on_a_tree(real_target):
+    """fp32: the engine's logits of a tree after a prefix equal transformers' on each root-to-node path."""
+    from shared.tree import DraftTree, path_to, tree_mask, tree_positions
+
+    model, engine = real_target.reference_model(), real_target.engine
+    prompt = encode_prompt(real_target.tokenizer, PROMPTS[0][0], True)
+    tree = DraftTree([504, 28, 314, 2114, 30], [-1, -1, 0, 0, 2])
+    session = real_target.session()
+    session.prefill(prompt)
+    n, root = session.cached_len, session.tokens[-1]
+    with torch.no_grad():
+        ids = torch.tensor([[root, *tree.tokens]])
+        positions = torch.tensor([tree_positions(tree.parents, n)])
+        hidden = engine(ids, positions, tree_mask(tree.parents, n), session.cache, n)
+        got = engine.logits(hidden[0])
+        for node in range(-1, len(tree)):
+            path = [tree.tokens[i] for i in path_to(tree.parents, node)] if node >= 0 else []
+            want = model(torch.tensor([prompt + [root] + path])).logits[0, -1]
+            torch.testing.assert_close(got[node + 1], want, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["moa-tli1", "eagle", "independent"])
+def test_bf16_drafted_output_equals_bf16_plain_decoding(real_bf16, name):
+    """Served in bf16, every drafter gives exactly the bf16 plain decoding (no batch-shape rounding drift)."""
+    from client.drafters import make_drafter
+
+    drafter = make_drafter(name, target=real_bf16)
+    for i in (0, 2, 5, 15):
+        ids = encode_prompt(real_bf16.tokenizer, *PROMPTS[i])
+        plain = speculative_generate(LocalVerifier(real_bf16), NoDrafter(), ids, 48)
+        gen = speculative_generate(LocalVerifier(real_bf16), drafter, ids, 48, max_tree_nodes=32)
+        assert gen.token_ids == plain.token_ids, (name, i)

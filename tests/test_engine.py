@@ -1,0 +1,108 @@
+"""The engine (shared/engine.py) against transformers, and against itself across forward shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from client.decode import speculative_generate
+from client.drafters import NoDrafter, PromptLookup
+from client.verifiers import LocalVerifier
+from shared.errors import SplitspecError
+from shared.layers import causal_from
+from shared.models import load_target
+from shared.tree import DraftTree, path_to, tree_mask, tree_positions
+
+
+def test_prefill_and_steps_match_transformers(tiny_target):
+    """Logits of a prefill and of single cached steps equal transformers' within fp32 tolerance."""
+    model = tiny_target.reference_model()
+    ids = [5, 17, 42, 8, 99, 3, 61, 7, 12]
+    engine = tiny_target.engine
+    cache = engine.new_cache(64)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+        got = engine.logits(engine(torch.tensor([ids[:5]]), torch.arange(5)[None], causal_from(0, 5), cache, 0)[0])
+        steps = [engine.logits(engine(torch.tensor([[t]]), torch.tensor([[p]]), None, cache, p)[0, 0])
+                 for p, t in enumerate(ids[5:], start=5)]  # fmt: skip
+    torch.testing.assert_close(got, want[:5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(steps), want[5:], atol=1e-4, rtol=1e-4)
+
+
+def test_qkv_and_gate_up_are_fused_from_a_checkpoint(tiny_target):
+    """A Llama checkpoint's separate projections load into the fused matrices, in order."""
+    ref = tiny_target.reference_model().model.layers[0]
+    layer = tiny_target.engine.layers[0]
+    q, k, v = ref.self_attn.q_proj.weight, ref.self_attn.k_proj.weight, ref.self_attn.v_proj.weight
+    assert torch.equal(layer.self_attn.qkv.weight, torch.cat([q, k, v]))
+    assert torch.equal(layer.mlp.gate_up.weight, torch.cat([ref.mlp.gate_proj.weight, ref.mlp.up_proj.weight]))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_model_dir):
+    return load_target(str(tiny_model_dir), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_tree_states_are_bit_identical_to_sequential_steps(tiny_bf16, seed):
+    """Every node of a tree verified in one bf16 forward gets exactly the hidden state its path gets one
+    token at a time: the engine's rows do not depend on how many tokens share a forward."""
+    rng = random.Random(seed)
+    engine, vocab = tiny_bf16.engine, tiny_bf16.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(20)]
+    tree = DraftTree()
+    for i in range(12):
+        tree.add(rng.randrange(vocab), rng.randrange(-1, i))
+    root = rng.randrange(vocab)
+    with torch.no_grad():
+        cache = engine.new_cache(64)
+        n = len(prompt)
+        engine(torch.tensor([prompt]), torch.arange(n)[None], causal_from(0, n), cache, 0)
+        ids = torch.tensor([[root, *tree.tokens]])
+        pos = torch.tensor([tree_positions(tree.parents, n)])
+        batched = engine(ids, pos, tree_mask(tree.parents, n), cache, n)[0]
+        for node in range(-1, len(tree)):
+            path = [root] + [tree.tokens[i] for i in (path_to(tree.parents, node) if node >= 0 else [])]
+            for j, token in enumerate(path):  # one token per forward, overwriting the tree's slots
+                alone = engine(torch.tensor([[token]]), torch.tensor([[n + j]]), None, cache, n + j)[0, 0]
+            assert torch.equal(alone, batched[node + 1]), node
+
+
+def test_bf16_speculative_output_equals_bf16_plain_decoding(tiny_bf16):
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
+    plain = speculative_generate(LocalVerifier(tiny_bf16), NoDrafter(), prompt, 40)
+    for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
+        got = speculative_generate(LocalVerifier(tiny_bf16), drafter, prompt, 40)
+        assert got.token_ids == plain.token_ids
+
+
+def test_rollback_is_setting_the_length(tiny_target):
+    """truncate moves the length back; the next step overwrites the stale slots and matches a fresh session."""
+    session = tiny_target.session()
+    session.prefill([5, 17, 42, 8])
+    for _ in range(5):
+        session.verify(DraftTree())
+    session.truncate(6)
+    assert session.cached_len == 5
+    after = session.verify(DraftTree()).new_tokens
+    fresh = tiny_target.session()
+    fresh.prefill(session.tokens[:5])
+    assert fresh.tokens[-1] == session.tokens[5]
+    assert fresh.verify(DraftTree()).new_tokens == after
+
+
+def test_unsupported_models_are_refused_clearly(tmp_path):
+    import json
+
+    from shared.engine import ModelConfig
+
+    class Cfg:
+        model_type = "gpt2"
+
+    with pytest.raises(ValueError, match="gpt2"):
+        ModelConfig.from_hf(Cfg())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SplitspecError, match="could not load model"):
+        load_target(str(tmp_path))
