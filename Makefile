@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim clean
+.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim clean
 
 setup: $(VENV)/.ready
 
@@ -33,6 +33,11 @@ lint: setup
 # Regenerate the gRPC stubs from the wire contract (they are committed; tests check they are current).
 proto: setup
 	$(PY) -m grpc_tools.protoc -Ishared/wire=protos --python_out=. --pyi_out=. --grpc_python_out=. shared/wire/splitspec.proto
+
+# Our engine beside transformers (forward cost per size and dtype, draft step cost, --local decoding), and
+# llama.cpp's llama-bench when LLAMA_BENCH=/path/to/llama-bench is given.
+bench-engine: setup
+	$(PY) -m bench.engine
 
 bench-foundation: setup
 	$(PY) -m bench.foundation
