@@ -16,7 +16,7 @@ All in one run, 2 torch threads (``--threads``), medians:
 * llama.cpp ``llama-bench`` on the GGUFs given by ``--gguf`` (default: the shipped Q4_1) when ``LLAMA_BENCH`` or
             ``--llama-bench`` names a binary: plain decoding tok/s (``-n 128``) and the cost of n-token batches.
 
-Run:  .venv/bin/python -m bench.engine [--repeats 10] [--prompts 3] [--dtypes float32,bfloat16]
+Run:  .venv/bin/python -m bench.engine [--repeats 8] [--prompts 2] [--dtypes float32,bfloat16]
 Writes engine.json, engine.md and engine.png under --out (default bench/results).
 """
 
@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--sizes", default="1,17,33,65")
     p.add_argument("--prefix", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--drafters", default="prompt-lookup,eagle,moa-tli0,moa-tli1,independent")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="a llama-bench binary ($LLAMA_BENCH)")
