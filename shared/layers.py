@@ -130,12 +130,13 @@ class Linear(nn.Linear):
     oneDNN's bf16 GEMM gives bit-identical rows for any M >= 2 but takes another path for a single
     row with K = 1536 (SmolLM2's down projection), whose sums round differently: plain decoding
     (one token) then drifted from tree verification (many) and greedy outputs parted at near-ties.
-    A single row is multiplied as two (the second a zero row): no slower, since the weights are
-    streamed once either way.
+    A single bf16 row is multiplied as two (the second a zero row): no slower, since the weights are
+    streamed once either way. fp32 rows are left alone: MKL's single-row path is a fast GEMV, and
+    its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1] or x.device.type != "cpu":
+        if x.numel() != x.shape[-1] or x.device.type != "cpu" or x.dtype != torch.bfloat16:
             return F.linear(x, self.weight, self.bias)
         pair = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.shape[-1])])
         return F.linear(pair, self.weight, self.bias)[:1].view(*x.shape[:-1], -1)
