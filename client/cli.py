@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the in-process target's (--local, or a trained drafter's frozen parts) and the drafter's: "
                         "auto = bf16 where the hardware computes it (AVX512-BF16/AMX CPUs, CUDA), else float32; "
                         "float32 gives transformers' own greedy output")  # fmt: skip
+    p.add_argument("--weights", default="native", choices=["native", "int8"],
+                   help="the in-process target's projections: native, or int8 weight-only (--local: a different "
+                        "served target, faster per token; remote: cheaper TLI layers for a MoA drafter)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
@@ -219,7 +222,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     drafter = None
     trained = args.baseline is None and args.drafter not in DRAFTERS and args.drafter not in ALIASES
     if args.local or trained:  # a trained drafter reuses the target's frozen embeddings, last layers and head
-        target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
+        target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
+                             weights=args.weights)  # fmt: skip
         tokenizer = target.tokenizer
     else:
         target, tokenizer = None, load_tokenizer(args.model, args.cache_dir)

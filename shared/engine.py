@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, attention_dtype
+from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, attention_dtype, quantize_int8
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -174,8 +174,11 @@ class Transformer(nn.Module):
         return self.lm_head(hidden)
 
 
+WEIGHTS = ("native", "int8")
+
+
 def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                exact: bool = True) -> tuple[Transformer, object]:  # fmt: skip
+                exact: bool = True, weights: str = "native") -> tuple[Transformer, object]:  # fmt: skip
     """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config.
 
     ``exact`` (bf16 on a CPU): the KV cache and attention in fp64, so that a token's states do not depend on how
@@ -184,6 +187,11 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
     ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain
     decoding give bit-identical states. It costs ~0.3 ms a token and ~4 ms a 17-token tree here.
+    ``weights="int8"``: every projection and the LM head weight-only int8 (per-row scales; activations
+    stay in ``dtype``): a different served target, half the bytes a token streams, lossless relative
+    to itself like any other. It pays for one token at a time (plain decoding, small batches); its
+    kernel is slower than bf16 AMX GEMMs for 17+ rows, so it does not help tree verification.
+
     Drafters' own attention stays fp32: drafts never change outputs. Not for fp32 models: MKL's fp32
     GEMM rows do depend on the row count, so fp64 attention would not make them exact, only slower.
     """
@@ -220,4 +228,9 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype)
     model.exact = exact
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
+    if weights == "int8":
+        model.lm_head.quantize_int8(keep_weight=True)  # its float weight stays: embeddings, drafters' heads
+        quantize_int8(model.layers)
     return model.eval().requires_grad_(False), hf

@@ -125,7 +125,7 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose rows do not depend on how many rows are multiplied together.
+    """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
 
     oneDNN's bf16 GEMM gives bit-identical rows for any M >= 2 but takes another path for a single
     row with K = 1536 (SmolLM2's down projection), whose sums round differently: plain decoding
@@ -133,13 +133,50 @@ class Linear(nn.Linear):
     A single bf16 row is multiplied as two (the second a zero row): no slower, since the weights are
     streamed once either way. fp32 rows are left alone: MKL's single-row path is a fast GEMV, and
     its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
+
+    ``quantize_int8`` turns it weight-only int8 (per-output-row scales, torch's own packed kernel):
+    half the bytes to stream, which is what one token's forward is bound by on a CPU.
     """
 
+    qweight: torch.Tensor | None = None
+
+    def quantize_int8(self, keep_weight: bool = False) -> None:
+        w = self.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127
+        self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.qscale = scale.to(self.weight.dtype)
+        if not keep_weight:
+            self.weight = None  # the int8 copy is the weight now
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        if self.qweight is not None:  # follow device moves; the int8 matrix never changes dtype
+            self.qweight = self.qweight.to(fn(torch.empty(0)).device)
+            self.qscale = fn(self.qscale)
+        return module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1] or x.device.type != "cpu" or x.dtype != torch.bfloat16:
-            return F.linear(x, self.weight, self.bias)
-        pair = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.shape[-1])])
-        return F.linear(pair, self.weight, self.bias)[:1].view(*x.shape[:-1], -1)
+        single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
+        rows = x.reshape(-1, x.shape[-1])
+        if single:
+            rows = torch.cat([rows, rows.new_zeros(rows.shape)])
+        if self.qweight is None:
+            out = F.linear(rows, self.weight, self.bias)
+        else:
+            out = torch._weight_int8pack_mm(rows.to(self.qscale.dtype), self.qweight, self.qscale)
+            if self.bias is not None:
+                out = out + self.bias
+        return out[: rows.shape[0] - single].view(*x.shape[:-1], -1)
+
+
+def quantize_int8(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """Make every :class:`Linear` under ``module`` (but those in ``skip``) weight-only int8; how many."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m.qweight is None and not any(m is s for s in skip):
+            m.quantize_int8()
+            count += 1
+    return count
 
 
 def _fuse(state: dict, prefix: str, parts: tuple[str, ...], fused: str) -> None:
@@ -201,11 +238,11 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, H, T, d] attends to k, v [B, kv_heads, S, d] under mask [B or 1, T, S] (None: everything)."""
         # in the cache's precision if that is higher (the target's exact mode keeps it in fp64)
-        work = torch.promote_types(attention_dtype(q.dtype, q.device), k.dtype)
+        work, dtype = torch.promote_types(attention_dtype(q.dtype, q.device), k.dtype), q.dtype
         q, k, v = q.to(work), k.to(work), v.to(work)
         mask = None if mask is None else mask[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2).to(self.o_proj.weight.dtype))
+        return self.o_proj(out.transpose(1, 2).flatten(2).to(dtype))
 
 
 class MLP(nn.Module):

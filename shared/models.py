@@ -113,10 +113,12 @@ def load_target(
     dtype: str = "float32",
     cache: str | os.PathLike | None = None,
     max_context: int | None = None,
+    weights: str = "native",
 ):
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
-    ``dtype`` is a name from ``DTYPES`` or ``auto`` (``default_dtype``: what the CLIs use).
+    ``dtype`` is a name from ``DTYPES`` or ``auto`` (``default_dtype``: what the CLIs use);
+    ``weights`` ``native`` or ``int8`` (weight-only, see ``shared.engine.load_engine``).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -137,7 +139,7 @@ def load_target(
                              f"pass a local Hugging Face folder or the built-in {DEFAULT_MODEL!r}")  # fmt: skip
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        engine, hf_config = load_engine(path, DTYPES[dtype], device)
+        engine, hf_config = load_engine(path, DTYPES[dtype], device, weights=weights)
     except (OSError, ValueError) as exc:
         raise SplitspecError(
             f"could not load model {spec!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
@@ -148,7 +150,8 @@ def load_target(
     except OSError:
         pass  # no generation_config.json
     ids = [i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)]
-    return Target(engine, tokenizer, name=spec, max_context=max_context, path=path, eos_token_ids=ids)
+    name = spec if weights == "native" else f"{spec}-{weights}"  # a different served target
+    return Target(engine, tokenizer, name=name, max_context=max_context, path=path, eos_token_ids=ids)
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = None):

@@ -50,7 +50,7 @@ class Target:
         self.path = path
         cfg = engine.cfg
         self.name = name or cfg.model_type
-        self.vocab_size = engine.lm_head.weight.shape[0]
+        self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_layers
         self.hidden_size = cfg.hidden_size
         self.num_kv_heads = cfg.num_kv_heads

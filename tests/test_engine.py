@@ -106,3 +106,16 @@ def test_unsupported_models_are_refused_clearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(SplitspecError, match="could not load model"):
         load_target(str(tmp_path))
+
+
+def test_int8_weights_are_a_target_lossless_relative_to_itself(tiny_model_dir):
+    """Weight-only int8: close to the bf16 target, and drafted output equals its own plain decoding."""
+    int8 = load_target(str(tiny_model_dir), dtype="bfloat16", weights="int8")
+    assert int8.engine.layers[0].mlp.down_proj.qweight.dtype == torch.int8
+    assert int8.engine.layers[0].mlp.down_proj.weight is None
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
+    plain = speculative_generate(LocalVerifier(int8), NoDrafter(), prompt, 40)
+    for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
+        assert speculative_generate(LocalVerifier(int8), drafter, prompt, 40).token_ids == plain.token_ids
+    with pytest.raises(SplitspecError, match="weights"):
+        load_target(str(tiny_model_dir), weights="int4")
