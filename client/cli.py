@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="native", choices=["native", "int8"],
                    help="the in-process target's projections: native, or int8 weight-only (--local: a different "
                         "served target, faster per token; remote: cheaper TLI layers for a MoA drafter)")  # fmt: skip
+    p.add_argument("--drafter-weights", default="auto", choices=["auto", "native", "int8"],
+                   help="a trained drafter's own projections and draft head: auto (default) = int8 on a CPU, where "
+                        "it makes a draft step cheaper; drafts change, outputs never")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
@@ -231,7 +234,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         options = {}
         if args.drafter in ("prompt-lookup", "pld"):
             options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
-        drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth, **options)
+        drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth,
+                               weights=args.drafter_weights, **options)  # fmt: skip
     if args.local:
         verifier, options = LocalVerifier(target), []
     else:

@@ -119,3 +119,23 @@ def test_int8_weights_are_a_target_lossless_relative_to_itself(tiny_model_dir):
         assert speculative_generate(LocalVerifier(int8), drafter, prompt, 40).token_ids == plain.token_ids
     with pytest.raises(SplitspecError, match="weights"):
         load_target(str(tiny_model_dir), weights="int4")
+
+
+def test_int8_drafter_weights_leave_the_target_untouched(tiny_target, tmp_path):
+    """A trained drafter quantized to int8: its own projections and draft head are int8, the target's
+    blocks it shares for TLI are not, and greedy output still equals plain decoding."""
+    from client.drafters import quantize_drafter
+    from client.drafters.moa import MoA, MoAConfig, MoADrafter
+    from client.drafters.target_parts import TargetParts
+
+    torch.manual_seed(0)
+    parts = TargetParts(tiny_target, 1)
+    model = MoA(MoAConfig.for_target(parts, 1), parts).eval()
+    quantize_drafter(model)
+    assert model.sa.mlp.down_proj.qweight is not None and model.parts.head is not None
+    assert all(m.qweight is None for m in tiny_target.engine.modules() if hasattr(m, "qweight"))
+    prompt = [5, 9, 14, 5, 9, 21, 33]
+    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
+    got = speculative_generate(LocalVerifier(tiny_target), MoADrafter(model, width=3, depth=3), prompt, 24,
+                               max_tree_nodes=8)  # fmt: skip
+    assert got.token_ids == plain.token_ids

@@ -71,7 +71,7 @@ class Eagle(nn.Module):
         With ``cache`` the block's keys and values are written at slot ``at`` and every cached slot
         that ``mask`` [1, n, at + n] allows is attended to.
         """
-        dtype = self.fc.weight.dtype
+        dtype = self.block.input_layernorm.weight.dtype
         x = self.fc(torch.cat([features.to(dtype), self.parts.embed(input_ids).to(dtype)], dim=-1))
         return self.block(x, mask, self.parts.rope(positions, dtype), cache, at)
 

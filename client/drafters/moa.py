@@ -106,7 +106,7 @@ class MoA(LayerSelfAttention):
         """
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        dtype = self.out.weight.dtype
+        dtype = self.out_norm.weight.dtype
         rope = self.parts.rope(positions, dtype)
         x = self.sa(self.parts.embed(input_ids).to(dtype), causal_mask(T, input_ids.device), rope)
         memory = self.memory(kv.to(dtype))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.layers import Linear
+
 
 class TargetParts(nn.Module):
     """Embeddings, rotary positions, the last ``tli`` layers, final norm and LM head — frozen, shared.
@@ -40,6 +42,7 @@ class TargetParts(nn.Module):
         # the target's own blocks (not copies): TLI runs them with the same code and cache layout
         self.layers = nn.ModuleList(engine.layers[cfg.num_layers - tli :])
         self.vocab_ids: torch.Tensor | None = None
+        self.head: Linear | None = None  # set by quantize_head_int8
         self.head_weight = engine.lm_head.weight
         if vocab_ids is not None and len(vocab_ids):
             self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=self.head_weight.device)
@@ -49,10 +52,18 @@ class TargetParts(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
+    def quantize_head_int8(self) -> None:
+        """The draft head weight-only int8 (drafts only: the target's own head is untouched)."""
+        head = Linear(self.hidden_size, self.head_weight.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(self.head_weight.detach(), requires_grad=False)
+        head.quantize_int8()
+        self.head = head
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, head_dim] for integer positions [B, T], from the target's own rotary tables."""
         return self.rotary(positions, dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over a final hidden state: TLI=0 predicts it after the final norm, TLI>0 before it."""
-        return F.linear(self.norm(hidden) if self.tli else hidden, self.head_weight)
+        hidden = self.norm(hidden) if self.tli else hidden
+        return self.head(hidden) if self.head is not None else F.linear(hidden, self.head_weight)
