@@ -3,7 +3,8 @@
 All in one run, ``--threads`` torch threads (default 2), medians over ``--repeats`` (15) after ``--warmup`` (3):
 
 * forward   one forward of n tokens for each n in ``--sizes`` (default 1,17,33,65) after a ``--prefix``-token
-            prefix (300), per dtype in ``--dtypes`` (default fp32,bf16):
+            prefix (300), per dtype in ``--dtypes`` (default fp32,bf16,bf16+int8; ``bf16+int8``: our engine with
+            weight-only int8 projections, a different served target, no transformers row):
             ``transformers``      ``AutoModelForCausalLM`` (sdpa) with a ``DynamicCache`` holding the prefix: one
                                   forward of n new tokens (a causal chain; logits for all n rows), then
                                   ``cache.crop(-n)`` back to the prefix;
@@ -151,8 +152,9 @@ def forward_costs(target, hf, dtype: str, prefix_ids: list[int], args: argparse.
     session = target.session()
     session.prefill(prefix_ids)
     length = len(session.tokens)  # prefix + the root; verify writes root + nodes after the cached prefix
-    cache = DynamicCache(config=hf.config)
-    hf(input_ids=torch.tensor([prefix_ids]), past_key_values=cache, use_cache=True)
+    if hf is not None:
+        cache = DynamicCache(config=hf.config)
+        hf(input_ids=torch.tensor([prefix_ids]), past_key_values=cache, use_cache=True)
     drafted = prefix_ids[: max(args.sizes)]  # any ids: the forward's cost does not depend on them
     rows = []
     for n in args.sizes:
@@ -173,7 +175,8 @@ def forward_costs(target, hf, dtype: str, prefix_ids: list[int], args: argparse.
             hf(input_ids=new, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
             cache.crop(-n)  # transformers 5: a negative count drops that many tokens (a positive length is refused)
 
-        fns = {"transformers": theirs, "splitspec chain": ours(chain), "splitspec tree": ours(tree)}
+        fns = {"transformers": theirs} if hf is not None else {}
+        fns |= {"splitspec chain": ours(chain), "splitspec tree": ours(tree)}
         for engine, ms in interleaved_ms(fns, args.repeats, args.warmup).items():
             rows.append({"engine": engine, "dtype": dtype, "n": n, "ms": ms})
         bar.update()
@@ -483,7 +486,7 @@ def plot(result: dict, path: Path) -> None:
 
     s = result["settings"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.2]})
-    colors = {"fp32": "#1f77b4", "bf16": "#d62728", "fp16": "#9467bd"}
+    colors = {"fp32": "#1f77b4", "bf16": "#d62728", "fp16": "#9467bd", "bf16+int8": "#2ca02c"}
     styles = {"transformers": ":", "splitspec chain": "-", "splitspec tree": "--"}
     for engine, dtype in dict.fromkeys((r["engine"], r["dtype"]) for r in result["forward"]):
         rows = [r for r in result["forward"] if r["engine"] == engine and r["dtype"] == dtype]
@@ -525,7 +528,8 @@ def plot(result: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of target dtypes (default fp32,bf16)")
+    p.add_argument("--dtypes", default="fp32,bf16,bf16+int8",
+                   help="comma list of target dtypes, each optionally +int8 (default fp32,bf16,bf16+int8)")
     p.add_argument("--sizes", default="1,17,33,65", help="tokens per forward, comma list (default 1,17,33,65)")
     p.add_argument("--prefix", type=int, default=300, help="tokens cached before each forward (default 300)")
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per size and engine (default 15)")
@@ -556,10 +560,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sizes must be a comma list of integers, not {args.sizes!r}")
     if not args.sizes or args.sizes[0] < 1:
         p.error("--sizes must be positive integers")
-    unknown = [d for d in args.dtypes.split(",") if d.strip() and d.strip() not in DTYPES]
+    entries = [d.strip().split("+") for d in args.dtypes.split(",") if d.strip()]
+    unknown = ["+".join(e) for e in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"])]
     if unknown:
-        p.error(f"unknown dtype(s) {', '.join(unknown)}; expected some of {', '.join(DTYPES)}")
-    args.dtypes = list(dict.fromkeys(SHORT[DTYPES[d.strip()]] for d in args.dtypes.split(",") if d.strip()))
+        p.error(f"unknown dtype(s) {', '.join(unknown)}; expected some of {', '.join(DTYPES)}, each optionally "
+                "+int8 (weight-only int8 target)")  # fmt: skip
+    args.dtypes = list(dict.fromkeys("+".join([SHORT[DTYPES[e[0]]], *e[1:]]) for e in entries))
     names = [ALIASES.get(d.strip(), d.strip()) for d in args.drafters.split(",") if d.strip()]
     args.drafters = list(dict.fromkeys([PLAIN, *names]))
     if args.llama_bench and not (Path(args.llama_bench).is_file() or shutil.which(args.llama_bench)):
@@ -574,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.threads)  # load average before this process adds its own
     long = {short: str(dtype).removeprefix("torch.") for dtype, short in SHORT.items()}
 
-    targets = {d: load_target(args.model, dtype=long[d]) for d in args.dtypes}
+    base = {d: d.split("+")[0] for d in args.dtypes}  # "bf16+int8": a bf16 target with int8 weights
+    targets = {d: load_target(args.model, dtype=long[base[d]], weights="int8" if "+int8" in d else "native")
+               for d in args.dtypes}  # fmt: skip
     tokenizer = next(iter(targets.values())).tokenizer
     prefix_ids = prefix_tokens(tokenizer, args.prefix)
     prompts = load_prompts(tokenizer, args.prompts)
@@ -587,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     hf32 = None
     for dtype in args.dtypes:
         bar.set_postfix_str(f"loading transformers {dtype}")
-        hf = load_hf(args.model, DTYPES[long[dtype]])
+        hf = load_hf(args.model, DTYPES[long[dtype]]) if dtype in long else None  # none for +int8
         forward += forward_costs(targets[dtype], hf, dtype, prefix_ids, args, bar)
         hf32 = hf if dtype == "fp32" else hf32
         del hf
