@@ -23,10 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op (computes in fp32)
 
 
 class Rotary(nn.Module):
@@ -219,11 +216,13 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, ...]:
         """Self-attention's q [B, H, T, d], k, v [B, kv_heads, T, d] for input x [B, T, dim], rotated."""
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, *2 * [self.kv_heads * self.head_dim]], dim=-1)
-        q, k, v = self._split(q, self.heads), self._split(k, self.kv_heads), self._split(v, self.kv_heads)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return q, k, v
+        H, kv = self.heads, self.kv_heads
+        qkv = self.qkv(x).view(*x.shape[:2], H + 2 * kv, self.head_dim)
+        qk, v = qkv[:, :, : H + kv], qkv[:, :, H + kv :]
+        if rope is not None:  # queries and keys rotated together: half the ops
+            cos, sin = rope[0][:, :, None], rope[1][:, :, None]
+            qk = qk * cos + rotate_half(qk) * sin
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def query(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
         q = self._split(self.q_proj(x), self.heads)
