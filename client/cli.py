@@ -89,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the in-process target's projections: native, or int8 weight-only (--local: a different "
                         "served target, faster per token; remote: cheaper TLI layers for a MoA drafter)")  # fmt: skip
     p.add_argument("--drafter-weights", default="auto", choices=["auto", "native", "int8"],
-                   help="a trained drafter's own projections and draft head: auto (default) = int8 on a CPU, where "
-                        "it makes a draft step cheaper; drafts change, outputs never")  # fmt: skip
+                   help="a trained drafter's own projections and draft head: auto (default) = int8 with a bf16 target "
+                        "on a CPU, where it makes a draft step cheaper; drafts change, outputs never")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
