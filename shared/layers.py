@@ -112,14 +112,6 @@ class KVCache:
         self.v[:, :, at:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Copy the entries at ``src`` to ``dst`` (keeping an accepted draft path's KV)."""
-        if src != dst and self.k is not None:
-            s = torch.tensor(src, device=self.k.device)
-            d = torch.tensor(dst, device=self.k.device)
-            self.k[:, :, d] = self.k[:, :, s]
-            self.v[:, :, d] = self.v[:, :, s]
-
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
