@@ -5,7 +5,7 @@ this process. Per HumanEval prompt, cut point N and method, a generation starts 
 once the server has delivered N new tokens (at the first round boundary from there; N=0: right after
 the prefill's first token), the link is cut *silently* — every byte dropped both ways, nothing closed,
 as when a radio link fades — and never restored. The API client stops dead; a speculative client
-notices the dead link by its deadline (``client.resilient``) and finishes the generation on its own
+notices the dead link by its heartbeat or deadline (``client.decode``) and finishes the generation on its own
 (``client.offline.local_token``: greedy, the drafter alone or with the target's last N layers, TLI).
 
 Per run: the moment of the switch to local generation after the cut (against the issue's bound
@@ -40,15 +40,15 @@ from bench.common import cell, environment, median, save_figure, save_results
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
-from client.decode import api_generate, speculative_generate
-from client.demo import server_child
+from client.decode import Resilience, api_generate, generate
 from client.drafters import make_drafter
-from client.resilient import Backoff, resilient_generate
+from client.offline import Backoff
 from client.training.datasets import humaneval_problems
-from client.verifiers import LocalVerifier, RemoteVerifier, payload_spec
+from client.verifiers import LocalVerifier, RemoteVerifier
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.models import DEFAULT_MODEL, load_target
+from shared.server_process import server_child
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = ["api", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3"]
@@ -127,7 +127,7 @@ def next_token_accuracy(drafter, target, prompt_ids, reference, cut_at, window) 
     truth = reference[cut_at : cut_at + window]
     if not truth:
         return None
-    opened = LocalVerifier(target).open(prompt_ids + reference[: cut_at - 1], SamplingParams(), drafter.features)
+    opened = LocalVerifier(target, drafter).open(prompt_ids + reference[: cut_at - 1], SamplingParams())
     drafter.begin(prompt_ids + reference[:cut_at], opened.features)
     hits = 0
     for token in truth:
@@ -149,17 +149,15 @@ def one_run(name, drafter, upstream, netsim, target, prompt, problem, n, referen
     bound_ms = 2 * profile.rtt_ms + 100
     limit = n + args.window + TAU_SLACK
     with simulated_link(upstream, profile, netsim=netsim) as link:
-        spec = payload_spec(drafter, "lsa", "fp16") if drafter is not None and drafter.features else None
-        extra = {"payload": spec, "drafter_bundle": drafter.bundle} if spec else {}
-        verifier = RemoteVerifier(link.address, fingerprint=target.fingerprint, **extra)
+        verifier = RemoteVerifier(link.address, fingerprint=target.fingerprint, drafter=drafter)
         try:
             verifier.probe_link()
             if drafter is None:
                 return api_run(verifier, link, target, prompt, problem, n, limit, reference, bound_ms, args)
             cutter = CutAfter(verifier, link, n)
-            gen = resilient_generate(
-                verifier, drafter, prompt.ids, limit, max_tree_nodes=STATIC_TREE[2], settle_wait_s=0.0,
-                backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n),
+            gen = generate(
+                verifier, drafter, prompt.ids, limit, max_tree_nodes=STATIC_TREE[2],
+                resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n)),
             )  # fmt: skip
         finally:
             verifier.shutdown()
@@ -184,14 +182,14 @@ def api_run(verifier, link, target, prompt, problem, n, limit, reference, bound_
     """The API streams tokens; after ``n`` (at least the first) the link goes and the stream is dead."""
     out: list[int] = []
 
-    def on_tokens(tokens: list[int]) -> None:
-        out.extend(tokens)
+    def on_update(tokens: list[int], verified: list[bool]) -> None:
+        out[:] = tokens
         if len(out) >= max(n, 1):
             link.cut(silent=True)
             raise _Cut
 
     with contextlib.suppress(_Cut):
-        api_generate(verifier, prompt.ids, limit, on_tokens=on_tokens)
+        api_generate(verifier, prompt.ids, limit, on_update=on_update)
     cut_at = len(out) if len(out) < limit and not set(out) & set(verifier.eos_token_ids) else None
     agree, run = agreement(out, reference, cut_at, args.window) if cut_at is not None else (None, None)
     text = target.tokenizer.decode(out, skip_special_tokens=True)
@@ -322,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(args.cuts) + args.window + TAU_SLACK
     references, ceiling_runs = {}, {n: [] for n in args.cuts}
     for prompt in tqdm(prompts, desc="target greedy", unit="prompt", file=sys.stderr):
-        ids = speculative_generate(LocalVerifier(target), make_drafter("none"), prompt.ids, longest).token_ids
+        ids = generate(LocalVerifier(target), make_drafter("none"), prompt.ids, longest).token_ids
         references[prompt.index] = ids
         for n in args.cuts:  # the uninterrupted target at each run's token budget: the pass@1 ceiling
             text = target.tokenizer.decode(ids[: n + args.window + TAU_SLACK], skip_special_tokens=True)

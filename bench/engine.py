@@ -18,7 +18,7 @@ All in one run, ``--threads`` torch threads (default 2), medians over ``--repeat
 * decode    greedy decoding, tokens/s over ``--prompts`` MT-Bench first turns (chat template, ≤
             ``--max-new-tokens``, stop at EOS, prefill included): transformers' own ``generate`` at fp32 (the
             reference), and per dtype our plain decoding (``none``) and each drafter of ``--drafters`` through
-            ``client.decode.speculative_generate`` with a ``LocalVerifier`` (trained drafters: EAGLE-2 trees of
+            ``client.decode.generate`` with a ``LocalVerifier`` (trained drafters: EAGLE-2 trees of
             ``--tree-width``/``--tree-depth``, ≤ ``--max-tree-nodes`` nodes; a trained drafter without a bundle is
             skipped with a warning). All methods run on every prompt, rotated from prompt to prompt. Per method:
             median tok/s, median over prompts of the ratio to transformers' generate and to plain decoding of
@@ -57,7 +57,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, environment, first_difference, mark_differences, median, save_figure, save_results
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
@@ -215,7 +215,7 @@ def make_methods(targets: dict[str, object], args: argparse.Namespace) -> tuple[
 
 
 def run_ours(method: Method, prompt_ids: list[int], max_new_tokens: int):
-    return speculative_generate(
+    return generate(
         LocalVerifier(method.target), method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes
     )
 
@@ -324,8 +324,8 @@ def draft_steps(method: Method, prompt_ids: list[int], rounds: int) -> dict | No
 
         return call
 
-    verifier = LocalVerifier(method.target)
-    opened = verifier.open(list(prompt_ids), SamplingParams(), drafter.features)
+    verifier = LocalVerifier(method.target, drafter)
+    opened = verifier.open(list(prompt_ids), SamplingParams())
     drafter.begin(list(prompt_ids) + opened.new_tokens, opened.features)
     for name in steps:  # instance attributes shadow the methods for the tree search's calls, then go again
         setattr(drafter, name, timed(getattr(drafter, name)))

@@ -33,11 +33,11 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, environment, mark_differences, median, save_figure, save_results
-from client.decode import Generation, api_generate, speculative_generate
-from client.demo import server_child
+from client.decode import Generation, api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LinkCounters, LocalVerifier, RemoteVerifier
 from shared.models import encode_prompt, load_target
+from shared.server_process import server_child
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
@@ -127,7 +127,7 @@ def make_methods(names: list[str], target, remote: RemoteVerifier | None) -> dic
     def ours(verifier, new_drafter: Callable[[], object]) -> Runner:
         def run(prompt_ids: list[int], max_new: int) -> tuple[list[int], dict]:
             verifier.counters = LinkCounters()  # counters live on the verifier and add up across generations
-            gen = speculative_generate(verifier, new_drafter(), prompt_ids, max_new)
+            gen = generate(verifier, new_drafter(), prompt_ids, max_new)
             return gen.token_ids, _our_stats(gen)
 
         return run

@@ -13,8 +13,9 @@ generates greedily, interleaved and rotated as in ``bench.single``:
                      layers' KV), EAGLE-2 tree B=4, D=5, 16 nodes, all of it verified every round
 * ``moa-tliN-paper`` the same with the MoA paper's fixed tree (B=8, D=6, 62 nodes)
 * ``moa-tliN-adaptive`` the adaptive policy (``client.adaptive``): tree size, depth and payload per round
-* ``<method>-resilient`` the static method through ``client.resilient`` (heartbeat, deadlines, ready to go
-                     local): what surviving disconnections costs on a healthy link
+* ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no local generation to fall back
+                     on): every other method survives link drops as ``splitspec generate`` does by default,
+                     so ``X`` beside ``X-fail`` is what that costs on a healthy link
 
 ``plain-local`` — plain decoding with the target in this process on the whole machine — is the
 single-device reference ("recovers single-device speed"). Per run: tokens/s, τ, server calls per 100
@@ -42,13 +43,12 @@ from tqdm import tqdm
 from bench.common import cell, environment, mark_differences, median, save_figure, save_results
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
-from client.decode import api_generate, speculative_generate
-from client.demo import server_child
+from client.decode import Resilience, api_generate, generate
 from client.drafters import make_drafter
-from client.resilient import resilient_generate
-from client.verifiers import LocalVerifier, RemoteVerifier, payload_spec
+from client.verifiers import LocalVerifier, RemoteVerifier
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL, load_target
+from shared.server_process import server_child
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
@@ -88,36 +88,30 @@ class Method:
     def __init__(self, name: str, target, address: str):
         self.name, self.target = name, target
         self.drafter, self.nodes = None, STATIC_TREE[2]
-        self.resilient = name.endswith("-resilient")
-        base = name.removesuffix("-resilient").removesuffix("-paper").removesuffix("-adaptive")
+        self.resilience = Resilience("fail", heartbeat=False) if name.endswith("-fail") else Resilience()
+        base = name.removesuffix("-fail").removesuffix("-paper").removesuffix("-adaptive")
         if name != "api":
-            tree = PAPER_TREE if name.endswith("-paper") else STATIC_TREE
+            tree = PAPER_TREE if "-paper" in name else STATIC_TREE
             trained = base not in ("prompt-lookup", "none")
             self.drafter = make_drafter(base, target=target if trained else None,
                                         **({"width": tree[0], "depth": tree[1]} if trained else {}))  # fmt: skip
             self.nodes = tree[2] if trained else 64
-        spec = payload_spec(self.drafter, "lsa", "fp16") if self.drafter is not None else None
-        extra = {"payload": spec, "drafter_bundle": self.drafter.bundle} if spec else {}
-        self.verifier = RemoteVerifier(address, fingerprint=target.fingerprint, **extra)
+        self.verifier = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=self.drafter)
         self.verifier.probe_link()
-        self.adaptive = name.endswith("-adaptive")
+        self.adaptive = "-adaptive" in name
         if self.adaptive:
             self.nodes = 64
-        self.options = [payload_spec(self.drafter, "lsa", p) for p in ("fp16", "int8", "int4")] if spec else []
+        # static methods: the drafter's first spec the server can send (lsa/fp16 for MoA: the server runs its LSA)
+        self.specs = self.verifier.usable(self.drafter.payload_specs()) if self.drafter is not None else []
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
         if self.drafter is None:
             return api_generate(self.verifier, prompt_ids, max_new_tokens)
-        if self.resilient:
-            nodes = self.nodes
-            return resilient_generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=nodes)
-        policy = None
-        if self.adaptive:  # a fresh policy per generation: what it learns is this generation's
-            policy = AdaptivePolicy(self.verifier.link, payload_options=self.options,
-                                    bytes_per_token=self.verifier.payload_bytes_per_token)  # fmt: skip
-            self.verifier.payload = self.options[0]
-        return speculative_generate(self.verifier, self.drafter, prompt_ids, max_new_tokens,
-                                    max_tree_nodes=self.nodes, policy=policy)  # fmt: skip
+        self.verifier.spec = self.specs[0] if self.specs else self.verifier.spec
+        # a fresh policy per generation: what it learns is this generation's
+        policy = AdaptivePolicy.for_run(self.verifier, self.specs) if self.adaptive else None
+        return generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=self.nodes,
+                        policy=policy, resilience=self.resilience)  # fmt: skip
 
     def close(self) -> None:
         self.verifier.shutdown()
@@ -142,7 +136,7 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                 bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {m.name}")
                 gen = m.generate(prompt.ids, args.max_new_tokens)
                 s = gen.stats
-                payload = m.verifier.payload
+                payload = m.verifier.spec
                 run = Run(
                     profile, prompt.dataset, prompt.index, m.name, s.new_tokens, round(s.wall_s, 4),
                     round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, s.server_calls,
@@ -165,7 +159,7 @@ def plain_local(target, prompts, args) -> list[Run]:
     runs = []
     try:
         for prompt in tqdm(prompts, desc="plain-local", unit="run", file=sys.stderr):
-            gen = speculative_generate(LocalVerifier(target), make_drafter("none"), prompt.ids, args.max_new_tokens)
+            gen = generate(LocalVerifier(target), make_drafter("none"), prompt.ids, args.max_new_tokens)
             s = gen.stats
             runs.append(Run("local", prompt.dataset, prompt.index, "plain-local", s.new_tokens, round(s.wall_s, 4),
                             round(s.tokens_per_s, 3), 1.0, s.rounds, 0, round(s.server_compute_s, 4), 0, 0, 0, 0,

@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, environment, mark_differences, median, save_figure, save_results
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
@@ -136,8 +136,8 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
     return methods, skipped
 
 
-def generate(target, method: Method, prompt_ids: list[int], max_new_tokens: int):
-    return speculative_generate(
+def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int):
+    return generate(
         LocalVerifier(target), method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes
     )
 
@@ -151,7 +151,7 @@ def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_toke
         done: dict[str, tuple[Run, list[int]]] = {}
         for method in methods[shift:] + methods[:shift]:
             bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {method.name}")
-            gen = generate(target, method, prompt.ids, max_new_tokens)
+            gen = run_method(target, method, prompt.ids, max_new_tokens)
             s = gen.stats
             run = Run(
                 prompt.dataset, prompt.index, method.name, s.new_tokens, round(s.wall_s, 4), round(s.tokens_per_s, 3),
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm_ids = encode_prompt(target.tokenizer, WARMUP_PROMPT, chat=True)
     for method in tqdm(methods, desc="warm-up", unit="method", file=sys.stderr):
-        generate(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
+        run_method(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
     runs = benchmark(target, methods, prompts, args.max_new_tokens)
 
     env = {**environment(args.threads), "device": args.device, "dtype": str(target.dtype).removeprefix("torch.")}

@@ -14,7 +14,7 @@ A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate
 * ``draft`` — measured per depth step; the drafted depth follows the deepest node the policy
   actually kept (plus one), so drafting stops paying for levels that never get sent.
 
-The payload (mode and precision) is chosen by what it costs to download per round: the most
+The payload spec (mode and precision) is chosen by what it costs to download per round: the most
 faithful option whose transfer takes at most ``PAYLOAD_SHARE`` of the round, else the smallest.
 ``lsa`` ships one memory vector per token instead of every layer's KV, so it wins whenever the
 server holds the drafter's bundle; precision only drops below fp16 on very slow links. Any of
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from shared.payload import PayloadSpec
-from shared.tree import DraftTree
+from shared.tree import DraftTree, depths
 
 GAIN = 0.2  # weight of a new sample in the running averages
 # Verification cost is learned from the sizes actually sent, so sizes must vary: the first rounds
@@ -75,20 +75,20 @@ class Decision:
 class AdaptivePolicy:
     """Chooses per round how many drafted nodes to verify, how deep to draft, and the payload.
 
-    ``payload_options``: the payloads the drafter may use, most faithful first (e.g. lsa/fp16,
-    lsa/int8, kv/fp16); ``bytes_per_token(spec)`` sizes them. ``pin_nodes``/``pin_depth``/
-    ``pin_payload`` fix a choice instead of adapting it.
+    ``specs``: the payload specs the drafter may use, most faithful first (e.g. lsa/fp16, lsa/int8,
+    kv/fp16: the drafter's ``payload_specs()`` the verifier can send); ``bytes_per_token(spec)`` sizes
+    them. ``pin_nodes``/``pin_depth``/``pin_spec`` fix a choice instead of adapting it.
     """
 
     link: object  # client.link.LinkMonitor (or None for a local verifier)
     max_nodes: int = 64
     max_depth: int = 8
     min_depth: int = 2
-    payload_options: list[PayloadSpec] = field(default_factory=list)
+    specs: list[PayloadSpec] = field(default_factory=list)
     bytes_per_token: object = None  # callable(spec) -> raw bytes per token
     pin_nodes: int | None = None
     pin_depth: int | None = None
-    pin_payload: PayloadSpec | None = None
+    pin_spec: PayloadSpec | None = None
     verify_fit: LineFit = field(default_factory=LineFit)
     draft_step_s: float | None = None
     calibration: float = 1.0
@@ -98,6 +98,13 @@ class AdaptivePolicy:
 
     def __post_init__(self) -> None:
         self.depth = self.pin_depth or min(self.max_depth, 5)
+
+    @classmethod
+    def for_run(cls, verifier, specs: list[PayloadSpec], **pins) -> AdaptivePolicy:
+        """A policy for a run against ``verifier`` that may switch among ``specs`` (those the drafter takes and the
+        verifier can send); ``pins``: pin_nodes, pin_depth, max_nodes, ..."""
+        return cls(verifier.link, specs=specs if verifier.link is not None else [],
+                   bytes_per_token=verifier.payload_bytes_per_token, **pins)  # fmt: skip
 
     # --- estimates ---
 
@@ -141,19 +148,22 @@ class AdaptivePolicy:
                 best, best_rate, best_gain = n, rate, gain
         self.history.append(Decision(best, best_gain, best_gain / best_rate if best_rate else 0.0))
         if self.pin_depth is None:
-            depth = _depth(tree.parents[:best])
+            depth = max(depths(tree.parents[:best]), default=0)
             self.depth = max(self.min_depth, min(self.max_depth, depth + 1))
         return tree.head(best)
 
-    def payload(self, expected_tokens: float = 2.0) -> PayloadSpec | None:
-        """The payload for the next round (None: no choice to make)."""
-        if self.pin_payload is not None or not self.payload_options:
-            return self.pin_payload
+    def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
+        """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the
+        last round expected); None: no choice to make."""
+        if self.pin_spec is not None or not self.specs:
+            return self.pin_spec
+        if expected_tokens is None:
+            expected_tokens = 1.0 + (self.history[-1].expected_gain if self.history else 1.0)
         if not math.isfinite(expected_tokens):
             expected_tokens = 2.0
         last = self.history[-1].expected_round_s if self.history else float("nan")
         budget = PAYLOAD_SHARE * (last if math.isfinite(last) and last > 0 else 0.1)
-        sized = [(spec, expected_tokens * self.bytes_per_token(spec)) for spec in self.payload_options]
+        sized = [(spec, expected_tokens * self.bytes_per_token(spec)) for spec in self.specs]
         for spec, size in sized:
             if self._transfer_s(0, size)[1] <= budget:
                 return spec
@@ -173,9 +183,3 @@ class AdaptivePolicy:
                 ratio = min(3.0, max(0.2, accepted / predicted))
                 self.calibration = (1 - GAIN) * self.calibration + GAIN * ratio
 
-
-def _depth(parents: list[int]) -> int:
-    depths: list[int] = []
-    for p in parents:
-        depths.append(1 + (depths[p] if p >= 0 else 0))
-    return max(depths, default=0)

@@ -50,14 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--on-reconnect",
-        choices=["verify", "keep"],
-        help="survive link failures: generate locally while the server is unreachable, then have the server "
-        "verify the local tokens (verify: greedy output as if never cut) or take them as they are (keep)",
+        choices=["verify", "keep", "fail"],
+        help="when the link fails, generate locally until the server answers again, then have it verify the "
+        "local tokens (verify, the default: greedy output as if never cut) or take them as they are (keep); "
+        "fail: stop with an error instead",
     )
     p.add_argument(
         "--static",
         action="store_true",
-        help="no adaptive policy: verify the whole drafted tree (--max-tree-nodes, default 16), payload kv fp16",
+        help="no adaptive policy: verify the whole drafted tree (--max-tree-nodes, default 16), the drafter's "
+        "first payload spec",
     )
     p.add_argument("--tree-width", type=int, help="trained drafters: EAGLE-2 tree width B")
     p.add_argument("--tree-depth", type=int, help="trained drafters: EAGLE-2 tree depth D")
@@ -160,35 +162,17 @@ def stats_line(gen) -> str:
     )
 
 
-def connect(address: str, fingerprint: str, drafter, args: argparse.Namespace):
-    """A RemoteVerifier with the payload ``drafter`` needs, and the payloads an adaptive policy may switch between.
-
-    A MoA drafter prefers mode lsa (the server runs its LSA); when the server cannot (no such
-    bundle, or another version of it) and no mode was pinned, it falls back to kv with a warning.
-    """
-    from client.verifiers import RemoteVerifier, payload_spec
+def _pinned_specs(drafter, args: argparse.Namespace) -> list:
+    """The drafter's payload specs within --payload and --precision; an error if none is left."""
+    from client.drafters.base import PRECISIONS
     from shared.errors import SplitspecError
 
-    def make(spec):
-        extra = {"payload": spec, "drafter_bundle": drafter.bundle} if spec else {}
-        return RemoteVerifier(address, fingerprint=fingerprint, connect_timeout_s=args.connect_timeout, **extra)
-
-    if drafter is None or not drafter.features:
-        return make(None), []
-    precisions = [args.precision] if args.precision else ["fp16", "int8", "int4"]
-    if "kv" not in drafter.features:
-        options = [payload_spec(drafter, precision=p) for p in precisions]
-        return make(options[0]), options
-    modes = [args.payload] if args.payload else (["lsa", "kv"] if drafter.bundle is not None else ["kv"])
-    for mode in modes:
-        options = [payload_spec(drafter, mode, p) for p in precisions]
-        try:
-            return make(options[0]), options
-        except SplitspecError as exc:
-            if mode == modes[-1]:
-                raise
-            print(f"splitspec: payload mode {mode} unavailable ({exc}); using {modes[-1]}", file=sys.stderr)
-    raise AssertionError("unreachable")
+    specs = drafter.payload_specs((args.precision,) if args.precision else PRECISIONS)
+    kept = [s for s in specs if args.payload in (None, s.mode)]
+    if args.payload and not kept:
+        modes = ", ".join(sorted({s.mode for s in specs})) or "none (it reads only tokens)"
+        raise SplitspecError(f"--payload {args.payload}: drafter {drafter.name} takes payload mode {modes}")
+    return kept
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,12 +183,14 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import torch
 
-    from client.decode import api_generate, speculative_generate
+    from client.adaptive import AdaptivePolicy
+    from client.decode import Resilience, api_generate, generate
     from client.drafters import ALIASES, DRAFTERS, make_drafter
-    from client.verifiers import LocalVerifier
+    from client.verifiers import LocalVerifier, RemoteVerifier
     from shared.acceptance import SamplingParams
     from shared.errors import SplitspecError
     from shared.models import encode_prompt, load_target, load_tokenizer
+    from shared.payload import PayloadSpec
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -236,8 +222,10 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
         drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth,
                                weights=args.drafter_weights, **options)  # fmt: skip
+    if args.local and args.on_reconnect:
+        raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
     if args.local:
-        verifier, options = LocalVerifier(target), []
+        verifier = LocalVerifier(target)
     else:
         from shared.target import tokenizer_fingerprint
 
@@ -246,46 +234,33 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             from netsim import simulated_link
 
             address = stack.enter_context(simulated_link(args.server, args.via_netsim)).address
-        verifier, options = connect(address, tokenizer_fingerprint(tokenizer), drafter, args)
+        lsa = _pinned_specs(drafter, args)[0] if args.payload == "lsa" else PayloadSpec()
+        verifier = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer),
+                                  connect_timeout_s=args.connect_timeout, drafter=drafter, spec=lsa)  # fmt: skip
         stack.callback(verifier.shutdown)
         if args.probe_link or args.via_netsim:
             verifier.probe_link()
+    specs = verifier.usable(_pinned_specs(drafter, args)) if drafter is not None else []
+    if specs:
+        verifier.spec = specs[0]
     prompt_ids = encode_prompt(tokenizer, text, args.chat)
-    stream = None if args.json else TextStream(tokenizer)
+    on_reconnect = args.on_reconnect or "verify"
+    stream = None if args.json else SettledStream(TextStream(tokenizer), final_local=on_reconnect == "keep")
     if args.baseline == "api":
-        gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_tokens=stream)
+        gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_update=stream)
         drafter_name = "api"
     else:
         policy = None
         if not args.static:
-            from client.adaptive import AdaptivePolicy
-
-            link = None if args.local else verifier.link
-            pinned = args.payload is not None or args.precision is not None
-            policy = AdaptivePolicy(
-                link, pin_nodes=args.max_tree_nodes, pin_depth=args.tree_depth,
-                payload_options=[] if args.local or pinned else options,
-                bytes_per_token=None if args.local else verifier.payload_bytes_per_token,
-            )  # fmt: skip
-        nodes = args.max_tree_nodes or (16 if args.static else 64)
-        if args.on_reconnect:
-            from client.resilient import resilient_generate
-
-            if args.local:
-                raise SplitspecError("--on-reconnect needs a server; drop --local")
-            settled = SettledStream(stream, final_local=args.on_reconnect == "keep") if stream else None
-            gen = resilient_generate(
-                verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
-                on_reconnect=args.on_reconnect, max_tree_nodes=args.max_tree_nodes or 16, on_update=settled,
-            )  # fmt: skip
-            if settled:
-                settled.finish(gen.token_ids, gen.verified)
-        else:
-            gen = speculative_generate(
-                verifier, drafter, prompt_ids, args.max_new_tokens, sampling, max_tree_nodes=nodes, on_tokens=stream,
-                policy=policy,
-            )  # fmt: skip
+            policy = AdaptivePolicy.for_run(verifier, specs, pin_nodes=args.max_tree_nodes, pin_depth=args.tree_depth)
+        gen = generate(
+            verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
+            max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
+            resilience=Resilience(on_reconnect), on_update=stream,
+        )  # fmt: skip
         drafter_name = drafter.name
+    if stream:
+        stream.finish(gen.token_ids, gen.verified)
     if args.json:
         print(
             json.dumps(
@@ -296,10 +271,10 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     "drafter": drafter_name,
                     "mode": "local" if args.local else "remote",
                     "network": args.via_netsim,
-                    "payload": None if args.local or drafter is None or not drafter.features
-                    else {"mode": verifier.payload.mode, "precision": verifier.payload.precision},
+                    "payload": None if args.local or not verifier.spec
+                    else {"mode": verifier.spec.mode, "precision": verifier.spec.precision},
                     "stats": gen.stats.as_dict(),
-                    **({"verified": gen.verified} if hasattr(gen, "verified") else {}),
+                    "verified": gen.verified,
                 }
             )
         )

@@ -1,18 +1,63 @@
-"""The decode loop: draft a tree, have it verified, commit what was kept, repeat.
+"""The decode loop: one ``generate()`` for local, remote and link-failure-surviving generation.
 
-It knows nothing about which drafter proposes or where verification happens; both are
-interfaces. Stats follow the MoA/EAGLE papers: acceptance length is the mean number of tokens
-gained per verification round (accepted drafts + the bonus token).
+Each round: the drafter proposes a tree → the adaptive policy plans (cuts the tree to what pays
+off, picks the payload spec) → the verifier verifies → the policy observes what it cost → the
+drafter absorbs the kept tokens → they are emitted. It knows nothing about which drafter proposes
+or where verification happens; both are interfaces (``Drafter``, ``Verifier``).
+
+Losing the link is an event of this loop, not another loop: a Verify that fails for the link
+(``LinkDown``; ``SessionLost``) hands over to ``client.offline.bridge``, which generates locally
+(the drafter, with MoA's TLI layers) until the server answers again and then settles the
+unverified tail (``verify``: the server checks it, greedy output ends as if never cut; ``keep``:
+taken as is). ``fail`` ends the generation with an error naming the link instead.
+
+Stats follow the MoA/EAGLE papers: acceptance length is the mean number of tokens gained per
+verification round (accepted drafts + the bonus token); the prompt's prefill and reconciliation
+calls are not rounds.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
+from client import offline
+from client.adaptive import AdaptivePolicy
 from client.drafters.base import Drafter
+from client.heartbeat import Heartbeat
+from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams
+from shared.errors import SplitspecError
+
+ON_RECONNECT = ("verify", "keep", "fail")
+MIN_DEADLINE_S = 0.1
+DEADLINE_MARGIN_S = 0.05
+UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has been measured
+
+
+@dataclass
+class Resilience:
+    """What a generation does when the link fails (see the module docstring).
+
+    ``max_offline_s`` bounds one stretch without the server; ``settle_wait_s`` bounds how long a
+    generation already complete offline waits for the server to settle it (None: the rest of
+    ``max_offline_s``; 0: return at once with the tail unverified). ``heartbeat`` probes the server
+    on a connection of its own (``client.heartbeat``) so that a silent cut is noticed within about
+    two round trips, not only at a Verify's deadline.
+    """
+
+    on_reconnect: str = "verify"
+    backoff: offline.Backoff = field(default_factory=offline.Backoff)
+    max_offline_s: float = 600.0
+    settle_wait_s: float | None = None
+    heartbeat: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_reconnect not in ON_RECONNECT:
+            raise ValueError(f"on_reconnect must be one of {', '.join(ON_RECONNECT)}, got {self.on_reconnect!r}")
 
 
 @dataclass
@@ -20,23 +65,39 @@ class GenerationStats:
     new_tokens: int = 0
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
-    rounds: int = 0
+    rounds: int = 0  # verification rounds (prefill and reconciliation calls are not rounds)
     server_calls: int = 0
-    acceptance_length: float = 0.0
+    acceptance_length: float = 0.0  # tokens gained per verification round
     bytes_sent: int = 0
     bytes_received: int = 0
     payload_bytes: int = 0  # encoded feature payloads among bytes_received
     prefill_payload_bytes: int = 0  # the prompt's share of payload_bytes
-    bytes_up_per_round: float = 0.0  # a round: one server call that verifies (or prefills)
+    bytes_up_per_round: float = 0.0  # per server call
     bytes_down_per_round: float = 0.0
     bytes_down_per_token: float = 0.0  # per generated token
     payload_bytes_per_token: float = 0.0  # payloads of the rounds (not the prompt's) per generated token
     server_compute_s: float = 0.0
     ttft_s: float = 0.0
     draft_s: float = 0.0
+    tree_nodes: list[int] = field(default_factory=list)  # nodes verified in each round
     rtt_ms: float | None = None  # the link as the client saw it at the end (None: no link, or not measured yet)
     bandwidth_mbps: float | None = None  # downlink, Mbit/s
     uplink_mbps: float | None = None
+    # when the link failed: all zero in a generation it never did
+    local_tokens: int = 0  # tokens generated without the server (kept or not)
+    disconnects: int = 0
+    reconnects: int = 0
+    reconnect_attempts: int = 0  # server polls while offline
+    reconcile_calls: int = 0  # Verify calls that settled local tokens
+    offline_s: float = 0.0  # from each detected failure to the settlement (or the end)
+    local_s: float = 0.0  # of which spent generating local tokens
+    switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
+    switched_at: list[float] = field(default_factory=list)  # perf_counter() when local generation began
+    heartbeat_probes: int = 0
+
+    @property
+    def local_tokens_per_s(self) -> float:
+        return self.local_tokens / self.local_s if self.local_s > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -45,83 +106,184 @@ class GenerationStats:
 @dataclass
 class Generation:
     token_ids: list[int]
-    finish_reason: str  # "stop" (an EOS token), "length" (max_new_tokens) or "context" (window full)
+    verified: list[bool]  # per token: did the server verify it (False only for local tokens left unsettled)
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "context" (window full)
     stats: GenerationStats
 
 
-def _finish(tokens: list[int], new: list[int], stop: set[int], limit: int) -> tuple[list[int], str]:
-    """Cut ``new`` at the first stop token (kept) or at the token budget."""
-    room = limit - len(tokens)
-    for i, t in enumerate(new[:room]):
-        if t in stop:
-            return new[: i + 1], "stop"
-    return new[:room], ("length" if len(new) >= room else "")
-
-
-def speculative_generate(
-    verifier,
+def generate(
+    verifier: Verifier,
     drafter: Drafter,
     prompt_ids: list[int],
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     stop_ids: list[int] | None = None,
     max_tree_nodes: int = 64,
-    on_tokens: Callable[[list[int]], None] | None = None,
-    policy=None,
+    policy: AdaptivePolicy | None = None,
+    resilience: Resilience | None = None,
+    on_update: Callable[[list[int], list[bool]], None] | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
 
-    With a ``policy`` (``client.adaptive.AdaptivePolicy``) each round's tree is drafted to the
-    policy's depth, cut to the size it expects to pay off, and the payload is the one it picks.
+    ``policy`` (``client.adaptive.AdaptivePolicy``) drafts each round's tree to its depth, cuts it to
+    the size it expects to pay off and picks the payload spec; without one every round verifies the
+    drafter's whole tree of at most ``max_tree_nodes``. ``resilience`` (default ``Resilience()``:
+    survive, then verify) says what happens when the link fails. ``on_update(tokens, verified)`` sees
+    the whole output after every change: tokens made offline appear unverified and may be replaced
+    when the server is back (``verify``) — a stream prints what is verified, or everything under ``keep``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
-    stats = GenerationStats()
-    before = replace(verifier.counters)
-    start = time.perf_counter()
-    emit = on_tokens or (lambda tokens: None)
-    opened = verifier.open(list(prompt_ids), sampling, drafter.features)
-    stats.ttft_s = time.perf_counter() - start
-    out, reason = _finish([], opened.new_tokens, stop, max_new_tokens)
-    emit(out)
-    drafter.begin(list(prompt_ids) + out, opened.features)
-    gained = 0
-    try:
-        while not reason:
-            room = verifier.max_context - len(prompt_ids) - len(out)
-            if room < 1:
-                reason = "context"
-                break
-            t0 = time.perf_counter()
-            budget = min(max_tree_nodes, verifier.max_tree_nodes, room - 1)
-            depth = policy.depth if policy is not None else None
-            tree = drafter.propose(budget, depth)
-            draft_s = time.perf_counter() - t0
-            stats.draft_s += draft_s
-            if policy is not None:
-                spec = policy.payload(1.0 + (policy.history[-1].expected_gain if policy.history else 1.0))
-                if spec is not None:
-                    verifier.payload = spec
-                per_token = policy.bytes_per_token(verifier.payload) if policy.bytes_per_token else 0.0
-                tree = policy.cut(tree, per_token)
-            result = verifier.verify(tree)
-            if policy is not None:
-                policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
-            stats.rounds += 1
-            gained += len(result.new_tokens)
-            drafter.absorb(result.new_tokens, result.features)
-            new, reason = _finish(out, result.new_tokens, stop, max_new_tokens)
-            out += new
-            emit(new)
-    finally:
-        verifier.close()
-    stats.wall_s = time.perf_counter() - start
-    stats.new_tokens = len(out)
-    stats.tokens_per_s = len(out) / stats.wall_s
-    stats.acceptance_length = gained / stats.rounds if stats.rounds else 0.0
-    copy_link_stats(stats, verifier, before)
-    return Generation(out, reason, stats)
+    run = Run(verifier, drafter, list(prompt_ids), max_new_tokens, sampling, stop, policy, max_tree_nodes,
+              resilience or Resilience(), on_update)  # fmt: skip
+    return run.generate()
+
+
+class Run:
+    """One generation's state: the output, which of it is verified, the stats, and the link's running estimates."""
+
+    def __init__(self, verifier: Verifier, drafter: Drafter, prompt_ids: list[int], limit: int,
+                 sampling: SamplingParams, stop: set[int], policy: AdaptivePolicy | None, max_nodes: int,
+                 resilience: Resilience, on_update) -> None:  # fmt: skip
+        self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
+        self.sampling, self.stop, self.policy, self.max_nodes = sampling, stop, policy, max_nodes
+        self.resilience, self.on_update = resilience, on_update
+        self.stats = GenerationStats()
+        self.out: list[int] = []
+        self.verified: list[bool] = []
+        self.gained = 0
+        self.heartbeat: Heartbeat | None = None
+        self.generator = torch.Generator().manual_seed(sampling.seed)  # offline sampling: reproducible per seed
+        # running estimates of one verification, for its deadline
+        self.verify_s, self.reply_bytes = 0.0, 0.0
+
+    def generate(self) -> Generation:
+        verifier, stats = self.verifier, self.stats
+        before = replace(verifier.counters)
+        start = time.perf_counter()
+        self.spec_for_drafter()
+        if verifier.link is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
+            self.heartbeat = Heartbeat(verifier.address, verifier.link)
+            self.heartbeat.on_dead(verifier.abort)
+        reason = ""
+        try:
+            self.verify_s = self.open([])  # the prefill's compute is the first guess at a round's
+            stats.ttft_s = time.perf_counter() - start
+            if self.heartbeat:
+                self.heartbeat.start()  # the prefill gave the link an RTT estimate to set its deadline from
+            while not (reason := self.finished()):
+                call = time.perf_counter()
+                try:
+                    self.round()
+                except (LinkDown, SessionLost) as exc:
+                    if self.resilience.on_reconnect == "fail":
+                        raise SplitspecError(f"the link failed ({exc}); not generating without the server "
+                                             "(on_reconnect fail)") from None  # fmt: skip
+                    stats.disconnects += 1
+                    stats.switch_s.append(time.perf_counter() - call)
+                    offline.bridge(self)
+        finally:
+            if self.heartbeat:
+                self.heartbeat.close()
+                stats.heartbeat_probes = self.heartbeat.probes
+            try:
+                verifier.close(timeout_s=1.0)
+            except SplitspecError:  # the link may be down for good: the server's TTL frees the session
+                pass
+        stats.new_tokens, stats.wall_s = len(self.out), time.perf_counter() - start
+        stats.tokens_per_s = len(self.out) / stats.wall_s
+        stats.acceptance_length = self.gained / stats.rounds if stats.rounds else 0.0
+        copy_link_stats(stats, verifier, before)
+        return Generation(self.out, self.verified, reason, stats)
+
+    def spec_for_drafter(self) -> None:
+        """The payload spec to open with: the caller's, if it set one the drafter can use, else the drafter's first."""
+        verifier, needs = self.verifier, self.drafter.payload_specs()
+        usable = verifier.usable(needs)
+        if verifier.spec and verifier.spec.mode not in {s.mode for s in needs}:
+            wanted = ", ".join(sorted({s.mode for s in needs})) or "none"
+            raise SplitspecError(f"drafter {self.drafter.name} cannot use payload mode {verifier.spec.mode!r}; "
+                                 f"it takes {wanted}")  # fmt: skip
+        if needs and not usable:
+            raise SplitspecError(f"drafter {self.drafter.name} needs payload "
+                                 f"{' or '.join(sorted({s.mode for s in needs}))}, which this verifier cannot send")
+        if not verifier.spec and usable:
+            verifier.spec = usable[0]
+
+    def round(self) -> None:
+        """Propose, plan, verify, observe, absorb, emit: one verification round."""
+        verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
+        room = verifier.max_context - len(self.prompt_ids) - len(self.out)
+        budget = max(0, min(self.max_nodes, verifier.max_tree_nodes, room - 1))
+        depth = policy.depth if policy is not None else None
+        t0 = time.perf_counter()
+        tree = drafter.propose(budget, depth)
+        draft_s = time.perf_counter() - t0
+        stats.draft_s += draft_s
+        if policy is not None:
+            spec = policy.choose_spec()
+            if spec:
+                verifier.spec = spec
+            tree = policy.cut(tree, policy.bytes_per_token(verifier.spec) if policy.bytes_per_token else 0.0)
+        if self.heartbeat and self.heartbeat.dead.is_set():
+            raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
+        received = verifier.counters.bytes_received
+        result = verifier.verify(tree, timeout_s=self.deadline(len(tree)))
+        compute = max(result.compute_s, 0.0)
+        self.verify_s = max(compute, 0.8 * self.verify_s + 0.2 * compute)  # up at once, down slowly
+        self.reply_bytes = 0.8 * self.reply_bytes + 0.2 * (verifier.counters.bytes_received - received)
+        if policy is not None:
+            policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
+        stats.rounds += 1
+        stats.tree_nodes.append(len(tree))
+        self.gained += len(result.new_tokens)
+        drafter.absorb(result.new_tokens, result.features)
+        self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
+
+    def deadline(self, nodes: int) -> float | None:
+        """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
+        server's expected compute with headroom, the transfers at the measured rates, a margin (None: no link)."""
+        link = self.verifier.link
+        if link is None:
+            return None
+        rtt = link.timeout_s()
+        transfer = link.transfer_s(8 * nodes + 64, int(2 * self.reply_bytes))
+        rtt = UNMEASURED_RTT_S if rtt is None else rtt
+        return max(MIN_DEADLINE_S, rtt + 1.5 * self.verify_s + transfer + DEADLINE_MARGIN_S)
+
+    def open(self, history: list[int]) -> float:
+        """(Re)open a session after ``prompt + history`` (the last token of ``history`` becomes the root again);
+        ``self.out`` gains the server's next token when ``history`` is all of it. Returns the prefill's compute."""
+        verifier = self.verifier
+        try:
+            verifier.close(timeout_s=2.0)  # the old session, if the server still has it
+        except SplitspecError:
+            pass
+        opened = verifier.open(self.prompt_ids + history, self.sampling)
+        tokens = history + opened.new_tokens
+        self.drafter.begin(self.prompt_ids + tokens, opened.features)
+        self.opened = tokens
+        if not history:
+            self.commit(tokens, [True] * len(tokens))
+        return opened.compute_s
+
+    def commit(self, out: list[int], verified: list[bool]) -> None:
+        """The output is now ``out``, cut after its first stop token and at the token budget; tell ``on_update``."""
+        end = next((i + 1 for i, t in enumerate(out) if t in self.stop), len(out))
+        end = min(end, self.limit)
+        self.out, self.verified = out[:end], verified[:end]
+        if self.on_update:
+            self.on_update(self.out, self.verified)
+
+    def finished(self) -> str:
+        if self.out and self.out[-1] in self.stop:
+            return "stop"
+        if len(self.out) >= self.limit:
+            return "length"
+        if len(self.prompt_ids) + len(self.out) >= self.verifier.max_context:
+            return "context"
+        return ""
 
 
 def api_generate(
@@ -130,7 +292,7 @@ def api_generate(
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     stop_ids: list[int] | None = None,
-    on_tokens: Callable[[list[int]], None] | None = None,
+    on_update: Callable[[list[int], list[bool]], None] | None = None,
 ) -> Generation:
     """The API baseline: the server decodes alone and streams tokens; no drafts, one call."""
     stop = list(remote.eos_token_ids if stop_ids is None else stop_ids)
@@ -143,8 +305,8 @@ def api_generate(
         if not out:
             stats.ttft_s = time.perf_counter() - start
         out += tokens
-        if on_tokens:
-            on_tokens(tokens)
+        if on_update:
+            on_update(out, [True] * len(out))
         if tokens and tokens[-1] in stop:
             reason = "stop"
     stats.wall_s = time.perf_counter() - start
@@ -153,23 +315,23 @@ def api_generate(
     stats.rounds = len(out)
     stats.acceptance_length = 1.0
     copy_link_stats(stats, remote, before)
-    return Generation(out, reason, stats)
+    return Generation(out, [True] * len(out), reason, stats)
 
 
-def copy_link_stats(stats: GenerationStats, verifier, before) -> None:
+def copy_link_stats(stats: GenerationStats, verifier: Verifier, before) -> None:
     """What this generation cost the link (counters since ``before``) and the verifier's latest link estimates."""
     counters = verifier.counters.since(before)
     stats.server_calls = counters.server_calls
     stats.bytes_sent = counters.bytes_sent
     stats.bytes_received = counters.bytes_received
-    stats.payload_bytes = getattr(counters, "payload_bytes", 0)
-    stats.prefill_payload_bytes = getattr(counters, "prefill_payload_bytes", 0)
+    stats.payload_bytes = counters.payload_bytes
+    stats.prefill_payload_bytes = counters.prefill_payload_bytes
     calls = max(counters.server_calls, 1)
     stats.bytes_up_per_round = counters.bytes_sent / calls
     stats.bytes_down_per_round = counters.bytes_received / calls
     stats.bytes_down_per_token = counters.bytes_received / max(stats.new_tokens, 1)
     stats.payload_bytes_per_token = (stats.payload_bytes - stats.prefill_payload_bytes) / max(stats.new_tokens, 1)
     stats.server_compute_s = counters.server_compute_s
-    link = getattr(verifier, "link", None)
-    for name, value in (link.as_stats() if link is not None else {}).items():
-        setattr(stats, name, value)
+    if verifier.link is not None:
+        for name, value in verifier.link.as_stats().items():
+            setattr(stats, name, value)

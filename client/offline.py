@@ -1,20 +1,160 @@
 """Generating without the server, and making peace with it afterwards.
 
-When the link is down the drafter itself is the model: its most likely next token (for MoA with
-TLI>0, through the target's own last layers) is committed unverified, one at a time, through the
-ordinary drafter interface (``propose(1, depth=1)`` then ``absorb``) — no drafter-specific code.
-When the link is back, ``reconcile_verify`` has the server verify those tokens as one chain (in
-chunks of the server's tree limit): the client keeps the accepted prefix, takes the server's token
-at the first divergence and drops the rest, so a greedy run ends exactly as an uninterrupted one.
+``bridge`` is what the decode loop (``client.decode``) runs when a Verify fails for the link: the
+drafter itself is the model — its most likely next token (for MoA with TLI>0, through the target's
+own last layers) is committed unverified, one at a time, through the ordinary drafter interface
+(``propose(1, depth=1)`` then ``absorb``), no drafter-specific code — while a background thread
+polls the server with jittered exponential backoff. When it answers, the unverified tail is settled:
+
+* ``verify`` — ``reconcile_verify`` has the server verify it as one chain (in chunks of the server's
+  tree limit): the accepted prefix is kept, the target's token replaces the first divergence, the
+  rest is dropped; greedy output ends exactly as an uninterrupted run's.
+* ``keep`` — the server takes the local tokens as they are (the session is reopened from the whole
+  history) and decoding continues after them.
+
+A session the server lost (TTL, restart) is reopened from the token history the client holds.
 """
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+from dataclasses import dataclass
+
 import torch
 
 from client.drafters.base import Drafter
+from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams, target_probs
 from shared.tree import DraftTree
+
+MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
+
+
+@dataclass
+class Backoff:
+    """Jittered exponential backoff, bounded: base·factor^k, at most ``cap_s``, times U(1 - jitter, 1)."""
+
+    base_s: float = 0.05
+    factor: float = 2.0
+    cap_s: float = 1.0
+    jitter: float = 0.5
+    seed: int | None = None
+
+    def delays(self):
+        rng, delay = random.Random(self.seed), self.base_s
+        while True:
+            yield delay * rng.uniform(1 - self.jitter, 1)
+            delay = min(self.cap_s, delay * self.factor)
+
+
+class Reconnector(threading.Thread):
+    """Polls ``reachable()`` with backoff until it answers (sets ``up``) or ``stop`` is set."""
+
+    def __init__(self, reachable, backoff: Backoff):
+        super().__init__(daemon=True, name="splitspec-reconnect")
+        self.reachable, self.backoff = reachable, backoff
+        self.up, self.stop = threading.Event(), threading.Event()
+        self.attempts = 0
+
+    def run(self) -> None:
+        for delay in self.backoff.delays():
+            if self.stop.is_set():
+                return
+            self.attempts += 1
+            if self.reachable():
+                self.up.set()
+                return
+            if self.stop.wait(delay):
+                return
+
+
+def bridge(run) -> None:
+    """Generate locally until the server answers again (or the budget ends), then settle the local tail.
+
+    ``run`` is the decode loop's ``client.decode.Run``. A settlement the link breaks again leaves the
+    drafter half-settled: the next one reopens the session from the verified history instead, and no
+    more local tokens are made meanwhile.
+    """
+    stats, resilience = run.stats, run.resilience
+    began, first_local, fresh = time.perf_counter(), len(run.out), True
+    stats.switched_at.append(began)
+    try:
+        while True:
+            reconnector = Reconnector(lambda: _reachable(run.verifier), resilience.backoff)
+            reconnector.start()
+            try:
+                if fresh:
+                    _generate_locally(run, reconnector, began)
+                wait = resilience.max_offline_s - (time.perf_counter() - began)
+                if run.finished() and resilience.settle_wait_s is not None:
+                    wait = min(wait, resilience.settle_wait_s)
+                if not reconnector.up.wait(max(0.0, wait)):
+                    return  # out of budget: the tail stays unverified
+            finally:
+                reconnector.stop.set()
+                stats.reconnect_attempts += reconnector.attempts
+            stats.reconnects += 1
+            try:
+                _settle(run, first_local, fresh)
+                if run.heartbeat:
+                    run.heartbeat.revive()
+                return
+            except (LinkDown, SessionLost):
+                stats.disconnects += 1
+                fresh = False
+    finally:
+        stats.offline_s += time.perf_counter() - began
+
+
+def _reachable(verifier: Verifier) -> bool:
+    """One Handshake, given as long as a healthy link would need, so a dead one costs each poll little."""
+    bound = verifier.link.timeout_s() if verifier.link is not None else None
+    return verifier.reachable(timeout_s=max(MIN_POLL_S, 2 * bound + 0.1) if bound else 1.0)
+
+
+def _generate_locally(run, reconnector: Reconnector, began: float) -> None:
+    t0 = time.perf_counter()
+    try:
+        while not reconnector.up.is_set():
+            if run.finished() or time.perf_counter() - began > run.resilience.max_offline_s:
+                return
+            token = local_token(run.drafter, run.sampling, run.generator)
+            if token is None:  # nothing to offer offline (prompt lookup without a match): wait
+                reconnector.up.wait(0.05)
+                continue
+            run.stats.local_tokens += 1
+            run.commit(run.out + [token], run.verified + [False])
+    finally:
+        run.stats.local_s += time.perf_counter() - t0
+
+
+def _settle(run, first_local: int, fresh: bool) -> None:
+    """The history after reconnection: the local tail kept (keep) or verified against the target (verify)."""
+    verifier, drafter, out, verified = run.verifier, run.drafter, run.out, run.verified
+    local = out[first_local:]
+    chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
+    if run.resilience.on_reconnect == "keep":
+        run.open(out)
+        run.commit(run.opened, verified[: len(out)] + [True] * (len(run.opened) - len(out)))
+        return
+    if fresh:
+        try:
+            replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
+            run.commit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
+            return
+        except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
+            pass
+    history = out[:first_local]
+    run.open(history[:-1])
+    if run.opened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
+        run.commit(run.opened, verified[: len(run.opened) - 1] + [True])
+        return
+    for token in local:
+        drafter.absorb([token])
+    replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
+    run.commit(history + replaced, verified[:first_local] + [True] * len(replaced))
 
 
 def local_token(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
@@ -46,7 +186,7 @@ def _draw(tree: DraftTree, sampling: SamplingParams, generator: torch.Generator 
     return tree.tokens[roots[torch.multinomial(probs, 1, generator=generator).item()]]
 
 
-def reconcile_verify(verifier, drafter: Drafter, local: list[int], max_nodes: int) -> list[int]:
+def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None) -> list[int]:
     """Verify the unverified tail ``local`` (already absorbed by ``drafter``); return what replaces it.
 
     The result is the longest prefix of ``local`` the target agrees with, then the target's own
@@ -60,6 +200,8 @@ def reconcile_verify(verifier, drafter: Drafter, local: list[int], max_nodes: in
     while i < len(local):
         chunk = local[i : i + max(1, max_nodes)]
         result = verifier.verify(DraftTree.chain(chunk))
+        if stats is not None:
+            stats.reconcile_calls += 1
         accepted, bonus = len(result.accepted), result.new_tokens[-1]
         out += chunk[:accepted]
         i += accepted

@@ -1,13 +1,16 @@
 """Where drafts get verified: the remote server over gRPC, or the target in this process.
 
-Both expose the same three calls (open, verify, close), so the decode loop cannot tell them
-apart; ``--local`` is the single-device baseline of the very same loop. The remote one also
-times every call it makes, so its ``link`` knows the round-trip time and bandwidth.
+Both are a ``Verifier`` (open, verify, close, and what the loop needs to survive the link), so
+the decode loop cannot tell them apart; ``--local`` is the single-device baseline of the very
+same loop. The remote one also times every call it makes, so its ``link`` knows the round-trip
+time and bandwidth.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import grpc
@@ -56,24 +59,69 @@ class Round:
     compute_s: float = 0.0  # the server's (or in-process target's) time on this round
 
 
-class LocalVerifier:
-    """The target in-process: no network, the single-device reference (it counts no server calls)."""
+class Verifier(ABC):
+    """Where the decode loop sends drafts. ``spec`` says which features of newly cached tokens come back
+    with each round (``shared.payload``); the loop may change it between rounds."""
 
-    def __init__(self, target):
+    address: str = "in-process"
+    eos_token_ids: list[int]
+    max_tree_nodes: int
+    max_context: int
+    counters: LinkCounters
+    link: LinkMonitor | None = None  # the measured link; None where there is none
+    spec: PayloadSpec = PayloadSpec()
+
+    @abstractmethod
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
+        """Prefill a new session: the round that yields the first token (and the prompt's features)."""
+
+    @abstractmethod
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
+        """One round; ``timeout_s`` bounds it (LinkDown past it)."""
+
+    @abstractmethod
+    def close(self, timeout_s: float | None = None) -> None:
+        """Free the session, if one is open."""
+
+    def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
+        """Those of ``specs`` this verifier can send (in their order)."""
+        return list(specs)
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Is the server there (again)?"""
+        return True
+
+    def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
+        """Raw bytes (before zstd) one token's payload takes in ``spec`` across the link (none without a link)."""
+        return 0.0
+
+    def abort(self, reason: str) -> None:
+        """Abandon the call in flight (from another thread); the caller sees LinkDown naming ``reason``."""
+        return None  # nothing is ever in flight in-process
+
+
+class LocalVerifier(Verifier):
+    """The target in-process: no network, the single-device reference (it counts no server calls).
+
+    Its features are exact (precision is moot) and it runs no drafter's LSA: MoA drafters get mode kv."""
+
+    def __init__(self, target, drafter=None):
         self.target = target
+        self.spec = next(iter(self.usable(drafter.payload_specs())), PayloadSpec()) if drafter else PayloadSpec()
         self.eos_token_ids = target.eos_token_ids
         self.max_tree_nodes = 1 << 30
         self.max_context = target.max_context
         self.counters = LinkCounters()
-        self.link = None  # no network to measure
         self.session = None
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, features=frozenset()) -> Round:
-        """Prefill: the round that yields the first token (and the prompt's features, if asked for)."""
-        self.session = self.target.session(sampling, features)
+    def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
+        return [s for s in specs if s.mode != "lsa"]
+
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
+        self.session = self.target.session(sampling, payload.target_features(self.spec))
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
-        return Round([], verdict.new_tokens, verdict.features)
+        return Round([], verdict.new_tokens, verdict.features, verdict.compute_s)
 
     def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
         verdict = self.session.verify(tree)
@@ -110,25 +158,15 @@ def rpc_error(address: str, exc: grpc.RpcError) -> SplitspecError:
 PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many times before giving up
 
 
-def payload_spec(drafter, mode: str = "kv", precision: str = "fp16") -> PayloadSpec:
-    """What ``drafter`` needs from the server, in payload ``mode`` (kv or lsa: how a MoA drafter gets its memory)."""
-    if "kv" in drafter.features:
-        if mode not in ("kv", "lsa"):
-            raise SplitspecError(f"a MoA drafter takes payload mode kv or lsa, not {mode!r}")
-        tli = drafter.tli if mode == "lsa" else 0
-        return PayloadSpec(mode, precision, tli, drafter.name if mode == "lsa" else "")
-    if "hidden" in drafter.features:
-        return PayloadSpec("hidden", precision)
-    return PayloadSpec()
-
-
-class RemoteVerifier:
+class RemoteVerifier(Verifier):
     """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer.
 
-    ``payload`` says which features of newly cached tokens the server sends with each reply (what
-    a MoA or EAGLE drafter needs); it may be changed between rounds (``self.payload``). Mode
-    ``lsa`` names a drafter bundle at connect (``drafter_bundle``: its folder, whose weights digest
-    the server compares with its own copy).
+    ``spec`` says which features of newly cached tokens the server sends with each reply; the decode
+    loop sets it from the drafter's needs (and the adaptive policy may change it between rounds).
+    Given a ``drafter`` whose needs include mode ``lsa``, the Handshake names its bundle (the server
+    compares the weights digest with its own copy and loads the LSA); a server that cannot run it
+    leaves mode lsa unusable, with a warning, unless ``spec`` pins lsa: then that is an error. ``bundle``:
+    the folder whose weights digest is sent (default: the drafter's).
     """
 
     def __init__(
@@ -137,11 +175,12 @@ class RemoteVerifier:
         fingerprint: str = "",
         connect_timeout_s: float = 10.0,
         rpc_timeout_s: float = 120.0,
-        payload: PayloadSpec = PayloadSpec(),
-        drafter_bundle=None,
+        drafter=None,
+        spec: PayloadSpec = PayloadSpec(),
+        bundle=None,
     ):
         self.address = address
-        self.payload = payload
+        self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = LinkCounters()
         self.link = LinkMonitor()
@@ -152,7 +191,7 @@ class RemoteVerifier:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # gRPC's own reconnection backoff grows to 2 minutes; ours (client.resilient) polls on its
+            # gRPC's own reconnection backoff grows to 2 minutes; ours (client.offline) polls on its
             # own schedule, so the channel must be ready to try again within a fraction of a second
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
@@ -169,20 +208,42 @@ class RemoteVerifier:
                 "start one with `splitspec serve` or check --server"
             ) from None
         self.stub = pb_grpc.SplitSpecStub(self.channel)
-        hello = pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
-        if payload.mode == "lsa":
-            from shared.lsa import weights_digest
-
-            if drafter_bundle is None:
-                raise SplitspecError(f"payload mode lsa needs the bundle of drafter {payload.drafter!r}")
-            hello.drafter, hello.drafter_digest = payload.drafter, weights_digest(drafter_bundle)
-        self.hello = hello  # sent again on reconnection: a restarted server must load the LSA again
-        self.info = self._call(self.stub.Handshake, hello)
+        self.hello = pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
+        self.info = self._call(self.stub.Handshake, self.hello)
+        self.lsa_drafter = ""  # whose LSA the server runs for us (mode lsa), if any
+        lsa = [s for s in (drafter.payload_specs() if drafter is not None else []) if s.mode == "lsa"]
+        if spec.mode == "lsa" or (lsa and not spec):
+            name = spec.drafter if spec.mode == "lsa" else lsa[0].drafter
+            self._name_drafter(name, bundle or (drafter.bundle if drafter else None), pinned=spec.mode == "lsa")
         info = self.info
         self.dims = (info.num_layers, 2 * info.num_kv_heads * info.head_dim, info.hidden_size)
         self.eos_token_ids = list(self.info.eos_token_ids)
         self.max_tree_nodes = self.info.limits.max_tree_nodes
         self.max_context = self.info.limits.max_context
+
+    def _name_drafter(self, name: str, bundle, pinned: bool) -> None:
+        """Handshake again naming drafter ``name`` so the server runs its LSA; the hello is sent again on
+        reconnection (a restarted server must load the LSA again)."""
+        from shared.lsa import weights_digest
+
+        if bundle is None:
+            raise SplitspecError(f"payload mode lsa needs the bundle of drafter {name!r}")
+        hello = pb.HandshakeRequest()
+        hello.CopyFrom(self.hello)
+        hello.drafter, hello.drafter_digest = name, weights_digest(bundle)
+        try:
+            self._call(self.stub.Handshake, hello)
+        except LinkDown:
+            raise
+        except SplitspecError as exc:
+            if pinned:
+                raise
+            print(f"splitspec: payload mode lsa unavailable ({exc}); using kv", file=sys.stderr)
+            return
+        self.hello, self.lsa_drafter = hello, name
+
+    def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
+        return [s for s in specs if s.mode != "lsa" or s.drafter == self.lsa_drafter]
 
     def _timed(self, method, request, timeout_s: float, budget: bool = False):
         """One unary call: (reply, wall seconds). A failure becomes a SplitspecError naming the server, except
@@ -250,17 +311,9 @@ class RemoteVerifier:
 
         return self.link.probe(call, budget_s, max_bytes)
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, features=frozenset()) -> Round:
-        mode = self.payload.mode
-        wanted = {"kv": {"kv", "lsa"}, "hidden": {"hidden"}}
-        missing = [f for f in sorted(features) if mode not in wanted.get(f, ())]
-        if missing:
-            raise SplitspecError(
-                f"this drafter needs the target's {'/'.join(missing)} features but the payload mode is "
-                f"{mode or 'none'!r}; use --payload kv or lsa for MoA drafters (EAGLE-style ones get 'hidden')"
-            )
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
-                                        payload=self.payload.to_msg())  # fmt: skip
+                                        payload=self.spec.to_msg())  # fmt: skip
         reply = self._call(self.stub.OpenSession, request)
         self.session_id, self.length = reply.session_id, reply.length
         before = self.counters.payload_bytes
@@ -271,7 +324,7 @@ class RemoteVerifier:
     def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
         """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
-                                   length=self.length, payload=self.payload.to_msg())  # fmt: skip
+                                   length=self.length, payload=self.spec.to_msg())  # fmt: skip
         reply = self._call(self.stub.Verify, request, timeout_s=timeout_s)
         self.length = reply.length
         accepted = list(reply.accepted)
@@ -284,10 +337,10 @@ class RemoteVerifier:
 
     def _features(self, msg: pb.Payload) -> Features | None:
         """Decode a reply's payload; fetch it (again) when it is pending or does not decode."""
-        if not self.payload:
+        if not self.spec:
             return None
         self.counters.payload_bytes += msg.ByteSize()
-        shapes = payload.expected_shapes(self.payload, msg.count, *self.dims)
+        shapes = payload.expected_shapes(self.spec, msg.count, *self.dims)
         error: Exception | None = None
         if not msg.pending:
             try:
@@ -306,7 +359,7 @@ class RemoteVerifier:
 
     def _fetch(self, start: int, end: int) -> Features:
         """FetchPayload: the features of cached tokens [start, end), streamed in chunks."""
-        request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.payload.to_msg())
+        request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.spec.to_msg())
         c = self.counters
         c.server_calls += 1
         c.bytes_sent += request.ByteSize()
@@ -316,7 +369,7 @@ class RemoteVerifier:
                 size = chunk.ByteSize()
                 c.bytes_received += size
                 c.payload_bytes += size
-                shapes = payload.expected_shapes(self.payload, chunk.count, *self.dims)
+                shapes = payload.expected_shapes(self.spec, chunk.count, *self.dims)
                 parts.append(payload.decode(chunk, shapes))
         except grpc.RpcError as exc:
             raise rpc_error(self.address, exc) from None

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 
+from server.limits import ServerLimits
 from shared.models import DEFAULT_MODEL, DTYPES
 
 
@@ -29,20 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="native, or int8 weight-only projections: a different served target (lossless relative to "
                         "itself), about twice as fast per token on a CPU, no faster for big trees")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (default 16)")
-    p.add_argument("--max-tree-nodes", type=int, default=128, help="draft tree nodes per verification (default 128)")
-    p.add_argument("--max-context", type=int, default=4096, help="tokens per session, prompt included (default 4096)")
-    p.add_argument("--max-new-tokens", type=int, default=4096, help="tokens per Generate call (default 4096)")
-    p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept (default 600)")
-    p.add_argument(
-        "--max-probe-bytes", type=int, default=16 * 1024 * 1024, help="reply bytes per Probe call (default 16 MiB)"
-    )
-    p.add_argument(
-        "--max-inline-payload",
-        type=int,
-        default=1024 * 1024,
-        help="payload bytes carried inside a reply; more is streamed by FetchPayload (default 1 MiB)",
-    )
+    ServerLimits.add_arguments(p)
     p.add_argument(
         "--bundle-dir",
         action="append",
@@ -55,27 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from server.service import ServerLimits, build_server
+    from server.service import build_server
     from shared.models import load_target
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "max_probe_bytes", "max_inline_payload")
-    for name in names:
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        limits = ServerLimits.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
                          weights=args.weights)
-    limits = ServerLimits(
-        args.max_sessions,
-        args.max_tree_nodes,
-        args.max_context,
-        args.max_new_tokens,
-        args.session_ttl,
-        args.max_probe_bytes,
-        args.max_inline_payload,
-    )
     from shared.bundles import SHIPPED
 
     bundle_dirs = tuple(args.bundle_dir or (SHIPPED,))

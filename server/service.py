@@ -14,16 +14,16 @@ import math
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 
 from server import payloads
+from server.limits import ServerLimits
 from server.sessions import SessionStore, StoreFull
 from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
 from shared.errors import SplitspecError
-from shared.payload import PayloadSpec
+from shared.payload import PayloadSpec, target_features
 from shared.target import Target
 from shared.tree import DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
@@ -32,17 +32,6 @@ from shared.wire import splitspec_pb2_grpc as pb_grpc
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("splitspec.server")
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_sessions: int = 16
-    max_tree_nodes: int = 128
-    max_context: int = 4096
-    max_new_tokens: int = 4096
-    session_ttl_s: float = 600.0
-    max_probe_bytes: int = 16 * 1024 * 1024
-    max_inline_payload_bytes: int = 1024 * 1024  # bigger payloads go by FetchPayload, in chunks this size
 
 
 class Abort(Exception):
@@ -78,7 +67,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             "max_probe_bytes": min(limits.max_probe_bytes, MAX_MESSAGE_BYTES - 1024),  # a reply must fit one message
             "max_inline_payload_bytes": min(limits.max_inline_payload_bytes, MAX_MESSAGE_BYTES // 2),
         }
-        self.limits = ServerLimits(**{**limits.__dict__, **capped})
+        self.limits = ServerLimits(**{**limits.as_dict(), **capped})
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s)
         self.model_lock = threading.Lock()
 
@@ -114,7 +103,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         try:
             spec = PayloadSpec.from_msg(msg)
             if spec:
-                has_hidden = spec.mode == "hidden" if session is None else session.hidden is not None
+                has_hidden = "hidden" in target_features(spec) if session is None else session.hidden is not None
                 payloads.check_spec(spec, self.target, self.lsas, has_hidden)
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"payload: {exc}") from None
@@ -156,7 +145,6 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 self.lsas.load(request.drafter, request.drafter_digest)
             except SplitspecError as exc:
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {request.drafter!r}: {exc}") from None
-        lim = self.limits
         return pb.HandshakeReply(
             protocol_version=PROTOCOL_VERSION,
             model_name=t.name,
@@ -167,15 +155,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             num_kv_heads=t.num_kv_heads,
             head_dim=t.head_dim,
             eos_token_ids=t.eos_token_ids,
-            limits=pb.Limits(
-                max_sessions=lim.max_sessions,
-                max_tree_nodes=lim.max_tree_nodes,
-                max_context=lim.max_context,
-                max_new_tokens=lim.max_new_tokens,
-                session_ttl_s=lim.session_ttl_s,
-                max_probe_bytes=lim.max_probe_bytes,
-                max_inline_payload_bytes=lim.max_inline_payload_bytes,
-            ),
+            limits=pb.Limits(**self.limits.as_dict()),  # the same field names
             device=str(t.device),
             dtype=str(t.dtype).removeprefix("torch."),
             drafter=request.drafter,
@@ -189,11 +169,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         try:
             self.sessions.reserve()
             start = time.perf_counter()
-            engine = self.target.session(sampling, features=("hidden",) if spec.mode == "hidden" else ())
+            engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
             with self.model_lock:
                 verdict = engine.prefill(prompt)
                 session = self.sessions.add(engine)
-                if spec.mode == "hidden":
+                if "hidden" in target_features(spec):
                     session.hidden = verdict.features.hidden
                 payload = self._payload(session, spec, 0, engine.cached_len)
         except StoreFull as exc:

@@ -50,11 +50,18 @@ class Features:
         return frozenset(kinds)
 
 
+def kv_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The one KV feature layout: keys, values ``[L, *batch, n_kv, n, d]`` -> ``[*batch, n, L, 2·n_kv·d]``."""
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [L, *batch, n_kv, n, d] -> [*batch, n, L, n_kv·d]
+        return x.movedim(-2, 0).movedim(1, -3).movedim(0, -4).flatten(-2)
+
+    return torch.cat([rows(keys), rows(values)], dim=-1)
+
+
 def cache_kv(cache, start: int, end: int, slot: int = 0) -> torch.Tensor:
     """``[end-start, L, 2·n_kv·d]``: positions [start, end) of ``slot`` in an engine cache (``shared.engine.Cache``)."""
-    k = cache.k[:, slot, :, start:end]  # [L, n_kv, n, d]
-    v = cache.v[:, slot, :, start:end]
-    return torch.cat([k.permute(2, 0, 1, 3).flatten(2), v.permute(2, 0, 1, 3).flatten(2)], dim=-1)
+    return kv_rows(cache.k[:, slot, :, start:end], cache.v[:, slot, :, start:end])
 
 
 def split_kv(kv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -284,29 +284,3 @@ class Block(nn.Module):
                 k, v = cache.write(k, v, at)
         x = x + self.self_attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def causal_mask(n: int, device=None) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
-
-
-def causal_from(start: int, n: int, device=None) -> torch.Tensor:
-    """[1, n, start + n]: n new tokens at slots start.. see every slot before them and themselves causally."""
-    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
-    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return mask[None]
-
-
-def node_mask(parents: list[int], new: int, visible: int, slots: list[int], total: int, device=None) -> torch.Tensor:
-    """[1, new, total] mask for the last ``new`` draft nodes: every slot < ``visible`` plus each node's path.
-
-    ``parents`` holds the parent of every draft node of the tree so far (an index into the same
-    list, or -1 under the committed context); ``slots`` where each node's KV sits in the cache.
-    """
-    mask = torch.zeros(new, total, dtype=torch.bool)
-    mask[:, :visible] = True
-    for row, node in enumerate(range(len(parents) - new, len(parents))):
-        while node >= 0:
-            mask[row, slots[node]] = True
-            node = parents[node]
-    return mask[None].to(device)

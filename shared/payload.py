@@ -1,7 +1,13 @@
 """Payloads: what the server tells the client's drafter about newly cached tokens, over the wire.
 
-One place for both sides: which tensors each mode carries, how they are encoded (``shared.codec``,
-one blob per tensor) and how a received payload is checked and turned back into ``Features``.
+The words: a drafter *needs* the target's ``Features`` (``shared.features``) of the tokens it
+drafts after; a ``PayloadSpec`` (mode, precision, TLI layers, drafter) says which of them cross
+the link and how; the *payload* is the encoded message itself (``pb.Payload``).
+
+One place for both sides and the adaptive policy: the table of modes (``MODES``: which tensors
+each carries, their shapes, what the target must keep to make them), how they are encoded
+(``shared.codec``, one blob per tensor) and how a received payload is checked and turned back
+into ``Features``.
 
 * ``kv``      every layer's KV per token, ``[n, L, 2·n_kv·d]``; the client runs LSA itself
               (and takes its TLI layers' KV from the same tensor).
@@ -22,7 +28,18 @@ from shared.codec import CodecError
 from shared.features import Features
 from shared.wire import splitspec_pb2 as pb
 
-MODES = ("kv", "lsa", "hidden")
+
+@dataclass(frozen=True)
+class Mode:
+    """One payload mode: the tensor it is named for, and what the target must keep per token to make it."""
+
+    tensor: str  # "kv", "memory" or "hidden"
+    keeps: str  # "kv" (its KV cache: every session has it) or "hidden" (its final hidden states)
+    tli: bool  # carries the last N layers' KV as well (``tli_kv``) when the spec has tli_layers = N
+
+
+MODES = {"kv": Mode("kv", "kv", tli=False), "lsa": Mode("memory", "kv", tli=True),
+         "hidden": Mode("hidden", "hidden", tli=True)}  # fmt: skip
 DEFAULT_PRECISION = "fp16"
 PRECISION_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # per value, before zstd
 
@@ -82,12 +99,19 @@ def encode(start: int, tensors: dict[str, torch.Tensor], precision: str) -> pb.P
     return pb.Payload(start=start, count=count, tensors=encoded)
 
 
+def target_features(spec: PayloadSpec) -> frozenset[str]:
+    """What a target session must keep to serve ``spec`` ("kv" and/or "hidden")."""
+    return frozenset({MODES[spec.mode].keeps}) if spec else frozenset()
+
+
 def expected_shapes(spec: PayloadSpec, count: int, num_layers: int, kv_width: int, hidden_size: int) -> dict:
     """{name: shape} a payload of ``count`` tokens must hold for ``spec`` on a target of these dimensions."""
-    if spec.mode == "kv":
-        return {"kv": (count, num_layers, kv_width)}
-    shapes = {("memory" if spec.mode == "lsa" else "hidden"): (count, hidden_size)}
-    if spec.tli_layers:
+    if not spec:
+        return {}
+    per_token = {"kv": (num_layers, kv_width), "memory": (hidden_size,), "hidden": (hidden_size,)}
+    mode = MODES[spec.mode]
+    shapes = {mode.tensor: (count, *per_token[mode.tensor])}
+    if mode.tli and spec.tli_layers:
         shapes["tli_kv"] = (count, spec.tli_layers, kv_width)
     return shapes
 

@@ -24,8 +24,7 @@ import torch
 from shared.acceptance import SamplingParams, accept_tree
 from shared.engine import Transformer
 from shared.features import Features, cache_kv
-from shared.layers import causal_from
-from shared.tree import DraftTree, tree_mask, tree_positions
+from shared.tree import DraftTree, causal_from, tree_mask, tree_positions
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

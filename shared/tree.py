@@ -1,4 +1,4 @@
-"""Draft trees: the one place that knows how a tree is laid out, masked and positioned.
+"""Draft trees and attention masks: the one place that knows how a tree is laid out, masked and positioned.
 
 A tree is a list of drafted tokens plus, for each, the index of its parent. Parent ``-1`` is
 the *root*: the newest committed token, whose KV is not yet in the target's cache. Parents
@@ -119,3 +119,30 @@ def tree_attention_mask(
 def tree_positions(parents: list[int], prefix_len: int) -> list[int]:
     """Absolute positions of root + nodes: the root sits at ``prefix_len``, a node at prefix_len + depth."""
     return [prefix_len] + [prefix_len + d for d in depths(parents)]
+
+
+def causal_mask(n: int, device=None) -> torch.Tensor:
+    """[1, n, n]: each of n tokens sees itself and the ones before it."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+
+
+def causal_from(start: int, n: int, device=None) -> torch.Tensor:
+    """[1, n, start + n]: n new tokens at slots start.. see every slot before them and themselves causally."""
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
+    mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return mask[None]
+
+
+def node_mask(parents: list[int], new: int, visible: int, slots: list[int], total: int, device=None) -> torch.Tensor:
+    """[1, new, total] mask for the last ``new`` draft nodes: every slot < ``visible`` plus each node's path.
+
+    ``parents`` holds the parent of every draft node of the tree so far (an index into the same
+    list, or -1 under the committed context); ``slots`` where each node's KV sits in the cache.
+    """
+    mask = torch.zeros(new, total, dtype=torch.bool)
+    mask[:, :visible] = True
+    for row, node in enumerate(range(len(parents) - new, len(parents))):
+        while node >= 0:
+            mask[row, slots[node]] = True
+            node = parents[node]
+    return mask[None].to(device)

@@ -67,7 +67,8 @@ def real_target():
 
 def start_server(target, **limits):
     """An in-process gRPC server on a free loopback port; returns (server, address, service)."""
-    from server.service import ServerLimits, build_server
+    from server.limits import ServerLimits
+    from server.service import build_server
 
     server, port, service = build_server(target, "127.0.0.1", 0, ServerLimits(**limits))
     server.start()

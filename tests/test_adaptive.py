@@ -98,8 +98,8 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
 
     def policy(rate: float) -> AdaptivePolicy:
         link = FakeLink(0.05, rate)
-        return AdaptivePolicy(link, payload_options=options, bytes_per_token=lambda s: size[s.precision])
+        return AdaptivePolicy(link, specs=options, bytes_per_token=lambda s: size[s.precision])
 
-    assert policy(5e6).payload(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
-    assert policy(3e4).payload(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget -> the smallest
-    assert AdaptivePolicy(None, pin_payload=options[1]).payload(3.0) is options[1]
+    assert policy(5e6).choose_spec(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
+    assert policy(3e4).choose_spec(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget -> the smallest
+    assert AdaptivePolicy(None, pin_spec=options[1]).choose_spec(3.0) is options[1]

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import NoDrafter
 from client.drafters.eagle import Eagle, EagleConfig, EagleDrafter
 from client.drafters.independent import Independent, IndependentConfig, IndependentDrafter
 from client.drafters.target_parts import TargetParts
+from client.training.losses import loss as drafter_loss
 from client.training.teacher import pad_batch, run_teacher
 from client.verifiers import LocalVerifier
 from shared.acceptance import SamplingParams
-from shared.layers import causal_mask
-from shared.tree import DraftTree
+from shared.tree import DraftTree, causal_mask
 
 KINDS = ["eagle", "independent"]
 PROMPT = [3, 17, 42, 8, 99, 5]
@@ -68,7 +68,7 @@ def test_incremental_tree_drafting_matches_the_training_pass(tiny_target, kind):
     """Root and tree-masked expand log-probs equal the whole-sequence pass over each node's path."""
     model = make_model(tiny_target, kind)
     drafter = make_drafter(model)
-    session = tiny_target.session(features=tuple(model.features))
+    session = tiny_target.session(features=drafter.target_features)
     drafter.begin(PROMPT, session.prefill(PROMPT[:-1]).features)
     root = len(PROMPT) - 1
     assert torch.allclose(drafter.root_logprobs(), batch_logprobs(tiny_target, model, PROMPT, root)[root], atol=1e-4)
@@ -86,11 +86,11 @@ def test_incremental_tree_drafting_matches_the_training_pass(tiny_target, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_after_verified_rounds_equals_a_fresh_start(tiny_target, kind):
     """After trees, accepted drafts, absorbs and a rewind, the drafter scores the root like one begun afresh."""
-    greedy = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, 12).token_ids
+    greedy = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, 12).token_ids
     model = make_model(tiny_target, kind)
-    verifier = LocalVerifier(tiny_target)
-    opened = verifier.open(PROMPT, SamplingParams(), model.features)
     drafter = make_drafter(model, width=3, depth=3)
+    verifier = LocalVerifier(tiny_target, drafter)
+    opened = verifier.open(PROMPT, SamplingParams())
     drafter.begin(PROMPT + opened.new_tokens, opened.features)
     tokens = PROMPT + opened.new_tokens
     for _ in range(3):
@@ -103,7 +103,7 @@ def test_state_after_verified_rounds_equals_a_fresh_start(tiny_target, kind):
     drafter.rewind(1)  # the bonus token is dropped: the newest token whose features arrived is the new root
     tokens = tokens[:-1]
     fresh = make_drafter(model)
-    fresh.begin(tokens, tiny_target.session(features=tuple(model.features)).prefill(tokens[:-1]).features)
+    fresh.begin(tokens, tiny_target.session(features=fresh.target_features).prefill(tokens[:-1]).features)
     got, want = drafter.root_logprobs(), fresh.root_logprobs()
     drafter.end_tree()
     fresh.end_tree()
@@ -113,9 +113,9 @@ def test_state_after_verified_rounds_equals_a_fresh_start(tiny_target, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_output_equals_plain_decoding(tiny_target, kind):
     prompt = [5, 9, 14, 5, 9, 21, 33]
-    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 30)
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 30)
     drafter = make_drafter(make_model(tiny_target, kind), width=3, depth=3)
-    got = speculative_generate(LocalVerifier(tiny_target), drafter, prompt, 30, max_tree_nodes=8)
+    got = generate(LocalVerifier(tiny_target), drafter, prompt, 30, max_tree_nodes=8)
     assert got.token_ids == plain.token_ids
     assert got.stats.rounds <= plain.stats.rounds
 
@@ -123,15 +123,15 @@ def test_greedy_output_equals_plain_decoding(tiny_target, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_pruned_vocabulary_drafts_only_its_tokens(tiny_target, kind):
     prompt = [5, 9, 14, 5, 9, 21, 33]
-    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 20)
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 20)
     vocab = torch.tensor(sorted(set(plain.token_ids)) + [7, 8])  # the right answers among few others
     drafter = make_drafter(make_model(tiny_target, kind, vocab_ids=vocab), width=3, depth=3)
-    verifier = LocalVerifier(tiny_target)
-    opened = verifier.open(prompt, SamplingParams(), drafter.features)
+    verifier = LocalVerifier(tiny_target, drafter)
+    opened = verifier.open(prompt, SamplingParams())
     drafter.begin(prompt + opened.new_tokens, opened.features)
     tree = drafter.propose(8)
     assert len(tree) and set(tree.tokens) <= set(vocab.tolist())
-    got = speculative_generate(LocalVerifier(tiny_target), drafter, prompt, 20, max_tree_nodes=8)
+    got = generate(LocalVerifier(tiny_target), drafter, prompt, 20, max_tree_nodes=8)
     assert got.token_ids == plain.token_ids
 
 
@@ -146,7 +146,7 @@ def test_training_steps_lower_the_loss(tiny_target, kind, pruned):
     generator = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(6):
-        loss, metrics = model.loss(tb, generator)
+        loss, metrics = drafter_loss(model, tb, generator)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

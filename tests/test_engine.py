@@ -7,13 +7,12 @@ import random
 import pytest
 import torch
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LocalVerifier
 from shared.errors import SplitspecError
-from shared.layers import causal_from
 from shared.models import load_target
-from shared.tree import DraftTree, path_to, tree_mask, tree_positions
+from shared.tree import DraftTree, causal_from, path_to, tree_mask, tree_positions
 
 
 def test_prefill_and_steps_match_transformers(tiny_target):
@@ -72,9 +71,9 @@ def test_bf16_tree_states_are_bit_identical_to_sequential_steps(tiny_bf16, seed)
 
 def test_bf16_speculative_output_equals_bf16_plain_decoding(tiny_bf16):
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
-    plain = speculative_generate(LocalVerifier(tiny_bf16), NoDrafter(), prompt, 40)
+    plain = generate(LocalVerifier(tiny_bf16), NoDrafter(), prompt, 40)
     for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
-        got = speculative_generate(LocalVerifier(tiny_bf16), drafter, prompt, 40)
+        got = generate(LocalVerifier(tiny_bf16), drafter, prompt, 40)
         assert got.token_ids == plain.token_ids
 
 
@@ -114,9 +113,9 @@ def test_int8_weights_are_a_target_lossless_relative_to_itself(tiny_model_dir):
     assert int8.engine.layers[0].mlp.down_proj.qweight.dtype == torch.int8
     assert int8.engine.layers[0].mlp.down_proj.weight is None
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
-    plain = speculative_generate(LocalVerifier(int8), NoDrafter(), prompt, 40)
+    plain = generate(LocalVerifier(int8), NoDrafter(), prompt, 40)
     for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
-        assert speculative_generate(LocalVerifier(int8), drafter, prompt, 40).token_ids == plain.token_ids
+        assert generate(LocalVerifier(int8), drafter, prompt, 40).token_ids == plain.token_ids
     with pytest.raises(SplitspecError, match="weights"):
         load_target(str(tiny_model_dir), weights="int4")
 
@@ -135,7 +134,7 @@ def test_int8_drafter_weights_leave_the_target_untouched(tiny_target, tmp_path):
     assert model.sa.mlp.down_proj.qweight is not None and model.parts.head is not None
     assert all(m.qweight is None for m in tiny_target.engine.modules() if hasattr(m, "qweight"))
     prompt = [5, 9, 14, 5, 9, 21, 33]
-    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
-    got = speculative_generate(LocalVerifier(tiny_target), MoADrafter(model, width=3, depth=3), prompt, 24,
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
+    got = generate(LocalVerifier(tiny_target), MoADrafter(model, width=3, depth=3), prompt, 24,
                                max_tree_nodes=8)  # fmt: skip
     assert got.token_ids == plain.token_ids

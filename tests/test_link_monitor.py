@@ -12,11 +12,11 @@ import random
 import grpc
 import pytest
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import make_drafter
 from client.link import LinkMonitor
 from client.verifiers import LocalVerifier, RemoteVerifier
-from server.service import ServerLimits
+from server.limits import ServerLimits
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
@@ -189,7 +189,7 @@ def test_remote_generation_reports_the_link(tiny_server):
     address, _ = tiny_server
     remote = RemoteVerifier(address)
     try:
-        gen = speculative_generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6], 8)
+        gen = generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6], 8)
         assert 0 < gen.stats.rtt_ms < 50  # loopback
         stats = json.loads(json.dumps(gen.stats.as_dict()))  # what `generate --json` prints
         assert stats["rtt_ms"] == pytest.approx(gen.stats.rtt_ms, abs=1e-5)
@@ -202,14 +202,14 @@ def test_remote_generation_reports_the_link(tiny_server):
         assert (remote.counters.server_calls, remote.counters.bytes_sent) == (calls, sent)  # counted apart
         assert remote.counters.probe_calls == result["calls"] and remote.counters.probe_bytes > 64 * 1024
 
-        gen = speculative_generate(remote, make_drafter("none"), [5, 6, 7], 4)
+        gen = generate(remote, make_drafter("none"), [5, 6, 7], 4)
         assert gen.stats.bandwidth_mbps is not None and gen.stats.uplink_mbps is not None  # the probe's, kept
     finally:
         remote.shutdown()
 
 
 def test_local_generation_has_no_link(tiny_target):
-    gen = speculative_generate(LocalVerifier(tiny_target), make_drafter("none"), [5, 6, 7], 3)
+    gen = generate(LocalVerifier(tiny_target), make_drafter("none"), [5, 6, 7], 3)
     stats = gen.stats.as_dict()
     assert stats["rtt_ms"] is None and stats["bandwidth_mbps"] is None and stats["uplink_mbps"] is None
     json.dumps(stats)

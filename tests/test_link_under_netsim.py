@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import make_drafter
 from client.verifiers import RemoteVerifier
 from netsim import get_profile, simulated_link
@@ -25,7 +25,7 @@ def test_link_monitor_sees_the_profile(tiny_server, netsim_server, profile):
         remote = RemoteVerifier(link.address)
         try:
             probe = remote.probe_link(budget_s=4.0)
-            gen = speculative_generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6, 7, 5], 24)
+            gen = generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6, 7, 5], 24)
         finally:
             remote.shutdown()
     assert probe["bandwidth_mbps"] and probe["uplink_mbps"], probe

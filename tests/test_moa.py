@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import NoDrafter
 from client.drafters.moa import MoA, MoAConfig, MoADrafter
 from client.drafters.target_parts import TargetParts
 from client.verifiers import LocalVerifier
 from shared.features import cache_kv
-from shared.layers import causal_mask
+from shared.tree import causal_mask
 
 
 def make_moa(target, tli: int, seed: int = 0) -> MoA:
@@ -98,8 +98,8 @@ def test_incremental_drafting_matches_the_training_pass(tiny_target, tli):
 @pytest.mark.parametrize("tli", [0, 1])
 def test_greedy_output_with_moa_equals_plain_decoding(tiny_target, tli):
     prompt = [5, 9, 14, 5, 9, 21, 33]
-    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 30)
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 30)
     drafter = MoADrafter(make_moa(tiny_target, tli), width=3, depth=3)
-    got = speculative_generate(LocalVerifier(tiny_target), drafter, prompt, 30, max_tree_nodes=8)
+    got = generate(LocalVerifier(tiny_target), drafter, prompt, 30, max_tree_nodes=8)
     assert got.token_ids == plain.token_ids
     assert got.stats.rounds <= plain.stats.rounds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
@@ -28,12 +28,12 @@ def drafter(tiny_target, kind: str):
 
 @pytest.fixture(scope="module")
 def plain(tiny_target):
-    return speculative_generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, TOTAL + 8).token_ids
+    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, TOTAL + 8).token_ids
 
 
 def start(tiny_target, d):
-    verifier = LocalVerifier(tiny_target)
-    opened = verifier.open(PROMPT, SamplingParams(), d.features)
+    verifier = LocalVerifier(tiny_target, d)
+    opened = verifier.open(PROMPT, SamplingParams())
     d.begin(PROMPT + opened.new_tokens, opened.features)
     return verifier, list(opened.new_tokens)
 

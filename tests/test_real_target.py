@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import api_generate, speculative_generate
+from client.decode import api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LocalVerifier, RemoteVerifier
 from shared.models import encode_prompt
@@ -62,7 +62,7 @@ def drafter_for(i: int):
 def test_local_greedy_equals_transformers(real_target, references):
     mismatches = []
     for i, (ids, want) in enumerate(references):
-        gen = speculative_generate(LocalVerifier(real_target), drafter_for(i), ids, NEW_TOKENS)
+        gen = generate(LocalVerifier(real_target), drafter_for(i), ids, NEW_TOKENS)
         if gen.token_ids != want:
             mismatches.append((PROMPTS[i][0][:40], gen.token_ids, want))
     assert not mismatches, mismatches
@@ -74,7 +74,7 @@ def test_grpc_greedy_equals_transformers(real_target, references):
         remote = RemoteVerifier(address, fingerprint=real_target.fingerprint)
         mismatches = []
         for i, (ids, want) in enumerate(references):
-            gen = speculative_generate(remote, drafter_for(i + 1), ids, NEW_TOKENS)
+            gen = generate(remote, drafter_for(i + 1), ids, NEW_TOKENS)
             if gen.token_ids != want:
                 mismatches.append((PROMPTS[i][0][:40], gen.token_ids, want))
         assert not mismatches, mismatches
@@ -97,7 +97,7 @@ def test_shipped_trained_drafters_keep_greedy_output_exact(real_target, referenc
     drafter = make_drafter(name, target=real_target)
     for i in (0, 2, 15):  # chat, code-editing and raw-code prompts
         ids, expected = references[i]
-        gen = speculative_generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, max_tree_nodes=16)
+        gen = generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, max_tree_nodes=16)
         assert gen.token_ids == expected[: len(gen.token_ids)], (name, i)
         assert gen.finish_reason == "stop" or len(gen.token_ids) == NEW_TOKENS
 
@@ -107,18 +107,18 @@ def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
     than gRPC's 4 MB default), streamed by FetchPayload; kv and lsa payloads give the local greedy tokens,
     and lsa ships ~1.9 KB per newly cached token (memory 576 + TLI KV 384 values at fp16)."""
     from client.drafters import make_drafter
-    from client.verifiers import payload_spec
 
     text = "Continue this list of fruits, one per line:\n" + "\n".join(["apple", "banana", "cherry"] * 60)
     ids = encode_prompt(real_target.tokenizer, text, chat=True)
     assert len(ids) > 400
-    want = speculative_generate(LocalVerifier(real_target), NoDrafter(), ids, 24).token_ids
+    want = generate(LocalVerifier(real_target), NoDrafter(), ids, 24).token_ids
     server, address, _ = start_server(real_target)
     try:
         for mode in ("kv", "lsa"):
             drafter = make_drafter("moa-tli1", target=real_target)
-            remote = RemoteVerifier(address, payload=payload_spec(drafter, mode, "fp16"), drafter_bundle=drafter.bundle)
-            gen = speculative_generate(remote, drafter, ids, 24, max_tree_nodes=16)
+            spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == mode)
+            remote = RemoteVerifier(address, drafter=drafter, spec=spec)
+            gen = generate(remote, drafter, ids, 24, max_tree_nodes=16)
             remote.shutdown()
             assert gen.token_ids == want, mode
             assert gen.stats.server_calls >= gen.stats.rounds + 2  # open + FetchPayload for the prefill + rounds
@@ -167,6 +167,6 @@ def test_bf16_drafted_output_equals_bf16_plain_decoding(real_bf16, name):
     drafter = make_drafter(name, target=real_bf16)
     for i in (0, 2, 5, 15):
         ids = encode_prompt(real_bf16.tokenizer, *PROMPTS[i])
-        plain = speculative_generate(LocalVerifier(real_bf16), NoDrafter(), ids, 48)
-        gen = speculative_generate(LocalVerifier(real_bf16), drafter, ids, 48, max_tree_nodes=32)
+        plain = generate(LocalVerifier(real_bf16), NoDrafter(), ids, 48)
+        gen = generate(LocalVerifier(real_bf16), drafter, ids, 48, max_tree_nodes=32)
         assert gen.token_ids == plain.token_ids, (name, i)

@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import drafter_for
 from client.drafters.base import NoDrafter
 from client.drafters.bundle import save_bundle
-from client.verifiers import LocalVerifier, RemoteVerifier, payload_spec
+from client.verifiers import LocalVerifier, RemoteVerifier
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
 from shared.wire import splitspec_pb2 as pb
@@ -40,7 +40,8 @@ def bundles(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_target, bundles):
-    from server.service import ServerLimits, build_server
+    from server.limits import ServerLimits
+    from server.service import build_server
 
     limits = ServerLimits(max_sessions=4, max_tree_nodes=16, max_context=128, max_inline_payload_bytes=2048)
     srv, port, service = build_server(tiny_target, "127.0.0.1", 0, limits, bundle_dirs=(bundles,))
@@ -59,13 +60,14 @@ def load(tiny_target, bundles, name: str):
 
 
 def remote(address: str, drafter, mode: str = "kv", precision: str = "fp16") -> RemoteVerifier:
-    spec = payload_spec(drafter, mode, precision)
-    return RemoteVerifier(address, payload=spec, drafter_bundle=drafter.bundle)
+    specs = drafter.payload_specs((precision,))
+    spec = next((s for s in specs if s.mode == mode), specs[0])  # EAGLE has one mode: hidden
+    return RemoteVerifier(address, drafter=drafter, spec=spec)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_target):
-    return speculative_generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW).token_ids
+    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW).token_ids
 
 
 @pytest.mark.parametrize("name", ["moa-tli0", "moa-tli1", "eagle"])
@@ -79,13 +81,13 @@ def test_split_greedy_output_equals_the_target_for_every_mode_and_precision(
     drafter = load(tiny_target, bundles, name)
     verifier = remote(server[0], drafter, mode, precision)
     try:
-        got = speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
     assert got.stats.payload_bytes > 0 and got.stats.payload_bytes_per_token > 0
     if precision == "fp32":  # exact features: the very same drafts as with the target in-process
-        local = speculative_generate(LocalVerifier(tiny_target), load(tiny_target, bundles, name), PROMPT, NEW,
+        local = generate(LocalVerifier(tiny_target), load(tiny_target, bundles, name), PROMPT, NEW,
                                      max_tree_nodes=8)  # fmt: skip
         assert got.stats.rounds == local.stats.rounds
         assert got.stats.acceptance_length == pytest.approx(local.stats.acceptance_length)
@@ -97,7 +99,7 @@ def test_lsa_mode_ships_far_fewer_bytes_than_kv(tiny_target, bundles, server):
         drafter = load(tiny_target, bundles, "moa-tli0")
         verifier = remote(server[0], drafter, mode, "fp16")
         try:
-            sizes[mode] = speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8).stats.payload_bytes
+            sizes[mode] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8).stats.payload_bytes
         finally:
             verifier.shutdown()
     # tiny target: kv is L x 2·n_kv·d = 2 x 64 values per token, the memory E = 64 values
@@ -118,7 +120,7 @@ def test_a_prefill_too_big_to_inline_is_streamed_in_chunks(tiny_target, bundles,
 
     verifier.stub.FetchPayload = fetch
     try:
-        got = speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -163,7 +165,7 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
 
     verifier.stub.Verify = Tampered(verifier.stub.Verify, change)
     try:
-        got = speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -190,7 +192,7 @@ def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundl
     verifier.stub.Verify, verifier.stub.FetchPayload = Tampered(verifier.stub.Verify, change), fetch
     try:
         with pytest.raises(SplitspecError, match=r"does not decode after 2 re-requests.*version 99"):
-            speculative_generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+            generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
     finally:
         verifier.shutdown()
 
@@ -223,7 +225,7 @@ def test_handshake_refuses_a_bundle_that_does_not_fit(tiny_target, bundles, tmp_
         ]
         for name, held, message in cases:
             with pytest.raises(SplitspecError, match=f"FAILED_PRECONDITION: .*{message}"):
-                RemoteVerifier(address, payload=PayloadSpec("lsa", drafter=name), drafter_bundle=bundles / held)
+                RemoteVerifier(address, spec=PayloadSpec("lsa", drafter=name), bundle=bundles / held)
     finally:
         srv.stop(grace=None)
 
@@ -263,11 +265,20 @@ def test_bad_payload_requests_get_clear_statuses(tiny_target, bundles, server):
     assert reply.length == len(PROMPT) + 2 and reply.payload.start == len(PROMPT) and reply.payload.count == 1
 
 
-def test_a_feature_drafter_without_a_payload_mode_is_refused(tiny_target, bundles, server):
+def test_the_loop_asks_for_what_the_drafter_declares_and_refuses_what_it_cannot_use(tiny_target, bundles, server,
+                                                                                  plain):  # fmt: skip
+    """A drafter's payload specs are its one declaration of needs: a verifier told nothing opens with the first
+    one it can send (kv here: the server was not asked to run this MoA's LSA); a spec the drafter cannot use
+    is refused before anything is sent."""
     drafter = load(tiny_target, bundles, "moa-tli0")
     verifier = RemoteVerifier(server[0])
     try:
-        with pytest.raises(SplitspecError, match="payload mode is 'none'"):
-            speculative_generate(verifier, drafter, PROMPT, NEW)
+        assert generate(verifier, drafter, PROMPT, NEW).token_ids == plain
+        assert verifier.spec == PayloadSpec("kv", "fp16")
+        verifier.spec = PayloadSpec("hidden")
+        calls = verifier.counters.server_calls
+        with pytest.raises(SplitspecError, match="cannot use payload mode 'hidden'; it takes kv, lsa"):
+            generate(verifier, load(tiny_target, bundles, "moa-tli0"), PROMPT, NEW)
+        assert verifier.counters.server_calls == calls
     finally:
         verifier.shutdown()

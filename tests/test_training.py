@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from client.decode import speculative_generate
+from client.decode import generate
 from client.drafters import NoDrafter, drafter_for, make_drafter
 from client.drafters.bundle import load_bundle, save_bundle
 from client.training.datasets import TrainingStream
@@ -87,13 +87,13 @@ def test_bundle_round_trip_gives_the_same_drafts(tiny_target, tmp_path, kind, tl
     assert config["training"]["tokens"] == trainer.seen and config["kind"] == kind and config["tli"] == tli
     assert not any(k.startswith("parts.") for k in load_file(str(path / "weights.safetensors")))
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
-    plain = speculative_generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
     drafts = []
     for model in (trainer.models[name], load_bundle(path, tiny_target)[0]):
         drafter = drafter_for(model.eval(), name)
-        gen = speculative_generate(LocalVerifier(tiny_target), drafter, prompt, 24, max_tree_nodes=8)
+        gen = generate(LocalVerifier(tiny_target), drafter, prompt, 24, max_tree_nodes=8)
         assert gen.token_ids == plain.token_ids  # lossless whatever the drafter
-        drafter.begin(prompt, tiny_target.session(features=drafter.features).prefill(prompt[:-1]).features)
+        drafter.begin(prompt, tiny_target.session(features=drafter.target_features).prefill(prompt[:-1]).features)
         tree = drafter.propose(8)
         drafts.append((tree.tokens, tree.parents))
     assert drafts[0] == drafts[1]

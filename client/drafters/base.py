@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from shared.features import Features
+from shared.payload import PayloadSpec, target_features
 from shared.tree import DraftTree
+
+PRECISIONS = ("fp16", "int8", "int4")  # payload precisions a drafter accepts by default, most faithful first
 
 
 class Drafter(ABC):
@@ -15,15 +19,25 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
-    #: what the drafter needs the target to report about newly cached tokens (see shared.features)
-    features: frozenset[str] = frozenset()
     #: how many of the target's last layers the drafter runs itself (MoA's Target Layer Inference)
     tli: int = 0
     #: the bundle folder a trained drafter was loaded from (payload mode lsa names it to the server)
     bundle = None
 
+    def payload_specs(self, precisions: tuple[str, ...] = PRECISIONS) -> list[PayloadSpec]:
+        """The payloads this drafter can draft from, most faithful first ([]: it needs nothing from the target).
+
+        The one declaration of a drafter's needs: the verifier keeps those it can send, the loop opens
+        with the first, the adaptive policy switches among them."""
+        return []
+
+    @property
+    def target_features(self) -> frozenset[str]:
+        """What a target session must keep for this drafter ("kv" and/or "hidden"), from its payload specs."""
+        return frozenset().union(*(target_features(s) for s in self.payload_specs()))
+
     @abstractmethod
-    def begin(self, tokens: list[int], payload: object | None = None) -> None:
+    def begin(self, tokens: list[int], features: Features | None = None) -> None:
         """Start a new sequence: prompt plus the first generated token, with the prompt's features."""
 
     @abstractmethod
@@ -32,8 +46,8 @@ class Drafter(ABC):
         (tree drafters; the adaptive policy sets it)."""
 
     @abstractmethod
-    def absorb(self, tokens: list[int], payload: object | None = None) -> None:
-        """Append newly committed tokens (accepted drafts + bonus), with what the server sent about them."""
+    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
+        """Append newly committed tokens (accepted drafts + bonus), with the target's features of them."""
 
     @abstractmethod
     def rewind(self, n: int) -> None:
@@ -45,13 +59,13 @@ class NoDrafter(Drafter):
 
     name = "none"
 
-    def begin(self, tokens: list[int], payload: object | None = None) -> None:
+    def begin(self, tokens: list[int], features: Features | None = None) -> None:
         pass
 
     def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         return DraftTree()
 
-    def absorb(self, tokens: list[int], payload: object | None = None) -> None:
+    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
         pass
 
     def rewind(self, n: int) -> None:

@@ -16,16 +16,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
-from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features
-from shared.layers import Block, KVCache, causal_from, causal_mask
-
-FEATURE_NOISE = 0.1  # training inputs get U(-0.1, 0.1) added to the true features, as EAGLE does
+from shared.layers import Block, KVCache
+from shared.tree import causal_from, causal_mask
 
 
 @dataclass
@@ -49,7 +46,7 @@ class Eagle(nn.Module):
     """Trainable fc (2E -> E) and one causal block; the target's embeddings and LM head, frozen, in ``parts``."""
 
     kind = "eagle"
-    features = frozenset({"hidden"})
+    payload_modes = ("hidden",)  # the target's final hidden states
 
     def __init__(self, cfg: EagleConfig, parts: TargetParts):
         super().__init__()
@@ -84,21 +81,6 @@ class Eagle(nn.Module):
         positions = torch.arange(1, T, device=input_ids.device).expand(B, T - 1)
         return self(features[:, : T - 1], input_ids[:, 1:], positions, causal_mask(T - 1, input_ids.device))
 
-    def loss(self, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """SmoothL1(f̂_p, f_p) + 0.1·KL(target ‖ drafter) at the trained positions p >= 1, inputs noised."""
-        features = tb.hidden[-1].float()
-        noise = torch.rand(features.shape, generator=generator,
-                           device=features.device if generator is None else generator.device)  # fmt: skip
-        predicted = self.forward_train(features + (2 * noise.to(features.device) - 1) * FEATURE_NOISE, tb.input_ids)
-        keep = tb.cols > 0
-        rows, cols, teacher = tb.rows[keep], tb.cols[keep], tb.teacher_logits[keep]
-        out = predicted[rows, cols - 1]
-        feat = F.smooth_l1_loss(out.float(), features[rows, cols])
-        logits = self.parts.logits(out)
-        kl = distill_kl(teacher, logits)
-        return feat + KL_WEIGHT * kl, {"kl": kl.item(), "feat": feat.item(), "acc": agreement(teacher, logits)}
-
-
 class EagleDrafter(TreeDrafter):
     """Incremental EAGLE drafting: true features for committed tokens, predicted ones inside a tree.
 
@@ -109,7 +91,7 @@ class EagleDrafter(TreeDrafter):
     are overwritten by the next tree, so tokens accepted from a tree are fed again with true features.
     """
 
-    def begin(self, tokens: list[int], payload: Features | None = None) -> None:
+    def begin(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens: list[int] = []
         self.fed = 1  # positions [1, fed) are in the cache, fed with true features
         self.cached = 0  # positions whose target features arrived (all but the root)
@@ -117,22 +99,22 @@ class EagleDrafter(TreeDrafter):
         self.cache = KVCache()
         self.root_feature = None  # f̂ of the current root, from its last root_logprobs
         self.end_tree()
-        self.absorb(tokens, payload)
+        self.absorb(tokens, features)
 
-    def absorb(self, tokens: list[int], payload: Features | None = None) -> None:
-        if (payload is None or len(payload) == 0) and tokens and self.root_feature is not None:
+    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
+        if (features is None or len(features) == 0) and tokens and self.root_feature is not None:
             # a token committed without the target (offline): the root's own predicted feature stands in
             # for the true one the target would have sent, until a verification replaces it
             if len(self.known) == len(self.tokens) - 1:
                 self.known = torch.cat([self.known, self.root_feature[None]])
         self.tokens += tokens
-        if payload is None or len(payload) == 0:
+        if features is None or len(features) == 0:
             return
-        if payload.start != self.cached or payload.hidden is None:
-            raise ValueError(f"EAGLE needs hidden features from position {self.cached}, got {payload}")
-        hidden = payload.hidden.to(self._device, self._dtype)
+        if features.start != self.cached or features.hidden is None:
+            raise ValueError(f"EAGLE needs hidden features from position {self.cached}, got {features}")
+        hidden = features.hidden.to(self._device, self._dtype)
         self.known = torch.cat([self.known[: self.cached], hidden])
-        self.cached = payload.start + hidden.shape[0]
+        self.cached = features.start + hidden.shape[0]
 
     def rewind(self, n: int) -> None:
         if n > 0:

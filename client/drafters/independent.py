@@ -15,9 +15,9 @@ from torch import nn
 
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
-from client.training.teacher import TargetBatch, agreement, distill_kl
 from shared.features import Features
-from shared.layers import Block, KVCache, RMSNorm, causal_from, causal_mask
+from shared.layers import Block, KVCache, RMSNorm
+from shared.tree import causal_from
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Independent(nn.Module):
     """A few trainable Llama blocks and a final norm between the target's frozen embeddings and LM head."""
 
     kind = "independent"
-    features = frozenset()
+    payload_modes = ()  # nothing: it reads only tokens
 
     def __init__(self, cfg: IndependentConfig, parts: TargetParts):
         super().__init__()
@@ -74,16 +74,6 @@ class Independent(nn.Module):
             x = layer(x, mask, rope, None if caches is None else caches[i], at)
         return self.norm(x)
 
-    def loss(self, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """KL(target ‖ drafter) at the trained positions; nothing is random, so ``generator`` is unused."""
-        B, T = tb.input_ids.shape
-        positions = torch.arange(T, device=tb.input_ids.device).expand(B, T)
-        hidden = self(tb.input_ids, positions, causal_mask(T, tb.input_ids.device))
-        logits = self.parts.logits(hidden[tb.rows, tb.cols])
-        kl = distill_kl(tb.teacher_logits, logits)
-        return kl, {"kl": kl.item(), "acc": agreement(tb.teacher_logits, logits)}
-
-
 class IndependentDrafter(TreeDrafter):
     """Incremental drafting with one KV cache per layer: committed tokens are fed once, trees after the root.
 
@@ -92,14 +82,14 @@ class IndependentDrafter(TreeDrafter):
     accepted from a tree are fed again as committed ones.
     """
 
-    def begin(self, tokens: list[int], payload: Features | None = None) -> None:
+    def begin(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens: list[int] = []
         self.fed = 0  # committed tokens already in the caches
         self.caches = [KVCache() for _ in self.model.layers]
         self.nodes = DraftNodes(0, 0)
-        self.absorb(tokens, payload)
+        self.absorb(tokens, features)
 
-    def absorb(self, tokens: list[int], payload: Features | None = None) -> None:
+    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens += tokens  # the target's features are of no use here
 
     def rewind(self, n: int) -> None:

@@ -20,15 +20,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
-from client.training.teacher import KL_WEIGHT, TargetBatch, agreement, distill_kl
 from shared.features import Features, split_kv
-from shared.layers import Block, KVCache, RMSNorm, causal_from, causal_mask
+from shared.layers import Block, KVCache, RMSNorm
 from shared.lsa import LayerSelfAttention
+from shared.tree import causal_from, causal_mask
 
 
 @dataclass
@@ -64,7 +63,7 @@ class MoA(LayerSelfAttention):
     ``parts`` is excluded from saved weights."""
 
     kind = "moa"
-    features = frozenset({"kv"})
+    payload_modes = ("lsa", "kv")  # its memory made by the server's copy of its LSA, else every layer's KV
 
     def __init__(self, cfg: MoAConfig, parts: TargetParts):
         super().__init__(**LayerSelfAttention.dims(cfg.to_dict()))
@@ -136,55 +135,6 @@ class MoA(LayerSelfAttention):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
-    def loss(self, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-        """λ0·KL(target ‖ drafter) + λ1·SmoothL1 on the predicted hidden state, over random draft segments.
-
-        Variable future length: the sequence is cut into drafts of 6..14 tokens; each draft sees
-        the target's memory only up to where it began. For TLI>0 the feature loss is split
-        between the TLI input (what the drafter predicts) and the final hidden state.
-        """
-        L, N = self.cfg.num_layers, self.cfg.tli
-        seg_start = draft_segments(*tb.input_ids.shape, generator=generator).to(tb.input_ids.device)
-        hidden = self.forward_train(tb.input_ids, tb.kv, seg_start)
-        out = self.head_train(hidden, seg_start, tb.layer_kv[L - N :] if N else None)
-        r, c = tb.rows, tb.cols
-        logits = self.parts.logits(out[r, c])
-        kl = distill_kl(tb.teacher_logits, logits)
-        feat = feature_loss(hidden[r, c], tb.hidden[L - N][r, c])
-        if N:
-            final = feature_loss(self.parts.norm(out[r, c]), tb.hidden[L][r, c])
-            feat = (feat + final) / 2
-        metrics = {"kl": kl.item(), "feat": feat.item(), "acc": agreement(tb.teacher_logits, logits)}
-        return KL_WEIGHT * kl + feat, metrics
-
-
-def feature_loss(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
-    """SmoothL1 in units of each true state's RMS.
-
-    The residual stream entering layer L-N (what a TLI>0 drafter predicts) is many times larger
-    than a normed final state; unscaled, its loss stays in SmoothL1's linear regime and drowns the
-    KL term, so TLI>0 drafters learned agreement worse than TLI=0 ones (0.14 vs 0.21 at 613k tokens).
-    """
-    scale = true.float().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
-    return F.smooth_l1_loss(predicted.float() / scale, true.float() / scale)
-
-
-SEGMENT = (6, 15)  # draft lengths k ∈ [6, 15) for "variable future length"
-
-
-def draft_segments(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, T] start of the draft each position belongs to: random cuts every 6..14 tokens, random phase."""
-    starts = torch.empty(batch, length, dtype=torch.long)
-    low, high = SEGMENT
-    for b in range(batch):
-        t = -int(torch.randint(0, high - 1, (1,), generator=generator))
-        while t < length:
-            k = int(torch.randint(low, high, (1,), generator=generator))
-            starts[b, max(t, 0) : t + k] = max(t, 0)
-            t += k
-    return starts
-
-
 class MoADrafter(TreeDrafter):
     """Incremental MoA drafting: LSA once per verified token, SA/TLI caches rewound after each tree.
 
@@ -199,7 +149,7 @@ class MoADrafter(TreeDrafter):
     def can_draft(self) -> bool:
         return self.mem_k is not None
 
-    def begin(self, tokens: list[int], payload: Features | None = None) -> None:
+    def begin(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens: list[int] = []
         self.fed = 0  # committed tokens already in the SA cache
         self.cached = 0  # committed tokens whose target features arrived (all but the root)
@@ -207,25 +157,25 @@ class MoADrafter(TreeDrafter):
         self.tli_caches = [KVCache() for _ in self.model.parts.layers]
         self.mem_k = self.mem_v = None
         self.nodes = DraftNodes(0, 0)
-        self.absorb(tokens, payload)
+        self.absorb(tokens, features)
 
     @torch.inference_mode()
-    def absorb(self, tokens: list[int], payload: Features | None = None) -> None:
+    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens += tokens
-        if payload is None or len(payload) == 0:
+        if features is None or len(features) == 0:
             return
-        if payload.start != self.cached:
-            raise ValueError(f"MoA needs features from position {self.cached}, got {payload}")
+        if features.start != self.cached:
+            raise ValueError(f"MoA needs features from position {self.cached}, got {features}")
         m, N = self.model, self.model.parts.tli
-        kv = None if payload.kv is None else payload.kv.to(self._device, self._dtype)
-        if payload.memory is not None:  # payload mode lsa: the server ran our LSA
-            memory = payload.memory.to(self._device, self._dtype)
+        kv = None if features.kv is None else features.kv.to(self._device, self._dtype)
+        if features.memory is not None:  # payload mode lsa: the server ran our LSA
+            memory = features.memory.to(self._device, self._dtype)
         elif kv is not None:
             memory = m.memory(kv)
         else:
-            raise ValueError(f"MoA needs kv or memory features, got {payload}")
+            raise ValueError(f"MoA needs kv or memory features, got {features}")
         n = memory.shape[0]
-        positions = torch.arange(payload.start, payload.start + n, device=self._device)[None]
+        positions = torch.arange(features.start, features.start + n, device=self._device)[None]
         k, v = m.memory_kv(memory[None], positions)
         if self.mem_k is None:
             self.mem_k, self.mem_v = k, v
@@ -233,13 +183,13 @@ class MoADrafter(TreeDrafter):
             self.mem_k = torch.cat([self.mem_k, k[:, :, 1:]], dim=2)
             self.mem_v = torch.cat([self.mem_v, v[:, :, 1:]], dim=2)
         if N:
-            tli_kv = kv[:, m.parts.num_layers - N :] if payload.tli_kv is None else payload.tli_kv
+            tli_kv = kv[:, m.parts.num_layers - N :] if features.tli_kv is None else features.tli_kv
             if tli_kv is None or tli_kv.shape[1] != N:
-                raise ValueError(f"MoA TLI={N} needs the last {N} layers' KV, got {payload}")
+                raise ValueError(f"MoA TLI={N} needs the last {N} layers' KV, got {features}")
             keys, values = split_kv(tli_kv.to(self._device, self._dtype), m.parts.num_kv_heads)
             for cache, lk, lv in zip(self.tli_caches, keys, values, strict=True):
-                cache.write(lk[None], lv[None], payload.start)
-        self.cached = payload.start + n  # tokens accepted from a draft sit past ``fed``: fed again as committed
+                cache.write(lk[None], lv[None], features.start)
+        self.cached = features.start + n  # tokens accepted from a draft sit past ``fed``: fed again as committed
 
     def rewind(self, n: int) -> None:
         if n <= 0:

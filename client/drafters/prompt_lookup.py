@@ -35,13 +35,13 @@ class PromptLookup(Drafter):
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
 
-    def begin(self, tokens: list[int], payload: object | None = None) -> None:
+    def begin(self, tokens: list[int], features=None) -> None:
         self.history = []
         self.index = defaultdict(list)
         self.length, self._proposed = self.num_tokens, 0
         self.absorb(tokens)
 
-    def absorb(self, tokens: list[int], payload: object | None = None) -> None:
+    def absorb(self, tokens: list[int], features=None) -> None:
         if self.adaptive and self._proposed:
             kept = len(tokens) - 1
             self.length = min(self.num_tokens, self.length + 2) if kept >= self._proposed else max(1, self.length - 1)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from client.drafters.base import Drafter
+from client.drafters.base import PRECISIONS, Drafter
 from client.drafters.tree_search import eagle2_tree
-from shared.layers import node_mask
-from shared.tree import DraftTree
+from shared.payload import PayloadSpec
+from shared.tree import DraftTree, depths, node_mask
 
 
 class TreeDrafter(Drafter):
@@ -25,8 +25,14 @@ class TreeDrafter(Drafter):
         self.model = model.eval()
         self.width, self.depth = width, depth
         self.name = name or model.kind
-        self.features = model.features
         self.tli = model.parts.tli
+
+    def payload_specs(self, precisions: tuple[str, ...] = PRECISIONS) -> list[PayloadSpec]:
+        """The model's payload modes (``payload_modes``) in each precision; mode lsa only with a bundle the
+        server can load (it runs that bundle's LSA), carrying the last ``tli`` layers' KV as well."""
+        modes = [m for m in self.model.payload_modes if m != "lsa" or self.bundle is not None]
+        return [PayloadSpec(m, p, self.tli if m == "lsa" else 0, self.name if m == "lsa" else "")
+                for m in modes for p in precisions]  # fmt: skip
 
     @property
     def _device(self) -> torch.device:
@@ -60,14 +66,12 @@ class DraftNodes:
     root: int  # the root's position: a node at depth k sits at position root + k
     first_slot: int
     parents: list[int] = field(default_factory=list)  # index of each node's parent, -1 for the root
-    depths: list[int] = field(default_factory=list)
 
     def add(self, parents: list[int], device=None) -> tuple[list[int], int, torch.Tensor]:
         """Record new nodes; return their positions, the cache slot of the first, and their [1, n, slots] mask."""
         first = len(self.parents)
         self.parents += parents
-        self.depths += [1 + (self.depths[p] if p >= 0 else 0) for p in parents]
         at = self.first_slot + first
         slots = list(range(self.first_slot, at + len(parents)))
         mask = node_mask(self.parents, len(parents), self.first_slot, slots, at + len(parents), device)
-        return [self.root + d for d in self.depths[first:]], at, mask
+        return [self.root + d for d in depths(self.parents)[first:]], at, mask

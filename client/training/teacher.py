@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.layers import causal_mask
+from shared.features import kv_rows
+from shared.tree import causal_mask
 
 
 @dataclass
@@ -27,7 +28,8 @@ class TargetBatch:
     input_ids: torch.Tensor  # [B, T] long
     valid: torch.Tensor  # [B, T] bool: real tokens, not padding
     hidden: tuple[torch.Tensor, ...]  # L+1 x [B, T, E]: [0] embeddings, [i] entering layer i, [L] final (normed)
-    layer_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys (after RoPE), values [B, n_kv, T, d]
+    keys: torch.Tensor  # [L, B, n_kv, T, d], after RoPE (the engine cache's own tensors)
+    values: torch.Tensor
     rows: torch.Tensor  # [M]
     cols: torch.Tensor  # [M]
     teacher_logits: torch.Tensor  # [M, V]
@@ -35,12 +37,7 @@ class TargetBatch:
     @property
     def kv(self) -> torch.Tensor:
         """[B, T, L, 2·n_kv·d]: every layer's key and value per token (MoA's LSA input)."""
-        keys = torch.stack([k for k, _ in self.layer_kv], dim=1)  # [B, L, n_kv, T, d]
-        values = torch.stack([v for _, v in self.layer_kv], dim=1)
-        B, L, H, T, d = keys.shape
-        k = keys.permute(0, 3, 1, 2, 4).reshape(B, T, L, H * d)
-        v = values.permute(0, 3, 1, 2, 4).reshape(B, T, L, H * d)
-        return torch.cat([k, v], dim=-1)
+        return kv_rows(self.keys, self.values)
 
     @property
     def tokens(self) -> int:
@@ -81,25 +78,8 @@ def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask:
     predicts = torch.zeros_like(loss_mask)
     predicts[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
     rows, cols = predicts.nonzero(as_tuple=True)
-    layer_kv = [(layer.k, layer.v) for layer in cache.layers]
     head = engine.lm_head.weight
     if vocab_ids is not None:
         head = head[vocab_ids.to(head.device)]
     teacher = F.linear(final[rows, cols], head).float()
-    return TargetBatch(input_ids, valid, hidden, layer_kv, rows, cols, teacher)
-
-
-KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)
-
-
-def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
-    """How often the drafter's top-1 token is the target's: what greedy acceptance rewards."""
-    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
-
-
-def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_target || q_drafter) per position, averaged: the drafter learns the target's whole distribution."""
-    p_log = F.log_softmax(teacher_logits.float(), dim=-1)
-    q_log = F.log_softmax(student_logits.float(), dim=-1)
-    return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
-
+    return TargetBatch(input_ids, valid, hidden, cache.k, cache.v, rows, cols, teacher)

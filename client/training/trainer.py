@@ -24,6 +24,7 @@ from tqdm import tqdm
 from client.drafters.bundle import DRAFT_VOCAB, bundle_name, model_classes, save_bundle
 from client.drafters.target_parts import TargetParts
 from client.training.datasets import TrainingStream
+from client.training.losses import loss as drafter_loss
 from client.training.teacher import pad_batch, run_teacher
 from shared.errors import SplitspecError
 
@@ -183,7 +184,7 @@ class Trainer:
             for group in optim.param_groups:
                 group["lr"] = lr
             with self._autocast():
-                loss, m = model.loss(tb, self.generator)
+                loss, m = drafter_loss(model, tb, self.generator)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)

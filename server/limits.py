@@ -1,0 +1,40 @@
+"""The server's limits: declared once here; the command line flags and the Handshake reply follow by field name."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+
+def limit(default, flag: str, help: str):
+    """A limit's default, its command-line flag and what it bounds."""
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_sessions: int = limit(16, "--max-sessions", "concurrent sessions")
+    max_tree_nodes: int = limit(128, "--max-tree-nodes", "draft tree nodes per verification")
+    max_context: int = limit(4096, "--max-context", "tokens per session, prompt included")
+    max_new_tokens: int = limit(4096, "--max-new-tokens", "tokens per Generate call")
+    session_ttl_s: float = limit(600.0, "--session-ttl", "seconds an idle session is kept")
+    max_probe_bytes: int = limit(16 * 1024 * 1024, "--max-probe-bytes", "reply bytes per Probe call")
+    max_inline_payload_bytes: int = limit(1024 * 1024, "--max-inline-payload",
+                                          "payload bytes carried inside a reply; more is streamed by FetchPayload")
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        for f in fields(ServerLimits):
+            p.add_argument(f.metadata["flag"], dest=f.name, type=type(f.default), default=f.default,
+                           help=f"{f.metadata['help']} (default {f.default:g})")  # fmt: skip
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerLimits:
+        """The limits the flags gave; ValueError naming the flag of one that is not positive."""
+        for f in fields(cls):
+            if getattr(args, f.name) <= 0:
+                raise ValueError(f"{f.metadata['flag']} must be > 0, got {getattr(args, f.name)}")
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
