@@ -158,6 +158,8 @@ def stats_line(gen) -> str:
         f"{(s.bytes_sent + s.bytes_received) / 1024:.1f} KiB"
         + (f", rtt {s.rtt_ms:.1f} ms" if s.rtt_ms is not None else "")
         + (f", {s.bandwidth_mbps:.1f} Mbit/s down" if s.bandwidth_mbps is not None else "")
+        + (f", link lost {s.disconnects}x: {s.local_tokens} tokens made locally, {s.offline_s:.2f}s offline"
+           if s.disconnects else "")
         + f", finish: {gen.finish_reason}]"
     )
 

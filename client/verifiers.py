@@ -99,6 +99,11 @@ class Verifier(ABC):
         """Abandon the call in flight (from another thread); the caller sees LinkDown naming ``reason``."""
         return None  # nothing is ever in flight in-process
 
+    @property
+    def busy(self) -> bool:
+        """Is a call to the server in flight (what a heartbeat watches over)?"""
+        return False
+
 
 class LocalVerifier(Verifier):
     """The target in-process: no network, the single-device reference (it counts no server calls).
@@ -270,6 +275,10 @@ class RemoteVerifier(Verifier):
         if future is not None:
             self._aborted = reason
             future.cancel()
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None
 
     def _call(self, method, request, count_compute: bool = True, timeout_s: float | None = None):
         reply, wall_s = self._timed(method, request, timeout_s or self.rpc_timeout_s)
