@@ -170,3 +170,36 @@ def test_bf16_drafted_output_equals_bf16_plain_decoding(real_bf16, name):
         plain = generate(LocalVerifier(real_bf16), NoDrafter(), ids, 48)
         gen = generate(LocalVerifier(real_bf16), drafter, ids, 48, max_tree_nodes=32)
         assert gen.token_ids == plain.token_ids, (name, i)
+
+
+def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_server):
+    """The adaptive policy sizes trees by the link in a run that survives link drops (the default): over a
+    150 ms round trip a round's RTT dwarfs what nodes cost to verify, so it sends more of the tree than on
+    loopback, where the fp32 target's verification time grows with every node."""
+    import statistics
+
+    from client.adaptive import EXPLORE, AdaptivePolicy
+    from client.drafters import make_drafter
+    from netsim import simulated_link
+    from netsim.profiles import Profile
+
+    ids = encode_prompt(real_target.tokenizer, "Explain how the gears of a bicycle work.", chat=True)
+    server, address, _ = start_server(real_target)
+    sizes = {}
+    try:
+        for profile in (Profile("loopback"), Profile("test-150ms", rtt_ms=150)):
+            drafter = make_drafter("eagle", target=real_target)
+            with simulated_link(address, profile, netsim=netsim_server) as link:
+                verifier = RemoteVerifier(link.address, drafter=drafter)
+                try:
+                    verifier.probe_link(budget_s=0.5)
+                    policy = AdaptivePolicy.for_run(verifier, verifier.usable(drafter.payload_specs()))
+                    gen = generate(verifier, drafter, ids, 40, policy=policy)
+                finally:
+                    verifier.shutdown()
+            assert gen.stats.heartbeat_probes > 0  # the link survival was on
+            sizes[profile.name] = gen.stats.tree_nodes[len(EXPLORE) :]
+    finally:
+        server.stop(grace=None)
+    print({name: statistics.median(s) for name, s in sizes.items()}, sizes)
+    assert statistics.median(sizes["test-150ms"]) > statistics.median(sizes["loopback"])
