@@ -8,6 +8,7 @@ and how a payload the client could not decode is sent once more.
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from shared.features import cache_kv
 from shared.lsa import LayerSelfAttention, load_lsa, weights_digest
 from shared.payload import PayloadSpec
 from shared.wire import splitspec_pb2 as pb
+
+DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class LSARegistry:
@@ -30,10 +33,13 @@ class LSARegistry:
         self._lock = threading.Lock()
 
     def load(self, name: str, digest: str = "") -> LayerSelfAttention:
-        """The LSA of bundle ``name``; SplitspecError if there is no such MoA bundle, it does not fit the
-        target, or its weights differ from the client's (``digest``)."""
-        if not name or "/" in name or name.startswith("."):
-            raise SplitspecError(f"drafter name {name!r} must be a bundle's folder name, like 'moa-tli1'")
+        """The LSA of bundle ``name``; ValueError if ``name`` cannot be a bundle's folder name (checked before the
+        file system sees it), SplitspecError if there is no such MoA bundle, it does not fit the target, or its
+        weights differ from the client's (``digest``)."""
+        if not DRAFTER_NAME.fullmatch(name):
+            shown = repr(name) if len(name) <= 64 else f"of {len(name)} characters"
+            raise ValueError(f"drafter name {shown} must be a bundle's folder name (letters, digits, '.', '_', '-'; "
+                             "at most 64 characters), like 'moa-tli1'")  # fmt: skip
         with self._lock:
             if name not in self._loaded:
                 path = find_bundle(name, self.bundle_dirs)

@@ -8,6 +8,7 @@ request leaves its session exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -24,22 +25,40 @@ from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, target_features
-from shared.target import Target
+from shared.target import INITIAL_CAPACITY, Target
 from shared.tree import DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
 PROTOCOL_VERSION = 1
+SPARE_WORKERS = 8
+LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("splitspec.server")
 
 
-class Abort(Exception):
-    """A request the server refuses: carries the gRPC status code and a message naming the problem."""
+MAX_DETAILS = 1000  # characters of a status message: far below gRPC's 16 KiB metadata limit
+SHOWN = 80  # characters of a client's string echoed in a message
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+
+def shown(value) -> str:
+    """A client's value as a message may quote it: repr, cut to ``SHOWN`` characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[: SHOWN - 20]}...({len(text)} characters)"
+
+
+class Abort(Exception):
+    """A request the server refuses: carries the gRPC status code, a message naming the problem and, for
+    RESOURCE_EXHAUSTED, how long to wait before retrying (``grpc-retry-pushback-ms``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_s: float | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.retry_s = code, retry_s
+
+    def send(self, context) -> None:
+        if self.retry_s is not None:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(1000 * self.retry_s))),))
+        context.abort(self.code, str(self)[:MAX_DETAILS])
 
 
 def rpc(method):
@@ -50,10 +69,11 @@ def rpc(method):
         try:
             return method(self, request, context)
         except Abort as exc:
-            context.abort(exc.code, str(exc))
+            exc.send(context)
         except Exception as exc:  # a bug, not bad input: log it, report it, keep serving
             log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {exc.__class__.__name__}: {exc}")
+            message = f"{method.__name__} failed: {exc.__class__.__name__}: {exc}"
+            context.abort(grpc.StatusCode.INTERNAL, message[:MAX_DETAILS])
 
     return wrapper
 
@@ -68,7 +88,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             "max_inline_payload_bytes": min(limits.max_inline_payload_bytes, MAX_MESSAGE_BYTES // 2),
         }
         self.limits = ServerLimits(**{**limits.as_dict(), **capped})
-        self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s)
+        self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s,
+                                     self.limits.kv_memory_mb * 2**20, self.limits.evict_idle_s)  # fmt: skip
+        self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
         self.model_lock = threading.Lock()
 
     # --- validation -------------------------------------------------------------------------
@@ -126,8 +148,22 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _session(self, session_id: str):
         session = self.sessions.get(session_id)
         if session is None:
-            raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {session_id!r}")
+            raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(session_id)}")
         return session
+
+    @contextlib.contextmanager
+    def _place(self, prompt_len: int):
+        """Hold a place in the store for a sequence starting with ``prompt_len`` tokens (RESOURCE_EXHAUSTED if none)."""
+        capacity = max(INITIAL_CAPACITY, 1 << prompt_len.bit_length())  # what its cache grows to for the prompt
+        try:
+            place = self.sessions.hold(capacity * self.kv_bytes_per_token)
+            place.__enter__()
+        except StoreFull as exc:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_s=exc.retry_s) from None
+        try:
+            yield
+        finally:
+            place.__exit__(None, None, None)
 
     # --- RPCs --------------------------------------------------------------------------------
 
@@ -137,14 +173,16 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         if request.tokenizer_fingerprint and request.tokenizer_fingerprint != t.fingerprint:
             raise Abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"tokenizer fingerprint {request.tokenizer_fingerprint} does not match the server's "
+                f"tokenizer fingerprint {shown(request.tokenizer_fingerprint)} does not match the server's "
                 f"{t.fingerprint} (model {t.name}); the client must use this target's tokenizer",
             )
         if request.drafter:
             try:
                 self.lsas.load(request.drafter, request.drafter_digest)
+            except ValueError as exc:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             except SplitspecError as exc:
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {request.drafter!r}: {exc}") from None
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {shown(request.drafter)}: {exc}") from None
         return pb.HandshakeReply(
             protocol_version=PROTOCOL_VERSION,
             model_name=t.name,
@@ -155,7 +193,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             num_kv_heads=t.num_kv_heads,
             head_dim=t.head_dim,
             eos_token_ids=t.eos_token_ids,
-            limits=pb.Limits(**self.limits.as_dict()),  # the same field names
+            limits=pb.Limits(**{k: v for k, v in self.limits.as_dict().items() if k in LIMITS_SENT}),
             device=str(t.device),
             dtype=str(t.dtype).removeprefix("torch."),
             drafter=request.drafter,
@@ -166,8 +204,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         prompt = self._prompt(request.prompt_ids)
         sampling = self._sampling(request.sampling)
         spec = self._spec(request.payload)
-        try:
-            self.sessions.reserve()
+        with self._place(len(prompt)):
             start = time.perf_counter()
             engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
             with self.model_lock:
@@ -176,8 +213,6 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 if "hidden" in target_features(spec):
                     session.hidden = verdict.features.hidden
                 payload = self._payload(session, spec, 0, engine.cached_len)
-        except StoreFull as exc:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         compute_s = time.perf_counter() - start
         log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id, len(prompt), compute_s)
         return pb.OpenSessionReply(session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens),
@@ -243,7 +278,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def CloseSession(self, request, context):
         session = self.sessions.pop(request.session_id)
         if session is None:
-            raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {request.session_id!r}")
+            raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(request.session_id)}")
         return pb.CloseSessionReply(length=len(session.engine.tokens))
 
     @rpc
@@ -277,31 +312,43 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             for a in range(start, end, chunk):
                 if not context.is_active():
                     return
+                b = min(a + chunk, end)
                 with session.lock, self.model_lock:
-                    msg = payloads.export(session, spec, self.lsas, a, min(a + chunk, end))
+                    if b > session.engine.cached_len:  # a Verify resent after a lost reply rolled the session back
+                        raise Abort(grpc.StatusCode.ABORTED,
+                                    f"the session now caches {session.engine.cached_len} tokens: payload range "
+                                    f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
+                    msg = payloads.export(session, spec, self.lsas, a, b)
                 yield msg
+        except Abort as exc:
+            exc.send(context)
         except Exception as exc:
             log.exception("FetchPayload failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"FetchPayload failed: {exc.__class__.__name__}: {exc}")
+            message = f"FetchPayload failed: {exc.__class__.__name__}: {exc}"
+            context.abort(grpc.StatusCode.INTERNAL, message[:MAX_DETAILS])
 
     def _stream(self, prompt, sampling, budget, stop, context):
-        """One token per chunk, as an API streams; stops early when the client goes away."""
+        """One token per chunk, as an API streams; stops early when the client goes away. An open stream holds a
+        place in the session store, so streams cannot take every worker from the other calls."""
         try:
-            engine = self.target.session(sampling)
-            with self.model_lock:
-                verdict = engine.prefill(prompt)
-            for produced in range(1, budget + 1):
-                token = verdict.bonus
-                done = token in stop or produced == budget
-                reason = ("stop" if token in stop else "length") if done else ""
-                yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
-                if done or not context.is_active():
-                    return
+            with self._place(len(prompt)):
+                engine = self.target.session(sampling)
                 with self.model_lock:
-                    verdict = engine.verify(DraftTree())
+                    verdict = engine.prefill(prompt)
+                for produced in range(1, budget + 1):
+                    token = verdict.bonus
+                    done = token in stop or produced == budget
+                    reason = ("stop" if token in stop else "length") if done else ""
+                    yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
+                    if done or not context.is_active():
+                        return
+                    with self.model_lock:
+                        verdict = engine.verify(DraftTree())
+        except Abort as exc:
+            exc.send(context)
         except Exception as exc:
             log.exception("Generate failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
 
 
 def build_server(target: Target, host: str, port: int, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
@@ -311,7 +358,9 @@ def build_server(target: Target, host: str, port: int, limits: ServerLimits = Se
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + 4), options=options)
+    # every session or stream may block one worker (waiting for the model); the spare ones keep Handshake,
+    # Probe and OpenSession answering whatever the sessions do
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + SPARE_WORKERS), options=options)
     pb_grpc.add_SplitSpecServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -1,7 +1,19 @@
-"""The server's session store: bounded in count, idle sessions expire after a TTL."""
+"""The server's session store: admission against a count and a KV-memory budget, eviction, reaping.
+
+A session holds one sequence's KV cache (``shared.target.TargetSession``; it grows with the
+sequence). A new session is admitted when a place is free in count and memory; otherwise the
+sessions idle longest (none of their calls running, idle at least ``evict_idle_s``) are evicted
+to make room — their clients reopen from the history they hold — and only when that is not
+enough is the request refused (``StoreFull``, with how long to wait). A place is *held* from
+admission until the session is added or the prefill fails, so concurrent opens cannot all pass
+admission and be refused after their prefill. Sessions idle past the TTL are reaped by a thread
+on time, not on the next request. The streaming API's decodes take places too (``hold``), so
+open streams count against the same limits as sessions.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -13,13 +25,18 @@ from shared.target import TargetSession
 
 
 class StoreFull(Exception):
-    pass
+    """No place for a new session; ``retry_s``: when one is likely to be free (an idle one expiring)."""
+
+    def __init__(self, message: str, retry_s: float):
+        super().__init__(message)
+        self.retry_s = retry_s
 
 
 @dataclass
 class Session:
     id: str
     engine: TargetSession
+    owner: str = ""  # who opened it (the authenticated identity; "" without auth)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     hidden: torch.Tensor | None = None  # [cached, E] final hidden states, kept for payload mode "hidden"
@@ -34,48 +51,109 @@ class Session:
         if self.hidden is not None:
             self.hidden = self.hidden[: self.engine.cached_len]
 
+    @property
+    def nbytes(self) -> int:
+        hidden = 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+        return self.engine.cache.nbytes + hidden
+
 
 class SessionStore:
-    """Holds each session's KV cache; thread-safe; evicts sessions idle longer than ``ttl_s``."""
+    """Sessions by id; thread-safe; see the module docstring for admission, eviction and reaping."""
 
-    def __init__(self, max_sessions: int, ttl_s: float):
-        self.max_sessions = max_sessions
-        self.ttl_s = ttl_s
+    def __init__(self, max_sessions: int, ttl_s: float, max_bytes: int | None = None, evict_idle_s: float = 1.0):
+        self.max_sessions, self.ttl_s, self.max_bytes, self.evict_idle_s = max_sessions, ttl_s, max_bytes, evict_idle_s
         self._sessions: dict[str, Session] = {}
+        self._held: dict[int, int] = {}  # places held for sessions being opened (or streams): bytes each
+        self._next_hold = 0
         self._lock = threading.Lock()
+        self.evicted = self.expired = 0
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, daemon=True, name="splitspec-reaper")
+        self._reaper.start()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def reserve(self) -> None:
-        """Fail fast, before any compute, when a new session could not be stored."""
+    @property
+    def nbytes(self) -> int:
+        """KV memory of the sessions (their caches as allocated now) plus the places held."""
         with self._lock:
-            self._evict_idle()
-            if len(self._sessions) >= self.max_sessions:
-                raise StoreFull(f"all {self.max_sessions} sessions are in use; close one or retry later")
+            return self._bytes()
 
-    def add(self, engine: TargetSession) -> Session:
+    def _bytes(self) -> int:
+        return sum(s.nbytes for s in self._sessions.values()) + sum(self._held.values())
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int):
+        """Hold a place of ``nbytes`` for as long as the block runs (a session being opened, a stream)."""
         with self._lock:
-            self._evict_idle()
-            if len(self._sessions) >= self.max_sessions:
-                raise StoreFull(f"all {self.max_sessions} sessions are in use; close one or retry later")
-            session = Session(secrets.token_hex(8), engine)
+            self._admit(nbytes)
+            key, self._next_hold = self._next_hold, self._next_hold + 1
+            self._held[key] = nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._held[key]
+
+    def _admit(self, nbytes: int) -> None:
+        """Make room for one more place of ``nbytes``, evicting the longest-idle sessions; else StoreFull."""
+        self._expire()
+        now = time.monotonic()
+        idle = sorted((s for s in self._sessions.values() if not s.lock.locked()
+                       and now - s.last_used >= self.evict_idle_s), key=lambda s: s.last_used)  # fmt: skip
+
+        def fits() -> bool:
+            count = len(self._sessions) + len(self._held) < self.max_sessions
+            return count and (self.max_bytes is None or self._bytes() + nbytes <= self.max_bytes)
+
+        while not fits() and idle:
+            del self._sessions[idle.pop(0).id]
+            self.evicted += 1
+        if fits():
+            return
+        busy = [s for s in self._sessions.values() if s.lock.locked() or now - s.last_used < self.evict_idle_s]
+        retry = min((self.evict_idle_s - (now - s.last_used) for s in busy), default=self.evict_idle_s)
+        what = f"all {self.max_sessions} sessions are in use"
+        if len(self._sessions) + len(self._held) < self.max_sessions:
+            what = f"the KV memory budget of {self.max_bytes / 2**20:.0f} MiB is in use"
+        raise StoreFull(f"{what} and none is idle; retry in {max(retry, 0.05):.2f}s", max(retry, 0.05))
+
+    def add(self, engine: TargetSession, owner: str = "") -> Session:
+        """Store a session opened under a ``hold`` (its place then passes to it)."""
+        with self._lock:
+            session = Session(secrets.token_hex(16), engine, owner)
             self._sessions[session.id] = session
             return session
 
-    def get(self, session_id: str) -> Session | None:
+    def get(self, session_id: str, owner: str = "") -> Session | None:
+        """The session, if it exists and ``owner`` opened it (another client's id is as good as unknown)."""
         with self._lock:
-            self._evict_idle()
+            self._expire()
             session = self._sessions.get(session_id)
-            if session is not None:
-                session.last_used = time.monotonic()
+            if session is None or session.owner != owner:
+                return None
+            session.last_used = time.monotonic()
             return session
 
-    def pop(self, session_id: str) -> Session | None:
+    def pop(self, session_id: str, owner: str | None = None) -> Session | None:
+        """Remove and return the session (only ``owner``'s, when given)."""
         with self._lock:
-            return self._sessions.pop(session_id, None)
+            session = self._sessions.get(session_id)
+            if session is None or (owner is not None and session.owner != owner):
+                return None
+            return self._sessions.pop(session_id)
 
-    def _evict_idle(self) -> None:
+    def close(self) -> None:
+        self._stop.set()
+
+    def _expire(self) -> None:
         now = time.monotonic()
         for sid in [s.id for s in self._sessions.values() if now - s.last_used > self.ttl_s and not s.lock.locked()]:
             del self._sessions[sid]
+            self.expired += 1
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(max(self.ttl_s / 4, 0.05), 1.0)):
+            with self._lock:
+                self._expire()

@@ -109,6 +109,23 @@ class Cache:
     def capacity(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reserve(self, end: int, limit: int | None = None) -> None:
+        """Room for positions [0, end): grown (doubled, at most ``limit``, contents kept) when there is not."""
+        size = self.capacity
+        if end <= size:
+            return
+        grow = max(end, 2 * size)
+        grow = min(grow, limit) if limit is not None else grow
+        shape = (*self.k.shape[:3], grow, self.k.shape[4])
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        k[:, :, :, :size], v[:, :, :, :size] = self.k, self.v
+        self.k, self.v = k, v
+        self.layers = [KVCache.over(k[i], v[i]) for i in range(k.shape[0])]
+
     def move(self, src: list[int], dst: list[int]) -> None:
         """Copy the entries at positions ``src`` to ``dst`` in every layer (an accepted path into place)."""
         if src != dst:

@@ -26,6 +26,8 @@ from shared.engine import Transformer
 from shared.features import Features, cache_kv
 from shared.tree import DraftTree, causal_from, tree_mask, tree_positions
 
+INITIAL_CAPACITY = 256  # a session's KV cache starts this long and doubles as needed (up to max_context)
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the vocabulary (added tokens included): equal exactly when token ids mean the same.
@@ -108,13 +110,14 @@ class TargetSession:
     features: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        self.cache = self.target.engine.new_cache(self.target.max_context)
+        self.cache = self.target.engine.new_cache(INITIAL_CAPACITY)  # grown as the sequence does
         self.cached_len = 0  # cache slots [0, cached_len) hold committed tokens: all but the root
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
     def _forward(self, ids: list[int], positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [T, E] of ``ids`` written at slot ``cached_len`` (not yet committed)."""
         dev = self.target.device
+        self.cache.reserve(self.cached_len + len(ids), self.target.max_context)
         ids_t = torch.tensor([ids], device=dev)
         pos_t = torch.tensor([positions], device=dev)
         return self.target.engine(ids_t, pos_t, mask, self.cache, self.cached_len)[0]

@@ -261,7 +261,7 @@ BAD_REQUESTS = [
     pytest.param(verify_busy_session, Code.ABORTED, "is busy with another request", id="verify-busy-session"),
     # handshake
     pytest.param(lambda c: c.stub.Handshake(pb.HandshakeRequest(tokenizer_fingerprint="0123456789abcdef")),
-                 Code.FAILED_PRECONDITION, "tokenizer fingerprint 0123456789abcdef does not match",
+                 Code.FAILED_PRECONDITION, "tokenizer fingerprint '0123456789abcdef' does not match",
                  id="handshake-wrong-fingerprint"),
 ]  # fmt: skip
 
