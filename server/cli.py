@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="folder of drafter bundles whose LSA clients may ask the server to run (payload mode lsa); "
         "repeatable (default: the shipped client/drafters/bundles)",
     )
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this HTTP port (0: a free one; "
+                   "default: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
     p.add_argument("--ready-file", help="write the bound port here once serving (for scripts)")
 
 
@@ -53,12 +56,11 @@ def run(args: argparse.Namespace) -> int:
         limits = ServerLimits.from_args(args)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                         weights=args.weights)
     from shared.bundles import SHIPPED
 
     bundle_dirs = tuple(args.bundle_dir or (SHIPPED,))
-    server, port, service = build_server(target, args.host, args.port, limits, bundle_dirs)
+    # listening (health: NOT_SERVING, calls: UNAVAILABLE) while the model loads
+    server, port, service = build_server(None, args.host, args.port, limits, bundle_dirs)
     server.start()
     stopped = threading.Event()
 
@@ -67,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if args.metrics_port is not None:
+        metrics_server, _ = service.metrics.serve(args.metrics_host, args.metrics_port)
+        print(f"splitspec: metrics on http://{args.metrics_host}:{metrics_server.server_port}/metrics", flush=True)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
+                         weights=args.weights)  # fmt: skip
+    service.attach(target)
     print(
         f"splitspec: serving {target.name} on {args.host}:{port} ({target.device}, {str(target.dtype)[6:]}, "
         f"context {service.limits.max_context}, {limits.max_sessions} sessions)",
@@ -78,4 +86,5 @@ def run(args: argparse.Namespace) -> int:
         os.replace(args.ready_file + ".tmp", args.ready_file)
     stopped.wait()
     server.stop(grace=2).wait()
+    service.close()
     return 0

@@ -21,6 +21,8 @@ class ServerLimits:
     max_probe_bytes: int = limit(16 * 1024 * 1024, "--max-probe-bytes", "reply bytes per Probe call")
     max_inline_payload_bytes: int = limit(1024 * 1024, "--max-inline-payload",
                                           "payload bytes carried inside a reply; more is streamed by FetchPayload")
+    prefill_chunk: int = limit(256, "--prefill-chunk", "prompt tokens per forward: other sessions' calls run "
+                               "between the pieces of a long prompt")
     kv_memory_mb: int = limit(4096, "--kv-memory-mb", "MiB of KV cache all sessions together may hold")
     evict_idle_s: float = limit(1.0, "--evict-idle", "seconds a session must have been idle before it may be evicted "
                                 "to admit a new one (its client reopens it from history)")

@@ -20,6 +20,7 @@ import grpc
 
 from server import payloads
 from server.limits import ServerLimits
+from server.observability import Metrics, add_health_and_reflection, log_session, set_serving
 from server.sessions import SessionStore, StoreFull
 from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
@@ -35,6 +36,60 @@ SPARE_WORKERS = 8
 LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("splitspec.server")
+
+
+class FairLock:
+    """The model lock: first come, first served. ``threading.Lock`` makes no such promise, so a long prefill
+    giving it up between chunks (``pass_on``) could take it straight back; here every waiter runs first."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._turn:
+            ticket, self._next = self._next, self._next + 1
+            self._turn.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc) -> None:
+        with self._turn:
+            self._serving += 1
+            self._turn.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for their turn (not counting the one holding the lock)."""
+        return max(0, self._next - self._serving - 1)
+
+    def pass_on(self) -> None:
+        """Let those waiting now have their turn, then carry on (called while holding the lock)."""
+        self.__exit__()
+        self.__enter__()
+
+
+class UndecodableRequests(logging.Filter):
+    """gRPC logs every request body that does not parse as an ERROR with a traceback: a client's garbage
+    would fill the log. One WARNING line instead, at most every ``every_s`` seconds, with the count since."""
+
+    def __init__(self, every_s: float = 10.0):
+        super().__init__()
+        self.every_s, self.count, self.last = every_s, 0, float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Exception deserializing"):
+            return True
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return False
+        record.msg, record.args = f"{self.count} request bodies did not decode (not protobuf for this method)", ()
+        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
+        self.last, self.count = now, 0
+        return True
+
+
+UNDECODABLE = UndecodableRequests()
+logging.getLogger("grpc._common").addFilter(UNDECODABLE)
 
 
 MAX_DETAILS = 1000  # characters of a status message: far below gRPC's 16 KiB metadata limit
@@ -67,8 +122,11 @@ def rpc(method):
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
+            if self.target is None:
+                raise Abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its model; retry shortly", retry_s=1.0)
             return method(self, request, context)
         except Abort as exc:
+            self.metrics.refusals.labels(method.__name__, exc.code.name).inc()
             exc.send(context)
         except Exception as exc:  # a bug, not bad input: log it, report it, keep serving
             log.exception("%s failed", method.__name__)
@@ -79,19 +137,39 @@ def rpc(method):
 
 
 class SplitSpecService(pb_grpc.SplitSpecServicer):
-    def __init__(self, target: Target, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
-        self.target = target
-        self.lsas = payloads.LSARegistry(target, bundle_dirs)
+    """The SplitSpec API over one target. Built before the model is loaded (every call is then UNAVAILABLE and
+    health says NOT_SERVING), it serves once ``attach`` has given it the target."""
+
+    def __init__(self, target: Target | None, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
+        self.target = None
+        self.bundle_dirs = bundle_dirs
         capped = {
-            "max_context": min(limits.max_context, target.max_context),
             "max_probe_bytes": min(limits.max_probe_bytes, MAX_MESSAGE_BYTES - 1024),  # a reply must fit one message
             "max_inline_payload_bytes": min(limits.max_inline_payload_bytes, MAX_MESSAGE_BYTES // 2),
         }
         self.limits = ServerLimits(**{**limits.as_dict(), **capped})
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s,
-                                     self.limits.kv_memory_mb * 2**20, self.limits.evict_idle_s)  # fmt: skip
+                                     self.limits.kv_memory_mb * 2**20, self.limits.evict_idle_s,
+                                     on_end=log_session)  # fmt: skip
+        self.model_lock = FairLock()
+        self.metrics = Metrics(self.sessions, self.model_lock)
+        self.health = None  # the gRPC health servicer, set by build_server
+        if target is not None:
+            self.attach(target)
+
+    def attach(self, target: Target) -> None:
+        """Serve ``target`` from now on (health: SERVING)."""
+        self.lsas = payloads.LSARegistry(target, self.bundle_dirs)
+        self.limits = ServerLimits(**{**self.limits.as_dict(), "max_context": min(self.limits.max_context,
+                                                                                  target.max_context)})  # fmt: skip
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
-        self.model_lock = threading.Lock()
+        self.target = target
+        if self.health is not None:
+            set_serving(self.health)
+
+    def close(self) -> None:
+        """Stop the session reaper (the gRPC server is stopped by its owner)."""
+        self.sessions.close()
 
     # --- validation -------------------------------------------------------------------------
 
@@ -143,6 +221,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         msg = payloads.export(session, spec, self.lsas, start, end)
         if msg.ByteSize() > self.limits.max_inline_payload_bytes:
             return pb.Payload(start=start, count=end - start, pending=True)
+        self.metrics.payload_bytes.inc(msg.ByteSize())
+        session.stats.payload_bytes += msg.ByteSize()
         return msg
 
     def _session(self, session_id: str):
@@ -208,18 +288,27 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             start = time.perf_counter()
             engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
             with self.model_lock:
-                verdict = engine.prefill(prompt)
+                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.model_lock.pass_on)
                 session = self.sessions.add(engine)
+                session.stats.prompt_tokens = len(prompt)
                 if "hidden" in target_features(spec):
                     session.hidden = verdict.features.hidden
                 payload = self._payload(session, spec, 0, engine.cached_len)
         compute_s = time.perf_counter() - start
-        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id, len(prompt), compute_s)
+        self._count_prefill(len(prompt))
+        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt), compute_s)
         return pb.OpenSessionReply(session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens),
                                    compute_s=compute_s, payload=payload)  # fmt: skip
 
+    def _count_prefill(self, n: int) -> None:
+        chunk = self.limits.prefill_chunk
+        for a in range(0, n, chunk):
+            self.metrics.forward(min(chunk, n - a))
+        self.metrics.tokens_generated.inc()
+
     @rpc
     def Verify(self, request, context):
+        arrived = time.perf_counter()
         session = self._session(request.session_id)
         tokens, parents = list(request.tokens), list(request.parents)
         try:
@@ -251,10 +340,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     session.keep_hidden(verdict)
                     payload = self._payload(session, spec, before, engine.cached_len)
             except Exception:
-                self.sessions.pop(session.id)  # its cache may be half-written: never serve it again
+                self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
         finally:
             session.lock.release()
+        m, st = self.metrics, session.stats
+        m.forward(len(tokens) + 1)
+        m.tokens_verified.inc(len(tokens))
+        m.tokens_accepted.inc(len(verdict.accepted))
+        m.tokens_generated.inc(len(verdict.new_tokens))
+        m.verify_seconds.observe(time.perf_counter() - arrived)
+        st.rounds, st.nodes, st.accepted = st.rounds + 1, st.nodes + len(tokens), st.accepted + len(verdict.accepted)
+        st.verify_s += time.perf_counter() - start
         return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens),
                               compute_s=time.perf_counter() - start, payload=payload)  # fmt: skip
 
@@ -321,6 +418,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     msg = payloads.export(session, spec, self.lsas, a, b)
                 yield msg
         except Abort as exc:
+            self.metrics.refusals.labels("FetchPayload", exc.code.name).inc()
             exc.send(context)
         except Exception as exc:
             log.exception("FetchPayload failed")
@@ -334,7 +432,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             with self._place(len(prompt)):
                 engine = self.target.session(sampling)
                 with self.model_lock:
-                    verdict = engine.prefill(prompt)
+                    verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.model_lock.pass_on)
+                self._count_prefill(len(prompt))
                 for produced in range(1, budget + 1):
                     token = verdict.bonus
                     done = token in stop or produced == budget
@@ -344,25 +443,33 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                         return
                     with self.model_lock:
                         verdict = engine.verify(DraftTree())
+                    self.metrics.forward(1)
+                    self.metrics.tokens_generated.inc()
         except Abort as exc:
+            self.metrics.refusals.labels("Generate", exc.code.name).inc()
             exc.send(context)
         except Exception as exc:
             log.exception("Generate failed")
             context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
 
 
-def build_server(target: Target, host: str, port: int, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
-    """Create (not start) a gRPC server for ``target``; returns (server, bound port, service)."""
-    service = SplitSpecService(target, limits, bundle_dirs)
+def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),
+                 bundle_dirs=(SHIPPED,)):  # fmt: skip
+    """Create (not start) a gRPC server for ``target`` (None: not loaded yet, see ``SplitSpecService.attach``),
+    with the health and reflection services; returns (server, bound port, service)."""
+    service = SplitSpecService(None, limits, bundle_dirs)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
     # every session or stream may block one worker (waiting for the model); the spare ones keep Handshake,
-    # Probe and OpenSession answering whatever the sessions do
+    # Probe, health checks and OpenSession answering whatever the sessions do
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + SPARE_WORKERS), options=options)
     pb_grpc.add_SplitSpecServicer_to_server(service, server)
+    service.health = add_health_and_reflection(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not listen on {host}:{port} (in use or not a local address?)")
+    if target is not None:
+        service.attach(target)
     return server, bound, service

@@ -33,10 +33,24 @@ class StoreFull(Exception):
 
 
 @dataclass
+class SessionStats:
+    """What a session did, for its log line when it ends."""
+
+    prompt_tokens: int = 0
+    rounds: int = 0
+    nodes: int = 0  # draft nodes verified
+    accepted: int = 0
+    verify_s: float = 0.0
+    payload_bytes: int = 0
+    opened: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Session:
     id: str
     engine: TargetSession
     owner: str = ""  # who opened it (the authenticated identity; "" without auth)
+    stats: SessionStats = field(default_factory=SessionStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     hidden: torch.Tensor | None = None  # [cached, E] final hidden states, kept for payload mode "hidden"
@@ -60,8 +74,11 @@ class Session:
 class SessionStore:
     """Sessions by id; thread-safe; see the module docstring for admission, eviction and reaping."""
 
-    def __init__(self, max_sessions: int, ttl_s: float, max_bytes: int | None = None, evict_idle_s: float = 1.0):
+    def __init__(self, max_sessions: int, ttl_s: float, max_bytes: int | None = None, evict_idle_s: float = 1.0,
+                 on_end=None):  # fmt: skip
+        """``on_end(session, reason)`` is told of every session that ends (closed, evicted, expired, failed)."""
         self.max_sessions, self.ttl_s, self.max_bytes, self.evict_idle_s = max_sessions, ttl_s, max_bytes, evict_idle_s
+        self.on_end = on_end or (lambda session, reason: None)
         self._sessions: dict[str, Session] = {}
         self._held: dict[int, int] = {}  # places held for sessions being opened (or streams): bytes each
         self._next_hold = 0
@@ -108,7 +125,7 @@ class SessionStore:
             return count and (self.max_bytes is None or self._bytes() + nbytes <= self.max_bytes)
 
         while not fits() and idle:
-            del self._sessions[idle.pop(0).id]
+            self.on_end(self._sessions.pop(idle.pop(0).id), "evicted")
             self.evicted += 1
         if fits():
             return
@@ -136,13 +153,14 @@ class SessionStore:
             session.last_used = time.monotonic()
             return session
 
-    def pop(self, session_id: str, owner: str | None = None) -> Session | None:
+    def pop(self, session_id: str, owner: str | None = None, reason: str = "closed") -> Session | None:
         """Remove and return the session (only ``owner``'s, when given)."""
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None or (owner is not None and session.owner != owner):
                 return None
-            return self._sessions.pop(session_id)
+            self.on_end(self._sessions.pop(session_id), reason)
+            return session
 
     def close(self) -> None:
         self._stop.set()
@@ -150,7 +168,7 @@ class SessionStore:
     def _expire(self) -> None:
         now = time.monotonic()
         for sid in [s.id for s in self._sessions.values() if now - s.last_used > self.ttl_s and not s.lock.locked()]:
-            del self._sessions[sid]
+            self.on_end(self._sessions.pop(sid), "expired")
             self.expired += 1
 
     def _reap(self) -> None:

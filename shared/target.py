@@ -123,8 +123,14 @@ class TargetSession:
         return self.target.engine(ids_t, pos_t, mask, self.cache, self.cached_len)[0]
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> Verdict:
-        """Run the prompt, pick the first token; afterwards the cache holds the whole prompt."""
+    def prefill(self, prompt_ids: list[int], chunk: int | None = None, pause=None) -> Verdict:
+        """Run the prompt, pick the first token; afterwards the cache holds the whole prompt.
+
+        ``chunk``: at most that many tokens per forward, with ``pause()`` called between the pieces (a server
+        lets other sessions' calls run there). In bf16 on a CPU (exact mode) the result is bit-identical to
+        one forward; in fp32 the last bits of the prompt's states may differ (MKL's GEMM rows depend on the
+        row count), as they may between any two batch shapes.
+        """
         if self.tokens:
             raise RuntimeError("prefill called twice on one session")
         if not prompt_ids:
@@ -135,7 +141,16 @@ class TargetSession:
             )
         start = time.perf_counter()
         n = len(prompt_ids)
-        hidden = self._forward(list(prompt_ids), list(range(n)), causal_from(0, n, self.target.device))
+        step = max(1, chunk or n)
+        pieces = []
+        for a in range(0, n, step):
+            if a and pause is not None:
+                pause()
+            b = min(a + step, n)
+            mask = causal_from(a, b - a, self.target.device)
+            pieces.append(self._forward(list(prompt_ids[a:b]), list(range(a, b)), mask))
+            self.cached_len = b  # the next piece is written after this one
+        hidden = torch.cat(pieces)
         logits = self.target.engine.logits(hidden[-1:])
         _, first = accept_tree([], [], logits, self.sampling, self.generator)
         self.tokens = list(prompt_ids) + [first]

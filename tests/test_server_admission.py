@@ -1,0 +1,249 @@
+"""What an outside tester found holding the server back, one test each: admission, eviction, reaping,
+streams that starve the workers, refusals after a prefill, payload streams cut by a rollback, names
+that reach the file system, echoed strings past gRPC's metadata limit, and logs full of tracebacks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import pytest
+
+from server.service import MAX_DETAILS, UNDECODABLE, FairLock
+from shared.acceptance import SamplingParams
+from shared.bundles import SHIPPED
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+from tests.conftest import start_server
+from tests.test_server import GREEDY, TIMEOUT, Seq, refused
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture
+def serve(tiny_target):
+    """Start a server of its own with the given limits; yields (stub, service); stops it afterwards."""
+    started = []
+
+    def start(**limits):
+        server, address, service = start_server(tiny_target, **{"max_tree_nodes": 16, **limits})
+        channel = grpc.insecure_channel(address)
+        started.append((server, channel, service))
+        return pb_grpc.SplitSpecStub(channel), service
+
+    yield start
+    for server, channel, service in started:
+        channel.close()
+        server.stop(grace=None)
+        service.sessions.close()
+
+
+def test_abandoned_sessions_never_lock_a_new_client_out(serve, tiny_target):
+    """Before: two sessions left open without CloseSession refused every new client for the whole TTL."""
+    stub, service = serve(max_sessions=2, session_ttl_s=600, evict_idle_s=0.2)
+    abandoned = [Seq(stub, tiny_target, [5, 6, 7], GREEDY), Seq(stub, tiny_target, [8, 9], GREEDY)]
+    abandoned[1].step()  # the first one has been idle longest
+    time.sleep(0.3)
+    fresh = Seq(stub, tiny_target, [5, 9, 14], GREEDY)  # admitted: the longest-idle session made room
+    assert refused(lambda: stub.Verify(abandoned[0].request(DraftTree()), timeout=TIMEOUT)).code() == Code.NOT_FOUND
+    abandoned[1].step()  # the other one is still there
+    fresh.step()
+    assert service.sessions.evicted == 1
+
+
+def test_a_full_server_refuses_with_a_retry_hint_when_nobody_is_idle(serve, tiny_target):
+    stub, _ = serve(max_sessions=1, evict_idle_s=30)
+    active = Seq(stub, tiny_target, [5, 6, 7], GREEDY)
+    call = stub.OpenSession.with_call
+    error = refused(lambda: call(pb.OpenSessionRequest(prompt_ids=[5, 6]), timeout=TIMEOUT))
+    assert error.code() == Code.RESOURCE_EXHAUSTED and "retry in" in error.details()
+    pushback = dict(error.trailing_metadata())["grpc-retry-pushback-ms"]
+    assert 0 < int(pushback) <= 30_000
+    active.step()
+
+
+def test_a_kv_memory_budget_admits_by_bytes(serve, tiny_target):
+    """The budget counts every session's KV cache as allocated; it admits what fits and evicts idle sessions."""
+    stub, service = serve(max_sessions=64, kv_memory_mb=1, evict_idle_s=0.1)
+    per_session = service.kv_bytes_per_token * 256  # a short prompt's cache (its initial capacity)
+    fit = (2**20) // per_session
+    assert fit >= 2
+    sessions = [Seq(stub, tiny_target, [5, 6, i], GREEDY) for i in range(fit)]
+    assert service.sessions.nbytes <= 2**20
+    time.sleep(0.15)
+    Seq(stub, tiny_target, [7, 8], GREEDY)  # over the budget unless an idle one is evicted
+    assert service.sessions.evicted == 1 and len(service.sessions) == fit
+    assert refused(lambda: stub.Verify(sessions[0].request(DraftTree()), timeout=TIMEOUT)).code() == Code.NOT_FOUND
+
+
+def test_expired_sessions_are_reaped_on_time_not_on_the_next_request(serve, tiny_target):
+    stub, service = serve(max_sessions=8, session_ttl_s=0.2)
+    for i in range(3):
+        Seq(stub, tiny_target, [5, 6, i], GREEDY)
+    assert len(service.sessions) == 3
+    deadline = time.monotonic() + 5
+    while len(service.sessions) and time.monotonic() < deadline:
+        time.sleep(0.05)  # no request reaches the server meanwhile
+    assert len(service.sessions) == 0 and service.sessions.expired == 3
+
+
+def test_open_streams_cannot_starve_the_other_calls(serve, tiny_target):
+    """Before: 20 Generate streams (not counted as sessions) took every worker; Handshake, Probe and
+    OpenSession timed out for everyone until they were cancelled."""
+    stub, service = serve(max_sessions=3, max_context=256, max_new_tokens=200)
+    streams = [stub.Generate(pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=200, stop_token_ids=[0]),
+                             timeout=TIMEOUT) for _ in range(3)]  # fmt: skip
+    for stream in streams:
+        next(stream)  # each is running: it holds its place
+    started = time.monotonic()
+    stub.Handshake(pb.HandshakeRequest(), timeout=2)
+    stub.Probe(pb.ProbeRequest(), timeout=2)
+    error = refused(lambda: stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[5, 6]), timeout=2))
+    assert error.code() == Code.RESOURCE_EXHAUSTED  # streams count against the limit: refused at once
+    error = refused(lambda: next(stub.Generate(pb.GenerateRequest(prompt_ids=[5], max_new_tokens=5), timeout=2)))
+    assert error.code() == Code.RESOURCE_EXHAUSTED
+    assert time.monotonic() - started < 4
+    for stream in streams:
+        stream.cancel()
+    deadline = time.monotonic() + 10
+    while service.sessions.nbytes and time.monotonic() < deadline:  # places freed when the streams end
+        time.sleep(0.05)
+    Seq(stub, tiny_target, [5, 6], GREEDY).step()
+
+
+def test_refused_opens_pay_no_prefill(serve, tiny_target):
+    """Before: concurrent OpenSessions all passed the count check, each paid a full prefill, and all but one
+    were refused afterwards. Now the place is held from admission: the refused ones never prefill."""
+    stub, service = serve(max_sessions=1)
+    made = []
+    session = service.target.session
+    service.target.session = lambda *a, **k: made.append(1) or session(*a, **k)
+    try:
+        results = []
+
+        def open_one():
+            try:
+                stub.OpenSession(pb.OpenSessionRequest(prompt_ids=list(range(5, 100))), timeout=TIMEOUT)
+                results.append("ok")
+            except grpc.RpcError as exc:
+                results.append(exc.code())
+
+        threads = [threading.Thread(target=open_one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        service.target.session = session
+    assert sorted(map(str, results)) == sorted(["ok"] + [str(Code.RESOURCE_EXHAUSTED)] * 3)
+    assert len(made) == 1
+
+
+def test_a_payload_stream_cut_by_a_rollback_fails_instead_of_ending_short(serve, monkeypatch):
+    """Before: FetchPayload racing a rollback Verify ended OK with fewer tokens than asked for. Here the
+    rollback lands right after the first chunk (what a Verify resent with a shorter length does)."""
+    import server.service
+
+    stub, service = serve(max_sessions=2, max_inline_payload_bytes=2048)
+    kv = pb.PayloadSpec(mode="kv", precision="fp32")
+    prompt = list(range(5, 40))
+    reply = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt, payload=kv), timeout=TIMEOUT)
+    length = reply.length
+    for _ in range(3):
+        length = stub.Verify(pb.VerifyRequest(session_id=reply.session_id, length=length), timeout=TIMEOUT).length
+    session = service.sessions.get(reply.session_id)
+    end = session.engine.cached_len
+    export = server.service.payloads.export
+
+    def export_then_roll_back(*args):
+        msg = export(*args)
+        if msg.start == 0:
+            session.truncate(len(prompt) + 1)
+        return msg
+
+    monkeypatch.setattr(server.service.payloads, "export", export_then_roll_back)
+    chunks = stub.FetchPayload(pb.FetchPayloadRequest(session_id=reply.session_id, start=0, end=end, spec=kv),
+                               timeout=TIMEOUT)  # fmt: skip
+    first = next(chunks)
+    assert first.start == 0 and 0 < first.count < end
+    error = refused(lambda: list(chunks))
+    assert error.code() == Code.ABORTED and "rollback" in error.details()
+
+
+def test_a_drafter_name_never_reaches_the_file_system_unchecked(serve):
+    stub, _ = serve()
+    for name in ("x" * 300, "../../etc", "a/b", ".hidden"):
+        error = refused(lambda n=name: stub.Handshake(pb.HandshakeRequest(drafter=n), timeout=TIMEOUT))
+        assert error.code() == Code.INVALID_ARGUMENT, error.details()
+        assert "folder name" in error.details() and str(SHIPPED) not in error.details()  # no server path
+
+
+def test_echoed_strings_stay_short_and_the_real_status_arrives(serve):
+    """Before: a 20,000-character session id came back whole in the message; past 16 KiB of metadata the
+    client got RESOURCE_EXHAUSTED instead of NOT_FOUND."""
+    stub, _ = serve()
+    error = refused(lambda: stub.Verify(pb.VerifyRequest(session_id="s" * 20_000), timeout=TIMEOUT))
+    assert error.code() == Code.NOT_FOUND and len(error.details()) <= MAX_DETAILS
+    error = refused(lambda: stub.Handshake(pb.HandshakeRequest(tokenizer_fingerprint="f" * 20_000), timeout=TIMEOUT))
+    assert error.code() == Code.FAILED_PRECONDITION and len(error.details()) <= MAX_DETAILS
+
+
+def test_undecodable_bodies_log_one_line_not_a_traceback_each(tiny_target, caplog):
+    """Before: each request body that did not parse logged an ERROR with a traceback (1,191 bodies: 524 KB)."""
+    server, address, service = start_server(tiny_target)
+    UNDECODABLE.last = float("-inf")  # a fresh rate window for this test
+    try:
+        with grpc.insecure_channel(address) as channel, caplog.at_level(logging.DEBUG, logger="grpc"):
+            raw = channel.unary_unary("/splitspec.v1.SplitSpec/Verify")  # bytes in, bytes out
+            for i in range(50):
+                with pytest.raises(grpc.RpcError):
+                    raw(bytes([0xFF, 0xFF, i, 0x00, 0x12]) * 7, timeout=TIMEOUT)
+            pb_grpc.SplitSpecStub(channel).Probe(pb.ProbeRequest(), timeout=TIMEOUT)  # still serving
+    finally:
+        server.stop(grace=None)
+        service.sessions.close()
+    records = [r for r in caplog.records if "deserializ" in r.getMessage() or "did not decode" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
+
+
+def test_a_long_prefill_lets_other_sessions_in_between_its_chunks(tiny_target):
+    """Before: one 3,000-token prefill held the model for 6.9 s. Chunked, it passes the model lock on between
+    pieces (first come, first served), and the result is the one-forward result, bit for bit, in bf16."""
+    lock, order = FairLock(), []
+    prompt = list(range(5, 5 + 100))
+
+    def other():
+        with lock:
+            order.append("other")
+
+    def pause():
+        order.append("pause")
+        if len(order) == 1:
+            waiter.start()
+            time.sleep(0.1)  # the other call is now waiting for the model
+        lock.pass_on()
+
+    waiter = threading.Thread(target=other)
+    with lock:
+        chunked = tiny_target.session().prefill(prompt, chunk=32, pause=pause)
+    waiter.join()
+    assert order[:2] == ["pause", "other"] and order.count("pause") == 3  # 100 tokens = 4 pieces
+    whole = tiny_target.session().prefill(prompt)
+    assert chunked.new_tokens == whole.new_tokens
+
+
+def test_chunked_prefill_is_bit_identical_in_bf16(tiny_model_dir):
+    from shared.models import load_target
+
+    target = load_target(str(tiny_model_dir), dtype="bfloat16")
+    prompt = list(range(5, 5 + 77))
+    one, chunked = target.session(SamplingParams()), target.session(SamplingParams())
+    one.prefill(prompt)
+    chunked.prefill(prompt, chunk=16)
+    n = len(prompt)
+    assert one.tokens == chunked.tokens
+    assert (one.cache.k[..., :n, :] == chunked.cache.k[..., :n, :]).all()
+    assert (one.cache.v[..., :n, :] == chunked.cache.v[..., :n, :]).all()
