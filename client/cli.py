@@ -20,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--server", default="127.0.0.1:50051", help="HOST:PORT of `splitspec serve` (default 127.0.0.1:50051)"
     )
     where.add_argument("--local", action="store_true", help="run the target in this process (no gRPC), same loop")
+    p.add_argument("--tls", action="store_true", help="reach --server over TLS, verified with the system's roots")
+    p.add_argument("--tls-ca", help="TLS, verifying the server against this PEM CA")
+    p.add_argument("--tls-cert", help="mutual TLS: present this PEM client certificate (with --tls-key)")
+    p.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    p.add_argument("--auth-token-file", help="present the (first) bearer token in this file on every call")
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the server (default 10)")
     p.add_argument(
         "--via-netsim",
@@ -188,6 +193,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     from client.adaptive import AdaptivePolicy
     from client.decode import Resilience, api_generate, generate
     from client.drafters import ALIASES, DRAFTERS, make_drafter
+    from client.endpoint import Endpoint
     from client.verifiers import LocalVerifier, RemoteVerifier
     from shared.acceptance import SamplingParams
     from shared.errors import SplitspecError
@@ -237,7 +243,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
             address = stack.enter_context(simulated_link(args.server, args.via_netsim)).address
         lsa = _pinned_specs(drafter, args)[0] if args.payload == "lsa" else PayloadSpec()
-        verifier = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer),
+        endpoint = Endpoint.from_files(address, args.tls, args.tls_ca, args.tls_cert, args.tls_key,
+                                       args.auth_token_file)  # fmt: skip
+        verifier = RemoteVerifier(endpoint, fingerprint=tokenizer_fingerprint(tokenizer),
                                   connect_timeout_s=args.connect_timeout, drafter=drafter, spec=lsa)  # fmt: skip
         stack.callback(verifier.shutdown)
         if args.probe_link or args.via_netsim:

@@ -164,7 +164,7 @@ class Run:
         start = time.perf_counter()
         self.spec_for_drafter()
         if verifier.link is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
-            self.heartbeat = Heartbeat(verifier.address, verifier.link, busy=lambda: verifier.busy)
+            self.heartbeat = Heartbeat(verifier.endpoint, verifier.link, busy=lambda: verifier.busy)
             self.heartbeat.on_dead(verifier.abort)
         reason = ""
         try:

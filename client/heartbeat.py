@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import grpc
 
+from client.endpoint import Endpoint
 from client.link import LinkMonitor
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -36,12 +37,13 @@ READY_WAIT_S = 0.5  # the least time a new heartbeat connection gets to come up
 
 
 class Heartbeat:
-    """Probes ``address`` on its own connection while alive; ``dead`` is set at the first unanswered one."""
+    """Probes the server at ``endpoint`` on a connection of its own while alive; ``dead`` is set at the first
+    unanswered probe."""
 
-    def __init__(self, address: str, link: LinkMonitor, min_interval_s: float = MIN_INTERVAL_S,
+    def __init__(self, endpoint: Endpoint, link: LinkMonitor, min_interval_s: float = MIN_INTERVAL_S,
                  margin_s: float = MARGIN_S, busy: Callable[[], bool] = lambda: True):  # fmt: skip
         self.link, self.min_interval_s, self.margin_s, self.busy = link, min_interval_s, margin_s, busy
-        self.address = address
+        self.endpoint = endpoint
         self.generation = 0  # which connection: a failure on a replaced one is not news
         self.channel = self._connect()
         self.stub = pb_grpc.SplitSpecStub(self.channel)
@@ -90,7 +92,7 @@ class Heartbeat:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500),
         ]
-        return grpc.insecure_channel(self.address, options=options)
+        return self.endpoint.channel(options)
 
     def _reconnect(self) -> None:
         """A new connection, ready before the first probe: failures of the old one no longer count."""

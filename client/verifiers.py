@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from client.endpoint import Endpoint
 from client.link import PROBE_MAX_BYTES, LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
@@ -64,6 +65,7 @@ class Verifier(ABC):
     with each round (``shared.payload``); the loop may change it between rounds."""
 
     address: str = "in-process"
+    endpoint: Endpoint | None = None  # how to reach the server, for connections of one's own (the heartbeat)
     eos_token_ids: list[int]
     max_tree_nodes: int
     max_context: int
@@ -176,7 +178,7 @@ class RemoteVerifier(Verifier):
 
     def __init__(
         self,
-        address: str,
+        address: str | Endpoint,
         fingerprint: str = "",
         connect_timeout_s: float = 10.0,
         rpc_timeout_s: float = 120.0,
@@ -184,7 +186,8 @@ class RemoteVerifier(Verifier):
         spec: PayloadSpec = PayloadSpec(),
         bundle=None,
     ):
-        self.address = address
+        self.endpoint = address if isinstance(address, Endpoint) else Endpoint(address)
+        self.address = address = self.endpoint.address
         self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = LinkCounters()
@@ -203,7 +206,7 @@ class RemoteVerifier(Verifier):
             ("grpc.max_reconnect_backoff_ms", 500),
         ]
         self._options = options
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.channel = self.endpoint.channel(options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -301,7 +304,7 @@ class RemoteVerifier(Verifier):
         try:
             self._timed(self.stub.Handshake, self.hello, timeout_s)
         except SplitspecError:
-            old, self.channel = self.channel, grpc.insecure_channel(self.address, options=self._options)
+            old, self.channel = self.channel, self.endpoint.channel(self._options)
             self.stub = pb_grpc.SplitSpecStub(self.channel)
             old.close()
             return False

@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="folder of drafter bundles whose LSA clients may ask the server to run (payload mode lsa); "
         "repeatable (default: the shipped client/drafters/bundles)",
     )
+    p.add_argument("--tls-cert", help="serve TLS with this PEM certificate (and --tls-key)")
+    p.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="mutual TLS: clients must present a certificate this PEM CA signed")
+    p.add_argument("--auth-token-file", help="bearer tokens a client must present, one per line (TOKEN or NAME TOKEN); "
+                   "a session belongs to the token that opened it")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this HTTP port (0: a free one; "
                    "default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
@@ -46,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from server.security import server_credentials
     from server.service import build_server
+    from shared.auth import read_tokens
     from shared.models import load_target
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -59,8 +66,15 @@ def run(args: argparse.Namespace) -> int:
     from shared.bundles import SHIPPED
 
     bundle_dirs = tuple(args.bundle_dir or (SHIPPED,))
+    credentials = tokens = None
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together (and --tls-client-ca needs both)")
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if args.auth_token_file:
+        tokens = read_tokens(args.auth_token_file)
     # listening (health: NOT_SERVING, calls: UNAVAILABLE) while the model loads
-    server, port, service = build_server(None, args.host, args.port, limits, bundle_dirs)
+    server, port, service = build_server(None, args.host, args.port, limits, bundle_dirs, credentials, tokens)
     server.start()
     stopped = threading.Event()
 

@@ -21,6 +21,7 @@ import grpc
 from server import payloads
 from server.limits import ServerLimits
 from server.observability import Metrics, add_health_and_reflection, log_session, set_serving
+from server.security import TokenAuth, caller
 from server.sessions import SessionStore, StoreFull
 from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
@@ -154,6 +155,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.model_lock = FairLock()
         self.metrics = Metrics(self.sessions, self.model_lock)
         self.health = None  # the gRPC health servicer, set by build_server
+        self.auth: TokenAuth | None = None  # bearer tokens, when the server runs with them
         if target is not None:
             self.attach(target)
 
@@ -225,8 +227,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         session.stats.payload_bytes += msg.ByteSize()
         return msg
 
-    def _session(self, session_id: str):
-        session = self.sessions.get(session_id)
+    def _session(self, session_id: str, context):
+        session = self.sessions.get(session_id, caller(context, self.auth))
         if session is None:
             raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(session_id)}")
         return session
@@ -289,7 +291,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
             with self.model_lock:
                 verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.model_lock.pass_on)
-                session = self.sessions.add(engine)
+                session = self.sessions.add(engine, caller(context, self.auth))
                 session.stats.prompt_tokens = len(prompt)
                 if "hidden" in target_features(spec):
                     session.hidden = verdict.features.hidden
@@ -309,7 +311,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     @rpc
     def Verify(self, request, context):
         arrived = time.perf_counter()
-        session = self._session(request.session_id)
+        session = self._session(request.session_id, context)
         tokens, parents = list(request.tokens), list(request.parents)
         try:
             validate_tree(tokens, parents, self.target.vocab_size, self.limits.max_tree_nodes)
@@ -358,7 +360,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     @rpc
     def FetchPayload(self, request, context):
         """Stream features of cached tokens [start, end) in chunks that each fit the inline limit."""
-        session = self._session(request.session_id)
+        session = self._session(request.session_id, context)
         spec = self._spec(request.spec, session)
         if not spec:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "payload: FetchPayload needs a spec with a mode")
@@ -373,7 +375,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     @rpc
     def CloseSession(self, request, context):
-        session = self.sessions.pop(request.session_id)
+        session = self.sessions.pop(request.session_id, caller(context, self.auth))
         if session is None:
             raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(request.session_id)}")
         return pb.CloseSessionReply(length=len(session.engine.tokens))
@@ -454,20 +456,25 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
 
 def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),
-                 bundle_dirs=(SHIPPED,)):  # fmt: skip
+                 bundle_dirs=(SHIPPED,), credentials: grpc.ServerCredentials | None = None,
+                 tokens: dict[str, str] | None = None):  # fmt: skip
     """Create (not start) a gRPC server for ``target`` (None: not loaded yet, see ``SplitSpecService.attach``),
-    with the health and reflection services; returns (server, bound port, service)."""
+    with the health and reflection services; ``credentials``: TLS (``server.security.server_credentials``);
+    ``tokens``: {token: identity} a caller must present one of. Returns (server, bound port, service)."""
     service = SplitSpecService(None, limits, bundle_dirs)
+    service.auth = TokenAuth(tokens) if tokens else None
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
     # every session or stream may block one worker (waiting for the model); the spare ones keep Handshake,
     # Probe, health checks and OpenSession answering whatever the sessions do
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + SPARE_WORKERS), options=options)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + SPARE_WORKERS), options=options,
+                         interceptors=[service.auth] if service.auth else [])  # fmt: skip
     pb_grpc.add_SplitSpecServicer_to_server(service, server)
     service.health = add_health_and_reflection(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    where = f"{host}:{port}"
+    bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
     if bound == 0:
         raise OSError(f"could not listen on {host}:{port} (in use or not a local address?)")
     if target is not None:
