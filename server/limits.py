@@ -21,6 +21,11 @@ class ServerLimits:
     max_probe_bytes: int = limit(16 * 1024 * 1024, "--max-probe-bytes", "reply bytes per Probe call")
     max_inline_payload_bytes: int = limit(1024 * 1024, "--max-inline-payload",
                                           "payload bytes carried inside a reply; more is streamed by FetchPayload")
+    max_batch: int = limit(16, "--max-batch", "steps (trees, prompt pieces, decode steps) per target forward; "
+                           "1: the serial server")
+    max_batch_tokens: int = limit(512, "--max-batch-tokens", "tokens per target forward")
+    batch_window_ms: float = limit(2.0, "--batch-window-ms", "how long a forward waits for more work once it has "
+                                   "some (ms)")
     prefill_chunk: int = limit(256, "--prefill-chunk", "prompt tokens per forward: other sessions' calls run "
                                "between the pieces of a long prompt")
     kv_memory_mb: int = limit(4096, "--kv-memory-mb", "MiB of KV cache all sessions together may hold")

@@ -25,14 +25,15 @@ log = logging.getLogger("splitspec.sessions")
 
 
 class Metrics:
-    """The server's figures; ``store`` and ``lock`` (the session store and the model lock) are read when scraped."""
+    """The server's figures; ``store`` (the session store) and ``waiting()`` (steps queued for the model) are
+    read when scraped."""
 
-    def __init__(self, store, lock) -> None:
+    def __init__(self, store, waiting) -> None:
         self.registry = r = CollectorRegistry()
         Gauge("splitspec_sessions", "open sessions", registry=r).set_function(lambda: len(store))
         Gauge("splitspec_kv_bytes", "KV cache bytes held by sessions and places being opened",
               registry=r).set_function(lambda: store.nbytes)  # fmt: skip
-        Gauge("splitspec_queue_depth", "calls waiting for the model", registry=r).set_function(lambda: lock.waiting)
+        Gauge("splitspec_queue_depth", "steps waiting for a forward", registry=r).set_function(waiting)
         Gauge("splitspec_sessions_evicted", "idle sessions evicted to admit new ones",
               registry=r).set_function(lambda: store.evicted)  # fmt: skip
         Gauge("splitspec_sessions_expired", "sessions reaped after the TTL", registry=r).set_function(

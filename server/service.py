@@ -12,13 +12,13 @@ import contextlib
 import functools
 import logging
 import math
-import threading
 import time
 from concurrent import futures
 
 import grpc
 
 from server import payloads
+from server.batching import Batcher
 from server.limits import ServerLimits
 from server.observability import Metrics, add_health_and_reflection, log_session, set_serving
 from server.security import TokenAuth, caller
@@ -37,35 +37,6 @@ SPARE_WORKERS = 8
 LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("splitspec.server")
-
-
-class FairLock:
-    """The model lock: first come, first served. ``threading.Lock`` makes no such promise, so a long prefill
-    giving it up between chunks (``pass_on``) could take it straight back; here every waiter runs first."""
-
-    def __init__(self) -> None:
-        self._turn = threading.Condition()
-        self._next = self._serving = 0
-
-    def __enter__(self) -> None:
-        with self._turn:
-            ticket, self._next = self._next, self._next + 1
-            self._turn.wait_for(lambda: self._serving == ticket)
-
-    def __exit__(self, *exc) -> None:
-        with self._turn:
-            self._serving += 1
-            self._turn.notify_all()
-
-    @property
-    def waiting(self) -> int:
-        """Calls waiting for their turn (not counting the one holding the lock)."""
-        return max(0, self._next - self._serving - 1)
-
-    def pass_on(self) -> None:
-        """Let those waiting now have their turn, then carry on (called while holding the lock)."""
-        self.__exit__()
-        self.__enter__()
 
 
 class UndecodableRequests(logging.Filter):
@@ -152,8 +123,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s,
                                      self.limits.kv_memory_mb * 2**20, self.limits.evict_idle_s,
                                      on_end=log_session)  # fmt: skip
-        self.model_lock = FairLock()
-        self.metrics = Metrics(self.sessions, self.model_lock)
+        self.batcher: Batcher | None = None  # runs every forward, once the target is attached
+        self.metrics = Metrics(self.sessions, lambda: self.batcher.waiting if self.batcher else 0)
         self.health = None  # the gRPC health servicer, set by build_server
         self.auth: TokenAuth | None = None  # bearer tokens, when the server runs with them
         if target is not None:
@@ -165,13 +136,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.limits = ServerLimits(**{**self.limits.as_dict(), "max_context": min(self.limits.max_context,
                                                                                   target.max_context)})  # fmt: skip
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
+        lim = self.limits
+        self.batcher = Batcher(target.engine, lim.max_batch, lim.max_batch_tokens, lim.batch_window_ms / 1000,
+                               on_batch=lambda steps, tokens, seconds: self.metrics.forward(tokens, steps))  # fmt: skip
         self.target = target
         if self.health is not None:
             set_serving(self.health)
 
     def close(self) -> None:
-        """Stop the session reaper (the gRPC server is stopped by its owner)."""
+        """Stop the session reaper and the batcher (the gRPC server is stopped by its owner)."""
         self.sessions.close()
+        if self.batcher is not None:
+            self.batcher.close()
 
     # --- validation -------------------------------------------------------------------------
 
@@ -289,24 +265,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         with self._place(len(prompt)):
             start = time.perf_counter()
             engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
-            with self.model_lock:
-                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.model_lock.pass_on)
-                session = self.sessions.add(engine, caller(context, self.auth))
-                session.stats.prompt_tokens = len(prompt)
-                if "hidden" in target_features(spec):
-                    session.hidden = verdict.features.hidden
+            verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.batcher.run)
+            session = self.sessions.add(engine, caller(context, self.auth))
+            session.stats.prompt_tokens = len(prompt)
+            if "hidden" in target_features(spec):
+                session.hidden = verdict.features.hidden
+            with session.lock:
                 payload = self._payload(session, spec, 0, engine.cached_len)
         compute_s = time.perf_counter() - start
-        self._count_prefill(len(prompt))
+        self.metrics.tokens_generated.inc()
         log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt), compute_s)
         return pb.OpenSessionReply(session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens),
                                    compute_s=compute_s, payload=payload)  # fmt: skip
-
-    def _count_prefill(self, n: int) -> None:
-        chunk = self.limits.prefill_chunk
-        for a in range(0, n, chunk):
-            self.metrics.forward(min(chunk, n - a))
-        self.metrics.tokens_generated.inc()
 
     @rpc
     def Verify(self, request, context):
@@ -337,17 +307,15 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 )
             start, before = time.perf_counter(), engine.cached_len
             try:
-                with self.model_lock:
-                    verdict = engine.verify(DraftTree(tokens, parents))
-                    session.keep_hidden(verdict)
-                    payload = self._payload(session, spec, before, engine.cached_len)
+                verdict = engine.verify(DraftTree(tokens, parents), self.batcher.run)
+                session.keep_hidden(verdict)
+                payload = self._payload(session, spec, before, engine.cached_len)
             except Exception:
                 self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
         finally:
             session.lock.release()
         m, st = self.metrics, session.stats
-        m.forward(len(tokens) + 1)
         m.tokens_verified.inc(len(tokens))
         m.tokens_accepted.inc(len(verdict.accepted))
         m.tokens_generated.inc(len(verdict.new_tokens))
@@ -412,7 +380,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 if not context.is_active():
                     return
                 b = min(a + chunk, end)
-                with session.lock, self.model_lock:
+                with session.lock:
                     if b > session.engine.cached_len:  # a Verify resent after a lost reply rolled the session back
                         raise Abort(grpc.StatusCode.ABORTED,
                                     f"the session now caches {session.engine.cached_len} tokens: payload range "
@@ -433,9 +401,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         try:
             with self._place(len(prompt)):
                 engine = self.target.session(sampling)
-                with self.model_lock:
-                    verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.model_lock.pass_on)
-                self._count_prefill(len(prompt))
+                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.batcher.run)
+                self.metrics.tokens_generated.inc()
                 for produced in range(1, budget + 1):
                     token = verdict.bonus
                     done = token in stop or produced == budget
@@ -443,9 +410,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
                     if done or not context.is_active():
                         return
-                    with self.model_lock:
-                        verdict = engine.verify(DraftTree())
-                    self.metrics.forward(1)
+                    verdict = engine.verify(DraftTree(), self.batcher.run)
                     self.metrics.tokens_generated.inc()
         except Abort as exc:
             self.metrics.refusals.labels("Generate", exc.code.name).inc()

@@ -187,8 +187,44 @@ class Transformer(nn.Module):
             x = layer(x, mask, rope, None if cache is None else cache.layers[i], at)
         return self.norm(x)
 
+    def forward_many(self, parts: list[Part]) -> list[torch.Tensor]:
+        """One forward for several sequences, each with its own cache, positions and mask: final hidden states
+        [T_i, E] of each part. The projections and the MLP see all the parts' tokens as one matrix (the weights
+        are read once for all); attention runs per part over its own cache. A part's rows do not depend on
+        the others where the GEMMs' rows do not depend on the row count (bf16 on a CPU: see ``Linear``)."""
+        dev = self.device
+        ids = torch.tensor([[t for p in parts for t in p.ids]], device=dev)
+        positions = torch.tensor([[i for p in parts for i in p.positions]], device=dev)
+        x = self.embed_tokens(ids)
+        rope = self.rotary(positions, x.dtype)
+        ends = torch.tensor([len(p.ids) for p in parts]).cumsum(0).tolist()
+        spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), rope)
+            outs = []
+            for (a, b), p in zip(spans, parts, strict=True):
+                kk, vv = p.cache.layers[i].write(k[:, :, a:b], v[:, :, a:b], p.at)
+                outs.append(attn.attention(q[:, :, a:b], kk, vv, p.mask))
+            x = x + attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.norm(x)[0]
+        return [x[a:b] for a, b in spans]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+@dataclass
+class Part:
+    """One sequence's share of a ``forward_many``: tokens at positions, written into ``cache`` from slot ``at``,
+    each seeing the cache slots [0, at + len) that ``mask`` [1, len, at + len] allows (None: all)."""
+
+    ids: list[int]
+    positions: list[int]
+    mask: torch.Tensor | None
+    cache: Cache
+    at: int
 
 
 WEIGHTS = ("native", "int8")

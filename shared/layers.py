@@ -228,12 +228,16 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, H, T, d] attends to k, v [B, kv_heads, S, d] under mask [B or 1, T, S] (None: everything)."""
+        return self.o_proj(self.attention(q, k, v, mask))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``attend`` before the output projection: [B, T, H·d] in q's dtype."""
         # in the cache's precision if that is higher (the target's exact mode keeps it in fp64)
         work, dtype = torch.promote_types(attention_dtype(q.dtype, q.device), k.dtype), q.dtype
         q, k, v = q.to(work), k.to(work), v.to(work)
         mask = None if mask is None else mask[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2).to(dtype))
+        return out.transpose(1, 2).flatten(2).to(dtype)
 
 
 class MLP(nn.Module):

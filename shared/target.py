@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from shared.acceptance import SamplingParams, accept_tree
-from shared.engine import Transformer
+from shared.engine import Part, Transformer
 from shared.features import Features, cache_kv
 from shared.tree import DraftTree, causal_from, tree_mask, tree_positions
 
@@ -101,6 +102,15 @@ class Verdict:
 
 
 @dataclass
+class Step:
+    """One forward's worth of a session's work: ``part`` goes through the engine (alone, or in one forward
+    with other sessions' parts), then ``finish(hidden)`` turns its hidden states into the call's result."""
+
+    part: Part
+    finish: Callable[[torch.Tensor], object]
+
+
+@dataclass
 class TargetSession:
     """One sequence on the target: its committed tokens, static KV cache and random stream."""
 
@@ -114,22 +124,23 @@ class TargetSession:
         self.cached_len = 0  # cache slots [0, cached_len) hold committed tokens: all but the root
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
-    def _forward(self, ids: list[int], positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
-        """Final hidden states [T, E] of ``ids`` written at slot ``cached_len`` (not yet committed)."""
-        dev = self.target.device
+    def _part(self, ids: list[int], positions: list[int], mask: torch.Tensor | None) -> Part:
+        """``ids`` at ``positions``, to be written at slot ``cached_len`` (the cache grown to hold them)."""
         self.cache.reserve(self.cached_len + len(ids), self.target.max_context)
-        ids_t = torch.tensor([ids], device=dev)
-        pos_t = torch.tensor([positions], device=dev)
-        return self.target.engine(ids_t, pos_t, mask, self.cache, self.cached_len)[0]
+        return Part(ids, positions, mask, self.cache, self.cached_len)
 
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], chunk: int | None = None, pause=None) -> Verdict:
+    def run(self, step: Step):
+        """Run a step alone (a server batches steps of many sessions instead: ``server.batching``)."""
+        with torch.inference_mode():
+            return step.finish(self.target.engine.forward_many([step.part])[0])
+
+    def prefill(self, prompt_ids: list[int], chunk: int | None = None, run: Callable[[Step], object] | None = None
+                ) -> Verdict:  # fmt: skip
         """Run the prompt, pick the first token; afterwards the cache holds the whole prompt.
 
-        ``chunk``: at most that many tokens per forward, with ``pause()`` called between the pieces (a server
-        lets other sessions' calls run there). In bf16 on a CPU (exact mode) the result is bit-identical to
-        one forward; in fp32 the last bits of the prompt's states may differ (MKL's GEMM rows depend on the
-        row count), as they may between any two batch shapes.
+        ``chunk``: at most that many tokens per forward; ``run`` runs each piece (default: alone, now). In
+        bf16 on a CPU (exact mode) the result is bit-identical to one forward; in fp32 the last bits of the
+        prompt's states may differ (MKL's GEMM rows depend on the row count), as between any two batch shapes.
         """
         if self.tokens:
             raise RuntimeError("prefill called twice on one session")
@@ -139,27 +150,32 @@ class TargetSession:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.target.max_context}"
             )
+        run = run or self.run
         start = time.perf_counter()
         n = len(prompt_ids)
         step = max(1, chunk or n)
         pieces = []
         for a in range(0, n, step):
-            if a and pause is not None:
-                pause()
             b = min(a + step, n)
-            mask = causal_from(a, b - a, self.target.device)
-            pieces.append(self._forward(list(prompt_ids[a:b]), list(range(a, b)), mask))
-            self.cached_len = b  # the next piece is written after this one
-        hidden = torch.cat(pieces)
-        logits = self.target.engine.logits(hidden[-1:])
-        _, first = accept_tree([], [], logits, self.sampling, self.generator)
-        self.tokens = list(prompt_ids) + [first]
-        self.cached_len = n
-        return Verdict([], first, [first], time.perf_counter() - start, self._features(0, hidden))
+            part = self._part(list(prompt_ids[a:b]), list(range(a, b)), causal_from(a, b - a, self.target.device))
+            pieces.append(run(Step(part, lambda hidden, b=b: self._filled(b, hidden))))
+        with torch.inference_mode():
+            hidden = torch.cat(pieces)
+            logits = self.target.engine.logits(hidden[-1:])
+            _, first = accept_tree([], [], logits, self.sampling, self.generator)
+            self.tokens = list(prompt_ids) + [first]
+            return Verdict([], first, [first], time.perf_counter() - start, self._features(0, hidden))
 
-    @torch.inference_mode()
-    def verify(self, tree: DraftTree) -> Verdict:
-        """Score root + tree in one forward pass, accept a path, keep only its KV."""
+    def _filled(self, end: int, hidden: torch.Tensor) -> torch.Tensor:
+        self.cached_len = end  # a prompt piece is committed as soon as it is cached: the next goes after it
+        return hidden
+
+    def verify(self, tree: DraftTree, run: Callable[[Step], object] | None = None) -> Verdict:
+        """Score root + tree in one forward pass, accept a path, keep only its KV (``run``: as in ``prefill``)."""
+        return (run or self.run)(self.verify_step(tree))
+
+    def verify_step(self, tree: DraftTree) -> Step:
+        """``verify`` as a step: its forward's part, and what to do with the hidden states."""
         if not self.tokens:
             raise RuntimeError("verify before prefill")
         prefix = self.cached_len
@@ -176,16 +192,20 @@ class TargetSession:
             mask = causal_from(prefix, n + 1, dev)
         else:
             mask = tree_mask(tree.parents, prefix, dev)
-        hidden = self._forward([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
-        logits = TreeLogits(self.target.engine, hidden, tree.parents)
-        accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
-        kept = [1 + i for i in accepted]
-        self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
-        self.cached_len = prefix + 1 + len(kept)
-        new = [tree.tokens[i] for i in accepted] + [bonus]
-        self.tokens.extend(new)
-        features = self._features(prefix, hidden[[0, *kept]]) if self.features else None
-        return Verdict(accepted, bonus, new, time.perf_counter() - start, features)
+        part = self._part([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
+
+        def finish(hidden: torch.Tensor) -> Verdict:
+            logits = TreeLogits(self.target.engine, hidden, tree.parents)
+            accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
+            kept = [1 + i for i in accepted]
+            self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
+            self.cached_len = prefix + 1 + len(kept)
+            new = [tree.tokens[i] for i in accepted] + [bonus]
+            self.tokens.extend(new)
+            features = self._features(prefix, hidden[[0, *kept]]) if self.features else None
+            return Verdict(accepted, bonus, new, time.perf_counter() - start, features)
+
+        return Step(part, finish)
 
     def _features(self, start: int, hidden: torch.Tensor) -> Features | None:
         """Features of the tokens now cached at [start, start + len(hidden)); ``hidden`` are their final states."""

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from server.service import MAX_DETAILS, UNDECODABLE, FairLock
+from server.service import MAX_DETAILS, UNDECODABLE
 from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
 from shared.tree import DraftTree
@@ -207,32 +207,6 @@ def test_undecodable_bodies_log_one_line_not_a_traceback_each(tiny_target, caplo
         service.sessions.close()
     records = [r for r in caplog.records if "deserializ" in r.getMessage() or "did not decode" in r.getMessage()]
     assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
-
-
-def test_a_long_prefill_lets_other_sessions_in_between_its_chunks(tiny_target):
-    """Before: one 3,000-token prefill held the model for 6.9 s. Chunked, it passes the model lock on between
-    pieces (first come, first served), and the result is the one-forward result, bit for bit, in bf16."""
-    lock, order = FairLock(), []
-    prompt = list(range(5, 5 + 100))
-
-    def other():
-        with lock:
-            order.append("other")
-
-    def pause():
-        order.append("pause")
-        if len(order) == 1:
-            waiter.start()
-            time.sleep(0.1)  # the other call is now waiting for the model
-        lock.pass_on()
-
-    waiter = threading.Thread(target=other)
-    with lock:
-        chunked = tiny_target.session().prefill(prompt, chunk=32, pause=pause)
-    waiter.join()
-    assert order[:2] == ["pause", "other"] and order.count("pause") == 3  # 100 tokens = 4 pieces
-    whole = tiny_target.session().prefill(prompt)
-    assert chunked.new_tokens == whole.new_tokens
 
 
 def test_chunked_prefill_is_bit_identical_in_bf16(tiny_model_dir):

@@ -1,0 +1,121 @@
+"""Continuous batching: sessions' steps run together in one forward and each gets exactly what it gets alone;
+a failing step fails alone; a long prompt's pieces let other sessions' steps in between."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from server.batching import Batcher
+from shared.acceptance import SamplingParams
+from shared.models import load_target
+from shared.tree import DraftTree
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny_model_dir):
+    return load_target(str(tiny_model_dir), dtype="bfloat16")
+
+
+def trees(guide: list[int], vocab: int):
+    """Plain steps, chains and branchy trees around likely continuations (accepted paths move KV)."""
+    g = guide
+    w = (g[0] + 1) % vocab
+    return [DraftTree(), DraftTree.chain(g[:3]), DraftTree([w, g[0], g[1]], [-1, -1, 1]),
+            DraftTree([g[0], w, g[1], g[2]], [-1, 0, 0, 2])]  # fmt: skip
+
+
+def decode(target, prompt, sampling, rounds, run=None):
+    """Prefill (in pieces of 8) and ``rounds`` verifications; every verdict and the final cache."""
+    session = target.session(sampling, features=("kv",))
+    verdicts = [session.prefill(prompt, chunk=8, run=run)]
+    for i in range(rounds):
+        tree = trees(session.tokens[-3:], target.vocab_size)[i % 4]
+        verdicts.append(session.verify(tree, run=run))
+    n = session.cached_len
+    return ([(v.accepted, v.new_tokens) for v in verdicts], session.tokens, session.cache.k[..., :n, :].clone(),
+            [v.features.kv for v in verdicts])  # fmt: skip
+
+
+def test_batched_sessions_get_exactly_what_they_get_alone(bf16):
+    """Sessions of different lengths, trees and sampling (greedy, and seeded sampling) in the same forwards."""
+    cases = [([5, 9, 14, 5, 9, 21, 33], SamplingParams()),
+             (list(range(5, 45)), SamplingParams()),
+             ([7, 8, 9], SamplingParams(temperature=1.5, top_p=0.9, seed=7)),
+             (list(range(60, 80)), SamplingParams(temperature=0.8, seed=3))]  # fmt: skip
+    alone = [decode(bf16, p, s, 12) for p, s in cases]
+    sizes = []
+    batcher = Batcher(bf16.engine, max_batch=8, max_tokens=512, window_s=0.05,
+                      on_batch=lambda steps, tokens, seconds: sizes.append(steps))  # fmt: skip
+    results = [None] * len(cases)
+
+    def run(i):
+        results[i] = decode(bf16, *cases[i], 12, run=batcher.run)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batcher.close()
+    assert max(sizes) > 1, "no batch ever held more than one step"
+    for i, (got, want) in enumerate(zip(results, alone, strict=True)):
+        assert got[0] == want[0] and got[1] == want[1], i  # every verdict, every token
+        assert torch.equal(got[2], want[2]), i  # the caches, bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(got[3], want[3], strict=True)), i  # the payload features
+
+
+def test_a_failing_step_fails_alone(bf16):
+    batcher = Batcher(bf16.engine, max_batch=8, max_tokens=512, window_s=0.05)
+    good = bf16.session()
+    want = bf16.session()
+    want.prefill([5, 6, 7, 8])
+    outcome = {}
+
+    def bad():
+        session = bf16.session()
+        session.prefill([5, 6])
+        step = session.verify_step(DraftTree([9], [-1]))
+        step.part.ids[1] = 10**9  # no such token: the embedding lookup fails
+        try:
+            batcher.run(step)
+        except Exception as exc:  # noqa: BLE001 - whatever the engine raised
+            outcome["bad"] = exc
+
+    def fine():
+        outcome["good"] = good.prefill([5, 6, 7, 8], run=batcher.run)
+
+    threads = [threading.Thread(target=f) for f in (bad, fine)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batcher.close()
+    assert isinstance(outcome["bad"], (IndexError, RuntimeError))
+    assert outcome["good"].new_tokens == want.tokens[-1:] and good.tokens == want.tokens
+
+
+def test_a_long_prompt_lets_other_steps_in_between_its_pieces(bf16):
+    """Before: one long prefill held the model for its whole length. Pieces queue behind waiting steps."""
+    started, pieces = threading.Event(), []
+    batcher = Batcher(bf16.engine, max_batch=1, max_tokens=512, window_s=0.0,
+                      on_batch=lambda steps, tokens, seconds: pieces.append(tokens) or started.set())  # fmt: skip
+    other = bf16.session()
+    other.prefill([5, 6, 7])
+    long_done = threading.Event()
+
+    def long_prompt():
+        bf16.session().prefill(list(range(5, 5 + 200)), chunk=8, run=batcher.run)
+        long_done.set()
+
+    thread = threading.Thread(target=long_prompt)
+    thread.start()
+    started.wait(10)
+    verdict = other.verify(DraftTree(), run=batcher.run)  # queued behind one piece at most
+    assert not long_done.is_set() and verdict.new_tokens
+    thread.join()
+    batcher.close()
+    assert len(pieces) == 25 + 1  # 200 tokens in pieces of 8, and the other session's step among them
+
