@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim clean
+.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim bench-serve clean
 
 setup: $(VENV)/.ready
 
@@ -61,3 +61,7 @@ clean:
 
 bench-netsim: setup
 	$(PY) -m bench.netsim
+
+# Many clients against one server (issue 14): batched vs serial vs the API, 1..32 clients replaying recorded trees.
+bench-serve: setup
+	$(PY) -m bench.serve

@@ -43,6 +43,8 @@ class Metrics:
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
         self.forward_sessions = Histogram("splitspec_forward_sessions", "sessions per target forward (batch size)",
                                           registry=r, buckets=(1, 2, 4, 8, 16, 32))  # fmt: skip
+        self.forward_seconds = Counter("splitspec_forward_seconds", "time spent in target forwards",
+                                       registry=r)  # fmt: skip
         self.verify_seconds = Histogram("splitspec_verify_seconds", "Verify calls, from arrival to reply",
                                         registry=r, buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5))  # fmt: skip
         self.tokens_verified = Counter("splitspec_tokens_verified", "draft nodes verified", registry=r)
@@ -53,9 +55,11 @@ class Metrics:
         self.refusals = Counter("splitspec_refusals", "requests refused, by method and status",
                                 ["method", "code"], registry=r)  # fmt: skip
 
-    def forward(self, tokens: int, sessions: int = 1) -> None:
+    def forward(self, steps: int, tokens: int, seconds: float) -> None:
+        """One target forward of ``steps`` steps (sessions' trees, prompt pieces, decode steps), ``tokens`` in all."""
         self.forward_tokens.observe(tokens)
-        self.forward_sessions.observe(sessions)
+        self.forward_sessions.observe(steps)
+        self.forward_seconds.inc(seconds)
 
     def serve(self, host: str, port: int):
         """The metrics on http://host:port/metrics (a thread of their own); returns (server, thread)."""

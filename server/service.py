@@ -138,7 +138,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
         lim = self.limits
         self.batcher = Batcher(target.engine, lim.max_batch, lim.max_batch_tokens, lim.batch_window_ms / 1000,
-                               on_batch=lambda steps, tokens, seconds: self.metrics.forward(tokens, steps))  # fmt: skip
+                               on_batch=self.metrics.forward)  # fmt: skip
         self.target = target
         if self.health is not None:
             set_serving(self.health)

@@ -1,0 +1,272 @@
+"""Serving many clients (issue 14): N concurrent clients against one `splitspec serve`, batched vs serial vs API.
+
+So that 32 drafters do not fight the server for the machine's cores, the clients *replay* draft trees
+recorded from a real drafter: ``--drafter`` (default eagle) drafts greedily on ``--prompts`` MT-Bench
+prompts with the target in this process, every tree it sent is recorded, and a replaying client
+sends the same trees, round by round, after the same prompt. The server is the same target in the
+same dtype, so it accepts exactly what it accepted when recorded (checked: each replay's tokens must
+equal the recording's). Client i replays prompt i mod K.
+
+Per server mode and N in ``--clients`` (default 1,2,4,8,16,32), all clients start together and each
+generates its recording's tokens: ``batched`` (``--max-batch 16``), ``serial`` (``--max-batch 1``) and
+``api`` (each client one Generate stream of the same length, on the batched server: plain decoding,
+its steps batched too). Reported: server tokens/s (all clients' tokens over the wall time), tokens per
+target forward and steps per forward (the server's Prometheus metrics), per-client tokens/s (median),
+Verify latency p50/p99 as the clients saw it, the server's resident memory at the end, and the server's
+compute per generated token (its forward time, from the metrics, over the tokens).
+
+Run:  .venv/bin/python -m bench.serve [--clients 1,2,4,8,16,32] [--prompts 8] [--max-new-tokens 64]
+      [--drafter eagle] [--modes batched,serial,api] [--server-threads 2]
+Writes serve.json, serve.md and serve.png under --out (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from bench.common import cell, environment, median, save_figure, save_results
+from client.decode import generate
+from client.drafters import make_drafter
+from client.training.datasets import mtbench_questions
+from client.verifiers import LocalVerifier
+from shared.models import DEFAULT_MODEL, encode_prompt, load_target
+from shared.server_process import ServerChild
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = {"batched": ["--max-batch", "16"], "serial": ["--max-batch", "1"], "api": ["--max-batch", "16"]}
+TIMEOUT = 600.0
+
+
+@dataclass
+class Recording:
+    prompt: list[int]
+    trees: list[DraftTree]
+    tokens: list[int]  # what the target generated after the prompt
+
+
+@dataclass
+class Point:
+    mode: str
+    clients: int
+    tokens: int
+    wall_s: float
+    server_tokens_per_s: float
+    client_tokens_per_s: float  # median over clients
+    tokens_per_forward: float | None
+    steps_per_forward: float | None
+    verify_p50_ms: float | None
+    verify_p99_ms: float | None
+    server_compute_ms_per_token: float | None
+    server_rss_mb: float | None
+    exact: bool
+
+
+def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) -> list[Recording]:
+    """Each prompt decoded greedily by the drafter and the in-process target; the trees it verified."""
+    recordings = []
+    for prompt in tqdm(prompts, desc=f"recording {drafter_name} trees", unit="prompt", file=sys.stderr):
+        drafter = make_drafter(drafter_name, target=target)
+        verifier = LocalVerifier(target)
+        trees = []
+        verify = verifier.verify
+
+        def recorded(tree, timeout_s=None, verify=verify, trees=trees):
+            trees.append(DraftTree(list(tree.tokens), list(tree.parents)))
+            return verify(tree, timeout_s)
+
+        verifier.verify = recorded
+        gen = generate(verifier, drafter, prompt, max_new, max_tree_nodes=16)
+        recordings.append(Recording(prompt, trees, gen.token_ids))
+    return recordings
+
+
+def replay(stub, rec: Recording, latencies: list[float]) -> tuple[list[int], float]:
+    """Open a session with the recording's prompt and send its trees; (tokens generated, seconds)."""
+    start = time.perf_counter()
+    opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt), timeout=TIMEOUT)
+    tokens, length = [opened.first_token], opened.length
+    for tree in rec.trees:
+        t0 = time.perf_counter()
+        reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens, parents=tree.parents,
+                                             length=length), timeout=TIMEOUT)  # fmt: skip
+        latencies.append(time.perf_counter() - t0)
+        tokens += [tree.tokens[i] for i in reply.accepted] + [reply.bonus_token]
+        length = reply.length
+    stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT)
+    return tokens, time.perf_counter() - start
+
+
+def stream(stub, rec: Recording) -> tuple[list[int], float]:
+    start = time.perf_counter()
+    request = pb.GenerateRequest(prompt_ids=rec.prompt, max_new_tokens=len(rec.tokens))
+    tokens = [t for chunk in stub.Generate(request, timeout=TIMEOUT) for t in chunk.tokens]
+    return tokens, time.perf_counter() - start
+
+
+def scrape(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordings: list[Recording]) -> Point:
+    before = scrape(metrics_port)
+    channels = [grpc.insecure_channel(child.address) for _ in range(n)]
+    stubs = [pb_grpc.SplitSpecStub(c) for c in channels]
+    results: list = [None] * n
+    latencies: list[float] = []
+    barrier = threading.Barrier(n)
+
+    def client(i: int) -> None:
+        rec = recordings[i % len(recordings)]
+        barrier.wait()
+        results[i] = stream(stubs[i], rec) if mode == "api" else replay(stubs[i], rec, latencies)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    for c in channels:
+        c.close()
+    after = scrape(metrics_port)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    tokens = sum(min(len(r[0]), len(recordings[i % len(recordings)].tokens)) for i, r in enumerate(results))
+    exact = all(results[i][0][: len(recordings[i % len(recordings)].tokens)] == recordings[i % len(recordings)].tokens
+                for i in range(n))  # fmt: skip
+    forwards = delta("splitspec_forward_tokens_count")
+    lat = sorted(latencies)
+    return Point(mode, n, tokens, round(wall, 3), round(tokens / wall, 2),
+                 median([len(r[0]) / r[1] for r in results]),
+                 round(delta("splitspec_forward_tokens_sum") / forwards, 2) if forwards else None,
+                 round(delta("splitspec_forward_sessions_sum") / forwards, 2) if forwards else None,
+                 round(1000 * lat[len(lat) // 2], 1) if lat else None,
+                 round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
+                 round(1000 * delta("splitspec_forward_seconds_total") / tokens, 2) if tokens else None,
+                 rss_mb(child.process.pid), exact)  # fmt: skip
+
+
+def markdown(points: list[Point], args, recordings: list[Recording]) -> str:
+    rounds = sum(len(r.trees) for r in recordings)
+    tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
+    lines = [
+        f"Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} MT-Bench prompts, ≤ 16 nodes, "
+        f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads.",
+        "",
+        "| mode | clients | server tok/s | tok/forward | steps/forward | client tok/s | verify p50 ms "
+        "| verify p99 ms | server ms/token | RSS MB | exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for p in points:
+        lines.append(f"| {p.mode} | {p.clients} | {p.server_tokens_per_s:.1f} | {cell(p.tokens_per_forward, '.1f')} | "
+                     f"{cell(p.steps_per_forward, '.2f')} | {cell(p.client_tokens_per_s, '.1f')} | "
+                     f"{cell(p.verify_p50_ms, '.0f')} | {cell(p.verify_p99_ms, '.0f')} | "
+                     f"{cell(p.server_compute_ms_per_token, '.1f')} | {cell(p.server_rss_mb, '.0f')} | "
+                     f"{'yes' if p.exact else 'NO'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def figure(points: list[Point], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(p.mode for p in points):
+        ps = [p for p in points if p.mode == mode]
+        a.plot([p.clients for p in ps], [p.server_tokens_per_s for p in ps], marker="o", label=mode)
+        if mode != "api":
+            b.plot([p.clients for p in ps], [p.verify_p99_ms for p in ps], marker="o", label=mode)
+    for ax, label in ((a, "server tokens/s"), (b, "Verify p99 latency, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    save_figure(fig, out / "serve.png", "splitspec serve under load")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,2,4,8,16,32", help="comma list of concurrent client counts")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of batched, serial, api")
+    p.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts to record trees on (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per client (default 64)")
+    p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")
+    p.add_argument("--server-threads", type=int, default=2, help="torch threads of the server child (default 2)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    counts = [int(c) for c in args.clients.split(",")]
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; expected some of {', '.join(MODES)}")
+
+    target = load_target(args.model, dtype="auto")
+    questions = mtbench_questions()[: args.prompts]
+    prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
+    recordings = record(target, args.drafter, prompts, args.max_new_tokens)
+    del target
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="splitspec-serve-") as workdir:
+        for mode in modes:
+            serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--max-sessions",
+                          str(2 * max(counts)), "--metrics-port", "0", *MODES[mode]]  # fmt: skip
+            child = ServerChild(serve_args, Path(workdir) / mode)
+            (Path(workdir) / mode).mkdir()
+            child.start()
+            try:
+                metrics_port = int(next(line.rsplit(":", 1)[1].split("/")[0]
+                                        for line in (Path(workdir) / mode / "server.log").read_text().splitlines()
+                                        if "metrics on http" in line))  # fmt: skip
+                for n in tqdm(counts, desc=f"serve {mode}", unit="N", file=sys.stderr):
+                    points.append(run_point(child, metrics_port, mode, n, recordings))
+                    tqdm.write(str(points[-1]), file=sys.stderr)
+            finally:
+                child.stop()
+    md = markdown(points, args, recordings)
+    print(md)
+    result = {"environment": environment(args.server_threads), "args": vars(args) | {"out": str(args.out)},
+              "points": [asdict(p) for p in points]}  # fmt: skip
+    save_results(args.out, "serve", result, md)
+    figure(points, args.out)
+    print(f"\nwrote {args.out}/serve.{{json,md,png}}")
+    return 0 if all(p.exact for p in points) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
