@@ -3,8 +3,9 @@
 Calls (a Verify's tree, a prompt piece of an OpenSession, a decode step of the streaming API) hand their
 ``Step`` (``shared.target``) to ``Batcher.run`` and wait. The worker takes what is queued — up to
 ``max_batch`` steps and ``max_tokens`` tokens, waiting at most ``window_s`` for more once it has one —
-and runs them as one ``forward_many``: each step keeps its own cache, positions and mask, the weights
-are read once for all. Then each step's ``finish`` (acceptance, cache moves) runs, in queue order.
+and runs them as one ``forward_many`` (it waits only while fewer steps are gathered than sessions were
+active in the last ``ACTIVE_S``: a lone client never waits): each step keeps its own cache, positions
+and mask, the weights are read once for all. Then each step's ``finish`` (acceptance, cache moves) runs, in queue order.
 
 A batch never mixes results: a step's rows do not depend on the others' (see ``forward_many``). A
 failing forward is retried step by step, so a bad step fails alone. ``max_batch=1`` is the serial server.
@@ -25,6 +26,8 @@ import torch
 from shared.engine import Transformer
 from shared.target import Step
 
+ACTIVE_S = 0.5  # a sequence with a step in the last half second is expected to send another soon
+
 
 @dataclass
 class Work:
@@ -40,6 +43,7 @@ class Batcher:
         self.on_batch = on_batch or (lambda steps, tokens, seconds: None)
         self._queue: queue.Queue[Work | None] = queue.Queue()
         self._carry: Work | None = None  # taken from the queue but left for the next batch (over the token cap)
+        self._seen: dict[int, float] = {}  # cache id -> when a step of it last ran: who is active
         self._thread = threading.Thread(target=self._work, daemon=True, name="splitspec-batcher")
         self._thread.start()
 
@@ -56,10 +60,19 @@ class Batcher:
     def close(self) -> None:
         self._queue.put(None)
 
+    def _active(self) -> int:
+        """Sequences (caches) that had a step run in the last ``ACTIVE_S``."""
+        now = time.monotonic()
+        self._seen = {k: t for k, t in self._seen.items() if now - t < ACTIVE_S}
+        return len(self._seen)
+
     def _gather(self, first: Work) -> list[Work]:
         batch, tokens = [first], len(first.step.part.ids)
         deadline = time.monotonic() + self.window_s
+        active = self._active()
         while len(batch) < self.max_batch:
+            if len(batch) >= active and self._queue.empty():
+                break  # nobody else is likely to come: do not wait
             try:
                 work = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -82,6 +95,7 @@ class Batcher:
                     return
                 batch = self._gather(first)
                 start = time.perf_counter()
+                self._seen.update({id(w.step.part.cache): time.monotonic() for w in batch})
                 try:
                     hidden = self.engine.forward_many([w.step.part for w in batch])
                 except Exception as exc:
