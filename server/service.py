@@ -14,13 +14,14 @@ import logging
 import math
 import time
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
 from server import payloads
 from server.batching import Batcher
 from server.limits import ServerLimits
-from server.observability import Metrics, add_health_and_reflection, log_session, set_serving
+from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
 from server.security import TokenAuth, caller
 from server.sessions import SessionStore, StoreFull
 from shared.acceptance import SamplingParams
@@ -39,29 +40,38 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("splitspec.server")
 
 
-class UndecodableRequests(logging.Filter):
-    """gRPC logs every request body that does not parse as an ERROR with a traceback: a client's garbage
-    would fill the log. One WARNING line instead, at most every ``every_s`` seconds, with the count since."""
+@dataclass(frozen=True)
+class Undecodable:
+    """A request body that did not parse as the method's message (what the tolerant parser hands the handler)."""
 
-    def __init__(self, every_s: float = 10.0):
-        super().__init__()
-        self.every_s, self.count, self.last = every_s, 0, float("-inf")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.getMessage().startswith("Exception deserializing"):
-            return True
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last < self.every_s:
-            return False
-        record.msg, record.args = f"{self.count} request bodies did not decode (not protobuf for this method)", ()
-        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
-        self.last, self.count = now, 0
-        return True
+    message: str
+    size: int
 
 
-UNDECODABLE = UndecodableRequests()
-logging.getLogger("grpc._common").addFilter(UNDECODABLE)
+def tolerant(message_class):
+    """The request parser: a body that does not parse becomes ``Undecodable`` (refused INVALID_ARGUMENT by ``rpc``)
+    instead of gRPC's INTERNAL "Exception deserializing request!" and an ERROR traceback in the log."""
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, or worse on garbage
+            return Undecodable(message_class.__name__, len(data))
+
+    return parse
+
+
+def add_service(service, server: grpc.Server) -> None:
+    """Register the SplitSpec methods, as the generated ``add_SplitSpecServicer_to_server`` does, with ``tolerant``
+    request parsers."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["SplitSpec"].methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        reply = getattr(pb, method.output_type.name)
+        handlers[method.name] = make(getattr(service, method.name),
+                                     request_deserializer=tolerant(getattr(pb, method.input_type.name)),
+                                     response_serializer=reply.SerializeToString)  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 MAX_DETAILS = 1000  # characters of a status message: far below gRPC's 16 KiB metadata limit
@@ -94,6 +104,9 @@ def rpc(method):
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
+            if isinstance(request, Undecodable):
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request body ({request.size} bytes) is not a {request.message} message")  # fmt: skip
             if self.target is None:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its model; retry shortly", retry_s=1.0)
             return method(self, request, context)
@@ -436,7 +449,7 @@ def build_server(target: Target | None, host: str, port: int, limits: ServerLimi
     # Probe, health checks and OpenSession answering whatever the sessions do
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + SPARE_WORKERS), options=options,
                          interceptors=[service.auth] if service.auth else [])  # fmt: skip
-    pb_grpc.add_SplitSpecServicer_to_server(service, server)
+    add_service(service, server)
     service.health = add_health_and_reflection(server)
     where = f"{host}:{port}"
     bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)

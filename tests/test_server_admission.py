@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from server.service import MAX_DETAILS, UNDECODABLE
+from server.service import MAX_DETAILS
 from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
 from shared.tree import DraftTree
@@ -191,22 +191,22 @@ def test_echoed_strings_stay_short_and_the_real_status_arrives(serve):
     assert error.code() == Code.FAILED_PRECONDITION and len(error.details()) <= MAX_DETAILS
 
 
-def test_undecodable_bodies_log_one_line_not_a_traceback_each(tiny_target, caplog):
-    """Before: each request body that did not parse logged an ERROR with a traceback (1,191 bodies: 524 KB)."""
+def test_undecodable_bodies_are_invalid_arguments_not_internal_errors_and_tracebacks(tiny_target, caplog):
+    """Before: each request body that did not parse was INTERNAL and logged an ERROR with a traceback
+    (1,191 bodies: 524 KB of log)."""
     server, address, service = start_server(tiny_target)
-    UNDECODABLE.last = float("-inf")  # a fresh rate window for this test
     try:
-        with grpc.insecure_channel(address) as channel, caplog.at_level(logging.DEBUG, logger="grpc"):
+        with grpc.insecure_channel(address) as channel, caplog.at_level(logging.DEBUG):
             raw = channel.unary_unary("/splitspec.v1.SplitSpec/Verify")  # bytes in, bytes out
             for i in range(50):
-                with pytest.raises(grpc.RpcError):
-                    raw(bytes([0xFF, 0xFF, i, 0x00, 0x12]) * 7, timeout=TIMEOUT)
+                error = refused(lambda i=i: raw(bytes([0xFF, 0xFF, i, 0x00, 0x12]) * 7, timeout=TIMEOUT))
+                assert error.code() == Code.INVALID_ARGUMENT and "is not a VerifyRequest message" in error.details()
             pb_grpc.SplitSpecStub(channel).Probe(pb.ProbeRequest(), timeout=TIMEOUT)  # still serving
     finally:
         server.stop(grace=None)
-        service.sessions.close()
-    records = [r for r in caplog.records if "deserializ" in r.getMessage() or "did not decode" in r.getMessage()]
-    assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
+        service.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "refusals are not worth a log line"
+    assert service.metrics.refusals.labels("Verify", "INVALID_ARGUMENT")._value.get() == 50
 
 
 def test_chunked_prefill_is_bit_identical_in_bf16(tiny_model_dir):
