@@ -221,3 +221,28 @@ def test_chunked_prefill_is_bit_identical_in_bf16(tiny_model_dir):
     assert one.tokens == chunked.tokens
     assert (one.cache.k[..., :n, :] == chunked.cache.k[..., :n, :]).all()
     assert (one.cache.v[..., :n, :] == chunked.cache.v[..., :n, :]).all()
+
+
+def rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_memory_stays_flat_over_500_abandoned_sessions(serve, tiny_target):
+    """Opened and never closed: each is reaped after the TTL by the reaper, not by the next request; the KV
+    memory the store holds returns to zero and the process does not grow with the count."""
+    stub, service = serve(max_sessions=64, session_ttl_s=0.3, evict_idle_s=30)
+    peak, rss = 0, []
+    for i in range(500):
+        stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[5, 6, 7, i % 200 + 5]), timeout=TIMEOUT)
+        peak = max(peak, len(service.sessions))
+        if i % 50 == 49:  # waves of 50: fewer than max_sessions, whatever the machine's speed
+            deadline = time.monotonic() + 10
+            while len(service.sessions) and time.monotonic() < deadline:
+                time.sleep(0.05)  # nothing is sent meanwhile: the reaper does it
+            assert len(service.sessions) == 0 and service.sessions.nbytes == 0
+            rss.append(rss_mb())
+    assert service.sessions.expired == 500 and peak <= 64
+    assert rss[-1] - rss[0] < 64, rss  # MB: flat, not growing with the sessions
