@@ -222,6 +222,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(session_id)}")
         return session
 
+    def _runner(self, context):
+        """Runs a call's steps through the batcher while its client is still there: a cancelled call (deadline
+        past, client gone) stops at its next step — a long prompt's remaining pieces are never computed — and
+        its place is released at once."""
+
+        def run(step):
+            if not context.is_active():
+                raise Abort(grpc.StatusCode.CANCELLED, "the client cancelled the call or its deadline passed")
+            return self.batcher.run(step)
+
+        return run
+
     @contextlib.contextmanager
     def _place(self, prompt_len: int):
         """Hold a place in the store for a sequence starting with ``prompt_len`` tokens (RESOURCE_EXHAUSTED if none)."""
@@ -278,7 +290,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         with self._place(len(prompt)):
             start = time.perf_counter()
             engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
-            verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.batcher.run)
+            verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
             session = self.sessions.add(engine, caller(context, self.auth))
             session.stats.prompt_tokens = len(prompt)
             if "hidden" in target_features(spec):
@@ -320,7 +332,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 )
             start, before = time.perf_counter(), engine.cached_len
             try:
-                verdict = engine.verify(DraftTree(tokens, parents), self.batcher.run)
+                verdict = engine.verify(DraftTree(tokens, parents), self._runner(context))
                 session.keep_hidden(verdict)
                 payload = self._payload(session, spec, before, engine.cached_len)
             except Exception:
@@ -414,7 +426,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         try:
             with self._place(len(prompt)):
                 engine = self.target.session(sampling)
-                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self.batcher.run)
+                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
                 self.metrics.tokens_generated.inc()
                 for produced in range(1, budget + 1):
                     token = verdict.bonus
@@ -423,7 +435,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
                     if done or not context.is_active():
                         return
-                    verdict = engine.verify(DraftTree(), self.batcher.run)
+                    verdict = engine.verify(DraftTree(), self._runner(context))
                     self.metrics.tokens_generated.inc()
         except Abort as exc:
             self.metrics.refusals.labels("Generate", exc.code.name).inc()

@@ -246,3 +246,19 @@ def test_memory_stays_flat_over_500_abandoned_sessions(serve, tiny_target):
             rss.append(rss_mb())
     assert service.sessions.expired == 500 and peak <= 64
     assert rss[-1] - rss[0] < 64, rss  # MB: flat, not growing with the sessions
+
+
+def test_a_call_cancelled_mid_prefill_stops_and_releases_its_place(serve, tiny_target):
+    """A long prompt's OpenSession whose deadline passes stops at its next piece instead of computing the rest,
+    and the place it held is free at once."""
+    stub, service = serve(max_sessions=4, max_context=256, prefill_chunk=1)
+    prompt = [5 + i % 200 for i in range(245)]
+    error = refused(lambda: stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt), timeout=0.05))
+    assert error.code() == Code.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while service.sessions.nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.sessions.nbytes == 0 and len(service.sessions) == 0
+    forwards = service.metrics.forward_tokens._sum.get()  # prompt tokens computed: fewer than the 245 sent
+    assert forwards < 245
+    Seq(stub, tiny_target, [5, 6], GREEDY).step()
