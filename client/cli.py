@@ -120,7 +120,7 @@ class TextStream:
 
 
 class SettledStream:
-    """Streams the part of a resilient generation that can no longer change.
+    """Streams the part of a generation that can no longer change.
 
     Verified tokens are final, and so are local ones under ``keep``; under ``verify`` a local token
     may still be replaced when the server is back, so it waits. On a terminal, stderr says when the

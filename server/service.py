@@ -1,8 +1,8 @@
 """The gRPC service: validates every request, then runs the shared target engine.
 
-One model lock serialises forwards (on a CPU two concurrent forwards only thrash; on a GPU this
-is where batching would go). Each session has its own lock, so a slow or bad request on one
-session never corrupts another. Validation happens before any cache is touched, so a rejected
+Every forward goes through one batcher (``server.batching``), which runs the steps of all waiting
+calls together. Each session has its own lock, so a slow or bad request on one session never
+corrupts another. Validation happens before any cache is touched, so a rejected
 request leaves its session exactly as it was.
 """
 
