@@ -119,3 +119,55 @@ def test_a_long_prompt_lets_other_steps_in_between_its_pieces(bf16):
     batcher.close()
     assert len(pieces) == 25 + 1  # 200 tokens in pieces of 8, and the other session's step among them
 
+
+
+def test_a_batched_server_answers_every_session_as_the_serial_one_does(bf16):
+    """Through gRPC: sessions with different prompts, trees, sampling and payload modes (none, kv, hidden) verify
+    concurrently on a batching server; every reply — accepted path, bonus token, payload bytes — equals what
+    the serial server (--max-batch 1) answers the same session."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from shared.wire import splitspec_pb2 as pb
+    from shared.wire import splitspec_pb2_grpc as pb_grpc
+    from tests.conftest import start_server
+
+    cases = [([5, 9, 14, 5, 9, 21, 33], pb.Sampling(), pb.PayloadSpec()),
+             (list(range(5, 45)), pb.Sampling(), pb.PayloadSpec(mode="kv", precision="fp32")),
+             ([7, 8, 9], pb.Sampling(temperature=1.5, top_p=0.9, seed=7), pb.PayloadSpec(mode="hidden")),
+             (list(range(60, 80)), pb.Sampling(temperature=0.8, seed=3), pb.PayloadSpec(mode="kv", precision="int8"))]
+
+    def conversation(stub, prompt, sampling, spec) -> list:
+        opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt, sampling=sampling, payload=spec),
+                                  timeout=60)  # fmt: skip
+        replies, tokens, length = [opened.SerializeToString()], [*prompt, opened.first_token], opened.length
+        for i in range(10):
+            tree = trees(tokens[-3:], bf16.vocab_size)[i % 4]
+            reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens,
+                                                 parents=tree.parents, length=length, payload=spec), timeout=60)
+            reply.compute_s = 0.0
+            replies.append(reply.SerializeToString())
+            tokens += [tree.tokens[i] for i in reply.accepted] + [reply.bonus_token]
+            length = reply.length
+        return replies
+
+    answers = {}
+    for mode, limits in (("serial", {"max_batch": 1}), ("batched", {"max_batch": 8, "batch_window_ms": 50})):
+        server, address, service = start_server(bf16, max_sessions=8, max_tree_nodes=16, max_context=256, **limits)
+        try:
+            with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(len(cases)) as pool:
+                stub = pb_grpc.SplitSpecStub(channel)
+                answers[mode] = list(pool.map(lambda case, stub=stub: conversation(stub, *case), cases))
+            sizes = service.metrics.forward_sessions  # a histogram: count of forwards per batch-size bucket
+            counts = [bucket.get() for bucket in sizes._buckets]
+            most = max((b for b, c in zip(sizes._upper_bounds, counts, strict=True) if c), default=1)
+        finally:
+            server.stop(grace=None)
+            service.close()
+        if mode == "batched":
+            assert most > 1, "no forward ever held more than one session's step"
+    for i, (serial, batched) in enumerate(zip(answers["serial"], answers["batched"], strict=True)):
+        one, other = pb.OpenSessionReply.FromString(serial[0]), pb.OpenSessionReply.FromString(batched[0])
+        assert (one.first_token, one.payload) == (other.first_token, other.payload), i
+        assert serial[1:] == batched[1:], i
