@@ -238,15 +238,12 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _place(self, prompt_len: int):
         """Hold a place in the store for a sequence starting with ``prompt_len`` tokens (RESOURCE_EXHAUSTED if none)."""
         capacity = max(INITIAL_CAPACITY, 1 << prompt_len.bit_length())  # what its cache grows to for the prompt
-        try:
-            place = self.sessions.hold(capacity * self.kv_bytes_per_token)
-            place.__enter__()
-        except StoreFull as exc:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_s=exc.retry_s) from None
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.sessions.hold(capacity * self.kv_bytes_per_token))
+            except StoreFull as exc:
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_s=exc.retry_s) from None
             yield
-        finally:
-            place.__exit__(None, None, None)
 
     # --- RPCs --------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ drafter's Target Layer Inference runs the target's last layers with this very co
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,7 +198,7 @@ class Transformer(nn.Module):
         positions = torch.tensor([[i for p in parts for i in p.positions]], device=dev)
         x = self.embed_tokens(ids)
         rope = self.rotary(positions, x.dtype)
-        ends = torch.tensor([len(p.ids) for p in parts]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(len(p.ids) for p in parts))
         spans = list(zip([0, *ends[:-1]], ends, strict=True))
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
