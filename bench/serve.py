@@ -1,14 +1,16 @@
 """Serving many clients (issue 14): N concurrent clients against one `splitspec serve`, batched vs serial vs API.
 
 So that 32 drafters do not fight the server for the machine's cores, the clients *replay* draft trees
-recorded from a real drafter: ``--drafter`` (default eagle) drafts greedily on ``--prompts`` MT-Bench
-prompts with the target in this process, every tree it sent is recorded, and a replaying client
-sends the same trees, round by round, after the same prompt. The server is the same target in the
-same dtype, so it accepts exactly what it accepted when recorded (checked: each replay's tokens must
+recorded from a real drafter: ``--drafter`` (default eagle) drafts on ``--prompts`` MT-Bench prompts
+at every position of the target's greedy output (in this process), and a replaying client sends, after
+the same prompt, the tree recorded at the position it has reached, however many tokens the server
+accepted so far (all of a tree, or what a server that cuts trees at load verified). The server is the
+same target in the same dtype, so its tokens are the recording's (checked: each replay's tokens must
 equal the recording's). Client i replays prompt i mod K.
 
 Per server mode and N in ``--clients`` (default 1,2,4,8,16,32), all clients start together and each
-generates its recording's tokens: ``batched`` (``--max-batch 16``), ``serial`` (``--max-batch 1``) and
+generates its recording's tokens: ``batched`` (``--max-batch 16``), ``whole`` (the same, every node verified:
+no cut at load, ``server.budget``), ``serial`` (``--max-batch 1``) and
 ``api`` (each client one Generate stream of the same length, on the batched server: plain decoding,
 its steps batched too). Reported: server tokens/s (all clients' tokens over the wall time), tokens per
 target forward and steps per forward (the server's Prometheus metrics), per-client tokens/s (median),
@@ -16,7 +18,7 @@ Verify latency p50/p99 as the clients saw it, the server's resident memory at th
 compute per generated token (its forward time, from the metrics, over the tokens).
 
 Run:  .venv/bin/python -m bench.serve [--clients 1,2,4,8,16,32] [--prompts 8] [--max-new-tokens 64]
-      [--drafter eagle] [--modes batched,serial,api] [--server-threads 2]
+      [--drafter eagle] [--modes batched,whole,serial,api] [--server-threads 2]
 Writes serve.json, serve.md and serve.png under --out (default bench/results).
 """
 
@@ -41,20 +43,47 @@ from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
 from shared.server_process import ServerChild
-from shared.tree import DraftTree
+from shared.tree import ROOT, DraftTree, children
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = {"batched": ["--max-batch", "16"], "serial": ["--max-batch", "1"], "api": ["--max-batch", "16"]}
+MODES = {
+    "batched": ["--max-batch", "16"],
+    "whole": ["--max-batch", "16", "--min-tree-nodes", "1000000"],
+    "serial": ["--max-batch", "1"],
+    "api": ["--max-batch", "16"],
+}
 TIMEOUT = 600.0
 
 
 @dataclass
 class Recording:
     prompt: list[int]
-    trees: list[DraftTree]
+    trees: list[DraftTree]  # trees[g - 1]: what the drafter drafts after g generated tokens
     tokens: list[int]  # what the target generated after the prompt
+
+    def tree(self, generated: int) -> DraftTree:
+        return self.trees[generated - 1]
+
+    def rounds(self) -> int:
+        """Verifications to generate the tokens when every tree is verified whole (greedy)."""
+        g, rounds = 1, 0
+        while g < len(self.tokens):
+            g, rounds = g + len(accepted_path(self.tree(g), self.tokens[g:])) + 1, rounds + 1
+        return rounds
+
+
+def accepted_path(tree: DraftTree, upcoming: list[int]) -> list[int]:
+    """The nodes greedy acceptance takes: the path whose tokens are the ones the target generates next."""
+    kids, path, node = children(tree.parents), [], ROOT
+    while len(path) < len(upcoming):
+        match = [c for c in kids[node + 1] if tree.tokens[c] == upcoming[len(path)]]
+        if not match:
+            break
+        node = match[0]
+        path.append(node)
+    return path
 
 
 @dataclass
@@ -71,11 +100,14 @@ class Point:
     verify_p99_ms: float | None
     server_compute_ms_per_token: float | None
     server_rss_mb: float | None
+    nodes_verified: float | None  # of the nodes sent (the rest cut by the server at load)
     exact: bool
 
 
 def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) -> list[Recording]:
-    """Each prompt decoded greedily by the drafter and the in-process target; the trees it verified."""
+    """Each prompt decoded greedily by the in-process target one token a round, the drafter drafting at every
+    position: whatever a server verifies of a tree (all, or the first nodes when it cuts at load), a replaying
+    client is at a position where the drafter's own tree is known."""
     recordings = []
     for prompt in tqdm(prompts, desc=f"recording {drafter_name} trees", unit="prompt", file=sys.stderr):
         drafter = make_drafter(drafter_name, target=target)
@@ -85,7 +117,7 @@ def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) ->
 
         def recorded(tree, timeout_s=None, verify=verify, trees=trees):
             trees.append(DraftTree(list(tree.tokens), list(tree.parents)))
-            return verify(tree, timeout_s)
+            return verify(DraftTree(), timeout_s)  # one token: the drafter drafts again at the next position
 
         verifier.verify = recorded
         gen = generate(verifier, drafter, prompt, max_new, max_tree_nodes=16)
@@ -94,11 +126,13 @@ def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) ->
 
 
 def replay(stub, rec: Recording, latencies: list[float]) -> tuple[list[int], float]:
-    """Open a session with the recording's prompt and send its trees; (tokens generated, seconds)."""
+    """Open a session with the recording's prompt and send the drafter's tree at each position it reaches;
+    (tokens generated, seconds)."""
     start = time.perf_counter()
     opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt), timeout=TIMEOUT)
     tokens, length = [opened.first_token], opened.length
-    for tree in rec.trees:
+    while len(tokens) < len(rec.tokens):
+        tree = rec.tree(len(tokens))
         t0 = time.perf_counter()
         reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens, parents=tree.parents,
                                              length=length), timeout=TIMEOUT)  # fmt: skip
@@ -167,6 +201,8 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
     exact = all(results[i][0][: len(recordings[i % len(recordings)].tokens)] == recordings[i % len(recordings)].tokens
                 for i in range(n))  # fmt: skip
     forwards = delta("splitspec_forward_tokens_count")
+    verified, cut = delta("splitspec_tokens_verified_total"), delta("splitspec_tree_nodes_cut_total")
+    share = round(verified / (verified + cut), 3) if verified + cut else None
     lat = sorted(latencies)
     return Point(mode, n, tokens, round(wall, 3), round(tokens / wall, 2),
                  median([len(r[0]) / r[1] for r in results]),
@@ -175,25 +211,26 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
                  round(1000 * lat[len(lat) // 2], 1) if lat else None,
                  round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
                  round(1000 * delta("splitspec_forward_seconds_total") / tokens, 2) if tokens else None,
-                 rss_mb(child.process.pid), exact)  # fmt: skip
+                 rss_mb(child.process.pid), share, exact)  # fmt: skip
 
 
 def markdown(points: list[Point], args, recordings: list[Recording]) -> str:
-    rounds = sum(len(r.trees) for r in recordings)
+    rounds = sum(r.rounds() for r in recordings)
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
     lines = [
         f"Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} MT-Bench prompts, ≤ 16 nodes, "
         f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads.",
         "",
         "| mode | clients | server tok/s | tok/forward | steps/forward | client tok/s | verify p50 ms "
-        "| verify p99 ms | server ms/token | RSS MB | exact |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| verify p99 ms | server ms/token | RSS MB | nodes verified | exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in points:
         lines.append(f"| {p.mode} | {p.clients} | {p.server_tokens_per_s:.1f} | {cell(p.tokens_per_forward, '.1f')} | "
                      f"{cell(p.steps_per_forward, '.2f')} | {cell(p.client_tokens_per_s, '.1f')} | "
                      f"{cell(p.verify_p50_ms, '.0f')} | {cell(p.verify_p99_ms, '.0f')} | "
                      f"{cell(p.server_compute_ms_per_token, '.1f')} | {cell(p.server_rss_mb, '.0f')} | "
+                     f"{cell(p.nodes_verified, '.0%')} | "
                      f"{'yes' if p.exact else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -222,7 +259,7 @@ def figure(points: list[Point], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="1,2,4,8,16,32", help="comma list of concurrent client counts")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of batched, serial, api")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of batched, whole, serial, api")
     p.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts to record trees on (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per client (default 64)")
     p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")

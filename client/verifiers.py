@@ -58,6 +58,7 @@ class Round:
     new_tokens: list[int]
     features: Features | None = None  # what the target reported about the tokens it cached this round
     compute_s: float = 0.0  # the server's (or in-process target's) time on this round
+    verified: int | None = None  # tree nodes verified, the first of those sent (a loaded server may cut); None: all
 
 
 class Verifier(ABC):
@@ -133,7 +134,7 @@ class LocalVerifier(Verifier):
     def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
         verdict = self.session.verify(tree)
         self.counters.server_compute_s += verdict.compute_s
-        return Round(verdict.accepted, verdict.new_tokens, verdict.features, verdict.compute_s)
+        return Round(verdict.accepted, verdict.new_tokens, verdict.features, verdict.compute_s, verdict.verified)
 
     def close(self, timeout_s: float | None = None) -> None:
         self.session = None
@@ -341,7 +342,8 @@ class RemoteVerifier(Verifier):
         self.length = reply.length
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
-        return Round(accepted, new, self._features(reply.payload), reply.compute_s)
+        verified = reply.verified if 0 < reply.verified < len(tree) else None  # 0: an older server, all
+        return Round(accepted, new, self._features(reply.payload), reply.compute_s, verified)
 
     def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
         """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""

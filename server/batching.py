@@ -15,6 +15,7 @@ so a long prefill delays the others by a piece, not by the whole prompt.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -23,23 +24,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine import Transformer
-from shared.target import Step
+from server.budget import Tree, TreeBudget
+from shared.engine import Part, Transformer
+from shared.target import Step, Verdict
 
+log = logging.getLogger(__name__)
 ACTIVE_S = 0.5  # a sequence with a step in the last half second is expected to send another soon
+FORGET_S = 60.0  # a sequence's time away is forgotten after this long without a step
+AWAY_WEIGHT = 0.3  # of the latest time away in its running average
 
 
 @dataclass
 class Work:
     step: Step
     future: Future = field(default_factory=Future)
+    arrived: float = field(default_factory=time.monotonic)
+
+
+def pairs(part: Part) -> int:
+    """Query·key pairs a part's attention computes."""
+    return len(part.ids) * (part.at + len(part.ids))
 
 
 class Batcher:
     def __init__(self, engine: Transformer, max_batch: int = 16, max_tokens: int = 512, window_s: float = 0.002,
-                 on_batch=None):  # fmt: skip
-        """``on_batch(steps, tokens, seconds)`` is told of every forward (for the metrics)."""
+                 on_batch=None, budget: TreeBudget | None = None):  # fmt: skip
+        """``on_batch(steps, tokens, seconds)`` is told of every forward (for the metrics); ``budget`` cuts trees
+        (None: every node is verified)."""
         self.engine, self.max_batch, self.max_tokens, self.window_s = engine, max_batch, max_tokens, window_s
+        self.budget = budget
+        self._done: dict[int, float] = {}  # cache id -> when its last step finished
+        self._away: dict[int, float] = {}  # cache id -> running average of its time between steps
         self.on_batch = on_batch or (lambda steps, tokens, seconds: None)
         self._queue: queue.Queue[Work | None] = queue.Queue()
         self._carry: Work | None = None  # taken from the queue but left for the next batch (over the token cap)
@@ -64,7 +79,30 @@ class Batcher:
         """Sequences (caches) that had a step run in the last ``ACTIVE_S``."""
         now = time.monotonic()
         self._seen = {k: t for k, t in self._seen.items() if now - t < ACTIVE_S}
+        self._done = {k: t for k, t in self._done.items() if now - t < FORGET_S}
+        self._away = {k: a for k, a in self._away.items() if k in self._done}
         return len(self._seen)
+
+    def _cut(self, batch: list[Work]) -> None:
+        """Cut the batch's trees to the length its budget chooses for this forward."""
+        trees = [w for w in batch if w.step.cut is not None]
+        if self.budget is None or not trees:
+            return
+        others = [w.step.part for w in batch if w.step.cut is None]
+        k = self.budget.choose(
+            [Tree(w.step.nodes, w.step.part.at, self._away.get(id(w.step.part.cache), 0.0)) for w in trees],
+            sum(len(p.ids) for p in others), sum(pairs(p) for p in others))  # fmt: skip
+        for w in trees:
+            if k is not None and w.step.nodes > k:
+                w.step = w.step.cut(k)
+
+    def _arrive(self, work: Work) -> None:
+        """Note how long the step's sequence was away since its last step (drafting, the network)."""
+        key = id(work.step.part.cache)
+        if key in self._done:
+            away = max(0.0, work.arrived - self._done[key])
+            before = self._away.get(key, away)
+            self._away[key] = (1 - AWAY_WEIGHT) * before + AWAY_WEIGHT * away
 
     def _gather(self, first: Work) -> list[Work]:
         batch, tokens = [first], len(first.step.part.ids)
@@ -94,6 +132,12 @@ class Batcher:
                 if first is None:
                     return
                 batch = self._gather(first)
+                for work in batch:
+                    self._arrive(work)
+                try:
+                    self._cut(batch)
+                except Exception:  # a cut only saves time: it never fails a forward
+                    log.exception("could not cut the trees of a forward; verifying them whole")
                 start = time.perf_counter()
                 self._seen.update({id(w.step.part.cache): time.monotonic() for w in batch})
                 try:
@@ -103,12 +147,19 @@ class Batcher:
                         batch[0].future.set_exception(exc)
                         continue
                     hidden = [None] * len(batch)  # retried alone below: the failing step fails by itself
-                self.on_batch(len(batch), sum(len(w.step.part.ids) for w in batch), time.perf_counter() - start)
+                seconds, tokens = time.perf_counter() - start, sum(len(w.step.part.ids) for w in batch)
+                self.on_batch(len(batch), tokens, seconds)
+                if self.budget is not None and hidden[0] is not None:
+                    self.budget.observe_forward(tokens, sum(pairs(w.step.part) for w in batch), seconds)
                 for work, h in zip(batch, hidden, strict=True):
                     try:
                         if h is None:
                             h = self.engine.forward_many([work.step.part])[0]
-                        work.future.set_result(work.step.finish(h))
+                        result = work.step.finish(h)
                     except Exception as exc:
                         work.future.set_exception(exc)
-
+                        continue
+                    self._done[id(work.step.part.cache)] = time.monotonic()
+                    if self.budget is not None and isinstance(result, Verdict) and work.step.cut is not None:
+                        self.budget.observe_path(result.verified, result.accepted)
+                    work.future.set_result(result)

@@ -26,6 +26,8 @@ class ServerLimits:
     max_batch_tokens: int = limit(512, "--max-batch-tokens", "tokens per target forward")
     batch_window_ms: float = limit(2.0, "--batch-window-ms", "how long a forward waits for more work once it has "
                                    "some (ms)")
+    min_tree_nodes: int = limit(1, "--min-tree-nodes", "nodes of a tree always verified; beyond them the server "
+                                "verifies the nodes worth their cost at its load (>= --max-tree-nodes: every node)")
     prefill_chunk: int = limit(256, "--prefill-chunk", "prompt tokens per forward: other sessions' calls run "
                                "between the pieces of a long prompt")
     kv_memory_mb: int = limit(4096, "--kv-memory-mb", "MiB of KV cache all sessions together may hold")

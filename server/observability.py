@@ -48,6 +48,8 @@ class Metrics:
         self.verify_seconds = Histogram("splitspec_verify_seconds", "Verify calls, from arrival to reply",
                                         registry=r, buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5))  # fmt: skip
         self.tokens_verified = Counter("splitspec_tokens_verified", "draft nodes verified", registry=r)
+        self.tree_nodes_cut = Counter("splitspec_tree_nodes_cut", "draft nodes sent but not verified: trees cut "
+                                      "to what pays at the server's load", registry=r)
         self.tokens_accepted = Counter("splitspec_tokens_accepted", "draft nodes accepted", registry=r)
         self.tokens_generated = Counter("splitspec_tokens_generated", "tokens committed (accepted + bonus, "
                                         "first tokens, streamed tokens)", registry=r)  # fmt: skip

@@ -20,6 +20,7 @@ import grpc
 
 from server import payloads
 from server.batching import Batcher
+from server.budget import TreeBudget
 from server.limits import ServerLimits
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
 from server.security import TokenAuth, caller
@@ -151,7 +152,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
         lim = self.limits
         self.batcher = Batcher(target.engine, lim.max_batch, lim.max_batch_tokens, lim.batch_window_ms / 1000,
-                               on_batch=self.metrics.forward)  # fmt: skip
+                               on_batch=self.metrics.forward, budget=TreeBudget(lim.min_tree_nodes))  # fmt: skip
         self.target = target
         if self.health is not None:
             set_serving(self.health)
@@ -338,14 +339,17 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         finally:
             session.lock.release()
         m, st = self.metrics, session.stats
-        m.tokens_verified.inc(len(tokens))
+        m.tokens_verified.inc(verdict.verified)
+        m.tree_nodes_cut.inc(len(tokens) - verdict.verified)
         m.tokens_accepted.inc(len(verdict.accepted))
         m.tokens_generated.inc(len(verdict.new_tokens))
         m.verify_seconds.observe(time.perf_counter() - arrived)
-        st.rounds, st.nodes, st.accepted = st.rounds + 1, st.nodes + len(tokens), st.accepted + len(verdict.accepted)
+        st.rounds, st.nodes = st.rounds + 1, st.nodes + verdict.verified
+        st.accepted += len(verdict.accepted)
         st.verify_s += time.perf_counter() - start
         return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens),
-                              compute_s=time.perf_counter() - start, payload=payload)  # fmt: skip
+                              compute_s=time.perf_counter() - start, payload=payload,
+                              verified=verdict.verified)  # fmt: skip
 
     @rpc
     def FetchPayload(self, request, context):

@@ -99,6 +99,7 @@ class Verdict:
     new_tokens: list[int]
     compute_s: float
     features: Features | None = None  # about the tokens this call added to the cache
+    verified: int = 0  # tree nodes verified (a server under load may verify only the first of those sent)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Step:
 
     part: Part
     finish: Callable[[torch.Tensor], object]
+    nodes: int = 0  # a verification's tree nodes
+    cut: Callable[[int], Step] | None = None  # a verification of the tree's first k nodes instead
 
 
 @dataclass
@@ -203,9 +206,9 @@ class TargetSession:
             new = [tree.tokens[i] for i in accepted] + [bonus]
             self.tokens.extend(new)
             features = self._features(prefix, hidden[[0, *kept]]) if self.features else None
-            return Verdict(accepted, bonus, new, time.perf_counter() - start, features)
+            return Verdict(accepted, bonus, new, time.perf_counter() - start, features, verified=n)
 
-        return Step(part, finish)
+        return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)))
 
     def _features(self, start: int, hidden: torch.Tensor) -> Features | None:
         """Features of the tokens now cached at [start, start + len(hidden)); ``hidden`` are their final states."""

@@ -154,7 +154,8 @@ def test_a_batched_server_answers_every_session_as_the_serial_one_does(bf16):
 
     answers = {}
     for mode, limits in (("serial", {"max_batch": 1}), ("batched", {"max_batch": 8, "batch_window_ms": 50})):
-        server, address, service = start_server(bf16, max_sessions=8, max_tree_nodes=16, max_context=256, **limits)
+        server, address, service = start_server(bf16, max_sessions=8, max_tree_nodes=16, max_context=256,
+                                                min_tree_nodes=16, **limits)  # every node: no cut at load  # fmt: skip
         try:
             with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(len(cases)) as pool:
                 stub = pb_grpc.SplitSpecStub(channel)

@@ -159,18 +159,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload")
+    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload", "verified")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     length: int
     compute_s: float
     payload: Payload
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+    verified: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
