@@ -7,31 +7,26 @@ import contextlib
 import json
 import sys
 
-from netsim.profiles import PROFILES
+from client.options import add_connection_arguments
+from client.private import Renderer, mask
 from shared.models import DEFAULT_MODEL, DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="prompt text; '-' reads it from standard input")
+    p.add_argument(
+        "--private",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="keep TEXT on this device (repeatable): every occurrence in the prompt, like a <private>...</private> "
+        "span in it, reaches the server as a placeholder ([PRIVATE_1], ...) and is put back in the answer here",
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument(
-        "--server", default="127.0.0.1:50051", help="HOST:PORT of `splitspec serve` (default 127.0.0.1:50051)"
-    )
+    add_connection_arguments(p, where)
     where.add_argument("--local", action="store_true", help="run the target in this process (no gRPC), same loop")
-    p.add_argument("--tls", action="store_true", help="reach --server over TLS, verified with the system's roots")
-    p.add_argument("--tls-ca", help="TLS, verifying the server against this PEM CA")
-    p.add_argument("--tls-cert", help="mutual TLS: present this PEM client certificate (with --tls-key)")
-    p.add_argument("--tls-key", help="the PEM private key of --tls-cert")
-    p.add_argument("--auth-token-file", help="present the (first) bearer token in this file on every call")
-    p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the server (default 10)")
-    p.add_argument(
-        "--via-netsim",
-        metavar="PROFILE",
-        choices=list(PROFILES),
-        help=f"reach --server through a netsim proxy with this network profile ({', '.join(PROFILES)})",
-    )
     p.add_argument(
         "--probe-link", action="store_true", help="measure RTT and bandwidth first (implied by --via-netsim)"
     )
@@ -102,10 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class TextStream:
-    """Prints text as tokens arrive, holding back an incomplete multi-byte character."""
+    """Prints text as tokens arrive, holding back an incomplete multi-byte character; ``renderer``
+    (``client.private.Renderer``) puts private text back in place of placeholders."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=sys.stdout, renderer: Renderer | None = None):
+        self.tokenizer, self.out, self.renderer = tokenizer, out, renderer
         self.ids: list[int] = []
         self.printed = 0
 
@@ -114,9 +110,16 @@ class TextStream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return
-        self.out.write(text[self.printed :])
+        delta = text[self.printed :]
+        self.out.write(self.renderer.feed(delta) if self.renderer else delta)
         self.out.flush()
         self.printed = len(text)
+
+    def finish(self) -> None:
+        """The end of the text: what the renderer held back (never a whole placeholder)."""
+        if self.renderer:
+            self.out.write(self.renderer.flush())
+            self.out.flush()
 
 
 class SettledStream:
@@ -150,6 +153,7 @@ class SettledStream:
         if len(tokens) > self.shown:
             self.text(tokens[self.shown :])
             self.shown = len(tokens)
+        self.text.finish()
         unverified = len(verified) - sum(verified)
         if unverified:
             print(f"\n[{unverified} tokens were generated locally and never verified by the server]", file=self.status)
@@ -215,6 +219,10 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text:
         raise SplitspecError("empty prompt: pass --prompt TEXT")
+    try:  # everything from here on, the server and the drafter included, sees the masked prompt only
+        text, secrets = mask(text, args.private)
+    except ValueError as exc:
+        raise SplitspecError(str(exc)) from None
 
     drafter = None
     trained = args.baseline is None and args.drafter not in DRAFTERS and args.drafter not in ALIASES
@@ -255,7 +263,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         verifier.spec = specs[0]
     prompt_ids = encode_prompt(tokenizer, text, args.chat)
     on_reconnect = args.on_reconnect or "verify"
-    stream = None if args.json else SettledStream(TextStream(tokenizer), final_local=on_reconnect == "keep")
+    stream = None
+    if not args.json:
+        stream = SettledStream(TextStream(tokenizer, renderer=secrets.renderer()), final_local=on_reconnect == "keep")
     if args.baseline == "api":
         gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_update=stream)
         drafter_name = "api"
@@ -275,8 +285,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         print(
             json.dumps(
                 {
-                    "text": tokenizer.decode(gen.token_ids, skip_special_tokens=True),
-                    "token_ids": gen.token_ids,
+                    "text": secrets.render(tokenizer.decode(gen.token_ids, skip_special_tokens=True)),
+                    "token_ids": gen.token_ids,  # the masked prompt's run
+                    "private_spans": len(secrets),
                     "finish_reason": gen.finish_reason,
                     "drafter": drafter_name,
                     "mode": "local" if args.local else "remote",

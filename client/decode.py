@@ -122,6 +122,7 @@ def generate(
     policy: AdaptivePolicy | None = None,
     resilience: Resilience | None = None,
     on_update: Callable[[list[int], list[bool]], None] | None = None,
+    stop_when: Callable[[list[int], list[bool]], bool] | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
 
@@ -131,12 +132,13 @@ def generate(
     survive, then verify) says what happens when the link fails. ``on_update(tokens, verified)`` sees
     the whole output after every change: tokens made offline appear unverified and may be replaced
     when the server is back (``verify``) — a stream prints what is verified, or everything under ``keep``.
+    ``stop_when(tokens, verified)``: the generation ends ("stop") once it says so (a stop sequence in the text).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
     run = Run(verifier, drafter, list(prompt_ids), max_new_tokens, sampling, stop, policy, max_tree_nodes,
-              resilience or Resilience(), on_update)  # fmt: skip
+              resilience or Resilience(), on_update, stop_when)  # fmt: skip
     return run.generate()
 
 
@@ -145,10 +147,10 @@ class Run:
 
     def __init__(self, verifier: Verifier, drafter: Drafter, prompt_ids: list[int], limit: int,
                  sampling: SamplingParams, stop: set[int], policy: AdaptivePolicy | None, max_nodes: int,
-                 resilience: Resilience, on_update) -> None:  # fmt: skip
+                 resilience: Resilience, on_update, stop_when=None) -> None:  # fmt: skip
         self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
         self.sampling, self.stop, self.policy, self.max_nodes = sampling, stop, policy, max_nodes
-        self.resilience, self.on_update = resilience, on_update
+        self.resilience, self.on_update, self.stop_when = resilience, on_update, stop_when
         self.stats = GenerationStats()
         self.out: list[int] = []
         self.verified: list[bool] = []
@@ -233,6 +235,8 @@ class Run:
         compute = max(result.compute_s, 0.0)
         self.verify_s = max(compute, 0.8 * self.verify_s + 0.2 * compute)  # up at once, down slowly
         self.reply_bytes = 0.8 * self.reply_bytes + 0.2 * (verifier.counters.bytes_received - received)
+        if result.verified is not None:
+            tree = tree.head(result.verified)  # the server verified only these
         if policy is not None:
             policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
         stats.rounds += 1
@@ -278,6 +282,8 @@ class Run:
 
     def finished(self) -> str:
         if self.out and self.out[-1] in self.stop:
+            return "stop"
+        if self.stop_when is not None and self.stop_when(self.out, self.verified):
             return "stop"
         if len(self.out) >= self.limit:
             return "length"

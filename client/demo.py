@@ -1,8 +1,13 @@
-"""`splitspec demo`: the whole system in one command, on loopback.
+"""`splitspec demo`: the whole system in one command, on this machine.
 
-Starts `splitspec serve` as a child process, waits until it answers, streams a chat reply
-drafted by prompt lookup and verified by the server, prints a stats line, and always stops
-the server (also on Ctrl-C).
+A server (`splitspec serve`, a child process), a simulated mobile link in front of it (netsim, ``4g``
+by default), and this process as the edge client: the MoA drafter (``moa-tli1``: its drafts use the
+target's last layer, run here) streams a chat answer verified by the server. Partway through, the
+link is cut and restored a few seconds later: the client keeps generating locally with the
+drafter's TLI layer, and when the link is back the server verifies the local tokens (reconciliation):
+each event is announced as it happens. Then the same prompt through the streaming API baseline over
+the same link, cut the same way: it stalls for as long as the cut lasts. A table compares the two.
+Everything it starts (server, netsim, timers) is stopped, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -10,48 +15,174 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL
 from shared.server_process import server_child
 
-DEMO_PROMPT = (
-    "Write a Python function is_prime(n) that checks whether n is a prime number, "
-    "then show how to call it on the numbers 1 to 10."
-)
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of the same effect."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT, help="chat prompt to run")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
     p.add_argument("--cache-dir", help="where converted models are kept")
-    p.add_argument("--max-new-tokens", type=int, default=160, help="tokens to generate (default 160)")
-    p.add_argument("--drafter", default="prompt-lookup", help="drafter to run (default prompt-lookup)")
+    p.add_argument("--max-new-tokens", type=int, default=120, help="tokens to generate (default 120)")
+    p.add_argument("--drafter", default="moa-tli1", help="drafter to run (default moa-tli1)")
+    p.add_argument("--network", default="4g", choices=list(PROFILES), help="simulated link (default 4g)")
+    p.add_argument("--cut-after", type=int, default=30, help="cut the link once this many tokens streamed (default 30)")
+    p.add_argument("--cut-for", type=float, default=3.0, help="seconds the link stays cut (default 3)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the streaming API baseline")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
 
+def say(message: str) -> None:
+    print(f"\n\033[1m[{message}]\033[0m" if sys.stderr.isatty() else f"\n[{message}]", file=sys.stderr, flush=True)
+
+
+class Show:
+    """Streams the settled text of a generation and narrates the link: the cut, local generation, the
+    reconciliation. Cuts the link (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later."""
+
+    def __init__(self, text, link, cut_after: int, cut_for: float):
+        self.text, self.link, self.cut_after, self.cut_for = text, link, cut_after, cut_for
+        self.shown = 0
+        self.cut_at: float | None = None
+        self.local: list[int] | None = None  # the local tokens while they wait for the server
+        self.last_change = time.perf_counter()
+        self.longest_stall = 0.0
+
+    def cut(self) -> None:
+        self.cut_at = time.perf_counter()
+        self.link.cut()
+        say(f"link cut after {self.shown} tokens (restored in {self.cut_for:g} s)")
+        timer = threading.Timer(self.cut_for, self.restore)
+        timer.daemon = True
+        timer.start()
+
+    def restore(self) -> None:
+        self.link.restore()
+        say("link restored")
+
+    def __call__(self, tokens: list[int], verified: list[bool]) -> None:
+        now = time.perf_counter()
+        self.longest_stall = max(self.longest_stall, now - self.last_change)
+        self.last_change = now
+        first_local = next((i for i, v in enumerate(verified) if not v), len(tokens))
+        if first_local < len(tokens) and self.local is None:
+            say("no answer from the server: generating locally with the drafter's TLI layer")
+        if first_local < len(tokens):
+            self.local = tokens[first_local:]
+        elif self.local is not None:
+            kept = sum(1 for a, b in zip(self.local, tokens[self.shown :], strict=False) if a == b)
+            say(f"server back: it verified the {len(self.local)} local tokens, {kept} kept as they were")
+            self.local = None
+        if first_local > self.shown:
+            self.text(tokens[self.shown : first_local])
+            self.shown = first_local
+        if self.cut_at is None and self.shown >= self.cut_after:
+            self.cut()
+
+
+def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show) -> dict:
+    """The streaming API as an app would use it through a cut: the stream breaks, the app waits for the
+    server and asks again for the rest (the prompt and what it already has). Its figures for the table."""
+    from client.decode import api_generate
+    from shared.errors import SplitspecError
+
+    before, start, out, calls = remote.counters.server_calls, time.perf_counter(), [], 0
+    bytes_before = remote.counters.bytes_sent + remote.counters.bytes_received
+    while len(out) < limit:
+        got: list[int] = []
+
+        def update(tokens: list[int], verified: list[bool], got=got, done=out) -> None:
+            got[:] = tokens
+            show(done + tokens, [True] * (len(done) + len(tokens)))
+
+        try:
+            calls += 1
+            gen = api_generate(remote, prompt_ids + out, limit - len(out), on_update=update)
+            out += gen.token_ids
+            break
+        except SplitspecError:
+            out += got
+            say(f"the API stream broke after {len(out)} tokens: waiting for the server to ask for the rest")
+            deadline = time.monotonic() + 120
+            while not remote.reachable(timeout_s=0.5) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    wall = time.perf_counter() - start
+    return {"tokens": len(out), "wall_s": wall, "tok_s": len(out) / wall, "stall_s": show.longest_stall,
+            "server_calls": remote.counters.server_calls - before,
+            "kib": (remote.counters.bytes_sent + remote.counters.bytes_received - bytes_before) / 1024,
+            "acceptance_length": 1.0, "local_tokens": 0, "verified": f"{len(out)}/{len(out)}"}  # fmt: skip
+
+
+def figures(gen, show: Show) -> dict:
+    s = gen.stats
+    return {"tokens": s.new_tokens, "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "stall_s": show.longest_stall,
+            "server_calls": s.server_calls, "kib": (s.bytes_sent + s.bytes_received) / 1024,
+            "acceptance_length": s.acceptance_length, "local_tokens": s.local_tokens,
+            "verified": f"{sum(gen.verified)}/{len(gen.verified)}"}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
-    from client.cli import SettledStream, TextStream, stats_line
+    from client.adaptive import AdaptivePolicy
+    from client.cli import TextStream
     from client.decode import generate
-    from client.drafters import make_drafter
+    from client.drafters import ALIASES, DRAFTERS, make_drafter
     from client.verifiers import RemoteVerifier
-    from shared.models import encode_prompt, load_tokenizer
+    from netsim import Netsim, simulated_link
+    from shared.models import encode_prompt, load_target, load_tokenizer
     from shared.target import tokenizer_fingerprint
 
-    tokenizer = load_tokenizer(args.model, args.cache_dir)  # converts the built-in target once, if needed
+    trained = args.drafter not in DRAFTERS and args.drafter not in ALIASES
+    target = load_target(args.model, cache=args.cache_dir) if trained else None  # converts the target once
+    tokenizer = target.tokenizer if target is not None else load_tokenizer(args.model, args.cache_dir)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, True)
     serve_args = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    print(f"splitspec demo: starting the server ({args.model}) ...", file=sys.stderr, flush=True)
+    print(f"splitspec demo: starting the server ({args.model}) and a simulated {args.network} link ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    runs = {}
     with (
         tempfile.TemporaryDirectory(prefix="splitspec-demo-") as workdir,
         server_child(serve_args, Path(workdir), args.startup_timeout) as address,
+        Netsim.start_own() as sim,
+        simulated_link(address, args.network, netsim=sim) as link,
     ):
-        remote = RemoteVerifier(address, fingerprint=tokenizer_fingerprint(tokenizer))
-        print(f"splitspec demo: server ready at {address}; prompt: {args.prompt}\n", file=sys.stderr, flush=True)
-        stream = SettledStream(TextStream(tokenizer), final_local=False)
-        gen = generate(remote, make_drafter(args.drafter), encode_prompt(tokenizer, args.prompt, True),
-                       args.max_new_tokens, on_update=stream)  # fmt: skip
-        stream.finish(gen.token_ids, gen.verified)
-        remote.shutdown()
-        print()
-        print(stats_line(gen), file=sys.stderr)
+        drafter = make_drafter(args.drafter, target=target)
+        print(f"splitspec demo: server at {address}, reached through {link.address} ({args.network}); "
+              f"drafter {drafter.name} on this device\nprompt: {args.prompt}\n",
+              file=sys.stderr, flush=True)  # fmt: skip
+        remote = RemoteVerifier(link.address, fingerprint=tokenizer_fingerprint(tokenizer), drafter=drafter)
+        try:
+            show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for)
+            policy = AdaptivePolicy.for_run(remote, remote.usable(drafter.payload_specs()))
+            gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show)
+            show.text(gen.token_ids[show.shown :])
+            runs[f"split, {drafter.name}"] = figures(gen, show)
+            if not args.no_baseline:
+                say(f"the same prompt through the streaming API baseline, over the same {args.network} link, "
+                    "cut the same way")  # fmt: skip
+                show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for)
+                runs["streaming API"] = api_resuming(remote, prompt_ids, args.max_new_tokens, show)
+        finally:
+            remote.shutdown()
+    print("\n", file=sys.stderr)
+    print(summary(runs), file=sys.stderr)
     return 0
+
+
+ROWS = [("tokens", "tokens", "d"), ("wall s", "wall_s", ".1f"), ("tok/s", "tok_s", ".1f"),
+        ("longest stall s", "stall_s", ".1f"), ("server calls", "server_calls", "d"), ("KiB on the link", "kib", ".0f"),
+        ("acceptance length", "acceptance_length", ".2f"), ("local tokens", "local_tokens", "d"),
+        ("verified", "verified", "s")]  # fmt: skip
+
+
+def summary(runs: dict[str, dict]) -> str:
+    """A table of what each run cost and how it went through the cut."""
+    rows = [("", *runs)] + [(label, *(format(r[key], fmt) for r in runs.values())) for label, key, fmt in ROWS]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

@@ -1,22 +1,33 @@
-"""Toxiproxy 2.x's HTTP API, served by asyncio next to the proxies it controls.
+"""Toxiproxy 2.x's HTTP API, served by Starlette on uvicorn next to the proxies it controls.
 
 Routes, JSON shapes, defaults and status codes follow Toxiproxy (``api.go``): proxies are
 created with 201, toxics with 200, deletes and ``/reset`` answer 204, errors are
-``{"error": message, "status": code}`` with 400 (bad input), 404 (unknown proxy or toxic), 409
-(name taken) and 500 (the OS refused to listen). Where Toxiproxy accepts nonsense silently
-(negative times, unknown attributes) netsim answers 400 and says what was wrong.
+``{"error": message, "status": code}`` with 400 (bad input), 404 (unknown proxy, toxic or route),
+405 (wrong method), 409 (name taken), 413 (a body over MAX_BODY_BYTES) and 500 (the OS refused to
+listen). Where Toxiproxy accepts nonsense silently (negative times, unknown attributes) netsim
+answers 400 and says what was wrong.
 
-The HTTP layer is a deliberately small HTTP/1.1 server (Content-Length bodies, keep-alive): the
-API carries a few hundred bytes of JSON per call, and staying on the proxies' event loop means
-no locks between the API and the data plane.
+The HTTP layer is Starlette on uvicorn, the stack the edge's OpenAI-compatible endpoint uses: one
+HTTP stack in the project, and a well-kept parser (keep-alive, chunked bodies, malformed requests)
+instead of our own. uvicorn runs inside the caller's event loop, the proxies' loop, so the API and
+the data plane still share state without locks.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
-import re
+import socket
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from netsim.proxy import Proxy
 from netsim.toxics import EXTENSIONS, ApiError, make_toxic
@@ -24,9 +35,8 @@ from netsim.toxics import EXTENSIONS, ApiError, make_toxic
 VERSION = "2.12.0"  # the Toxiproxy API version netsim follows
 SERVER_NAME = "splitspec-netsim"
 MAX_BODY_BYTES = 1 << 20
-REASONS = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 404: "Not Found",
-           405: "Method Not Allowed", 409: "Conflict", 411: "Length Required", 413: "Payload Too Large",
-           500: "Internal Server Error"}  # fmt: skip
+
+Reply = tuple[int, Any]  # a route's answer: (status, JSON-able body or None)
 
 
 def _json_body(body: bytes) -> Any:
@@ -34,6 +44,30 @@ def _json_body(body: bytes) -> Any:
         return json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"bad request body: {exc}") from None
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 before reading past MAX_BODY_BYTES (whether a Content-Length or chunked)."""
+    too_big = ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    if int(request.headers.get("content-length", 0)) > MAX_BODY_BYTES:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_big
+    return bytes(body)
+
+
+def _reply(status: int, payload: Any, headers: Mapping[str, str] | None = None) -> Response:
+    """Toxiproxy's answer: one line of JSON, or no body at all (204)."""
+    if payload is None:
+        return Response(status_code=status, headers=headers)
+    return Response(json.dumps(payload) + "\n", status, headers, media_type="application/json")
+
+
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return _reply(status, {"error": message, "status": status}, headers)
 
 
 def _field(obj: dict, key: str, kind: type, default: Any) -> Any:
@@ -138,60 +172,90 @@ class Collection:
 
 
 class ApiServer:
-    """The HTTP front of a :class:`Collection`."""
+    """The HTTP front of a :class:`Collection`: an ASGI application."""
 
-    ROUTES = [
-        (re.compile(r"/reset"), {"POST": "reset"}),
-        (re.compile(r"/version"), {"GET": "version"}),
-        (re.compile(r"/populate"), {"POST": "populate"}),
-        (re.compile(r"/proxies"), {"GET": "proxy_index", "POST": "proxy_create"}),
-        (re.compile(r"/proxies/([^/]+)"),
-         {"GET": "proxy_show", "POST": "proxy_update", "PATCH": "proxy_update", "DELETE": "proxy_delete"}),
-        (re.compile(r"/proxies/([^/]+)/toxics"), {"GET": "toxic_index", "POST": "toxic_create"}),
-        (re.compile(r"/proxies/([^/]+)/toxics/([^/]+)"),
-         {"GET": "toxic_show", "POST": "toxic_update", "PATCH": "toxic_update", "DELETE": "toxic_delete"}),
-    ]  # fmt: skip
+    ROUTES = {
+        "/reset": {"POST": "reset"},
+        "/version": {"GET": "version"},
+        "/populate": {"POST": "populate"},
+        "/proxies": {"GET": "proxy_index", "POST": "proxy_create"},
+        "/proxies/{name}": {"GET": "proxy_show", "POST": "proxy_update", "PATCH": "proxy_update",
+                            "DELETE": "proxy_delete"},
+        "/proxies/{name}/toxics": {"GET": "toxic_index", "POST": "toxic_create"},
+        "/proxies/{name}/toxics/{toxic_name}": {"GET": "toxic_show", "POST": "toxic_update",
+                                                "PATCH": "toxic_update", "DELETE": "toxic_delete"},
+    }  # fmt: skip
 
     def __init__(self, collection: Collection | None = None):
         self.collection = collection or Collection()
+        routes = [Route(path, self._endpoint(methods), methods=list(methods)) for path, methods in self.ROUTES.items()]
+        self.app = Starlette(routes=routes, exception_handlers={404: self._no_route, 405: self._no_method})
 
-    # --- routes: each returns (status, JSON-able body or None) ---
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry; a trailing slash is ignored (``/proxies/`` is ``/proxies``), never redirected."""
+        if scope["type"] == "http":
+            scope = {**scope, "path": scope["path"].rstrip("/") or "/"}
+        await self.app(scope, receive, send)
 
-    async def reset(self, body):
+    def _endpoint(self, methods: dict[str, str]) -> Callable[[Request], Awaitable[Response]]:
+        """One path's endpoint, the route picked by method; every outcome, a bug included, answers JSON."""
+
+        async def endpoint(request: Request) -> Response:
+            route = getattr(self, methods["GET" if request.method == "HEAD" else request.method])  # Starlette adds HEAD
+            try:
+                return _reply(*await route(await _read_body(request), **request.path_params))
+            except ApiError as exc:  # after a 413 the unread body goes with the connection
+                return _error(exc.status, exc.message, {"connection": "close"} if exc.status == 413 else None)
+            except Exception as exc:  # a bug must not take the API down: report it and go on
+                return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+        return endpoint
+
+    async def _no_route(self, request: Request, exc: HTTPException) -> Response:
+        return _error(404, f"no such endpoint: {request.url.path}")
+
+    async def _no_method(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's 405, which names the allowed methods in its Allow header, in Toxiproxy's shape."""
+        where = f"{request.method} not allowed on {request.url.path}"
+        return _error(405, f"method {where} (allowed: {exc.headers['Allow']})", exc.headers)
+
+    # --- routes: each takes the raw body (and the path's names) and returns (status, body) ---
+
+    async def reset(self, body: bytes) -> Reply:
         await self.collection.reset()
         return 204, None
 
-    async def version(self, body):
+    async def version(self, body: bytes) -> Reply:
         return 200, {"version": VERSION, "server": SERVER_NAME, "extensions": sorted(EXTENSIONS)}
 
-    async def populate(self, body):
+    async def populate(self, body: bytes) -> Reply:
         proxies, error = await self.collection.populate(_json_body(body))
         listed = [p.to_json() for p in proxies]
         if error is not None:
             return error.status, {"error": error.message, "status": error.status, "proxies": listed}
         return 201, {"proxies": listed}
 
-    async def proxy_index(self, body):
+    async def proxy_index(self, body: bytes) -> Reply:
         return 200, {name: p.to_json() for name, p in self.collection.proxies.items()}
 
-    async def proxy_create(self, body):
+    async def proxy_create(self, body: bytes) -> Reply:
         return 201, (await self.collection.create(_json_body(body))).to_json()
 
-    async def proxy_show(self, body, name):
+    async def proxy_show(self, body: bytes, name: str) -> Reply:
         return 200, self.collection.get(name).to_json()
 
-    async def proxy_update(self, body, name):
+    async def proxy_update(self, body: bytes, name: str) -> Reply:
         proxy = self.collection.get(name)
         return 200, (await self.collection.update(proxy, _json_body(body))).to_json()
 
-    async def proxy_delete(self, body, name):
+    async def proxy_delete(self, body: bytes, name: str) -> Reply:
         self.collection.delete(name)
         return 204, None
 
-    async def toxic_index(self, body, name):
+    async def toxic_index(self, body: bytes, name: str) -> Reply:
         return 200, [t.to_json() for t in self.collection.get(name).toxics.values()]
 
-    async def toxic_create(self, body, name):
+    async def toxic_create(self, body: bytes, name: str) -> Reply:
         proxy = self.collection.get(name)
         toxic = make_toxic(_json_body(body))
         if toxic.name in proxy.toxics:
@@ -199,93 +263,51 @@ class ApiServer:
         proxy.set_toxic(toxic)
         return 200, toxic.to_json()
 
-    def _toxic(self, name: str, toxic_name: str):
+    def _toxic(self, name: str, toxic_name: str) -> tuple[Proxy, Any]:
         proxy = self.collection.get(name)
         if toxic_name not in proxy.toxics:
             raise ApiError(404, f"toxic not found: {toxic_name!r} on proxy {name!r}")
         return proxy, proxy.toxics[toxic_name]
 
-    async def toxic_show(self, body, name, toxic_name):
+    async def toxic_show(self, body: bytes, name: str, toxic_name: str) -> Reply:
         return 200, self._toxic(name, toxic_name)[1].to_json()
 
-    async def toxic_update(self, body, name, toxic_name):
+    async def toxic_update(self, body: bytes, name: str, toxic_name: str) -> Reply:
         proxy, old = self._toxic(name, toxic_name)
         toxic = make_toxic(_json_body(body), previous=old)
         proxy.set_toxic(toxic)
         return 200, toxic.to_json()
 
-    async def toxic_delete(self, body, name, toxic_name):
+    async def toxic_delete(self, body: bytes, name: str, toxic_name: str) -> Reply:
         self._toxic(name, toxic_name)[0].remove_toxic(toxic_name)
         return 204, None
 
-    # --- HTTP ---
 
-    async def dispatch(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
-        path = path.split("?", 1)[0].rstrip("/") or "/"
-        for pattern, methods in self.ROUTES:
-            match = pattern.fullmatch(path)
-            if match:
-                if method not in methods:
-                    raise ApiError(405, f"method {method} not allowed on {path} (allowed: {', '.join(methods)})")
-                return await getattr(self, methods[method])(body, *match.groups())
-        raise ApiError(404, f"no such endpoint: {path}")
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn on the caller's event loop; signals stay the caller's (``netsim serve`` cancels on SIGINT/SIGTERM)."""
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one keep-alive HTTP/1.1 connection; an error answers, never escapes."""
-        try:
-            while True:
-                request_line = await reader.readline()
-                if not request_line.strip():
-                    break
-                parts = request_line.decode("latin-1").split()
-                headers: dict[str, str] = {}
-                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    key, _, value = line.decode("latin-1").partition(":")
-                    headers[key.strip().lower()] = value.strip()
-                keep_alive = headers.get("connection", "").lower() != "close"
-                try:
-                    if len(parts) != 3:
-                        raise ApiError(400, f"malformed request line: {request_line[:80]!r}")
-                    if "chunked" in headers.get("transfer-encoding", "").lower():
-                        raise ApiError(411, "send the body with a Content-Length (chunked bodies are not supported)")
-                    length = int(headers.get("content-length", "0") or 0)
-                    if not 0 <= length <= MAX_BODY_BYTES:
-                        raise ApiError(413, f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
-                    body = await reader.readexactly(length) if length else b""
-                    status, payload = await self.dispatch(parts[0].upper(), parts[1], body)
-                except ApiError as exc:
-                    status, payload = exc.status, {"error": exc.message, "status": exc.status}
-                    if exc.status in (411, 413) or len(parts) != 3:  # the body was not read: start afresh
-                        keep_alive = False
-                except ValueError:
-                    status, payload = 400, {"error": "bad Content-Length header", "status": 400}
-                    keep_alive = False
-                except Exception as exc:  # a bug must not take the API down: report it and go on
-                    status, payload = 500, {"error": f"internal error: {type(exc).__name__}: {exc}", "status": 500}
-                data = b"" if payload is None else json.dumps(payload).encode() + b"\n"
-                head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}", f"Content-Length: {len(data)}",
-                        f"Server: {SERVER_NAME}/{VERSION}", f"Connection: {'keep-alive' if keep_alive else 'close'}"]
-                if data:
-                    head.append("Content-Type: application/json")
-                writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
-                await writer.drain()
-                if not keep_alive:
-                    break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass
-        finally:
-            writer.close()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
-async def serve(host: str, port: int, ready=None) -> None:
-    """Run the API (and the proxies it creates) until cancelled; ``ready(url)`` once listening."""
+async def serve(host: str, port: int, ready: Callable[[str], None] | None = None) -> None:
+    """Run the API (and the proxies it creates) until cancelled; ``ready(url)`` once listening.
+
+    The socket is bound here, not by uvicorn: port 0 gets a free port to report, and a port in use
+    raises OSError (uvicorn would exit the process).
+    """
     api = ApiServer()
-    server = await asyncio.start_server(api.handle, host, port)
-    bound = server.sockets[0].getsockname()
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    config = uvicorn.Config(api, log_level="warning", access_log=False, lifespan="off", server_header=False,
+                            headers=[("server", f"{SERVER_NAME}/{VERSION}")])  # fmt: skip
+    server = _EmbeddedServer(config)
     if ready is not None:
-        ready(f"http://{host}:{bound[1]}")
+        ready(f"http://{host}:{sock.getsockname()[1]}")
     try:
-        async with server:
-            await server.serve_forever()
+        await server.serve(sockets=[sock])
     finally:
+        if server.started:  # cancelled: close the listener and the API's connections, then the proxies
+            await server.shutdown(sockets=[sock])
+        sock.close()
         api.collection.stop_all()

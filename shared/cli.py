@@ -15,6 +15,7 @@ from shared.errors import SplitspecError
 COMMANDS = {
     "serve": ("server.cli", "host the target model over gRPC"),
     "generate": ("client.cli", "generate text with speculative decoding (remote or --local)"),
+    "edge": ("client.edge", "serve an OpenAI-compatible API on this device, drafting here and verifying on a server"),
     "demo": ("client.demo", "start a local server, run a chat prompt through it, stop the server"),
     "train": ("client.training.cli", "train MoA / EAGLE-style / independent drafters against the target"),
     "netsim": ("netsim.cli", "simulate 5G/4G/LTE/3G links: a Toxiproxy-compatible API and proxies"),

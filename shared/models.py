@@ -169,7 +169,12 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of a prompt; with ``chat`` it is one user message in the tokenizer's own template."""
     if not chat:
         return tokenizer(text)["input_ids"]
+    return encode_messages(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ({role, content} messages) in the tokenizer's chat template, ready for the reply."""
     if not getattr(tokenizer, "chat_template", None):
-        raise SplitspecError("--chat needs a tokenizer with a chat template; this one has none")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        raise SplitspecError("a chat needs a tokenizer with a chat template; this one has none")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -6,6 +6,7 @@ proxies in front of a threaded echo server on loopback and removes them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -15,12 +16,14 @@ import threading
 import time
 import urllib.request
 import uuid
+from http.client import HTTPConnection, HTTPResponse
 
 import pytest
 import toxiproxy
 from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 
 from netsim import Netsim, apply_profile, get_profile, simulated_link
+from netsim.api import MAX_BODY_BYTES, serve
 from netsim.client import ToxiproxyClient, ToxiproxyError
 from netsim.harness import Flapper
 from netsim.proxy import split_address
@@ -220,15 +223,92 @@ def test_http_shapes_codes_and_defaults(api, echo):
         ("GET", "/proxies/ghost", None, 404, "proxy not found"),
         ("DELETE", "/proxies/base/toxics/ghost", None, 404, "toxic not found"),
         ("POST", "/proxies", b'{"name": "base", "upstream": "127.0.0.1:1"}', 409, "proxy already exists"),
+        ("POST", "/proxies", b"\xff\xfe{", 400, "bad request body"),
         ("PUT", "/proxies", b"{}", 405, "not allowed"),
-        ("GET", "/nowhere", None, 404, "no such endpoint"),
+        ("DELETE", "/version", None, 405, "method DELETE not allowed on /version (allowed: "),
+        ("GET", "/nowhere", None, 404, "no such endpoint: /nowhere"),
+        ("GET", "/proxies/base/toxics/a/b", None, 404, "no such endpoint"),
     ],
 )
 def test_bad_input_gets_toxiproxy_status_and_a_clear_message(api, echo, method, path, body, status, words):
     base = api.create("base", echo)
     got, reply = http(api.url, method, path, body)
-    assert got == status and reply["status"] == status and words in reply["error"]
+    assert got == status and set(reply) == {"error", "status"} and reply["status"] == status
+    assert words in reply["error"]
     assert round_trip_ms(base["listen"], count=2) < 100  # the API and the other proxies keep working
+
+
+def test_one_connection_carries_many_requests_errors_included(api, echo):
+    """Keep-alive survives 4xx answers; chunked bodies, HEAD and a trailing slash are understood."""
+    conn = HTTPConnection(api.url.removeprefix("http://"), timeout=IO_TIMEOUT_S)
+
+    def ask(method: str, path: str, body=None) -> tuple[HTTPResponse, object]:
+        conn.request(method, path, body)
+        reply = conn.getresponse()
+        raw = reply.read()
+        return reply, (json.loads(raw) if raw else None)
+
+    reply, body = ask("GET", "/version")
+    sock = conn.sock
+    assert reply.status == 200 and body["version"] == "2.12.0"
+    assert reply.getheader("Server") == "splitspec-netsim/2.12.0"
+    assert reply.getheader("Content-Type") == "application/json"
+    reply, body = ask("POST", "/proxies", b"{not json")
+    assert reply.status == 400 and body["status"] == 400 and body["error"].startswith("bad request body: ")
+    reply, body = ask("PATCH", "/proxies", b"{}")
+    assert reply.status == 405 and set(reply.getheader("Allow").split(", ")) == {"GET", "HEAD", "POST"}
+    assert ask("GET", "/nowhere")[0].status == 404
+    create = iter([b'{"name": "kept", ', f'"upstream": "{echo}"}}'.encode()])  # no length: sent chunked
+    reply, body = ask("POST", "/proxies/", create)
+    assert reply.status == 201 and body["name"] == "kept" and body["upstream"] == echo
+    assert ask("GET", "/proxies/kept/")[1]["name"] == "kept"
+    reply, body = ask("HEAD", "/proxies/kept")
+    assert reply.status == 200 and body is None
+    reply, body = ask("DELETE", "/proxies/kept")
+    assert reply.status == 204 and body is None and reply.getheader("Content-Type") is None
+    assert conn.sock is sock  # all of it over the first connection
+    conn.close()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversized_body_gets_413_and_the_connection_closes(api, framing):
+    size = MAX_BODY_BYTES + 1
+    with connect(api.url.removeprefix("http://")) as s:
+        if framing == "content-length":  # refused on the header alone: the body is never sent
+            s.sendall(b"POST /proxies HTTP/1.1\r\nHost: netsim\r\nContent-Length: %d\r\n\r\n" % size)
+        else:  # refused once the chunks pass the cap (the chunked body is left unfinished)
+            s.sendall(b"POST /proxies HTTP/1.1\r\nHost: netsim\r\nTransfer-Encoding: chunked\r\n\r\n")
+            s.sendall(b"%x\r\n" % size + b" " * size)
+        reply = HTTPResponse(s)
+        reply.begin()
+        body = json.loads(reply.read())
+        assert reply.status == 413 and body == {"error": f"request body exceeds {MAX_BODY_BYTES} bytes", "status": 413}
+        assert reply.getheader("Connection") == "close" and s.recv(1) == b""
+    assert api.proxies() == {}  # and the API goes on
+
+
+def test_serve_on_port_zero_says_where_and_a_cancel_stops_everything(echo):
+    """``serve`` as ``netsim serve`` runs it: ready(url) with the bound port; cancelled, nothing listens."""
+    loop = asyncio.new_event_loop()
+    urls: list[str] = []
+    task = loop.create_task(serve("127.0.0.1", 0, ready=urls.append))
+    thread = threading.Thread(target=loop.run_until_complete, args=(asyncio.wait([task]),))
+    thread.start()
+    try:
+        deadline = time.monotonic() + IO_TIMEOUT_S
+        while not urls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert urls and not urls[0].endswith(":0")
+        proxy = ToxiproxyClient(urls[0]).create("inproc", echo)
+        assert round_trip_ms(proxy["listen"], count=2) < 100
+    finally:
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(IO_TIMEOUT_S)
+    assert not thread.is_alive() and task.cancelled()
+    loop.close()
+    for address in (urls[0].removeprefix("http://"), proxy["listen"]):
+        with pytest.raises(ConnectionRefusedError):
+            connect(address)
 
 
 def test_listen_address_in_use_is_refused_and_nothing_breaks(api, echo):

@@ -1,0 +1,558 @@
+"""`splitspec edge`: the client as apps use it, an OpenAI-compatible HTTP endpoint on the device.
+
+Apps on a device talk to language models through the OpenAI API (llama.cpp's server, Ollama and LM
+Studio serve it locally), so the edge serves it too: ``GET /v1/models``, ``POST /v1/chat/completions``
+and ``POST /v1/completions`` (streamed as server-sent events or not), ``GET /health`` and ``GET /metrics``.
+Behind them every request is one generation of the one decode loop (``client.decode.generate``): the
+drafter here, verification on ``--server``, local generation when the link drops. A stream carries only
+text that can no longer change (what the server verified; local tokens once settled), so an app never
+sees text taken back. Replies carry OpenAI's ``usage`` and splitspec's own figures under ``splitspec``.
+
+Built on Starlette + uvicorn (and sse-starlette for the event streams): well-kept ASGI libraries, the
+same stack as netsim's Toxiproxy API. Generations run in worker threads (torch releases the GIL), so
+several requests proceed at once, each with its own drafter state and server session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.models import DEFAULT_MODEL, DTYPES
+
+MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_TOKENS = 256
+
+
+class Cancelled(Exception):
+    """The app went away: its generation stops at the next update."""
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: OpenAI's error shape, with the HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):  # fmt: skip
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# --- what a request asks for ---
+
+
+@dataclass
+class Ask:
+    """One request, checked: the prompt (text or chat messages) and how to generate."""
+
+    chat: bool
+    prompt: str | list[dict]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise RequestError(400, f"{key} must be a number in [{low:g}, {high:g}], got {value!r}", key)
+    return float(value)
+
+
+def _integer(body: dict, key: str, default: int | None, low: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise RequestError(400, f"{key} must be an integer >= {low}, got {value!r}", key)
+    return value
+
+
+def _content(message: dict, i: int) -> str:
+    """A message's text: a string, or OpenAI's list of content parts (text parts only)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts, got {content!r:.80}",
+                       f"messages[{i}].content")  # fmt: skip
+
+
+def parse(body: object, chat: bool, model: str) -> Ask:
+    """Check a request body against what the endpoint serves; RequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    asked = body.get("model")
+    if not isinstance(asked, str) or not asked:
+        raise RequestError(400, "model is required: a string, e.g. " + json.dumps(model), "model")
+    if asked != model:
+        raise RequestError(404, f"The model {asked!r} does not exist; this endpoint serves {model!r}", "model",
+                           "model_not_found")  # fmt: skip
+    if _integer(body, "n", 1, 1) != 1:
+        raise RequestError(400, "n must be 1: one choice per request", "n")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "messages must be a non-empty list of {role, content}", "messages")
+        prompt = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+                raise RequestError(400, f"messages[{i}].role must be system, developer, user or assistant",
+                                   f"messages[{i}].role")  # fmt: skip
+            role = "system" if m["role"] == "developer" else m["role"]
+            prompt.append({"role": role, "content": _content(m, i), **({"private": True} if m.get("private") else {})})
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(400, "prompt must be a non-empty string (one prompt per request)", "prompt")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError(400, "stream_options must be an object", "stream_options")
+    seed = _integer(body, "seed", None, 0)
+    return Ask(
+        chat=chat,
+        prompt=prompt,
+        max_tokens=_integer({"max_tokens": limit}, "max_tokens", DEFAULT_MAX_TOKENS, 1),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+        seed=seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"),
+        stop=stop,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+# --- from tokens to the text an app may see ---
+
+
+class Settled:
+    """The text of the settled tokens, as deltas: what the server verified (and, under ``keep``, local tokens),
+    holding back an incomplete character and what could still become a stop sequence."""
+
+    def __init__(self, tokenizer, stop: list[str], final_local: bool):
+        self.tokenizer, self.stop, self.final_local = tokenizer, stop, final_local
+        self.sent = 0  # characters of the text already handed out
+        self.stopped = False
+
+    def update(self, tokens: list[int], verified: list[bool], final: bool = False) -> str:
+        """The new text after this update ('' if none); ``final``: the generation ended, nothing is held back."""
+        settled = len(tokens) if final or self.final_local else next(
+            (i for i, v in enumerate(verified) if not v), len(tokens))  # fmt: skip
+        text = self.tokenizer.decode(tokens[:settled], skip_special_tokens=True)
+        end = len(text)
+        if not final and text.endswith("\ufffd"):
+            end -= 1
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s) + 1))
+            if at != -1 and at < end:
+                end, self.stopped = at, True
+        if not self.stopped and not final:  # a stop sequence may be starting at the end
+            end -= max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text[:end].endswith(s[:k])),
+                       default=0)  # fmt: skip
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : end], end
+        return delta
+
+
+# --- the endpoint ---
+
+
+@dataclass
+class Counters:
+    """The edge's Prometheus metrics (prometheus-client), one registry per endpoint."""
+
+    registry: object = field(default=None)
+
+    def __post_init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("splitspec_edge_requests", "requests by route and status", ["route", "status"],
+                                registry=r)  # fmt: skip
+        self.active = Gauge("splitspec_edge_active_generations", "generations running now", registry=r)
+        self.tokens = Counter("splitspec_edge_tokens", "tokens generated", registry=r)
+        self.local_tokens = Counter("splitspec_edge_local_tokens", "tokens generated locally while the link was down",
+                                    registry=r)  # fmt: skip
+        self.server_calls = Counter("splitspec_edge_server_calls", "calls to the server", registry=r)
+        self.disconnects = Counter("splitspec_edge_link_losses", "times a generation lost the link", registry=r)
+        self.seconds = Histogram("splitspec_edge_generation_seconds", "a generation's wall time", registry=r)
+
+
+class Edge:
+    """The drafter, the way to the server and the tokenizer, shared by every request."""
+
+    def __init__(self, server: str, drafter: str | Callable[[], object] = "prompt-lookup", model: str = DEFAULT_MODEL,
+                 on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
+                 connect_timeout_s: float = 10.0, max_tree_nodes: int = 64):  # fmt: skip
+        """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one."""
+        from client.decode import Resilience
+        from client.drafters import ALIASES, DRAFTERS, make_drafter
+        from client.endpoint import Endpoint
+        from shared.models import load_target, load_tokenizer
+
+        self.server, self.model, self.resilience = server, model, Resilience(on_reconnect)
+        self.endpoint = endpoint or Endpoint(server)
+        self.connect_timeout_s, self.max_tree_nodes = connect_timeout_s, max_tree_nodes
+        self.target = None
+        if isinstance(drafter, str) and drafter not in DRAFTERS and drafter not in ALIASES:
+            self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
+        self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
+        self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target)
+        self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
+        self._lock = threading.Lock()
+        self.counters = Counters()
+        first = self.take()  # a bad drafter name fails now, not at the first request
+        self.drafter_name = first.name
+        self.release(first)
+
+    def take(self):
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._make()
+
+    def release(self, drafter) -> None:
+        with self._lock:
+            self._idle.append(drafter)
+
+    def prompt_ids(self, ask: Ask) -> tuple[list[int], object]:
+        """The prompt's token ids, private spans replaced by placeholders (``client.private``), and their secrets."""
+        from client.private import mask, mask_messages
+        from shared.models import encode_messages
+
+        if ask.chat:
+            messages, secrets = mask_messages(ask.prompt)
+            return encode_messages(self.tokenizer, messages), secrets
+        text, secrets = mask(ask.prompt)
+        return self.tokenizer(text)["input_ids"], secrets
+
+    def generate(self, ask: Ask, prompt_ids: list[int], on_update: Callable[[list[int], list[bool]], None],
+                 stop_when: Callable[[], bool]):  # fmt: skip
+        """One generation through the decode loop, on this thread; returns the ``Generation``."""
+        from client.adaptive import AdaptivePolicy
+        from client.decode import generate
+        from client.verifiers import RemoteVerifier
+        from shared.acceptance import SamplingParams
+        from shared.target import tokenizer_fingerprint
+
+        sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed)
+        drafter = self.take()
+        c = self.counters
+        c.active.inc()
+        start = time.perf_counter()
+        verifier = None
+        try:
+            verifier = RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
+                                      connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
+            specs = verifier.usable(drafter.payload_specs())
+            policy = AdaptivePolicy.for_run(verifier, specs)
+            gen = generate(verifier, drafter, prompt_ids, ask.max_tokens, sampling, max_tree_nodes=self.max_tree_nodes,
+                           policy=policy, resilience=self.resilience, on_update=on_update,
+                           stop_when=lambda tokens, verified: stop_when())  # fmt: skip
+        finally:
+            if verifier is not None:
+                verifier.shutdown()
+            self.release(drafter)
+            c.active.dec()
+        s = gen.stats
+        c.tokens.inc(s.new_tokens)
+        c.local_tokens.inc(s.local_tokens)
+        c.server_calls.inc(s.server_calls)
+        c.disconnects.inc(s.disconnects)
+        c.seconds.observe(time.perf_counter() - start)
+        return gen
+
+
+def usage(prompt_tokens: int, gen) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(gen.token_ids),
+            "total_tokens": prompt_tokens + len(gen.token_ids)}  # fmt: skip
+
+
+def extension(gen, drafter: str) -> dict:
+    """splitspec's own figures about a reply: how it was made."""
+    s = gen.stats
+    return {
+        "drafter": drafter,
+        "server_calls": s.server_calls,
+        "rounds": s.rounds,
+        "acceptance_length": round(s.acceptance_length, 3),
+        "local_tokens": s.local_tokens,
+        "link_losses": s.disconnects,
+        "unverified_tokens": len(gen.verified) - sum(gen.verified),
+        "bytes_sent": s.bytes_sent,
+        "bytes_received": s.bytes_received,
+        "rtt_ms": None if s.rtt_ms is None else round(s.rtt_ms, 2),
+        "tokens_per_s": round(s.tokens_per_s, 2),
+    }
+
+
+def finish_reason(gen, stopped: bool) -> str:
+    return "stop" if stopped or gen.finish_reason == "stop" else "length"
+
+
+def app(edge: Edge):
+    """The Starlette application serving ``edge``."""
+    from prometheus_client import make_asgi_app
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Mount, Route
+
+    c = edge.counters
+
+    def error(exc: RequestError, route: str) -> JSONResponse:
+        c.requests.labels(route, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def models(request: Request) -> JSONResponse:
+        c.requests.labels("models", "200").inc()
+        return JSONResponse({"object": "list", "data": [
+            {"id": edge.model, "object": "model", "created": 0, "owned_by": "splitspec"}]})  # fmt: skip
+
+    async def health(request: Request) -> JSONResponse:
+        reachable = await asyncio.to_thread(server_serving, edge)
+        return JSONResponse({"status": "ok", "server": edge.server, "server_serving": reachable,
+                             "drafter": edge.drafter_name, "model": edge.model})  # fmt: skip
+
+    async def completion(request: Request, chat: bool):
+        route = "chat" if chat else "completions"
+        try:
+            raw = await request.body()
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise RequestError(400, f"the request body is not JSON: {exc}") from None
+            ask = parse(body, chat, edge.model)
+            prompt_ids, secrets = edge.prompt_ids(ask)
+        except RequestError as exc:
+            return error(exc, route)
+        except ValueError as exc:  # a malformed private span
+            return error(RequestError(400, str(exc), "messages" if chat else "prompt"), route)
+        job = Job(edge, ask, prompt_ids, secrets)
+        job.start()
+        ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if ask.stream:
+            c.requests.labels(route, "200").inc()
+
+            def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+                if chat:
+                    delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+                    choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                else:
+                    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                return json.dumps({"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                                   "model": edge.model, "choices": [choice]})  # fmt: skip
+
+            async def events():
+                try:
+                    if chat:
+                        yield chunk("", None, first=True)
+                    async for text in job.deltas():
+                        yield chunk(text, None)
+                    gen = job.result()
+                    yield chunk(None if chat else "", finish_reason(gen, job.stopped))
+                    if ask.include_usage:
+                        yield json.dumps({"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                                          "model": edge.model, "choices": [], "usage": usage(len(prompt_ids), gen),
+                                          "splitspec": extension(gen, edge.drafter_name)})  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - the stream has begun: the error goes in it
+                    yield json.dumps(RequestError(502, f"generation failed: {exc}", kind="server_error").body())
+                finally:
+                    job.cancel()
+                yield "[DONE]"
+
+            return EventSourceResponse(events(), ping=15)
+        try:
+            async for _ in job.deltas():
+                pass
+            gen = job.result()
+        except Exception as exc:  # noqa: BLE001 - whatever stopped the generation, said in OpenAI's shape
+            return error(RequestError(502, f"generation failed: {exc}", kind="server_error"), route)
+        finally:
+            job.cancel()
+        c.requests.labels(route, "200").inc()
+        text = job.text
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                  else {"index": 0, "text": text, "logprobs": None})  # fmt: skip
+        choice["finish_reason"] = finish_reason(gen, job.stopped)
+        return JSONResponse({"id": ident, "object": kind, "created": created, "model": edge.model,
+                             "choices": [choice], "usage": usage(len(prompt_ids), gen),
+                             "splitspec": extension(gen, edge.drafter_name)})  # fmt: skip
+
+    async def chat(request: Request):
+        return await completion(request, chat=True)
+
+    async def complete(request: Request):
+        return await completion(request, chat=False)
+
+    async def not_found(request: Request, exc) -> JSONResponse:
+        status = getattr(exc, "status_code", 404)
+        message = "no such route" if status == 404 else "method not allowed" if status == 405 else str(exc)
+        return JSONResponse(RequestError(status, f"{message}: {request.method} {request.url.path}").body(),
+                            status_code=status)  # fmt: skip
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", complete, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Mount("/metrics", make_asgi_app(c.registry)),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def server_serving(edge: Edge) -> bool:
+    """Whether the server's standard health service says SERVING (within a second)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = edge.endpoint.channel([])
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
+class Job:
+    """One generation on a worker thread, its settled text handed to the event loop as deltas."""
+
+    def __init__(self, edge: Edge, ask: Ask, prompt_ids: list[int], secrets):
+        self.edge, self.ask, self.prompt_ids = edge, ask, prompt_ids
+        self.settled = Settled(edge.tokenizer, ask.stop, final_local=edge.resilience.on_reconnect == "keep")
+        self.render = secrets.renderer()
+        self.queue: queue.Queue = queue.Queue()  # text deltas, then None at the end
+        self.text = ""
+        self._gen = None
+        self._error: BaseException | None = None
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-edge-generation")
+
+    @property
+    def stopped(self) -> bool:
+        return self.settled.stopped
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def _emit(self, delta: str) -> None:
+        if delta:
+            self.text += delta
+            self.queue.put(delta)
+
+    def _update(self, tokens: list[int], verified: list[bool]) -> None:
+        if self._cancelled.is_set():
+            raise Cancelled
+        self._emit(self.render.feed(self.settled.update(tokens, verified)))
+
+    def _run(self) -> None:
+        try:
+            gen = self.edge.generate(self.ask, self.prompt_ids, self._update,
+                                     stop_when=lambda: self.settled.stopped or self._cancelled.is_set())  # fmt: skip
+            if not self.settled.stopped:
+                self._emit(self.render.feed(self.settled.update(gen.token_ids, gen.verified, final=True)))
+            self._emit(self.render.flush())
+            self._gen = gen
+        except BaseException as exc:  # noqa: BLE001 - handed to the request that waits for it
+            self._error = exc
+        finally:
+            self.queue.put(None)
+
+    async def deltas(self):
+        """The settled text as it comes (awaiting the worker thread without blocking the event loop)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                item = await asyncio.to_thread(self.queue.get)
+            if item is None:
+                return
+            yield item
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._gen
+
+
+# --- the command ---
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from client.options import add_connection_arguments
+
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this device only)")
+    p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
+    add_connection_arguments(p)
+    p.add_argument("--drafter", default="prompt-lookup",
+                   help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, "
+                        "independent) or a bundle's path")  # fmt: skip
+    p.add_argument("--on-reconnect", default="verify", choices=["verify", "keep"],
+                   help="when the link fails, generate locally, then have the server verify the local tokens (verify, "
+                        "the default: streams wait for it) or take them as they are (keep)")  # fmt: skip
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the served model's name and tokenizer (default "
+                   f"{DEFAULT_MODEL})")
+    p.add_argument("--cache-dir", help="where converted models are kept")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="a trained drafter's and its frozen target parts' dtype (default auto)")  # fmt: skip
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from client.endpoint import Endpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with contextlib.ExitStack() as stack:
+        address = args.server
+        if args.via_netsim:
+            from netsim import simulated_link
+
+            address = stack.enter_context(simulated_link(args.server, args.via_netsim)).address
+        endpoint = Endpoint.from_files(address, args.tls, args.tls_ca, args.tls_cert, args.tls_key,
+                                       args.auth_token_file)  # fmt: skip
+        edge = Edge(args.server, args.drafter, args.model, args.on_reconnect, endpoint, args.dtype, args.cache_dir,
+                    args.connect_timeout)  # fmt: skip
+        link = f", via netsim {args.via_netsim}" if args.via_netsim else ""
+        print(f"splitspec edge: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {edge.model!r}, "
+              f"drafter {args.drafter}, server {args.server}{link})", flush=True)  # fmt: skip
+        uvicorn.run(app(edge), host=args.host, port=args.port, log_level="warning")
+    return 0
+

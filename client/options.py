@@ -1,0 +1,26 @@
+"""Command-line options every client command shares: how to reach the server (`generate`, `edge`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from netsim.profiles import PROFILES
+
+
+def add_connection_arguments(p: argparse.ArgumentParser, server_group=None) -> None:
+    """--server (in ``server_group`` if given: e.g. exclusive with --local), TLS, token, timeout, --via-netsim."""
+    (server_group or p).add_argument(
+        "--server", default="127.0.0.1:50051", help="HOST:PORT of `splitspec serve` (default 127.0.0.1:50051)"
+    )
+    p.add_argument("--tls", action="store_true", help="reach --server over TLS, verified with the system's roots")
+    p.add_argument("--tls-ca", help="TLS, verifying the server against this PEM CA")
+    p.add_argument("--tls-cert", help="mutual TLS: present this PEM client certificate (with --tls-key)")
+    p.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    p.add_argument("--auth-token-file", help="present the (first) bearer token in this file on every call")
+    p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the server (default 10)")
+    p.add_argument(
+        "--via-netsim",
+        metavar="PROFILE",
+        choices=list(PROFILES),
+        help=f"reach --server through a netsim proxy with this network profile ({', '.join(PROFILES)})",
+    )

@@ -1,0 +1,225 @@
+"""`splitspec edge` as apps use it: the official `openai` client over a real socket, against a tiny server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from client.drafters.moa import MoADrafter
+from client.edge import Edge, Settled, app
+from netsim import simulated_link
+from tests.conftest import start_server
+from tests.test_cli import splitspec
+from tests.test_moa import make_moa
+
+PROMPT = "w5 w9 w14 w5 w9 w21 w33 w40 w41 w5 w9"
+
+
+def plain(url: str, method: str = "GET", body: bytes | None = None):
+    """(status, decoded JSON or text) of one plain HTTP request."""
+    host, path = url.removeprefix("http://").split("/", 1)
+    conn = http.client.HTTPConnection(host, timeout=30)
+    conn.request(method, "/" + path, body, {"Content-Type": "application/json"} if body else {})
+    reply = conn.getresponse()
+    data = reply.read().decode()
+    conn.close()
+    try:
+        return reply.status, json.loads(data)
+    except ValueError:
+        return reply.status, data
+
+
+def serve(edge: Edge):
+    """The edge's app on a free loopback port, in a thread; yields its /v1 URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app(edge), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_target):
+    server, address, service = start_server(tiny_target, max_sessions=16, max_tree_nodes=16, max_context=256,
+                                            session_ttl_s=60.0)  # fmt: skip
+    yield address, service
+    server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def edge_url(tiny_server, tiny_model_dir):
+    edge = Edge(tiny_server[0], "prompt-lookup", model=str(tiny_model_dir))
+    server, thread, url = serve(edge)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(edge_url):
+    return openai.OpenAI(base_url=edge_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def cli_text(tiny_server, tiny_model_dir, chat: bool, tokens: int = 24) -> str:
+    args = ["generate", "--prompt", PROMPT, "--greedy", "--json", "--server", tiny_server[0], "--model",
+            str(tiny_model_dir), "--max-new-tokens", str(tokens), *(["--chat"] if chat else [])]  # fmt: skip
+    out = splitspec(*args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["text"]
+
+
+def test_streamed_chat_equals_generate_and_reports_usage(client, tiny_server, tiny_model_dir):
+    want = cli_text(tiny_server, tiny_model_dir, chat=True)
+    stream = client.chat.completions.create(
+        model=str(tiny_model_dir), messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0,
+        stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    usage = chunks[-1].usage
+    assert usage.completion_tokens <= 24 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert chunks[-1].model_extra["splitspec"]["server_calls"] >= 1
+
+
+def test_plain_chat_and_completions_equal_generate(client, tiny_server, tiny_model_dir):
+    reply = client.chat.completions.create(model=str(tiny_model_dir), messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=24, temperature=0)  # fmt: skip
+    assert reply.choices[0].message.content == cli_text(tiny_server, tiny_model_dir, chat=True)
+    assert reply.usage.completion_tokens >= 1 and reply.model_extra["splitspec"]["rounds"] >= 1
+    done = client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=24, temperature=0)
+    assert done.choices[0].text == cli_text(tiny_server, tiny_model_dir, chat=False)
+    streamed = client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=24, temperature=0,
+                                         stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+
+def test_a_stop_sequence_ends_the_text_before_it(client, tiny_model_dir):
+    def ask(**kw):
+        return client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=24, temperature=0, **kw)
+
+    full = ask().choices[0].text
+    words = full.split()
+    assert len(words) > 4
+    stop = words[3]
+    cut = ask(stop=[stop, "never-there"])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sampling_with_a_seed_is_reproducible(client, tiny_model_dir):
+    def ask():
+        return client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                          top_p=0.9, seed=11).choices[0].text  # fmt: skip
+
+    assert ask() == ask()
+
+
+def test_bad_requests_get_openai_shaped_errors(client, edge_url, tiny_model_dir):
+    model = str(tiny_model_dir)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "w1"}])
+    assert info.value.body["code"] == "model_not_found" and "gpt-17" in info.value.body["message"]
+    for bad in ({"temperature": 5}, {"max_tokens": 0}, {"n": 2}, {"top_p": "x"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w1"}], **bad)
+        assert info.value.body["param"] == next(iter(bad)) and info.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "robot", "content": "w1"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[])
+    status, body = plain(f"{edge_url}/chat/completions", "POST", b"{not json")
+    assert status == 400 and "not JSON" in body["error"]["message"]
+    assert plain(f"{edge_url}/chat/completions")[0] == 405
+    status, body = plain(f"{edge_url}/nowhere")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_models_health_and_metrics(client, edge_url, tiny_model_dir):
+    assert [m.id for m in client.models.list()] == [str(tiny_model_dir)]
+    root = edge_url.removesuffix("/v1")
+    health = plain(f"{root}/health")[1]
+    assert health["status"] == "ok" and health["server_serving"] is True
+    client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=4, temperature=0)
+    metrics = plain(f"{root}/metrics/")[1]
+    assert 'splitspec_edge_requests_total{route="completions",status="200"}' in metrics
+    assert "splitspec_edge_tokens_total" in metrics
+
+
+def test_several_requests_at_once(client, tiny_model_dir):
+    results = {}
+
+    def ask(i):
+        results[i] = client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=16,
+                                               temperature=0).choices[0].text  # fmt: skip
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 3 and len(set(results.values())) == 1
+
+
+def test_a_cut_during_a_streamed_reply_still_ends_exactly(tiny_target, tiny_server, tiny_model_dir, netsim_server):
+    """The link to the server is cut once the answer streams and restored 0.5 s later: local generation
+    (MoA TLI) bridges it, the server verifies the local tokens, and the stream ends with the exact greedy
+    text and [DONE]."""
+    want = cli_text(tiny_server, tiny_model_dir, chat=False, tokens=48)
+    with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
+        edge = Edge(link.address, lambda: MoADrafter(make_moa(tiny_target, 1), width=3, depth=3),
+                    model=str(tiny_model_dir))  # fmt: skip
+        server, thread, url = serve(edge)
+        try:
+            body = {"model": str(tiny_model_dir), "prompt": PROMPT, "max_tokens": 48, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            events, cut = [], False
+            conn = http.client.HTTPConnection(url.removeprefix("http://").split("/")[0], timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            assert reply.status == 200
+            while line := reply.readline():
+                line = line.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if not cut and len(events) == 2:  # the answer streams: cut the link
+                    link.cut()
+                    threading.Timer(0.5, link.restore).start()
+                    cut = True
+            conn.close()
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == want
+    stats = chunks[-1]["splitspec"]
+    assert stats["link_losses"] >= 1 and stats["local_tokens"] >= 1 and stats["unverified_tokens"] == 0
+
+
+def test_settled_text_holds_back_what_may_change():
+    class Words:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(f"w{i}" for i in ids)
+
+    s = Settled(Words(), stop=["w7 w8"], final_local=False)
+    assert s.update([1, 2, 3], [True, True, False]) == "w1 w2"  # the local token waits
+    assert s.update([1, 2, 3, 7], [True] * 4) == " w3 "  # "w7" may begin the stop sequence: held back
+    assert s.update([1, 2, 3, 7, 9], [True] * 5) == "w7 w9"
+    assert not s.stopped
+    assert s.update([1, 2, 3, 7, 9, 7, 8, 5], [True] * 8) == " " and s.stopped
+    assert s.update([1, 2, 3, 7, 9, 7, 8, 5, 6], [True] * 9) == ""
