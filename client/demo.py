@@ -52,8 +52,8 @@ class Show:
         self.shown = 0
         self.cut_at: float | None = None
         self.local: list[int] | None = None  # the local tokens while they wait for the server
-        self.last_change = time.perf_counter()
-        self.longest_stall = 0.0
+        self.last_shown = time.perf_counter()
+        self.longest_stall = 0.0  # the longest wait for more text on the screen
 
     def cut(self) -> None:
         self.cut_at = time.perf_counter()
@@ -68,19 +68,21 @@ class Show:
         say("link restored")
 
     def __call__(self, tokens: list[int], verified: list[bool]) -> None:
-        now = time.perf_counter()
-        self.longest_stall = max(self.longest_stall, now - self.last_change)
-        self.last_change = now
         first_local = next((i for i, v in enumerate(verified) if not v), len(tokens))
         if first_local < len(tokens) and self.local is None:
             say("no answer from the server: generating locally with the drafter's TLI layer")
         if first_local < len(tokens):
             self.local = tokens[first_local:]
         elif self.local is not None:
-            kept = sum(1 for a, b in zip(self.local, tokens[self.shown :], strict=False) if a == b)
-            say(f"server back: it verified the {len(self.local)} local tokens, {kept} kept as they were")
+            kept = next((i for i, (a, b) in enumerate(zip(self.local, tokens[self.shown :], strict=False)) if a != b),
+                        min(len(self.local), len(tokens) - self.shown))  # fmt: skip
+            say(f"server back: it verified the {len(self.local)} local tokens and kept the first {kept}; "
+                "the text goes on from there")  # fmt: skip
             self.local = None
         if first_local > self.shown:
+            now = time.perf_counter()
+            self.longest_stall = max(self.longest_stall, now - self.last_shown)
+            self.last_shown = now
             self.text(tokens[self.shown : first_local])
             self.shown = first_local
         if self.cut_at is None and self.shown >= self.cut_after:
@@ -162,12 +164,14 @@ def run(args: argparse.Namespace) -> int:
             policy = AdaptivePolicy.for_run(remote, remote.usable(drafter.payload_specs()))
             gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show)
             show.text(gen.token_ids[show.shown :])
+            print(flush=True)
             runs[f"split, {drafter.name}"] = figures(gen, show)
             if not args.no_baseline:
                 say(f"the same prompt through the streaming API baseline, over the same {args.network} link, "
                     "cut the same way")  # fmt: skip
                 show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for)
                 runs["streaming API"] = api_resuming(remote, prompt_ids, args.max_new_tokens, show)
+                print(flush=True)
         finally:
             remote.shutdown()
     print("\n", file=sys.stderr)

@@ -223,3 +223,17 @@ def test_settled_text_holds_back_what_may_change():
     assert not s.stopped
     assert s.update([1, 2, 3, 7, 9, 7, 8, 5], [True] * 8) == " " and s.stopped
     assert s.update([1, 2, 3, 7, 9, 7, 8, 5, 6], [True] * 9) == ""
+
+
+def test_private_spans_never_reach_the_prompt_the_server_gets(tiny_server, tiny_model_dir):
+    """The edge masks markers in any message and whole messages flagged private before encoding."""
+    from client.edge import parse
+
+    edge = Edge(tiny_server[0], "none", model=str(tiny_model_dir))
+    body = {"model": str(tiny_model_dir), "messages": [
+        {"role": "system", "content": "w77 w78", "private": True},
+        {"role": "user", "content": "w5 <private>w99</private> w6"}]}  # fmt: skip
+    ids, secrets = edge.prompt_ids(parse(body, chat=True, model=str(tiny_model_dir)))
+    vocab = edge.tokenizer.get_vocab()
+    assert not {vocab["w77"], vocab["w78"], vocab["w99"]} & set(ids) and vocab["w5"] in ids
+    assert secrets.render("[PRIVATE_1] [PRIVATE_2]") == "w77 w78 w99"

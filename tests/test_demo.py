@@ -1,0 +1,20 @@
+"""`make demo`'s command runs without a terminal (as in CI), narrates the cut and exits 0, stopping what it started."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_cli import splitspec
+
+pytestmark = pytest.mark.real
+
+
+def test_the_demo_runs_through_a_cut_without_a_terminal(real_target):
+    out = splitspec("demo", "--max-new-tokens", "40", "--cut-after", "10", "--cut-for", "1", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    err = out.stderr
+    for event in ("[link cut after", "[no answer from the server: generating locally", "[link restored]",
+                  "[server back:", "[the API stream broke", "streaming API"):  # fmt: skip
+        assert event in err, (event, err[-2000:])
+    assert "\x1b[" not in err  # no terminal: no escape codes
+    assert len(out.stdout.strip()) > 20
