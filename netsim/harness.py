@@ -166,6 +166,7 @@ class SimulatedLink:
         self.period_s, self.down_s = period_s, down_s
         self.profile: Profile | None = None
         self.flapper: Flapper | None = None
+        self.closed = False
 
     def apply(self, profile: Profile | str) -> Profile:
         if self.flapper:
@@ -181,9 +182,12 @@ class SimulatedLink:
         cut_link(self.client, self.name, silent)
 
     def restore(self) -> None:
-        restore_link(self.client, self.name)
+        """Undo a cut; nothing once the link is closed (a timer may restore a link whose run already ended)."""
+        if not self.closed:
+            restore_link(self.client, self.name)
 
     def close(self) -> None:
+        self.closed = True
         if self.flapper:
             self.flapper.stop()
         with contextlib.suppress(ToxiproxyError):

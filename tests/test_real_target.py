@@ -19,22 +19,14 @@ PROMPTS = [
     ("What is the capital of France? Answer in one sentence.", True),
     (f"Add a docstring to this function and return the whole function:\n{CODE}", True),
     (f"Rename `fib` to `fibonacci` in this code:\n{CODE}", True),
-    ("List three colors of the rainbow.", True),
     ("Explain what a hash table is to a child.", True),
-    ("Translate 'good morning' into Spanish and French.", True),
-    ("Write a haiku about the sea.", True),
-    ("Summarize: The quick brown fox jumps over the lazy dog. The dog sleeps. The fox runs away.", True),
     ("Write a SQL query that counts the rows of a table named users.", True),
     ("Give me a JSON object with keys name and age for a person called Ada, aged 36.", True),
-    ("How many legs does a spider have?", True),
     ("Write a bash loop that prints the numbers 1 to 5.", True),
-    ("What does HTTP stand for?", True),
     ("The history of the printing press", False),
     ("def is_even(n):\n    ", False),
-    ("Once upon a time, in a small village,", False),
     ("1, 2, 3, 4, 5, 6,", False),
     ("import numpy as np\n\n# compute the mean of a list\n", False),
-    ("Q: What is 12 times 12?\nA:", False),
 ]
 NEW_TOKENS = 32
 
@@ -95,7 +87,7 @@ def test_shipped_trained_drafters_keep_greedy_output_exact(real_target, referenc
     if find_bundle(name) is None:
         pytest.skip(f"no shipped bundle {name} (train one with `splitspec train`)")
     drafter = make_drafter(name, target=real_target)
-    for i in (0, 2, 15):  # chat, code-editing and raw-code prompts
+    for i in (0, 2, 9):  # chat, code-editing and raw-code prompts
         ids, expected = references[i]
         gen = generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, max_tree_nodes=16)
         assert gen.token_ids == expected[: len(gen.token_ids)], (name, i)
@@ -167,7 +159,7 @@ def test_bf16_drafted_output_equals_bf16_plain_decoding(real_bf16, name):
     from client.drafters import make_drafter
 
     drafter = make_drafter(name, target=real_bf16)
-    for i in (0, 2, 5, 15):
+    for i in (0, 2, 4, 9):
         ids = encode_prompt(real_bf16.tokenizer, *PROMPTS[i])
         plain = generate(LocalVerifier(real_bf16), NoDrafter(), ids, 48)
         gen = generate(LocalVerifier(real_bf16), drafter, ids, 48, max_tree_nodes=32)
