@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim bench-serve fuzz clean
+.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -65,6 +65,10 @@ bench-netsim: setup
 # Many clients against one server (issue 14): batched vs serial vs the API, 1..32 clients replaying recorded trees.
 bench-serve: setup
 	$(PY) -m bench.serve
+
+# Training throughput: target tokens/s of a training step per drafter and all five together, and the data side.
+bench-train: setup
+	$(PY) -m bench.train
 
 # 10,000 hostile requests against a real server while a canary session decodes (the suite runs 400 on a tiny model).
 fuzz: setup

@@ -133,3 +133,38 @@ def test_warm_start_from_bundles_alone(tiny_target, tmp_path):
         for key, value in model.trainable_state().items():
             assert torch.allclose(value, again.models[name].trainable_state()[key], atol=2e-3, rtol=1e-3), key
     assert not make_trainer(tiny_target, tmp_path / "empty", 600, drafters=[("eagle", 0)]).resume()
+
+
+def test_shards_give_back_the_stream_in_order_and_resume(tiny_target, tmp_path, monkeypatch):
+    from client.training import shards
+
+    monkeypatch.setattr(shards, "PER_SHARD", 3)  # several shard files for 8 sequences
+    want = [next(s) for s in [stream(tiny_target.tokenizer)] for _ in range(8)]
+    meta = shards.write_shards(stream(tiny_target.tokenizer), tmp_path, sequences=8, progress=False,
+                               about={"seq_len": 64})  # fmt: skip
+    assert meta["sequences"] == 8 and len(meta["files"]) == 3 and meta["seq_len"] == 64
+    assert meta["tokens"] == sum(len(ids) for ids, _ in want)
+    got = shards.ShardStream(tmp_path)
+    assert [next(got) for _ in range(8)] == [(ids, mask + [0] * (len(ids) - len(mask))) for ids, mask in want]
+    assert next(got) == next(shards.ShardStream(tmp_path))  # cycles
+    assert next(shards.ShardStream(tmp_path, skip=5))[0] == want[5][0]
+    with pytest.raises(SplitspecError, match="no training shards"):
+        shards.ShardStream(tmp_path / "nothing")
+
+
+def test_draft_segments_cut_every_6_to_14_tokens_with_a_random_phase():
+    from client.training.losses import SEGMENT, draft_segments
+
+    generator = torch.Generator().manual_seed(0)
+    firsts = set()
+    for length in (1, 7, 64, 301):
+        starts = draft_segments(4, length, generator)
+        assert starts.shape == (4, length)
+        for row in starts.tolist():
+            assert row[0] == 0 and all(s <= t for t, s in enumerate(row))
+            bounds = [t for t in range(1, length) if row[t] != row[t - 1]]
+            assert all(row[t] == t for t in bounds)  # a new draft starts where its positions begin
+            sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+            assert all(SEGMENT[0] <= n < SEGMENT[1] for n in sizes), sizes
+            firsts.add(bounds[0] if bounds else length)
+    assert len(firsts) > 3  # the first cut falls at varied places

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-vocab", type=int, default=16384, help="tokens a drafter may propose, most frequent first (0: all)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=Path, help="pre-tokenised data in this folder: written first (the budget's worth "
+                   "of the stream) unless it holds shards of this target, --seq-len and --seed; resume with the same")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
     p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints (default 600)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default smollm2-135m)")
@@ -100,7 +102,18 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(target, cfg, vocab_ids.to(target.device) if vocab_ids is not None else None)
     if args.resume and trainer.resume():
         print(f"resuming at {trainer.seen} tokens, step {trainer.steps}")
-    metrics = trainer.run(time_limit_s=args.time_limit)
+    stream = None
+    if args.shards:
+        from client.training.datasets import TrainingStream
+        from client.training.shards import ShardStream, read_meta, write_shards
+
+        about = {"seq_len": args.seq_len, "seed": args.seed, "fingerprint": target.fingerprint}
+        meta = read_meta(args.shards)
+        if meta is None or any(meta.get(k) != v for k, v in about.items()) or meta["tokens"] < args.tokens:
+            write_shards(TrainingStream(target.tokenizer, args.seq_len, seed=args.seed), args.shards,
+                         tokens=args.tokens, about=about)  # fmt: skip
+        stream = ShardStream(args.shards, skip=trainer.position)
+    metrics = trainer.run(stream, time_limit_s=args.time_limit)
     for name, m in metrics.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()) + f" -> {args.out / name}")
     return 0

@@ -23,9 +23,10 @@ SEGMENT = (6, 15)  # MoA's draft lengths k ∈ [6, 15) for "variable future leng
 KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)
 
 
-def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
-    """How often the drafter's top-1 token is the target's: what greedy acceptance rewards."""
-    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
+def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """How often the drafter's top-1 token is the target's: what greedy acceptance rewards (a 0-d tensor: reading
+    it would wait for the device, so the trainer reads metrics only when it shows them)."""
+    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
 
 
 def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -35,8 +36,10 @@ def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> to
     return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
 
 
-def loss(model, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """``model``'s training loss on ``tb`` and its metrics (kl, feat, acc: top-1 agreement with the target)."""
+def loss(model, tb: TargetBatch, generator: torch.Generator | None = None
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """``model``'s training loss on ``tb`` and its metrics (kl, feat, acc: top-1 agreement with the target), as
+    detached 0-d tensors: no host sync per step."""
     return {"moa": moa_loss, "eagle": eagle_loss, "independent": independent_loss}[model.kind](model, tb, generator)
 
 
@@ -48,7 +51,7 @@ def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = No
     between the TLI input (what the drafter predicts) and the final hidden state.
     """
     L, N = model.cfg.num_layers, model.cfg.tli
-    seg_start = draft_segments(*tb.input_ids.shape, generator=generator).to(tb.input_ids.device)
+    seg_start = draft_segments(*tb.input_ids.shape, generator=generator).to(tb.input_ids.device, non_blocking=True)
     hidden = model.forward_train(tb.input_ids, tb.kv, seg_start)
     tli_kv = list(zip(tb.keys[L - N :], tb.values[L - N :], strict=True)) if N else None
     out = model.head_train(hidden, seg_start, tli_kv)
@@ -59,7 +62,7 @@ def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = No
     if N:
         final = feature_loss(model.parts.norm(out[r, c]), tb.hidden[L][r, c])
         feat = (feat + final) / 2
-    metrics = {"kl": kl.item(), "feat": feat.item(), "acc": agreement(tb.teacher_logits, logits)}
+    metrics = {"kl": kl.detach(), "feat": feat.detach(), "acc": agreement(tb.teacher_logits, logits)}
     return KL_WEIGHT * kl + feat, metrics
 
 
@@ -75,7 +78,7 @@ def eagle_loss(model: Eagle, tb: TargetBatch, generator: torch.Generator | None 
     feat = F.smooth_l1_loss(out.float(), features[rows, cols])
     logits = model.parts.logits(out)
     kl = distill_kl(teacher, logits)
-    return feat + KL_WEIGHT * kl, {"kl": kl.item(), "feat": feat.item(), "acc": agreement(teacher, logits)}
+    return feat + KL_WEIGHT * kl, {"kl": kl.detach(), "feat": feat.detach(), "acc": agreement(teacher, logits)}
 
 
 def independent_loss(model: Independent, tb: TargetBatch,
@@ -86,7 +89,7 @@ def independent_loss(model: Independent, tb: TargetBatch,
     hidden = model(tb.input_ids, positions, causal_mask(T, tb.input_ids.device))
     logits = model.parts.logits(hidden[tb.rows, tb.cols])
     kl = distill_kl(tb.teacher_logits, logits)
-    return kl, {"kl": kl.item(), "acc": agreement(tb.teacher_logits, logits)}
+    return kl, {"kl": kl.detach(), "acc": agreement(tb.teacher_logits, logits)}
 
 
 def feature_loss(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
@@ -101,13 +104,17 @@ def feature_loss(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
 
 
 def draft_segments(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, T] start of the draft each position belongs to: random cuts every 6..14 tokens, random phase."""
-    starts = torch.empty(batch, length, dtype=torch.long)
+    """[B, T] start of the draft each position belongs to: random cuts every 6..14 tokens, random phase.
+
+    Drawn as one tensor op on the generator's device (no Python loop, no host round trip): segment
+    lengths [B, n], their running ends shifted back by a random phase, and each position looked up among them.
+    """
     low, high = SEGMENT
-    for b in range(batch):
-        t = -int(torch.randint(0, high - 1, (1,), generator=generator))
-        while t < length:
-            k = int(torch.randint(low, high, (1,), generator=generator))
-            starts[b, max(t, 0) : t + k] = max(t, 0)
-            t += k
-    return starts
+    device = generator.device if generator is not None else None
+    n = length // low + 4  # enough segments to cover ``length`` whatever the phase
+    lengths = torch.randint(low, high, (batch, n), generator=generator, device=device)
+    phase = torch.randint(0, high - 1, (batch, 1), generator=generator, device=device)
+    ends = lengths.cumsum(1) - phase
+    starts = (ends - lengths).clamp_min(0)
+    positions = torch.arange(length, device=ends.device).expand(batch, length).contiguous()
+    return starts.gather(1, torch.searchsorted(ends, positions, right=True))

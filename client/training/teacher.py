@@ -67,7 +67,11 @@ def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask:
     """
     engine = target.engine
     dev = target.device
-    input_ids, valid, loss_mask = input_ids.to(dev), valid.to(dev), loss_mask.to(dev)
+    # the trained positions from the host-side masks: their count is known without waiting for the device
+    predicts = torch.zeros_like(loss_mask)
+    predicts[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
+    rows, cols = (i.to(dev, non_blocking=True) for i in predicts.nonzero(as_tuple=True))
+    input_ids, valid = input_ids.to(dev, non_blocking=True), valid.to(dev, non_blocking=True)
     B, T = input_ids.shape
     cache = engine.new_cache(T, batch=B)
     trace: list[torch.Tensor] = []
@@ -75,9 +79,6 @@ def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask:
     positions = torch.arange(T, device=dev).expand(B, T)
     final = engine(input_ids, positions, causal_mask(T, dev), cache, 0, trace=trace)
     hidden = (*trace, final)
-    predicts = torch.zeros_like(loss_mask)
-    predicts[:, :-1] = loss_mask[:, 1:] & valid[:, 1:]
-    rows, cols = predicts.nonzero(as_tuple=True)
     head = engine.lm_head.weight
     if vocab_ids is not None:
         head = head[vocab_ids.to(head.device)]

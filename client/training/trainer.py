@@ -29,6 +29,7 @@ from client.training.teacher import pad_batch, run_teacher
 from shared.errors import SplitspecError
 
 CHECKPOINT = "checkpoint.pt"
+SHOW_EVERY = 10  # steps between reading the metrics (reading them waits for the device)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Trainer:
         self.steps = 0
         self.wall_s = 0.0
         self.position = 0
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.generator = torch.Generator(device=target.device).manual_seed(cfg.seed)  # noise drawn where it is used
 
     # --- checkpoints ---
 
@@ -134,7 +135,7 @@ class Trainer:
             self.optims[name].load_state_dict(state["optims"][name])
         for key in ("seen", "trained", "steps", "wall_s", "position"):
             setattr(self, key, state[key])
-        self.generator.set_state(state["generator"].cpu())  # map_location moved it to the device
+        self.generator.set_state(state["generator"].cpu())  # map_location moved it; a state is a CPU tensor
         return True
 
     def warm_start(self) -> bool:
@@ -174,7 +175,8 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16")
 
-    def step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict]:
+    def step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict[str, torch.Tensor]]:
+        """One optimizer step of every drafter on one teacher forward; the metrics stay on the device (0-d tensors)."""
         with self._autocast():
             tb = run_teacher(self.target, *pad_batch(sequences), vocab_ids=self.vocab_ids)
         lr = lr_at(self.cfg, self.seen)
@@ -189,8 +191,8 @@ class Trainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)
             optim.step()
-            metrics[name] = {"loss": loss.item(), **m}
-        self.seen += int(tb.valid.sum())
+            metrics[name] = {"loss": loss.detach(), **m}
+        self.seen += sum(len(ids) for ids, _ in sequences)
         self.trained += tb.tokens
         self.steps += 1
         return metrics
@@ -215,11 +217,13 @@ class Trainer:
                 metrics = self.step(batch)
                 self.wall_s += time.perf_counter() - start
                 bar.update(min(self.seen, cfg.tokens) - min(before, cfg.tokens))
-                bar.set_postfix_str(" ".join(f"{n}:{m['loss']:.3f}/{m['acc']:.2f}" for n, m in metrics.items()))
+                if self.steps % SHOW_EVERY == 0:
+                    bar.set_postfix_str(" ".join(f"{n}:{float(m['loss']):.3f}/{float(m['acc']):.2f}"
+                                                 for n, m in metrics.items()))  # fmt: skip
                 if time.monotonic() - last_save > cfg.checkpoint_every_s:
                     self.save()
                     last_save = time.monotonic()
         finally:
             bar.close()
             self.save()
-        return metrics
+        return {n: {k: float(v) for k, v in m.items()} for n, m in metrics.items()}
