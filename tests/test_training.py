@@ -168,3 +168,22 @@ def test_draft_segments_cut_every_6_to_14_tokens_with_a_random_phase():
             assert all(SEGMENT[0] <= n < SEGMENT[1] for n in sizes), sizes
             firsts.add(bounds[0] if bounds else length)
     assert len(firsts) > 3  # the first cut falls at varied places
+
+
+def test_eagle_on_policy_pass_feeds_its_own_features(tiny_target, tmp_path):
+    """--on-policy mixes in a pass on the drafter's own predicted features: it reports that pass's agreement and
+    changes the gradient (0 keeps plain teacher forcing)."""
+    from client.training.losses import loss
+    from client.training.teacher import pad_batch, run_teacher
+
+    trainer = make_trainer(tiny_target, tmp_path, 1000, drafters=[("eagle", 0)])
+    model = trainer.models["eagle"]
+    tb = run_teacher(tiny_target, *pad_batch([next(stream(tiny_target.tokenizer)) for _ in range(2)]))
+    grads = []
+    for weight in (0.0, 0.5):
+        model.zero_grad()
+        value, metrics = loss(model, tb, torch.Generator().manual_seed(0), on_policy=weight)
+        value.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert ("acc_own" in metrics) == (weight > 0)
+    assert not torch.allclose(grads[0], grads[1])

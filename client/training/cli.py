@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-vocab", type=int, default=16384, help="tokens a drafter may propose, most frequent first (0: all)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--on-policy", type=float, default=0.0, help="weight of EAGLE's second pass on its own predicted "
+                   "features, mixed with teacher forcing (0..1; default 0: teacher forcing only)")
     p.add_argument("--shards", type=Path, help="pre-tokenised data in this folder: written first (the budget's worth "
                    "of the stream) unless it holds shards of this target, --seq-len and --seed; resume with the same")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
@@ -85,13 +87,15 @@ def run(args: argparse.Namespace) -> int:
     drafters = parse_drafters(args.drafter, args.tli)
     if args.tokens < 1:
         raise SplitspecError(f"--tokens must be >= 1, got {args.tokens}")
+    if not 0 <= args.on_policy <= 1:
+        raise SplitspecError(f"--on-policy is a weight in [0, 1], got {args.on_policy}")
     if (args.out / CHECKPOINT).exists() and not args.resume:
         raise SplitspecError(f"{args.out} already holds a checkpoint: pass --resume to continue it, or another --out")
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
     cfg = TrainConfig(
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
-        autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"),
+        autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"), on_policy=args.on_policy,
     )  # fmt: skip
     vocab_ids = None
     if args.draft_vocab:

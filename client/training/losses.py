@@ -36,11 +36,14 @@ def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> to
     return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
 
 
-def loss(model, tb: TargetBatch, generator: torch.Generator | None = None
+def loss(model, tb: TargetBatch, generator: torch.Generator | None = None, on_policy: float = 0.0
          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """``model``'s training loss on ``tb`` and its metrics (kl, feat, acc: top-1 agreement with the target), as
-    detached 0-d tensors: no host sync per step."""
-    return {"moa": moa_loss, "eagle": eagle_loss, "independent": independent_loss}[model.kind](model, tb, generator)
+    detached 0-d tensors: no host sync per step. ``on_policy``: the weight of a second pass in which an EAGLE
+    drafter feeds on its own predicted features (``eagle_loss``)."""
+    if model.kind == "eagle":
+        return eagle_loss(model, tb, generator, on_policy)
+    return {"moa": moa_loss, "independent": independent_loss}[model.kind](model, tb, generator)
 
 
 def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
@@ -66,12 +69,30 @@ def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = No
     return KL_WEIGHT * kl + feat, metrics
 
 
-def eagle_loss(model: Eagle, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-    """SmoothL1(f̂_p, f_p) + 0.1·KL(target ‖ drafter) at the trained positions p >= 1, inputs noised."""
+def eagle_loss(model: Eagle, tb: TargetBatch, generator: torch.Generator | None = None,
+               on_policy: float = 0.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """SmoothL1(f̂_p, f_p) + 0.1·KL(target ‖ drafter) at the trained positions p >= 1, inputs noised.
+
+    With ``on_policy`` > 0 a second pass feeds every position the drafter's own prediction of the feature
+    it is given (f̂_{p-1} instead of f_{p-1}), as its second draft step and every offline step do, and its
+    loss is mixed in at that weight: teacher forcing alone never shows EAGLE its own errors (its known
+    weakness when it drafts deep or generates offline).
+    """
     features = tb.hidden[-1].float()
     noise = torch.rand(features.shape, generator=generator,
                        device=features.device if generator is None else generator.device)  # fmt: skip
     predicted = model.forward_train(features + (2 * noise.to(features.device) - 1) * FEATURE_NOISE, tb.input_ids)
+    total, metrics = _eagle_terms(model, tb, predicted, features)
+    if on_policy > 0:
+        own = torch.cat([features[:, :1], predicted.detach().float()], dim=1)  # own[:, p] = f̂_p for p >= 1
+        again, own_metrics = _eagle_terms(model, tb, model.forward_train(own, tb.input_ids), features)
+        total = (1 - on_policy) * total + on_policy * again
+        metrics["acc_own"] = own_metrics["acc"]
+    return total, metrics
+
+
+def _eagle_terms(model: Eagle, tb: TargetBatch, predicted: torch.Tensor, features: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     keep = tb.cols > 0
     rows, cols, teacher = tb.rows[keep], tb.cols[keep], tb.teacher_logits[keep]
     out = predicted[rows, cols - 1]

@@ -47,6 +47,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every_s: float = 600.0
     autocast: str = "none"  # "bf16": matmuls in bfloat16 (2.4x faster on this CPU's avx512_bf16), weights fp32
+    on_policy: float = 0.0  # weight of EAGLE's pass on its own predicted features (client.training.losses)
     extra: dict = field(default_factory=dict)
 
 
@@ -167,6 +168,7 @@ class Trainer:
             "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size, "peak_lr": self.cfg.lr,
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
+            "on_policy": self.cfg.on_policy,
             "data_position": self.position, "planned_tokens": self.cfg.tokens,
         }  # fmt: skip
 
@@ -186,7 +188,7 @@ class Trainer:
             for group in optim.param_groups:
                 group["lr"] = lr
             with self._autocast():
-                loss, m = drafter_loss(model, tb, self.generator)
+                loss, m = drafter_loss(model, tb, self.generator, self.cfg.on_policy)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)
