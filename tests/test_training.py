@@ -187,3 +187,15 @@ def test_eagle_on_policy_pass_feeds_its_own_features(tiny_target, tmp_path):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         assert ("acc_own" in metrics) == (weight > 0)
     assert not torch.allclose(grads[0], grads[1])
+
+
+def test_a_warm_start_keeps_the_bundles_draft_vocabulary(tiny_target, tmp_path):
+    from client.training.trainer import bundle_vocab
+
+    vocab = torch.arange(0, 200, 2)
+    cfg = TrainConfig([("eagle", 0)], 200, tmp_path, seq_len=64, batch_size=2)
+    Trainer(tiny_target, cfg, vocab).save()
+    assert torch.equal(bundle_vocab(tmp_path, [("eagle", 0)]), vocab)
+    assert bundle_vocab(tmp_path, [("eagle", 0), ("moa", 1)]) is None  # not every drafter has a bundle there
+    Trainer(tiny_target, TrainConfig([("moa", 0)], 200, tmp_path / "full", seq_len=64)).save()
+    assert bundle_vocab(tmp_path / "full", [("moa", 0)]) is None  # the full vocabulary

@@ -78,7 +78,7 @@ def parse_drafters(drafter: str, tli: str) -> list[tuple[str, int]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from client.training.trainer import CHECKPOINT, TrainConfig, Trainer
+    from client.training.trainer import CHECKPOINT, TrainConfig, Trainer, bundle_vocab
     from shared.errors import SplitspecError
     from shared.models import load_target
 
@@ -97,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
         autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"), on_policy=args.on_policy,
     )  # fmt: skip
-    vocab_ids = None
-    if args.draft_vocab:
+    vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None
+    if vocab_ids is not None:
+        print(f"draft vocabulary: the {len(vocab_ids)} tokens of the bundles in {args.out} (a warm start keeps it)")
+    elif args.draft_vocab:
         from client.training.vocab import draft_vocab
 
         vocab_ids, coverage = draft_vocab(target.tokenizer, args.draft_vocab, seq_len=args.seq_len, seed=args.seed)

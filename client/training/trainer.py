@@ -70,6 +70,18 @@ def hardware(device: torch.device) -> str:
     return f"{name or platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
+def bundle_vocab(out: Path, drafters: list[tuple[str, int]]) -> torch.Tensor | None:
+    """The draft vocabulary of the bundles in ``out`` when all of ``drafters`` have one there (a warm start must
+    keep the vocabulary its weights index), else None."""
+    from safetensors import safe_open
+
+    paths = [out / bundle_name(kind, tli) / "weights.safetensors" for kind, tli in drafters]
+    if not paths or not all(p.is_file() for p in paths):
+        return None
+    with safe_open(str(paths[0]), "pt") as f:
+        return f.get_tensor(DRAFT_VOCAB) if DRAFT_VOCAB in f.keys() else None
+
+
 class Trainer:
     def __init__(self, target, cfg: TrainConfig, vocab_ids: torch.Tensor | None = None):
         if not cfg.drafters:
