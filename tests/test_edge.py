@@ -237,3 +237,32 @@ def test_private_spans_never_reach_the_prompt_the_server_gets(tiny_server, tiny_
     vocab = edge.tokenizer.get_vocab()
     assert not {vocab["w77"], vocab["w78"], vocab["w99"]} & set(ids) and vocab["w5"] in ids
     assert secrets.render("[PRIVATE_1] [PRIVATE_2]") == "w77 w78 w99"
+
+
+def test_the_edge_command_serves_until_stopped(tiny_server, tiny_model_dir):
+    """`splitspec edge` as a process: it announces its URL, answers, and stops on SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "edge", "--server", tiny_server[0], "--model",
+                             str(tiny_model_dir), "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert f"http://127.0.0.1:{port}/v1" in proc.stdout.readline()
+        deadline, status = time.monotonic() + 30, None
+        while status != 200 and time.monotonic() < deadline:
+            try:
+                status, body = plain(f"http://127.0.0.1:{port}/v1/models")
+            except OSError:
+                time.sleep(0.1)
+        assert status == 200 and body["data"][0]["id"] == str(tiny_model_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
