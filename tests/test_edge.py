@@ -178,7 +178,7 @@ def test_a_cut_during_a_streamed_reply_still_ends_exactly(tiny_target, tiny_serv
     (MoA TLI) bridges it, the server verifies the local tokens, and the stream ends with the exact greedy
     text and [DONE]."""
     want = cli_text(tiny_server, tiny_model_dir, chat=False, tokens=48)
-    with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
+    with simulated_link(tiny_server[0], "5g", netsim=netsim_server) as link:  # real RTTs: rounds remain at the cut
         edge = Edge(link.address, lambda: MoADrafter(make_moa(tiny_target, 1), width=3, depth=3),
                     model=str(tiny_model_dir))  # fmt: skip
         server, thread, url = serve(edge)
