@@ -65,6 +65,22 @@ def test_ca_is_k_step_bounded(tiny_target):
     assert not torch.allclose(base[:, 4:], other[:, 4:], atol=1e-3)  # later ones saw the changed memory
 
 
+def test_a_staircase_sequence_takes_its_context_from_the_memory_alone(tiny_target):
+    """With the staircase SA mask a draft's outputs depend on the tokens before it only through the target's
+    memory: changing those tokens (the memory kept) changes nothing in the draft; without it, they do."""
+    model = make_moa(tiny_target, 0)
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5, 23, 61, 7, 12]])
+    kv, *_ = target_pass(tiny_target, ids)
+    starts = torch.tensor([[0, 0, 0, 0, 0, 5, 5, 5, 5, 5]])
+    other_ids = ids.clone()
+    other_ids[0, 1:4] = torch.tensor([9, 10, 11])
+    with torch.no_grad():
+        for stairs, same in ((torch.tensor([True]), True), (torch.tensor([False]), False), (None, False)):
+            base = model.forward_train(ids, kv, starts, staircase=stairs)
+            other = model.forward_train(other_ids, kv, starts, staircase=stairs)
+            assert torch.allclose(base[:, 5:], other[:, 5:], atol=1e-5) == same, stairs
+
+
 @pytest.mark.parametrize("tli", [0, 2])
 def test_incremental_drafting_matches_the_training_pass(tiny_target, tli):
     """The drafter's cached, tree-masked root/expand log-probs equal forward_train on the same chain."""

@@ -199,3 +199,16 @@ def test_a_warm_start_keeps_the_bundles_draft_vocabulary(tiny_target, tmp_path):
     assert bundle_vocab(tmp_path, [("eagle", 0), ("moa", 1)]) is None  # not every drafter has a bundle there
     Trainer(tiny_target, TrainConfig([("moa", 0)], 200, tmp_path / "full", seq_len=64)).save()
     assert bundle_vocab(tmp_path / "full", [("moa", 0)]) is None  # the full vocabulary
+
+
+def test_the_staircase_curriculum_falls_from_one_to_none_by_half_the_budget(tiny_target, tmp_path):
+    trainer = make_trainer(tiny_target, tmp_path, 1000, drafters=[("moa", 0)])
+    assert trainer.staircase() == 0.0  # off unless asked
+    trainer.cfg.staircase = True
+    probabilities = []
+    for seen in (0, 250, 500, 900):
+        trainer.seen = seen
+        probabilities.append(trainer.staircase())
+    assert probabilities == [1.0, 0.5, 0.0, 0.0]
+    trainer.seen = 0
+    trainer.step([next(stream(tiny_target.tokenizer)) for _ in range(2)])  # a step with the mask trains

@@ -96,18 +96,27 @@ class MoA(LayerSelfAttention):
     # --- training: whole sequences, segments of "future" tokens at once ---
 
     def forward_train(self, input_ids: torch.Tensor, kv: torch.Tensor, seg_start: torch.Tensor,
-                      tli_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:  # fmt: skip
+                      tli_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      staircase: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Predicted hidden states [B, T, E] (entering the target's last N layers) for every position.
 
         ``kv`` [B, T, L, Ekv] is the target's KV of every token; position t belongs to a draft
         that began at ``seg_start[b, t]`` (<= t): its CA sees memory of tokens before that only,
         and its TLI layers see the target's KV before it and the drafter's own KV from it on.
+        ``staircase`` [B] bool: those sequences' SA sees only the position's own draft (from its
+        start), not the tokens before it — the reference code's curriculum, which makes the
+        drafter take the context from the target's memory (CA) rather than re-read it itself.
         """
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         dtype = self.out_norm.weight.dtype
         rope = self.parts.rope(positions, dtype)
-        x = self.sa(self.parts.embed(input_ids).to(dtype), causal_mask(T, input_ids.device), rope)
+        sa_mask = causal_mask(T, input_ids.device)
+        if staircase is not None:
+            j = torch.arange(T, device=input_ids.device)
+            own_draft = j[None, None, :] >= seg_start[:, :, None]  # [B, T, T]
+            sa_mask = sa_mask & (own_draft | ~staircase[:, None, None])
+        x = self.sa(self.parts.embed(input_ids).to(dtype), sa_mask, rope)
         memory = self.memory(kv.to(dtype))
         j = torch.arange(T, device=input_ids.device)
         sees = j[None, None, :] < seg_start[:, :, None]  # [B, T, T]: memory j visible to query t

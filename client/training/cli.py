@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-policy", type=float, default=0.0, help="weight of EAGLE's second pass on its own predicted "
                    "features, mixed with teacher forcing (0..1; default 0: teacher forcing only)")
+    p.add_argument("--staircase", action="store_true", help="MoA: the reference code's curriculum, SA seeing only "
+                   "the current draft with a probability falling from 1 to 0 over the first half of the budget")
     p.add_argument("--shards", type=Path, help="pre-tokenised data in this folder: written first (the budget's worth "
                    "of the stream) unless it holds shards of this target, --seq-len and --seed; resume with the same")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
         autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"), on_policy=args.on_policy,
+        staircase=args.staircase,
     )  # fmt: skip
     vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None
     if vocab_ids is not None:

@@ -36,26 +36,36 @@ def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> to
     return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
 
 
-def loss(model, tb: TargetBatch, generator: torch.Generator | None = None, on_policy: float = 0.0
-         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+def loss(model, tb: TargetBatch, generator: torch.Generator | None = None, on_policy: float = 0.0,
+         staircase: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """``model``'s training loss on ``tb`` and its metrics (kl, feat, acc: top-1 agreement with the target), as
     detached 0-d tensors: no host sync per step. ``on_policy``: the weight of a second pass in which an EAGLE
-    drafter feeds on its own predicted features (``eagle_loss``)."""
+    drafter feeds on its own predicted features (``eagle_loss``); ``staircase``: the probability that a MoA
+    sequence's SA sees only its own draft (``moa_loss``)."""
     if model.kind == "eagle":
         return eagle_loss(model, tb, generator, on_policy)
-    return {"moa": moa_loss, "independent": independent_loss}[model.kind](model, tb, generator)
+    if model.kind == "moa":
+        return moa_loss(model, tb, generator, staircase)
+    return independent_loss(model, tb, generator)
 
 
-def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = None,
+             staircase: float = 0.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """λ0·KL(target ‖ drafter) + λ1·SmoothL1 on the predicted hidden state, over random draft segments.
 
     Variable future length: the sequence is cut into drafts of 6..14 tokens; each draft sees
     the target's memory only up to where it began. For TLI>0 the feature loss is split
-    between the TLI input (what the drafter predicts) and the final hidden state.
+    between the TLI input (what the drafter predicts) and the final hidden state. With probability
+    ``staircase`` a sequence's SA sees only the current draft (``MoA.forward_train``).
     """
     L, N = model.cfg.num_layers, model.cfg.tli
-    seg_start = draft_segments(*tb.input_ids.shape, generator=generator).to(tb.input_ids.device, non_blocking=True)
-    hidden = model.forward_train(tb.input_ids, tb.kv, seg_start)
+    B, T = tb.input_ids.shape
+    seg_start = draft_segments(B, T, generator=generator).to(tb.input_ids.device, non_blocking=True)
+    stairs = None
+    if staircase > 0:
+        device = generator.device if generator is not None else tb.input_ids.device
+        stairs = (torch.rand(B, generator=generator, device=device) < staircase).to(tb.input_ids.device)
+    hidden = model.forward_train(tb.input_ids, tb.kv, seg_start, staircase=stairs)
     tli_kv = list(zip(tb.keys[L - N :], tb.values[L - N :], strict=True)) if N else None
     out = model.head_train(hidden, seg_start, tli_kv)
     r, c = tb.rows, tb.cols

@@ -48,6 +48,7 @@ class TrainConfig:
     checkpoint_every_s: float = 600.0
     autocast: str = "none"  # "bf16": matmuls in bfloat16 (2.4x faster on this CPU's avx512_bf16), weights fp32
     on_policy: float = 0.0  # weight of EAGLE's pass on its own predicted features (client.training.losses)
+    staircase: bool = False  # MoA's SA curriculum: own draft only, with probability 1 - 2·(budget spent), then none
     extra: dict = field(default_factory=dict)
 
 
@@ -180,7 +181,7 @@ class Trainer:
             "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size, "peak_lr": self.cfg.lr,
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
-            "on_policy": self.cfg.on_policy,
+            "on_policy": self.cfg.on_policy, "staircase": self.cfg.staircase,
             "data_position": self.position, "planned_tokens": self.cfg.tokens,
         }  # fmt: skip
 
@@ -188,6 +189,11 @@ class Trainer:
 
     def _autocast(self):
         return torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16")
+
+    def staircase(self) -> float:
+        """The probability of MoA's staircase SA mask now: 1 at the start, falling to 0 halfway through the budget
+        (the reference code anneals it over the first half of its 40 epochs)."""
+        return max(0.0, 1.0 - 2.0 * self.seen / self.cfg.tokens) if self.cfg.staircase else 0.0
 
     def step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict[str, torch.Tensor]]:
         """One optimizer step of every drafter on one teacher forward; the metrics stay on the device (0-d tensors)."""
@@ -200,7 +206,7 @@ class Trainer:
             for group in optim.param_groups:
                 group["lr"] = lr
             with self._autocast():
-                loss, m = drafter_loss(model, tb, self.generator, self.cfg.on_policy)
+                loss, m = drafter_loss(model, tb, self.generator, self.cfg.on_policy, self.staircase())
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)
