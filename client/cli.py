@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 
+from client.decode import verified_prefix
 from client.options import add_connection_arguments
 from client.private import Renderer, mask
 from shared.models import DEFAULT_MODEL, DTYPES
@@ -137,7 +138,7 @@ class SettledStream:
         self.offline = False
 
     def __call__(self, tokens: list[int], verified: list[bool]) -> None:
-        first_local = next((i for i, v in enumerate(verified) if not v), len(tokens))
+        first_local = verified_prefix(verified)
         final = len(tokens) if self.final_local else first_local
         if final > self.shown:
             self.text(tokens[self.shown : final])

@@ -292,6 +292,11 @@ class Run:
         return ""
 
 
+def verified_prefix(verified: list[bool]) -> int:
+    """How many leading tokens the server has verified: what a stream may show under ``verify``."""
+    return next((i for i, v in enumerate(verified) if not v), len(verified))
+
+
 def api_generate(
     remote,
     prompt_ids: list[int],

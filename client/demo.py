@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from client.decode import verified_prefix
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL
 from shared.server_process import server_child
@@ -68,7 +69,7 @@ class Show:
         say("link restored")
 
     def __call__(self, tokens: list[int], verified: list[bool]) -> None:
-        first_local = next((i for i, v in enumerate(verified) if not v), len(tokens))
+        first_local = verified_prefix(verified)
         if first_local < len(tokens) and self.local is None:
             say("no answer from the server: generating locally with the drafter's TLI layer")
         if first_local < len(tokens):

@@ -24,8 +24,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from client.decode import verified_prefix
 from shared.models import DEFAULT_MODEL, DTYPES
 
 MAX_BODY_BYTES = 4 << 20
@@ -160,8 +161,7 @@ class Settled:
 
     def update(self, tokens: list[int], verified: list[bool], final: bool = False) -> str:
         """The new text after this update ('' if none); ``final``: the generation ended, nothing is held back."""
-        settled = len(tokens) if final or self.final_local else next(
-            (i for i, v in enumerate(verified) if not v), len(tokens))  # fmt: skip
+        settled = len(tokens) if final or self.final_local else verified_prefix(verified)
         text = self.tokenizer.decode(tokens[:settled], skip_special_tokens=True)
         end = len(text)
         if not final and text.endswith("\ufffd"):
@@ -182,13 +182,10 @@ class Settled:
 # --- the endpoint ---
 
 
-@dataclass
 class Counters:
     """The edge's Prometheus metrics (prometheus-client), one registry per endpoint."""
 
-    registry: object = field(default=None)
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
