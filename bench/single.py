@@ -15,7 +15,10 @@ greedy ids), ``prompt-lookup`` (training-free) and trained drafters, each loaded
 (``--bundle-dir DIR/<name>`` first, then the shipped ``client/drafters/bundles/<name>``). A trained drafter
 without a bundle is skipped with a warning and listed under ``skipped`` in the JSON. Trained drafters draft
 EAGLE-2 dynamic trees of ``--tree-width`` B, ``--tree-depth`` D and at most ``--max-tree-nodes`` nodes; prompt
-lookup drafts its own chain (≤10 nodes) whatever those flags say.
+lookup drafts its own chain (≤10 nodes) whatever those flags say. ``--draft-vocabs 8k,16k,24k,full`` runs each
+trained drafter once per draft vocabulary (``eagle@8k``, ...): its head is the target's frozen LM head cut to the
+N most frequent assistant tokens, so one bundle serves every size (trained against its own size's KL: the other
+sizes measure what the head's cost and the vocabulary's coverage do to speed and τ, not a drafter trained for them).
 
 Every method runs on every prompt, interleaved per prompt with the order rotated from prompt to prompt (and
 the two datasets alternated), so machine noise hits all methods alike. Per prompt: tokens/s = new tokens /
@@ -129,11 +132,42 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
             skipped[name] = f"no bundle: neither {where}a shipped bundle client/drafters/bundles/{name} exists"
             print(f"WARNING: skipping {name}: {skipped[name]} (train one, or pass --bundle-dir)", file=sys.stderr)
             continue
-        drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth)
         config = json.loads((path / "config.json").read_text())
         config["path"] = str(path)
-        methods.append(Method(name, drafter, args.max_tree_nodes, config))
+        for label, vocab_ids in draft_vocabularies(args.draft_vocabs, target, config):
+            drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth,
+                                   vocab_ids=vocab_ids)  # fmt: skip
+            methods.append(Method(f"{name}@{label}" if label else name, drafter, args.max_tree_nodes, config))
     return methods, skipped
+
+
+def draft_vocabularies(sizes: list[int], target, config: dict) -> list[tuple[str, torch.Tensor | None]]:
+    """(label, vocab_ids) per size of ``--draft-vocabs`` for one bundle: its own vocabulary when none are
+    asked for; else the most frequent tokens counted as its training counted them (same sequence length and
+    seed; at the bundle's own size, exactly its vocabulary), 0 for the target's whole vocabulary."""
+    if not sizes:
+        return [("", None)]
+    from client.training.vocab import draft_vocab, token_counts
+
+    training = config.get("training") or {}
+    key = (training.get("seq_len", 512), training.get("seed", 0))
+    if key not in _COUNTS:
+        print(f"counting assistant tokens (seq_len {key[0]}, seed {key[1]}) for --draft-vocabs ...", file=sys.stderr)
+        _COUNTS[key] = token_counts(target.tokenizer, seq_len=key[0], seed=key[1])
+    vocabularies = []
+    for size in sizes:
+        if size == 0 or size >= target.vocab_size:
+            vocabularies.append(("full", torch.empty(0, dtype=torch.long)))
+            continue
+        ids, coverage = draft_vocab(target.tokenizer, size, counts=_COUNTS[key])
+        label = f"{size // 1024}k" if size % 1024 == 0 else str(size)
+        VOCAB_COVERAGE[label] = round(coverage, 5)
+        vocabularies.append((label, None if size == config.get("draft_vocab_size") else ids))
+    return vocabularies
+
+
+_COUNTS: dict[tuple[int, int], object] = {}  # token counts per (seq_len, seed), shared by the bundles
+VOCAB_COVERAGE: dict[str, float] = {}  # share of sampled assistant tokens each --draft-vocabs size covers
 
 
 def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int):
@@ -189,8 +223,8 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     lines = [
-        f"| method | dataset | τ | tok/s | speedup | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",
-        "|---|---|---:|---:|---:|---:|",
+        f"| method | dataset | τ | tok/s | speedup | drafting share | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for m, per in summary.items():
         for d, s in per.items():
@@ -198,6 +232,7 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
                 cell(s["mean_acceptance_length"], ".2f"),
                 cell(s["median_tokens_per_s"], ".2f"),
                 cell(s["median_speedup"], ".2f") + ("×" if s["median_speedup"] is not None else ""),
+                "–" if m == REFERENCE else f"{s['median_draft_share']:.0%}",
                 "–" if m == REFERENCE else f"{s['mismatches']}/{s['prompts']}",
             ]
             lines.append(f"| {m} | {d} | " + " | ".join(cells) + " |")
@@ -253,6 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
     p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
     p.add_argument("--max-tree-nodes", type=int, default=16, help="trained drafters: tree nodes per round (default 16)")
+    p.add_argument("--draft-vocabs", default="",
+                   help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
+                        "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)")
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -265,11 +303,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
     args.drafters = list(dict.fromkeys(names))
+    try:
+        args.draft_vocabs = [parse_size(v) for v in args.draft_vocabs.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--draft-vocabs takes sizes like 8192, 8k or full, got {args.draft_vocabs!r}")
     for name in ("limit", "max_new_tokens", "threads", "tree_width", "tree_depth", "max_tree_nodes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def parse_size(text: str) -> int:
+    """``8192``, ``8k`` (x1024) or ``full`` (0: the whole vocabulary)."""
+    text = text.strip().lower()
+    if text == "full":
+        return 0
+    size = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+    if size < 1:
+        raise ValueError(text)
+    return size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "humaneval_template": HUMANEVAL_TEMPLATE,
         "prompts": counts,
         "bundles": {m.name: m.bundle for m in methods if m.bundle is not None},
+        "draft_vocab_coverage": VOCAB_COVERAGE,
     }
     mismatches = sum(s["mismatches"] for per in summary.values() for s in per.values())
     result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches}
@@ -321,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; ≠ plain counts prompts whose token ids differ "
         f"from plain decoding's.\n\n"
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
+        + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
+           + ", ".join(f"{k} {v:.2%}" for k, v in VOCAB_COVERAGE.items()) + ", full 100%.\n\n" if VOCAB_COVERAGE else "")
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
     save_results(args.out, "single", result, header + table)

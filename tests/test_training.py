@@ -212,3 +212,21 @@ def test_the_staircase_curriculum_falls_from_one_to_none_by_half_the_budget(tiny
     assert probabilities == [1.0, 0.5, 0.0, 0.0]
     trainer.seen = 0
     trainer.step([next(stream(tiny_target.tokenizer)) for _ in range(2)])  # a step with the mask trains
+
+
+def test_a_bundle_loads_with_another_draft_vocabulary(tiny_target, tmp_path):
+    vocab = torch.arange(0, 200, 2)
+    cfg = TrainConfig([("eagle", 0)], 200, tmp_path, seq_len=64, batch_size=2)
+    Trainer(tiny_target, cfg, vocab).save()
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 16)
+    odd = torch.arange(1, 120, 2)
+    for ids, allowed in ((None, set(vocab.tolist())), (odd, set(odd.tolist())), (torch.empty(0, dtype=torch.long), None)):
+        model, _ = load_bundle(tmp_path / "eagle", tiny_target, vocab_ids=ids)
+        expected = len(vocab) if ids is None else len(ids) or tiny_target.vocab_size
+        assert model.parts.logits(torch.zeros(1, model.cfg.hidden_size)).shape[-1] == expected
+        drafter = drafter_for(model, "eagle")
+        assert generate(LocalVerifier(tiny_target), drafter, prompt, 16, max_tree_nodes=8).token_ids == plain.token_ids
+        drafter.begin(prompt, tiny_target.session(features=drafter.target_features).prefill(prompt[:-1]).features)
+        tokens = drafter.propose(8).tokens
+        assert tokens and (allowed is None or set(tokens) <= allowed)

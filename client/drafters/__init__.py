@@ -22,12 +22,13 @@ TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent")
 
 
 def make_drafter(name: str, target=None, width: int | None = None, depth: int | None = None, weights: str = "auto",
-                 **options) -> Drafter:  # fmt: skip
+                 vocab_ids: torch.Tensor | None = None, **options) -> Drafter:  # fmt: skip
     """Build a drafter from its name (see ``DRAFTERS``) or from a bundle (name or path; needs ``target``).
 
     ``weights="int8"`` makes a trained drafter's own projections and draft head weight-only int8: a
     draft step multiplies a few rows, where int8 streams half the bytes (EAGLE here: 8.1 -> 6.0 ms a
     round, the same τ). Drafts change, outputs never. ``auto``: int8 for a bf16 target on a CPU, else native.
+    ``vocab_ids``: another draft vocabulary than the bundle's (``load_bundle``).
     """
     cls = DRAFTERS.get(ALIASES.get(name, name))
     if cls is not None:
@@ -40,7 +41,7 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         raise SplitspecError(f"unknown drafter {name!r}: expected one of {known}, or the path of a drafter bundle")
     if target is None:
         raise SplitspecError(f"drafter {name!r} is a trained bundle: it needs the target model loaded beside it")
-    model, config = load_bundle(path, target)
+    model, config = load_bundle(path, target, vocab_ids=vocab_ids)
     if weights == "auto":
         # torch's packed int8 kernel is fast for bf16 activations only (fp32 ones: ~10x slower here)
         weights = "int8" if target.device.type == "cpu" and target.dtype == torch.bfloat16 else "native"

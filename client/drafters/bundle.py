@@ -79,8 +79,13 @@ def find_bundle(name_or_path: str) -> Path | None:
     return shared_bundles.find_bundle(name_or_path, (SHIPPED,))
 
 
-def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = None):
-    """(model, config) for the bundle at ``path``, built on ``target``'s frozen parts; refuses a mismatch."""
+def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = None,
+                vocab_ids: torch.Tensor | None = None):  # fmt: skip
+    """(model, config) for the bundle at ``path``, built on ``target``'s frozen parts; refuses a mismatch.
+
+    ``vocab_ids`` replaces the bundle's draft vocabulary (an empty tensor: the target's whole vocabulary). A
+    drafter's head is the target's own frozen LM head cut to a vocabulary, so any vocabulary fits the trained
+    weights; the bundle's is the one its training's KL saw, others are for measuring what size pays."""
     from client.drafters.target_parts import TargetParts
 
     path = Path(path)
@@ -91,7 +96,8 @@ def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = Non
     model_cls, cfg_cls = classes[config["kind"]]
     cfg = cfg_cls(**config["model"])
     state = load_file(str(path / "weights.safetensors"))
-    vocab_ids = state.pop(DRAFT_VOCAB, None)
+    saved = state.pop(DRAFT_VOCAB, None)
+    vocab_ids = saved if vocab_ids is None else vocab_ids
     model = model_cls(cfg, TargetParts(target, getattr(cfg, "tli", 0), vocab_ids))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("parts.")]
