@@ -223,7 +223,7 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     lines = [
-        f"| method | dataset | τ | tok/s | speedup | drafting share | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",
+        f"| method | dataset | τ | tok/s | speedup | drafting share | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",  # noqa: E501
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for m, per in summary.items():
@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         f"from plain decoding's.\n\n"
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
         + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
-           + ", ".join(f"{k} {v:.2%}" for k, v in VOCAB_COVERAGE.items()) + ", full 100%.\n\n" if VOCAB_COVERAGE else "")
+           + ", ".join(f"{k} {v:.2%}" for k, v in VOCAB_COVERAGE.items()) + ", full 100%.\n\n"
+           if VOCAB_COVERAGE else "")
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
     save_results(args.out, "single", result, header + table)

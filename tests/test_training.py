@@ -221,7 +221,8 @@ def test_a_bundle_loads_with_another_draft_vocabulary(tiny_target, tmp_path):
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
     plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 16)
     odd = torch.arange(1, 120, 2)
-    for ids, allowed in ((None, set(vocab.tolist())), (odd, set(odd.tolist())), (torch.empty(0, dtype=torch.long), None)):
+    full = torch.empty(0, dtype=torch.long)
+    for ids, allowed in ((None, set(vocab.tolist())), (odd, set(odd.tolist())), (full, None)):
         model, _ = load_bundle(tmp_path / "eagle", tiny_target, vocab_ids=ids)
         expected = len(vocab) if ids is None else len(ids) or tiny_target.vocab_size
         assert model.parts.logits(torch.zeros(1, model.cfg.hidden_size)).shape[-1] == expected
