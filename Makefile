@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-vocab bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
+.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -49,6 +49,9 @@ bench-single: setup
 bench-vocab: setup
 	$(PY) -m bench.single --drafters eagle,moa-tli1 --draft-vocabs 4k,8k,16k,24k,full --limit 5 --max-new-tokens 96 \
 		--out bench/results/vocab
+
+bench-probe: setup
+	$(PY) -m bench.probe
 
 bench-trees: setup
 	$(PY) -m bench.trees
