@@ -170,6 +170,23 @@ def test_draft_segments_cut_every_6_to_14_tokens_with_a_random_phase():
     assert len(firsts) > 3  # the first cut falls at varied places
 
 
+def test_long_drafts_cut_a_share_of_sequences_every_32_to_64_tokens():
+    from client.training.losses import LONG_SEGMENT, SEGMENT, draft_segments
+
+    generator = torch.Generator().manual_seed(1)
+    starts = draft_segments(400, 300, generator, long_share=0.25)
+    longest = []
+    for row in starts.tolist():
+        bounds = [t for t in range(1, 300) if row[t] != row[t - 1]]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        assert all(SEGMENT[0] <= n < SEGMENT[1] for n in sizes) or all(LONG_SEGMENT[0] <= n < LONG_SEGMENT[1]
+                                                                        for n in sizes), sizes  # fmt: skip
+        longest.append(max(sizes) >= LONG_SEGMENT[0])
+    assert 0.15 < sum(longest) / len(longest) < 0.35  # about a quarter of the sequences
+    short = draft_segments(400, 300, torch.Generator().manual_seed(1))
+    assert torch.equal(short, draft_segments(400, 300, torch.Generator().manual_seed(1), long_share=0.0))
+
+
 def test_eagle_on_policy_pass_feeds_its_own_features(tiny_target, tmp_path):
     """--on-policy mixes in a pass on the drafter's own predicted features: it reports that pass's agreement and
     changes the gradient (0 keeps plain teacher forcing)."""

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "features, mixed with teacher forcing (0..1; default 0: teacher forcing only)")
     p.add_argument("--staircase", action="store_true", help="MoA: the reference code's curriculum, SA seeing only "
                    "the current draft with a probability falling from 1 to 0 over the first half of the budget")
+    p.add_argument("--long-drafts", type=float, default=0.0, help="MoA: share of sequences cut into 32..64-token "
+                   "drafts, the horizon of generating alone after a disconnection (0..1; default 0: 6..14 only)")
     p.add_argument("--shards", type=Path, help="pre-tokenised data in this folder: written first (the budget's worth "
                    "of the stream) unless it holds shards of this target, --seq-len and --seed; resume with the same")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
@@ -91,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise SplitspecError(f"--tokens must be >= 1, got {args.tokens}")
     if not 0 <= args.on_policy <= 1:
         raise SplitspecError(f"--on-policy is a weight in [0, 1], got {args.on_policy}")
+    if not 0 <= args.long_drafts <= 1:
+        raise SplitspecError(f"--long-drafts is a share in [0, 1], got {args.long_drafts}")
     if (args.out / CHECKPOINT).exists() and not args.resume:
         raise SplitspecError(f"{args.out} already holds a checkpoint: pass --resume to continue it, or another --out")
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
         autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"), on_policy=args.on_policy,
-        staircase=args.staircase,
+        staircase=args.staircase, long_drafts=args.long_drafts,
     )  # fmt: skip
     vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None
     if vocab_ids is not None:

@@ -19,6 +19,7 @@ from shared.tree import causal_mask
 
 FEATURE_NOISE = 0.1  # EAGLE's training inputs get U(-0.1, 0.1) added to the true features, as EAGLE does
 SEGMENT = (6, 15)  # MoA's draft lengths k ∈ [6, 15) for "variable future length"
+LONG_SEGMENT = (32, 65)  # with --long-drafts: the horizon of generating alone after a disconnection
 
 KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)
 
@@ -37,30 +38,35 @@ def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> to
 
 
 def loss(model, tb: TargetBatch, generator: torch.Generator | None = None, on_policy: float = 0.0,
-         staircase: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+         staircase: float = 0.0, long_drafts: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """``model``'s training loss on ``tb`` and its metrics (kl, feat, acc: top-1 agreement with the target), as
     detached 0-d tensors: no host sync per step. ``on_policy``: the weight of a second pass in which an EAGLE
     drafter feeds on its own predicted features (``eagle_loss``); ``staircase``: the probability that a MoA
-    sequence's SA sees only its own draft (``moa_loss``)."""
+    sequence's SA sees only its own draft; ``long_drafts``: the share of MoA sequences cut into drafts as long
+    as offline generation runs (``moa_loss``)."""
     if model.kind == "eagle":
         return eagle_loss(model, tb, generator, on_policy)
     if model.kind == "moa":
-        return moa_loss(model, tb, generator, staircase)
+        return moa_loss(model, tb, generator, staircase, long_drafts)
     return independent_loss(model, tb, generator)
 
 
 def moa_loss(model: MoA, tb: TargetBatch, generator: torch.Generator | None = None,
-             staircase: float = 0.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
+             staircase: float = 0.0, long_drafts: float = 0.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """λ0·KL(target ‖ drafter) + λ1·SmoothL1 on the predicted hidden state, over random draft segments.
 
     Variable future length: the sequence is cut into drafts of 6..14 tokens; each draft sees
-    the target's memory only up to where it began. For TLI>0 the feature loss is split
-    between the TLI input (what the drafter predicts) and the final hidden state. With probability
-    ``staircase`` a sequence's SA sees only the current draft (``MoA.forward_train``).
+    the target's memory only up to where it began, and its TLI layers the target's KV before it and
+    their own from it on (the stand-ins a drafter has while the server has not answered). For TLI>0
+    the feature loss is split between the TLI input (what the drafter predicts) and the final hidden
+    state. With probability ``staircase`` a sequence's SA sees only the current draft
+    (``MoA.forward_train``); with probability ``long_drafts`` its drafts are 32..64 tokens long, the
+    horizon over which a disconnected client generates alone (trees never go past 14).
     """
     L, N = model.cfg.num_layers, model.cfg.tli
     B, T = tb.input_ids.shape
-    seg_start = draft_segments(B, T, generator=generator).to(tb.input_ids.device, non_blocking=True)
+    seg_start = draft_segments(B, T, generator=generator, long_share=long_drafts)
+    seg_start = seg_start.to(tb.input_ids.device, non_blocking=True)
     stairs = None
     if staircase > 0:
         device = generator.device if generator is not None else tb.input_ids.device
@@ -134,8 +140,10 @@ def feature_loss(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
     return F.smooth_l1_loss(predicted.float() / scale, true.float() / scale)
 
 
-def draft_segments(batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, T] start of the draft each position belongs to: random cuts every 6..14 tokens, random phase.
+def draft_segments(batch: int, length: int, generator: torch.Generator | None = None,
+                   long_share: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """[B, T] start of the draft each position belongs to: random cuts every 6..14 tokens, random phase;
+    with probability ``long_share`` a sequence is cut every 32..64 tokens instead.
 
     Drawn as one tensor op on the generator's device (no Python loop, no host round trip): segment
     lengths [B, n], their running ends shifted back by a random phase, and each position looked up among them.
@@ -145,6 +153,13 @@ def draft_segments(batch: int, length: int, generator: torch.Generator | None = 
     n = length // low + 4  # enough segments to cover ``length`` whatever the phase
     lengths = torch.randint(low, high, (batch, n), generator=generator, device=device)
     phase = torch.randint(0, high - 1, (batch, 1), generator=generator, device=device)
+    if long_share > 0:
+        long_low, long_high = LONG_SEGMENT
+        longer = torch.rand(batch, 1, generator=generator, device=device) < long_share
+        lengths = torch.where(longer, torch.randint(long_low, long_high, (batch, n), generator=generator,
+                                                    device=device), lengths)  # fmt: skip
+        phase = torch.where(longer, torch.randint(0, long_high - 1, (batch, 1), generator=generator,
+                                                  device=device), phase)  # fmt: skip
     ends = lengths.cumsum(1) - phase
     starts = (ends - lengths).clamp_min(0)
     positions = torch.arange(length, device=ends.device).expand(batch, length).contiguous()

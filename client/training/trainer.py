@@ -49,6 +49,7 @@ class TrainConfig:
     autocast: str = "none"  # "bf16": matmuls in bfloat16 (2.4x faster on this CPU's avx512_bf16), weights fp32
     on_policy: float = 0.0  # weight of EAGLE's pass on its own predicted features (client.training.losses)
     staircase: bool = False  # MoA's SA curriculum: own draft only, with probability 1 - 2·(budget spent), then none
+    long_drafts: float = 0.0  # share of MoA sequences cut into 32..64-token drafts (the offline horizon)
     extra: dict = field(default_factory=dict)
 
 
@@ -182,6 +183,7 @@ class Trainer:
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
             "on_policy": self.cfg.on_policy, "staircase": self.cfg.staircase,
+            "long_drafts": self.cfg.long_drafts,
             "data_position": self.position, "planned_tokens": self.cfg.tokens,
         }  # fmt: skip
 
@@ -206,7 +208,8 @@ class Trainer:
             for group in optim.param_groups:
                 group["lr"] = lr
             with self._autocast():
-                loss, m = drafter_loss(model, tb, self.generator, self.cfg.on_policy, self.staircase())
+                loss, m = drafter_loss(model, tb, self.generator, self.cfg.on_policy, self.staircase(),
+                                        self.cfg.long_drafts)  # fmt: skip
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)
