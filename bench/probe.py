@@ -74,9 +74,9 @@ def token_ids(model, logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def moa_guesses(model, tb: TargetBatch, starts: torch.Tensor, memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's token and the step of every scored position [K, M], over all phases; ``memory=False``
-    blanks CA's memory."""
+def moa_logits(model, tb: TargetBatch, starts: torch.Tensor, memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's logits [K, M, V] and the step [K, M] of every scored position, over all phases;
+    ``memory=False`` blanks CA's memory."""
     K = starts.shape[0]
     L, N = model.cfg.num_layers, model.cfg.tli
     ids, kv = tb.input_ids.expand(K, -1), tb.kv.expand(K, -1, -1, -1)
@@ -87,7 +87,7 @@ def moa_guesses(model, tb: TargetBatch, starts: torch.Tensor, memory: bool) -> t
     out = model.head_train(hidden, starts, tli_kv)
     cols = tb.cols
     steps = cols[None, :] - starts[:, cols] + 1
-    return token_ids(model, model.parts.logits(out[:, cols])), steps
+    return model.parts.logits(out[:, cols]), steps
 
 
 @torch.inference_mode()
@@ -125,7 +125,7 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
     """Per drafter and condition: agreement per step 1..horizon and the number of scored positions."""
     per_step: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = {}
     flat: dict[str, list[torch.Tensor]] = {}
-    scales = []
+    scales, scored = [], 0
     for prompt in tqdm(prompts, desc="probe", unit="prompt", file=sys.stderr):
         answer = generate(LocalVerifier(target), NoDrafter(), prompt.ids, max_new_tokens).token_ids
         if not answer:
@@ -134,12 +134,13 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
         input_ids, valid, mask = pad_batch([(ids, [0] * len(prompt.ids) + [1] * len(answer))])
         tb = run_teacher(target, input_ids, valid, mask)
         scales.append(state_scale(tb, target.num_layers))
+        scored += int(tb.cols.numel())
         starts = draft_starts(len(ids), len(prompt.ids) - 1, horizon)
         for name, model in drafters.items():
             if model.kind == "moa":
                 for condition in ("memory", "no memory"):
-                    guesses, steps = moa_guesses(model, tb, starts, condition == "memory")
-                    hits = guesses == tb.input_ids[0, tb.cols + 1][None, :]
+                    logits, steps = moa_logits(model, tb, starts, condition == "memory")
+                    hits = token_ids(model, logits) == tb.input_ids[0, tb.cols + 1][None, :]
                     bucket = per_step.setdefault((name, condition), {})
                     for s in range(1, horizon + 1):
                         bucket.setdefault(s, []).append(hits[steps == s])
@@ -153,7 +154,7 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
         bands = {f"{a}-{b}" if a != b else str(a): rate([x for s in range(a, b + 1) for x in bucket.get(s, [])])
                  for a, b in BANDS if a <= horizon}  # fmt: skip
         rows.append({"drafter": name, "condition": condition, "by_step": by_step, "bands": bands,
-                     "positions": sum(int(h.numel()) for h in bucket.get(1, []))})  # fmt: skip
+                     "positions": scored})  # fmt: skip
     for name, hits in flat.items():
         condition = "step 1, true features" if drafters[name].kind == "eagle" else "no memory (its kind)"
         rows.append({"drafter": name, "condition": condition, "all": rate(hits),
