@@ -14,7 +14,8 @@ Each answer is cut into drafts of ``--horizon`` K tokens; the position that pred
 draft is at *step* j: its CA sees memory of tokens before the draft's root only, its TLI layers the
 target's KV before the root and their own from it on — exactly as a drafter that has not heard from the
 server for j-1 tokens (j ≤ 4: the trees it drafts; larger j: generating on its own after a disconnection).
-All K phases of the cuts are run, so every answer token is scored at every step. Per MoA bundle two
+All K phases of the cuts are run, and the answer's tokens from the K-th on are scored, so every scored token is
+scored once at every step: the steps differ in what the drafter knows, not in which tokens. Per MoA bundle two
 conditions: ``memory`` (as it drafts) and ``no memory`` (CA sees only its learnt null slot; TLI unchanged).
 Scored: top-1 agreement of the drafter's token with the target's greedy token, per step. The independent
 drafter (no memory at all, step-free) and EAGLE at step 1 (the target's true features) are references.
@@ -133,6 +134,10 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
         ids = prompt.ids + answer
         input_ids, valid, mask = pad_batch([(ids, [0] * len(prompt.ids) + [1] * len(answer))])
         tb = run_teacher(target, input_ids, valid, mask)
+        keep = tb.cols >= len(prompt.ids) - 2 + horizon  # at least K-1 tokens into the answer: scored at every step
+        if not keep.any():
+            continue
+        tb.rows, tb.cols, tb.teacher_logits = tb.rows[keep], tb.cols[keep], tb.teacher_logits[keep]
         scales.append(state_scale(tb, target.num_layers))
         scored += int(tb.cols.numel())
         starts = draft_starts(len(ids), len(prompt.ids) - 1, horizon)
@@ -171,8 +176,8 @@ def markdown(result: dict, horizon: int) -> str:
         if "bands" in row:
             cells = [f"{row['bands'][b]:.3f}" if row["bands"][b] is not None else "–" for b in bands]
         else:
-            cells = [f"{row['all']:.3f}" if row["all"] is not None else "–"] * (1 if "eagle" in row["condition"]
-                                                                                else len(bands))  # fmt: skip
+            step_one = row["condition"].startswith("step 1")  # EAGLE: its later steps are not measured here
+            cells = [f"{row['all']:.3f}" if row["all"] is not None else "–"] * (1 if step_one else len(bands))
             cells += ["–"] * (len(bands) - len(cells))
         lines.append(f"| {row['drafter']} | {row['condition']} | " + " | ".join(cells) + f" | {row['positions']} |")
     rms = result["state_rms"]
