@@ -19,21 +19,29 @@ from shared.cli import main as splitspec
 
 @pytest.mark.parametrize("profile", ["4g", "lte"])
 def test_link_monitor_sees_the_profile(tiny_server, netsim_server, profile):
+    """The estimates match the profile. They are timings on a shared 2-core machine: a stall during a transfer
+    reads as a slower link (once seen in a full suite run: 13 Mbit/s on a 20 Mbit/s link), so a measurement
+    that misses is taken once more, on a fresh link, before the test fails."""
     address, _ = tiny_server
     configured = get_profile(profile)
-    with simulated_link(address, profile, netsim=netsim_server) as link:
-        remote = RemoteVerifier(link.address)
-        try:
-            probe = remote.probe_link(budget_s=4.0)
-            gen = generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6, 7, 5], 24)
-        finally:
-            remote.shutdown()
-    assert probe["bandwidth_mbps"] and probe["uplink_mbps"], probe
-    stats = gen.stats
+    for attempt in range(2):
+        with simulated_link(address, profile, netsim=netsim_server) as link:
+            remote = RemoteVerifier(link.address)
+            try:
+                probe = remote.probe_link(budget_s=4.0)
+                gen = generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6, 7, 5], 24)
+            finally:
+                remote.shutdown()
+        assert probe["bandwidth_mbps"] and probe["uplink_mbps"], probe
+        stats = gen.stats
+        assert stats.server_calls >= 3  # the estimates went on through the generation's own calls
+        measured = (stats.rtt_ms, stats.bandwidth_mbps, stats.uplink_mbps)
+        expected = (configured.rtt_ms, configured.down_mbps, configured.up_mbps)
+        if measured == pytest.approx(expected, rel=0.25) or attempt == 1:
+            break
     assert stats.rtt_ms == pytest.approx(configured.rtt_ms, rel=0.25)
     assert stats.bandwidth_mbps == pytest.approx(configured.down_mbps, rel=0.25)
     assert stats.uplink_mbps == pytest.approx(configured.up_mbps, rel=0.25)
-    assert stats.server_calls >= 3  # the estimates went on through the generation's own calls
 
 
 def test_generate_via_netsim_reports_the_link(tiny_server, tiny_model_dir, netsim_server, monkeypatch, capsys):
