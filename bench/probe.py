@@ -17,8 +17,9 @@ server for j-1 tokens (j ≤ 4: the trees it drafts; larger j: generating on its
 All K phases of the cuts are run, and the answer's tokens from the K-th on are scored, so every scored token is
 scored once at every step: the steps differ in what the drafter knows, not in which tokens. Per MoA bundle two
 conditions: ``memory`` (as it drafts) and ``no memory`` (CA sees only its learnt null slot; TLI unchanged).
-Scored: top-1 agreement of the drafter's token with the target's greedy token, per step. The independent
-drafter (no memory at all, step-free) and EAGLE at step 1 (the target's true features) are references.
+Scored: top-1 agreement of the drafter's token with the target's greedy token, per step. EAGLE is scored the
+same way, fed the target's features before the root and its own predicted ones from the root on (as in a tree and
+offline); the independent drafter (no memory at all, the same at every step) is the reference.
 
 Also recorded: the RMS of the states MoA predicts (entering the target's last N layers, and the normed final
 state) — whether an unscaled SmoothL1 (β = 1) on them would sit in its quadratic or its linear regime.
@@ -100,12 +101,37 @@ def independent_hits(model, tb: TargetBatch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def eagle_hits(model, tb: TargetBatch) -> torch.Tensor:
-    """Step 1 with the target's true features: EAGLE's best case (its later steps feed on its own guesses)."""
-    predicted = model.forward_train(tb.hidden[-1].float().to(model.parts.head_weight.dtype), tb.input_ids)
-    keep = tb.cols > 0
-    cols = tb.cols[keep]
-    return token_ids(model, model.parts.logits(predicted[0, cols - 1])) == tb.input_ids[0, cols + 1]
+def eagle_logits(model, tb: TargetBatch, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE's logits [K, M, V] and steps [K, M], drafting as it does: every position before a draft's root fed
+    the target's features, the draft's own positions fed EAGLE's own predicted ones (in a tree and offline).
+
+    One pass of its block runs two streams — on the target's features and on the drafts' features — and each
+    query attends to the first before its draft's root and to the second from the root on. Pass i gets steps
+    <= i right; K passes, all of them."""
+    K, T = starts.shape
+    dtype = model.block.input_layernorm.weight.dtype
+    true = tb.hidden[-1].to(dtype)  # [1, T, E]: f_p
+    p = torch.arange(1, T)  # EAGLE's slot q is position p = q + 1, fed f_{p-1} and x_p
+    roots = starts[:, 1:]  # [K, T-1]: the root of the draft each position belongs to
+    given = (p - 1)[None, :] < roots  # its input f_{p-1} is the target's
+    sees_true = p[None, None, :] < roots[:, :, None]  # [K, T-1, T-1]: key j (a position) before the root
+    sees_own = (p[None, None, :] >= roots[:, :, None]) & (p[None, None, :] <= p[None, :, None])
+    mask = torch.cat([sees_true, sees_own], dim=2)
+    block, embedded = model.block, model.parts.embed(tb.input_ids[:, 1:]).to(dtype)
+    rope = model.parts.rope(p[None], dtype)
+    x_true = model.fc(torch.cat([true[:, :-1], embedded], dim=-1))
+    _, k_true, v_true = block.self_attn.project(block.input_layernorm(x_true), rope)
+    k_true, v_true = k_true.expand(K, -1, -1, -1), v_true.expand(K, -1, -1, -1)
+    features = true[:, :-1].expand(K, -1, -1)
+    for _ in range(K):
+        x = model.fc(torch.cat([features, embedded.expand(K, -1, -1)], dim=-1))
+        q, k, v = block.self_attn.project(block.input_layernorm(x), rope)
+        x = x + block.self_attn.attend(q, torch.cat([k_true, k], dim=2), torch.cat([v_true, v], dim=2), mask)
+        predicted = x + block.mlp(block.post_attention_layernorm(x))  # [K, T-1, E]: f̂_p at slot p - 1
+        own = torch.cat([true[:, :1].expand(K, -1, -1), predicted[:, :-1]], dim=1)  # slot q gets f̂_q
+        features = torch.where(given[..., None], true[:, :-1], own)
+    cols = tb.cols
+    return model.parts.logits(predicted[:, cols - 1]), cols[None, :] - starts[:, cols] + 1
 
 
 def state_scale(tb: TargetBatch, layers: int) -> dict[str, float]:
@@ -142,17 +168,18 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
         scored += int(tb.cols.numel())
         starts = draft_starts(len(ids), len(prompt.ids) - 1, horizon)
         for name, model in drafters.items():
-            if model.kind == "moa":
-                for condition in ("memory", "no memory"):
-                    logits, steps = moa_logits(model, tb, starts, condition == "memory")
-                    hits = token_ids(model, logits) == tb.input_ids[0, tb.cols + 1][None, :]
-                    bucket = per_step.setdefault((name, condition), {})
-                    for s in range(1, horizon + 1):
-                        bucket.setdefault(s, []).append(hits[steps == s])
-            elif model.kind == "independent":
+            if model.kind == "independent":
                 flat.setdefault(name, []).append(independent_hits(model, tb))
-            else:
-                flat.setdefault(name, []).append(eagle_hits(model, tb))
+                continue
+            for condition in ("own features",) if model.kind == "eagle" else ("memory", "no memory"):
+                if model.kind == "eagle":
+                    logits, steps = eagle_logits(model, tb, starts)
+                else:
+                    logits, steps = moa_logits(model, tb, starts, condition == "memory")
+                hits = token_ids(model, logits) == tb.input_ids[0, tb.cols + 1][None, :]
+                bucket = per_step.setdefault((name, condition), {})
+                for s in range(1, horizon + 1):
+                    bucket.setdefault(s, []).append(hits[steps == s])
     rows = []
     for (name, condition), bucket in per_step.items():
         by_step = {s: rate(h) for s, h in bucket.items()}
@@ -161,7 +188,7 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
         rows.append({"drafter": name, "condition": condition, "by_step": by_step, "bands": bands,
                      "positions": scored})  # fmt: skip
     for name, hits in flat.items():
-        condition = "step 1, true features" if drafters[name].kind == "eagle" else "no memory (its kind)"
+        condition = "no memory (its kind)"
         rows.append({"drafter": name, "condition": condition, "all": rate(hits),
                      "positions": sum(int(h.numel()) for h in hits)})  # fmt: skip
     scale = {k: round(sum(s[k] for s in scales) / len(scales), 4) for k in scales[0]} if scales else {}
@@ -176,9 +203,7 @@ def markdown(result: dict, horizon: int) -> str:
         if "bands" in row:
             cells = [f"{row['bands'][b]:.3f}" if row["bands"][b] is not None else "–" for b in bands]
         else:
-            step_one = row["condition"].startswith("step 1")  # EAGLE: its later steps are not measured here
-            cells = [f"{row['all']:.3f}" if row["all"] is not None else "–"] * (1 if step_one else len(bands))
-            cells += ["–"] * (len(bands) - len(cells))
+            cells = [f"{row['all']:.3f}" if row["all"] is not None else "–"] * len(bands)
         lines.append(f"| {row['drafter']} | {row['condition']} | " + " | ".join(cells) + f" | {row['positions']} |")
     rms = result["state_rms"]
     if rms:

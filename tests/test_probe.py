@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.probe import draft_starts, moa_logits, probe
+from bench.probe import draft_starts, eagle_logits, moa_logits, probe
 from bench.single import Prompt
 from client.training.teacher import pad_batch, run_teacher
 from tests.test_training import make_trainer
@@ -45,8 +45,32 @@ def test_probe_scores_each_answer_token_once_per_step(tiny_target, tmp_path):
     result = probe(tiny_target, drafters, prompts, 12, 4)
     rows = {(r["drafter"], r["condition"]): r for r in result["rows"]}
     memory, blind = rows[("moa-tli1", "memory")], rows[("moa-tli1", "no memory")]
+    assert rows[("eagle", "own features")]["positions"] == memory["positions"]
     assert memory["positions"] == blind["positions"] == rows[("independent", "no memory (its kind)")]["positions"]
     assert 0 < memory["positions"] <= 24
     for row in (memory, blind):
         assert all(v is None or 0 <= v <= 1 for v in row["by_step"].values())
     assert set(result["state_rms"]) == {"tli0", "tli1", "tli3"} and all(v > 0 for v in result["state_rms"].values())
+
+
+def test_eagle_feeds_on_the_targets_features_before_the_root_and_its_own_after(tiny_target, tmp_path):
+    model = make_trainer(tiny_target, tmp_path, 100, drafters=[("eagle", 0)]).models["eagle"].eval()
+    ids = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9, 14, 2, 7, 8, 11]
+    input_ids, valid, mask = pad_batch([(ids, [0] * 6 + [1] * 10)])
+    tb = run_teacher(tiny_target, input_ids, valid, mask)
+    starts = draft_starts(len(ids), 5, 4)
+    logits, steps = eagle_logits(model, tb, starts)
+    with torch.inference_mode():
+        forced = model.parts.logits(model.forward_train(tb.hidden[-1], tb.input_ids)[0, tb.cols - 1])  # [M, V]
+    first = steps == 1
+    assert torch.allclose(logits[first], forced.expand_as(logits)[first], atol=1e-5)  # step 1: true features
+    assert (logits[~first] - forced.expand_as(logits)[~first]).abs().max() > 1e-4  # later: its own
+    for k in range(4):  # and a later step is what feeding its own predictions one at a time gives
+        c = int(tb.cols[-1])
+        root = int(starts[k, c])
+        features = tb.hidden[-1].clone()
+        with torch.inference_mode():
+            for p in range(root, c):
+                features[0, p] = model.forward_train(features, tb.input_ids)[0, p - 1]
+            chained = model.parts.logits(model.forward_train(features, tb.input_ids)[0, c - 1])
+        assert torch.allclose(logits[k, -1], chained, atol=1e-4)
