@@ -53,13 +53,13 @@ DEFAULT_DRAFTERS = "moa-tli0,moa-tli1,moa-tli3,independent,eagle"
 BANDS = ((1, 1), (1, 4), (5, 8), (9, 16))  # step ranges in the table: the root's own guess, tree depths, offline
 
 
-def draft_starts(length: int, root: int, horizon: int) -> torch.Tensor:
+def draft_starts(length: int, root: int, horizon: int, device: torch.device | str | None = None) -> torch.Tensor:
     """[K, T]: for each phase of the cuts, the root of the draft each position belongs to.
 
     ``root`` is the last prompt position (it predicts the answer's first token); drafts are ``horizon`` long,
     the first one shortened by the phase. Positions before ``root`` are their own roots (never scored).
     """
-    t = torch.arange(length)
+    t = torch.arange(length, device=device)
     starts = []
     for phase in range(horizon):
         first = root + phase  # end of the first, shortened draft
@@ -95,7 +95,7 @@ def moa_logits(model, tb: TargetBatch, starts: torch.Tensor, memory: bool) -> tu
 @torch.inference_mode()
 def independent_hits(model, tb: TargetBatch) -> torch.Tensor:
     T = tb.input_ids.shape[1]
-    positions = torch.arange(T)[None]
+    positions = torch.arange(T, device=tb.input_ids.device)[None]
     hidden = model(tb.input_ids, positions, causal_mask(T, tb.input_ids.device))
     return token_ids(model, model.parts.logits(hidden[0, tb.cols])) == tb.input_ids[0, tb.cols + 1]
 
@@ -111,7 +111,7 @@ def eagle_logits(model, tb: TargetBatch, starts: torch.Tensor) -> tuple[torch.Te
     K, T = starts.shape
     dtype = model.block.input_layernorm.weight.dtype
     true = tb.hidden[-1].to(dtype)  # [1, T, E]: f_p
-    p = torch.arange(1, T)  # EAGLE's slot q is position p = q + 1, fed f_{p-1} and x_p
+    p = torch.arange(1, T, device=starts.device)  # EAGLE's slot q is position p = q + 1, fed f_{p-1} and x_p
     roots = starts[:, 1:]  # [K, T-1]: the root of the draft each position belongs to
     given = (p - 1)[None, :] < roots  # its input f_{p-1} is the target's
     sees_true = p[None, None, :] < roots[:, :, None]  # [K, T-1, T-1]: key j (a position) before the root
@@ -132,6 +132,16 @@ def eagle_logits(model, tb: TargetBatch, starts: torch.Tensor) -> tuple[torch.Te
         features = torch.where(given[..., None], true[:, :-1], own)
     cols = tb.cols
     return model.parts.logits(predicted[:, cols - 1]), cols[None, :] - starts[:, cols] + 1
+
+
+def conditions(model, tb: TargetBatch, starts: torch.Tensor):
+    """(condition, logits, steps) for each way a drafter is scored: EAGLE as it drafts, MoA with and without
+    its memory of the target."""
+    if model.kind == "eagle":
+        yield "own features", *eagle_logits(model, tb, starts)
+        return
+    for condition in ("memory", "no memory"):
+        yield condition, *moa_logits(model, tb, starts, condition == "memory")
 
 
 def state_scale(tb: TargetBatch, layers: int) -> dict[str, float]:
@@ -166,16 +176,12 @@ def probe(target, drafters: dict[str, object], prompts, max_new_tokens: int, hor
         tb.rows, tb.cols, tb.teacher_logits = tb.rows[keep], tb.cols[keep], tb.teacher_logits[keep]
         scales.append(state_scale(tb, target.num_layers))
         scored += int(tb.cols.numel())
-        starts = draft_starts(len(ids), len(prompt.ids) - 1, horizon)
+        starts = draft_starts(len(ids), len(prompt.ids) - 1, horizon, tb.input_ids.device)
         for name, model in drafters.items():
             if model.kind == "independent":
                 flat.setdefault(name, []).append(independent_hits(model, tb))
                 continue
-            for condition in ("own features",) if model.kind == "eagle" else ("memory", "no memory"):
-                if model.kind == "eagle":
-                    logits, steps = eagle_logits(model, tb, starts)
-                else:
-                    logits, steps = moa_logits(model, tb, starts, condition == "memory")
+            for condition, logits, steps in conditions(model, tb, starts):
                 hits = token_ids(model, logits) == tb.input_ids[0, tb.cols + 1][None, :]
                 bucket = per_step.setdefault((name, condition), {})
                 for s in range(1, horizon + 1):
@@ -247,6 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--horizon", type=int, default=16, help="draft length K: steps 1..K are scored (default 16)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    p.add_argument("--device", default="cpu", help="target and drafters' device (default cpu)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="target dtype (default fp32)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
-    target = load_target(args.model, dtype=args.dtype)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
     drafters, skipped = {}, {}
     for name in args.drafters:
         path = bundle_path(name, args.bundle_dir)
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         drafters[name] = load_bundle(path, target)[0]
     prompts = load_prompts(target.tokenizer, args.limit)
     result = probe(target, drafters, prompts, args.max_new_tokens, args.horizon)
-    env = {**environment(args.threads), "dtype": args.dtype}
+    env = {**environment(args.threads), "device": args.device, "dtype": args.dtype}
     settings = {"model": args.model, "limit": args.limit, "horizon": args.horizon,
                 "max_new_tokens": args.max_new_tokens, "drafters": list(drafters), "skipped": skipped}  # fmt: skip
     result = {"environment": env, "settings": settings, **result}

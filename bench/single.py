@@ -39,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -94,6 +95,7 @@ class Method:
     drafter: object
     max_tree_nodes: int
     bundle: dict | None = None  # a trained drafter's bundle config (its "training" budget among it)
+    vocabulary: tuple[str, float] | None = None  # --draft-vocabs: (size label, share of assistant tokens covered)
 
 
 def load_prompts(tokenizer, limit: int | None) -> list[Prompt]:
@@ -122,6 +124,7 @@ def bundle_path(name: str, bundle_dir: Path | None) -> Path | None:
 def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[list[Method], dict[str, str]]:
     """The drafters that can run, in the chosen order, and {name: why} for those skipped."""
     methods, skipped = [], {}
+    counts: dict[tuple[int, int], Counter[int]] = {}  # assistant-token counts per (seq_len, seed), for --draft-vocabs
     for name in names:
         if ALIASES.get(name, name) in DRAFTERS:
             methods.append(Method(name, make_drafter(name), UNTRAINED_MAX_TREE_NODES))
@@ -134,40 +137,39 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
             continue
         config = json.loads((path / "config.json").read_text())
         config["path"] = str(path)
-        for label, vocab_ids in draft_vocabularies(args.draft_vocabs, target, config):
+        for label, vocab_ids, coverage in draft_vocabularies(args.draft_vocabs, target, config, counts):
             drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth,
                                    vocab_ids=vocab_ids)  # fmt: skip
-            methods.append(Method(f"{name}@{label}" if label else name, drafter, args.max_tree_nodes, config))
+            vocabulary = (label, coverage) if label else None
+            methods.append(Method(f"{name}@{label}" if label else name, drafter, args.max_tree_nodes, config,
+                                  vocabulary))  # fmt: skip
     return methods, skipped
 
 
-def draft_vocabularies(sizes: list[int], target, config: dict) -> list[tuple[str, torch.Tensor | None]]:
-    """(label, vocab_ids) per size of ``--draft-vocabs`` for one bundle: its own vocabulary when none are
-    asked for; else the most frequent tokens counted as its training counted them (same sequence length and
-    seed; at the bundle's own size, exactly its vocabulary), 0 for the target's whole vocabulary."""
+def draft_vocabularies(sizes: list[int], target, config: dict, counts: dict
+                       ) -> list[tuple[str, torch.Tensor | None, float]]:  # fmt: skip
+    """(label, vocab_ids, coverage) per size of ``--draft-vocabs`` for one bundle: its own vocabulary when none
+    are asked for; else the most frequent tokens counted as its training counted them (same sequence length and
+    seed, counted once into ``counts``; at the bundle's own size, exactly its vocabulary), 0 for the target's
+    whole vocabulary."""
     if not sizes:
-        return [("", None)]
+        return [("", None, 1.0)]
     from client.training.vocab import draft_vocab, token_counts
 
     training = config.get("training") or {}
     key = (training.get("seq_len", 512), training.get("seed", 0))
-    if key not in _COUNTS:
+    if key not in counts:
         print(f"counting assistant tokens (seq_len {key[0]}, seed {key[1]}) for --draft-vocabs ...", file=sys.stderr)
-        _COUNTS[key] = token_counts(target.tokenizer, seq_len=key[0], seed=key[1])
+        counts[key] = token_counts(target.tokenizer, seq_len=key[0], seed=key[1])
     vocabularies = []
     for size in sizes:
         if size == 0 or size >= target.vocab_size:
-            vocabularies.append(("full", torch.empty(0, dtype=torch.long)))
+            vocabularies.append(("full", torch.empty(0, dtype=torch.long), 1.0))
             continue
-        ids, coverage = draft_vocab(target.tokenizer, size, counts=_COUNTS[key])
+        ids, coverage = draft_vocab(target.tokenizer, size, counts=counts[key])
         label = f"{size // 1024}k" if size % 1024 == 0 else str(size)
-        VOCAB_COVERAGE[label] = round(coverage, 5)
-        vocabularies.append((label, None if size == config.get("draft_vocab_size") else ids))
+        vocabularies.append((label, None if size == config.get("draft_vocab_size") else ids, round(coverage, 5)))
     return vocabularies
-
-
-_COUNTS: dict[tuple[int, int], object] = {}  # token counts per (seq_len, seed), shared by the bundles
-VOCAB_COVERAGE: dict[str, float] = {}  # share of sampled assistant tokens each --draft-vocabs size covers
 
 
 def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int):
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(target.tokenizer, args.limit)
     methods, skipped = make_methods(args.drafters, target, args)
     names = [m.name for m in methods]
+    coverage = dict(m.vocabulary for m in methods if m.vocabulary and m.vocabulary[0] != "full")
 
     warm_ids = encode_prompt(target.tokenizer, WARMUP_PROMPT, chat=True)
     for method in tqdm(methods, desc="warm-up", unit="method", file=sys.stderr):
@@ -355,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "humaneval_template": HUMANEVAL_TEMPLATE,
         "prompts": counts,
         "bundles": {m.name: m.bundle for m in methods if m.bundle is not None},
-        "draft_vocab_coverage": VOCAB_COVERAGE,
+        "draft_vocab_coverage": coverage,
     }
     mismatches = sum(s["mismatches"] for per in summary.values() for s in per.values())
     result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches}
@@ -376,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         f"from plain decoding's.\n\n"
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
         + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
-           + ", ".join(f"{k} {v:.2%}" for k, v in VOCAB_COVERAGE.items()) + ", full 100%.\n\n"
-           if VOCAB_COVERAGE else "")
+           + ", ".join(f"{k} {v:.2%}" for k, v in coverage.items()) + ", full 100%.\n\n"
+           if coverage else "")
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
     save_results(args.out, "single", result, header + table)
