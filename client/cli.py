@@ -86,14 +86,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="--local only: cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="the in-process target's (--local, or a trained drafter's frozen parts) and the drafter's: "
-                        "auto = bf16 where the hardware computes it (AVX512-BF16/AMX CPUs, CUDA), else float32; "
-                        "float32 gives transformers' own greedy output")  # fmt: skip
-    p.add_argument("--weights", default="native", choices=["native", "int8"],
-                   help="the in-process target's projections: native, or int8 weight-only (--local: a different "
-                        "served target, faster per token; remote: cheaper TLI layers for a MoA drafter)")  # fmt: skip
+                        "auto = float32 with int8 weights on a CPU without native bf16, bf16 where the hardware "
+                        "computes it (AMX/AVX512-BF16 CPUs, CUDA); float32 + native weights gives transformers' own "
+                        "greedy output")  # fmt: skip
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "int8"],
+                   help="the in-process target's projections: auto (with --dtype auto: int8 on a CPU without native "
+                        "bf16), native, or int8 with per-token int8 activations on splitspec's CPU kernels (--local: "
+                        "a different served target, lossless relative to itself; remote: the TLI layers)")  # fmt: skip
     p.add_argument("--drafter-weights", default="auto", choices=["auto", "native", "int8"],
-                   help="a trained drafter's own projections and draft head: auto (default) = int8 with a bf16 target "
-                        "on a CPU, where it makes a draft step cheaper; drafts change, outputs never")  # fmt: skip
+                   help="a trained drafter's own projections and draft head: auto (default) = int8 on a CPU when the "
+                        "target is int8 or bf16, where it makes a draft step cheaper; drafts change, outputs "
+                        "never")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
@@ -231,6 +234,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
                              weights=args.weights)  # fmt: skip
         tokenizer = target.tokenizer
+        if args.local and not args.json:
+            print(f"splitspec: {target.name} on {target.describe()}", file=sys.stderr)
     else:
         target, tokenizer = None, load_tokenizer(args.model, args.cache_dir)
     if args.baseline is None:

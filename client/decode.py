@@ -31,6 +31,7 @@ from client.heartbeat import Heartbeat
 from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
+from shared.tree import DraftTree
 
 ON_RECONNECT = ("verify", "keep", "fail")
 MIN_DEADLINE_S = 0.1
@@ -220,7 +221,10 @@ class Run:
         budget = max(0, min(self.max_nodes, verifier.max_tree_nodes, room - 1))
         depth = policy.depth if policy is not None else None
         t0 = time.perf_counter()
-        tree = drafter.propose(budget, depth)
+        if policy is not None and not policy.drafting():
+            tree, depth = DraftTree(), 0  # a plain step: drafting has not been paying
+        else:
+            tree = drafter.propose(budget, depth)
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
         if policy is not None:

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.target import tokenizer_fingerprint
 
     trained = args.drafter not in DRAFTERS and args.drafter not in ALIASES
-    target = load_target(args.model, cache=args.cache_dir) if trained else None  # converts the target once
+    target = load_target(args.model, dtype="auto", cache=args.cache_dir) if trained else None  # converted once
     tokenizer = target.tokenizer if target is not None else load_tokenizer(args.model, args.cache_dir)
     prompt_ids = encode_prompt(tokenizer, args.prompt, True)
     serve_args = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])

@@ -24,11 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-        help="weights and activations: auto (default) = bf16 where the hardware computes it, else float32"
+        help="activations (and native weights): auto (default) = float32 with int8 weights on a CPU without native "
+             "bf16, bf16 where the hardware computes it (AMX/AVX512-BF16 CPUs, CUDA); float32 + native weights "
+             "gives transformers' own greedy output"
     )
-    p.add_argument("--weights", default="native", choices=["native", "int8"],
-                   help="native, or int8 weight-only projections: a different served target (lossless relative to "
-                        "itself), about twice as fast per token on a CPU, no faster for big trees")  # fmt: skip
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "int8"],
+                   help="auto (default; with --dtype auto: int8 on a CPU without native bf16), native, or int8: every "
+                        "projection int8 with per-token int8 activations on splitspec's CPU kernels, a different "
+                        "served target, lossless relative to itself, several times faster than fp32 here")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ServerLimits.add_arguments(p)
     p.add_argument(
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                          weights=args.weights)  # fmt: skip
     service.attach(target)
     print(
-        f"splitspec: serving {target.name} on {args.host}:{port} ({target.device}, {str(target.dtype)[6:]}, "
+        f"splitspec: serving {target.name} on {args.host}:{port} ({target.describe()}, "
         f"context {service.limits.max_context}, {limits.max_sessions} sessions)",
         flush=True,
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, attention_dtype, quantize_int8
+from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, Span, attention_dtype, quantize_int8
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -192,25 +192,19 @@ class Transformer(nn.Module):
         """One forward for several sequences, each with its own cache, positions and mask: final hidden states
         [T_i, E] of each part. The projections and the MLP see all the parts' tokens as one matrix (the weights
         are read once for all); attention runs per part over its own cache. A part's rows do not depend on
-        the others where the GEMMs' rows do not depend on the row count (bf16 on a CPU: see ``Linear``)."""
+        the others where the GEMMs' rows do not depend on the row count (int8 and bf16 on a CPU: ``Linear``)."""
         dev = self.device
         ids = torch.tensor([[t for p in parts for t in p.ids]], device=dev)
         positions = torch.tensor([[i for p in parts for i in p.positions]], device=dev)
         x = self.embed_tokens(ids)
         rope = self.rotary(positions, x.dtype)
         ends = list(itertools.accumulate(len(p.ids) for p in parts))
-        spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), rope)
-            outs = []
-            for (a, b), p in zip(spans, parts, strict=True):
-                kk, vv = p.cache.layers[i].write(k[:, :, a:b], v[:, :, a:b], p.at)
-                outs.append(attn.attention(q[:, :, a:b], kk, vv, p.mask))
-            x = x + attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            spans = [Span(a, b, p.cache.layers[i], p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
+            x = layer.forward_spans(x, rope, spans)
         x = self.norm(x)[0]
-        return [x[a:b] for a, b in spans]
+        return [x[a:b] for a, b in bounds]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -241,10 +235,10 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
     ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain
     decoding give bit-identical states. It costs ~0.3 ms a token and ~4 ms a 17-token tree here.
-    ``weights="int8"``: every projection and the LM head weight-only int8 (per-row scales; activations
-    stay in ``dtype``): a different served target, half the bytes a token streams, lossless relative
-    to itself like any other. It pays for one token at a time (plain decoding, small batches); its
-    kernel is slower than bf16 AMX GEMMs for 17+ rows, so it does not help tree verification.
+    ``weights="int8"`` (a CPU path): every projection and the LM head int8 with int8 activations, one scale per
+    weight row and per activation row, exact int32 sums (``shared.kernels``; a fp32 model then runs each block
+    as four kernel calls, attention included). A different served target, a quarter of fp32's bytes a token,
+    and exact relative to itself by construction: no row's result depends on the others in its forward.
 
     Drafters' own attention stays fp32: drafts never change outputs. Not for fp32 models: MKL's fp32
     GEMM rows do depend on the row count, so fp64 attention would not make them exact, only slower.
@@ -285,6 +279,8 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
     if weights == "int8":
+        if model.device.type != "cpu":
+            raise ValueError(f"int8 weights are a CPU path; on {model.device} serve native weights")
         model.lm_head.quantize_int8(keep_weight=True)  # its float weight stays: embeddings, drafters' heads
         quantize_int8(model.layers)
     return model.eval().requires_grad_(False), hf

@@ -11,6 +11,8 @@ matmul): on a CPU each matmul call costs a fixed overhead that a 576-wide model 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,6 +106,12 @@ class KVCache:
             new_v[:, :, :size] = self.v
         self.k, self.v = new_k, new_v
 
+    def storage(self, end: int, batch: int, heads: int, head_dim: int, like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The whole key and value storage, with room for positions [0, end) (a kernel writes into it)."""
+        self._reserve(like.new_empty(batch, heads, 0, head_dim), end)
+        return self.k, self.v
+
     def write(self, k: torch.Tensor, v: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, H, n, d] at positions [at, at + n); return everything up to there."""
         end = at + k.shape[2]
@@ -111,6 +119,19 @@ class KVCache:
         self.k[:, :, at:end] = k
         self.v[:, :, at:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as the CPU kernels take it: int8 with one fp32 scale per row (max |w| / 127), rows
+    padded to a multiple of 4 and columns to 32 with zeros, in tiles of 4 rows whose 32-value steps lie together
+    (the order the kernel streams them in)."""
+    w = weight.float().cpu()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    rows, cols = -(-w.shape[0] // 4) * 4, -(-w.shape[1] // 32) * 32
+    q = torch.zeros(rows, cols, dtype=torch.int8)
+    q[: w.shape[0], : w.shape[1]] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    q = q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
+    return q, scale.contiguous()
 
 
 class Linear(nn.Linear):
@@ -123,43 +144,52 @@ class Linear(nn.Linear):
     streamed once either way. fp32 rows are left alone: MKL's single-row path is a fast GEMV, and
     its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
 
-    ``quantize_int8`` turns it weight-only int8 (per-output-row scales, torch's own packed kernel):
-    half the bytes to stream, which is what one token's forward is bound by on a CPU.
+    ``quantize_int8`` turns it int8 on a CPU (``shared.kernels``): int8 weights with one scale per
+    output row, each input row quantised to int8 with its own scale, exact int32 dot products. A
+    quarter of fp32's bytes to stream, and a row's result is the same whatever rows share the call.
     """
 
-    qweight: torch.Tensor | None = None
+    qweight: torch.Tensor | None = None  # [out padded to 4, in padded to 32] int8
+    qscale: torch.Tensor | None = None  # [out] fp32
 
     def quantize_int8(self, keep_weight: bool = False) -> None:
-        w = self.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127
-        self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.qscale = scale.to(self.weight.dtype)
+        """Make this layer int8 (CPU only); ``keep_weight`` keeps the float weight too (a tied embedding uses it)."""
+        from shared import kernels
+
+        if self.weight.device.type != "cpu":
+            raise ValueError(f"int8 weights are a CPU path; this layer is on {self.weight.device}")
+        if not kernels.available():
+            raise ValueError(f"int8 weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
+        self.qweight, self.qscale = pack_int8(self.weight.detach())
         if not keep_weight:
             self.weight = None  # the int8 copy is the weight now
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
-        if self.qweight is not None:  # follow device moves; the int8 matrix never changes dtype
-            self.qweight = self.qweight.to(fn(torch.empty(0)).device)
-            self.qscale = fn(self.qscale)
+        if self.qweight is not None:  # follow device moves; the int8 matrix and its fp32 scales keep their dtypes
+            device = fn(torch.empty(0)).device
+            self.qweight, self.qscale = self.qweight.to(device), self.qscale.to(device)
         return module
 
+    def int8_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.float().contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            if x.device.type != "cpu":
+                raise RuntimeError(f"an int8 layer computes on the CPU; its input is on {x.device}")
+            out = torch.ops.splitspec.linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
+            return out.to(x.dtype)
         single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])
         if single:
             rows = torch.cat([rows, rows.new_zeros(rows.shape)])
-        if self.qweight is None:
-            out = F.linear(rows, self.weight, self.bias)
-        else:
-            out = torch._weight_int8pack_mm(rows.to(self.qscale.dtype), self.qweight, self.qscale)
-            if self.bias is not None:
-                out = out + self.bias
+        out = F.linear(rows, self.weight, self.bias)
         return out[: rows.shape[0] - single].view(*x.shape[:-1], -1)
 
 
 def quantize_int8(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
-    """Make every :class:`Linear` under ``module`` (but those in ``skip``) weight-only int8; how many."""
+    """Make every :class:`Linear` under ``module`` (but those in ``skip``) int8; how many."""
     count = 0
     for m in module.modules():
         if isinstance(m, Linear) and m.qweight is None and not any(m is s for s in skip):
@@ -279,12 +309,63 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, rope: tuple | None,
                 cache: KVCache | None = None, at: int = 0, memory: tuple | None = None) -> torch.Tensor:  # fmt: skip
+        if not self.cross:
+            return self.forward_spans(x, rope, [Span(0, x.shape[1], cache, at, mask)])
         h = self.input_layernorm(x)
-        if self.cross:
-            q, (k, v) = self.self_attn.query(h, rope), memory
-        else:
-            q, k, v = self.self_attn.project(h, rope)
-            if cache is not None:
-                k, v = cache.write(k, v, at)
-        x = x + self.self_attn.attend(q, k, v, mask)
+        x = x + self.self_attn.attend(self.self_attn.query(h, rope), *memory, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_spans(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> torch.Tensor:
+        """Self-attention block over input x [B, T, E] whose rows are split into ``spans``: each span's keys and
+        values go into its own cache and it attends only to that cache (several sequences in one forward: the
+        projections and the MLP see all their rows as one matrix, the weights read once for all)."""
+        if self._fused(x, rope, spans):
+            return self._forward_int8(x, rope, spans)
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x), rope)
+        outs = []
+        for s in spans:
+            kk, vv = k[:, :, s.start : s.end], v[:, :, s.start : s.end]
+            if s.cache is not None:
+                kk, vv = s.cache.write(kk, vv, s.at)
+            outs.append(attn.attention(q[:, :, s.start : s.end], kk, vv, s.mask))
+        x = x + attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _fused(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
+        """Whether the int8 kernels run this block as four calls: fp32 on a CPU, one batch row, every span cached."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.qkv.qweight is not None and attn.o_proj.qweight is not None and mlp.gate_up.qweight is not None
+                and mlp.down_proj.qweight is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.shape[0] == 1 and rope is not None and all(s.cache is not None for s in spans))  # fmt: skip
+
+    def _forward_int8(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
+        """``forward_spans`` in the CPU kernels (``shared.kernels``): the same block, no per-op Python overhead."""
+        ops, attn, mlp = torch.ops.splitspec, self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x, cos, sin = x[0], rope[0][0], rope[1][0]
+        qkv = ops.norm_linear(x, ln1.weight, ln1.eps, attn.qkv.qweight, attn.qkv.qscale, attn.qkv.int8_bias())
+        outs = []
+        for s in spans:
+            k, v = s.cache.storage(s.at + s.end - s.start, 1, attn.kv_heads, attn.head_dim, x)
+            a, b = s.start, s.end
+            outs.append(ops.attend(qkv[a:b], cos[a:b], sin[a:b], k[0], v[0], s.at, s.mask, attn.heads, attn.kv_heads,
+                                   attn.head_dim**-0.5))  # fmt: skip
+        h = outs[0] if len(outs) == 1 else torch.cat(outs)
+        x = ops.linear(h, attn.o_proj.qweight, attn.o_proj.qscale, attn.o_proj.int8_bias(), x)
+        x = ops.mlp(x, ln2.weight, ln2.eps, mlp.gate_up.qweight, mlp.gate_up.qscale, mlp.gate_up.int8_bias(),
+                    mlp.down_proj.qweight, mlp.down_proj.qscale, mlp.down_proj.int8_bias())  # fmt: skip
+        return x[None]
+
+
+@dataclass
+class Span:
+    """Rows [start, end) of a block's input: one sequence's tokens, written into ``cache`` (if any) from slot ``at``,
+    each attending to the cache slots [0, at + end - start) that ``mask`` [1, end - start, at + end - start] allows
+    (None: all of them)."""
+
+    start: int
+    end: int
+    cache: KVCache | None
+    at: int = 0
+    mask: torch.Tensor | None = None

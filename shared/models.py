@@ -92,19 +92,47 @@ def _provision_builtin(name: str, root: Path) -> Path:
     return final
 
 
-def default_dtype(device: str = "cpu") -> str:
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), where oneDNN's bf16 GEMMs are fast."""
+    from shared.kernels import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def default_weights(device: str = "cpu") -> str:
+    """int8 on a CPU without native bf16 where splitspec's kernels build (measured on an AVX2 EPYC: plain decoding
+    several times faster than fp32, trees cheap); native on CUDA and on AMX CPUs, whose bf16 path was measured and
+    the int8 one not yet (``--weights int8`` there is one flag away)."""
+    from shared import kernels
+
+    if str(device).startswith("cuda") or native_bf16():
+        return "native"
+    return "int8" if kernels.available() else "native"
+
+
+def default_dtype(device: str = "cpu", weights: str = "native") -> str:
     """bf16 where the hardware computes it natively (CUDA; CPUs with AVX512-BF16 or AMX), else fp32.
 
     On such a CPU oneDNN's bf16 GEMMs make a 17-token verification cost ~1.2x one token (fp32: ~2x),
     which is what makes tree verification nearly free; without them bf16 is emulated and slower.
+    int8 weights on a CPU take fp32 activations (the kernels' input and what their blocks compute in).
     """
     if str(device).startswith("cuda"):
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
+    if weights == "int8":
         return "float32"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+    return "bfloat16" if native_bf16() else "float32"
+
+
+def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "auto") -> tuple[str, str]:
+    """(dtype, weights) for the ``auto`` settings on this device: what the CLIs serve by default."""
+    if weights == "auto":
+        weights = default_weights(device) if dtype == "auto" else "native"  # a pinned dtype means native weights
+    if weights not in ("native", "int8"):
+        raise SplitspecError(f"unknown weights {weights!r}; expected auto, native or int8")
+    if dtype == "auto":
+        dtype = default_dtype(device, weights)
+    return dtype, weights
 
 
 def load_target(
@@ -113,12 +141,12 @@ def load_target(
     dtype: str = "float32",
     cache: str | os.PathLike | None = None,
     max_context: int | None = None,
-    weights: str = "native",
+    weights: str = "auto",
 ):
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
-    ``dtype`` is a name from ``DTYPES`` or ``auto`` (``default_dtype``: what the CLIs use);
-    ``weights`` ``native`` or ``int8`` (weight-only, see ``shared.engine.load_engine``).
+    ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8`` (see
+    ``shared.engine.load_engine``) or ``auto`` (``resolve_precision``: what the CLIs use).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -126,13 +154,12 @@ def load_target(
     from shared.engine import load_engine
     from shared.target import Target
 
-    if dtype == "auto":
-        dtype = default_dtype(device)
-    if dtype not in DTYPES:
-        raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SplitspecError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     path = resolve_model(spec, cache)
+    dtype, weights = resolve_precision(device, dtype, weights)
+    if dtype not in DTYPES:
+        raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
     hf_logging.set_verbosity_error()
     if not (Path(path) / "config.json").is_file():
         raise SplitspecError(f"model {spec!r}: no local folder with config.json (no model hub is reachable); "

@@ -73,6 +73,24 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.engine.dtype
 
+    @property
+    def weights(self) -> str:
+        """``int8`` when the projections run on splitspec's CPU kernels, else ``native``."""
+        return "int8" if self.engine.lm_head.qweight is not None else "native"
+
+    def describe(self) -> str:
+        """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""
+        from shared.kernels import cpu_name
+
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.device.type != "cpu":
+            return f"{self.device}, {dtype}"
+        if self.weights == "int8":
+            from shared import kernels
+
+            return f"cpu ({cpu_name()}), int8 weights and activations on {kernels.isa()} kernels, {dtype} between"
+        return f"cpu ({cpu_name()}), {dtype}"
+
     def session(self, sampling: SamplingParams = SamplingParams(), features=()) -> TargetSession:
         """A new sequence; ``features`` names what each prefill/verify reports about newly cached tokens."""
         return TargetSession(self, sampling, features=Features.check_kinds(features))

@@ -197,3 +197,49 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
         server.stop(grace=None)
     print({name: statistics.median(s) for name, s in sizes.items()}, sizes)
     assert statistics.median(sizes["test-150ms"]) > statistics.median(sizes["loopback"])
+
+
+@pytest.fixture(scope="module")
+def real_int8():
+    from shared import kernels
+    from shared.models import load_target
+
+    if not kernels.available():
+        pytest.skip(f"no CPU kernels: {kernels.unavailable_reason()}")
+    return load_target("smollm2-135m", dtype="float32", weights="int8")
+
+
+def test_real_int8_tree_states_are_bit_identical_to_sequential_steps(real_int8):
+    """The served int8 target (head size 64: the kernels' vector path): every node of a tree verified in one
+    forward gets exactly the logits its path gets one token at a time."""
+    from shared.tree import DraftTree, path_to, tree_mask, tree_positions
+
+    engine = real_int8.engine
+    prompt = encode_prompt(real_int8.tokenizer, PROMPTS[4][0], True)
+    tree = DraftTree([504, 28, 314, 2114, 30, 12, 7, 9], [-1, -1, 0, 0, 2, 4, 1, -1])
+    session = real_int8.session()
+    session.prefill(prompt)
+    n, root = session.cached_len, session.tokens[-1]
+    with torch.no_grad():
+        ids = torch.tensor([[root, *tree.tokens]])
+        hidden = engine(ids, torch.tensor([tree_positions(tree.parents, n)]), tree_mask(tree.parents, n),
+                        session.cache, n)[0]  # fmt: skip
+        logits = engine.logits(hidden)
+        for node in range(-1, len(tree)):
+            path = [root] + [tree.tokens[i] for i in (path_to(tree.parents, node) if node >= 0 else [])]
+            for j, token in enumerate(path):
+                alone = engine(torch.tensor([[token]]), torch.tensor([[n + j]]), None, session.cache, n + j)[0, 0]
+            assert torch.equal(engine.logits(alone[None])[0], logits[node + 1]), node
+
+
+@pytest.mark.parametrize("name", ["prompt-lookup", "moa-tli1", "eagle", "independent"])
+def test_int8_drafted_output_equals_int8_plain_decoding(real_int8, name):
+    """Served int8, every drafter (its own layers int8 too) gives exactly the int8 target's plain decoding."""
+    from client.drafters import make_drafter
+
+    drafter = make_drafter(name, target=real_int8)
+    for i in (0, 2, 4, 9):
+        ids = encode_prompt(real_int8.tokenizer, *PROMPTS[i])
+        plain = generate(LocalVerifier(real_int8), NoDrafter(), ids, 48)
+        gen = generate(LocalVerifier(real_int8), drafter, ids, 48, max_tree_nodes=32)
+        assert gen.token_ids == plain.token_ids, (name, i)

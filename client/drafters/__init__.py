@@ -25,9 +25,9 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
                  vocab_ids: torch.Tensor | None = None, **options) -> Drafter:  # fmt: skip
     """Build a drafter from its name (see ``DRAFTERS``) or from a bundle (name or path; needs ``target``).
 
-    ``weights="int8"`` makes a trained drafter's own projections and draft head weight-only int8: a
-    draft step multiplies a few rows, where int8 streams half the bytes (EAGLE here: 8.1 -> 6.0 ms a
-    round, the same τ). Drafts change, outputs never. ``auto``: int8 for a bf16 target on a CPU, else native.
+    ``weights="int8"`` makes a trained drafter's own projections and draft head int8 (``shared.kernels``): a
+    draft step multiplies a few rows, where int8 streams a quarter of fp32's bytes. Drafts change, outputs
+    never. ``auto``: int8 on a CPU when the target is served int8 or in bf16, else native.
     ``vocab_ids``: another draft vocabulary than the bundle's (``load_bundle``).
     """
     cls = DRAFTERS.get(ALIASES.get(name, name))
@@ -42,9 +42,10 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
     if target is None:
         raise SplitspecError(f"drafter {name!r} is a trained bundle: it needs the target model loaded beside it")
     model, config = load_bundle(path, target, vocab_ids=vocab_ids)
-    if weights == "auto":
-        # torch's packed int8 kernel is fast for bf16 activations only (fp32 ones: ~10x slower here)
-        weights = "int8" if target.device.type == "cpu" and target.dtype == torch.bfloat16 else "native"
+    if weights == "auto":  # a draft step multiplies a few rows: int8 streams a quarter of fp32's bytes
+        served_int8 = target.engine.lm_head.qweight is not None
+        cheap = served_int8 or target.dtype == torch.bfloat16
+        weights = "int8" if target.device.type == "cpu" and cheap else "native"
     if weights == "int8":
         quantize_drafter(model)
     elif weights != "native":

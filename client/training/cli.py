@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise SplitspecError(f"--long-drafts is a share in [0, 1], got {args.long_drafts}")
     if (args.out / CHECKPOINT).exists() and not args.resume:
         raise SplitspecError(f"{args.out} already holds a checkpoint: pass --resume to continue it, or another --out")
-    target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir, weights="native")
     cfg = TrainConfig(
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,

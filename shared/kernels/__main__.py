@@ -1,0 +1,5 @@
+"""``python -m shared.kernels``: build the CPU kernels now."""
+
+from shared.kernels import main
+
+main()

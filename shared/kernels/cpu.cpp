@@ -1,0 +1,520 @@
+// splitspec's CPU kernels: int8 linear layers (W8A8) and a fixed-order attention.
+//
+// Why: a small decoder on a CPU is bound by streaming its weights, and speculative decoding pays
+// only if a forward of a few rows costs about one of a single row. int8 weights halve or quarter
+// the bytes; int8 activations let a row's dot products run in exact integer arithmetic. Each
+// activation row gets its own scale, so a row's result does not depend on which or how many rows
+// share the call: a tree verified in one forward equals the same path decoded token by token, bit
+// for bit. Every float reduction here (norms, attention) is written in one fixed order per row for
+// the same reason, and no kernel picks another code path by the row count.
+//
+// Built by shared/kernels/__init__.py with torch's extension builder, on the machine that runs it,
+// with the ISA flags it has (AVX2+FMA where present; a portable path elsewhere). Threads come from
+// torch's own pool (at::parallel_for), so they never fight torch's workers for the cores.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPLITSPEC_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t KSTEP = 32;  // weights' rows are padded to a multiple of this many int8 values
+
+int64_t padded(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
+
+// ---------------------------------------------------------------------------------------------
+// Activations: each row quantised on its own (symmetric, scale = max|x| / 127).
+
+struct Rows {
+  std::vector<int8_t> q;    // [M, Kp] signed values
+  std::vector<uint8_t> a;   // [M, Kp] their magnitudes (AVX2 multiplies unsigned by signed bytes)
+  std::vector<float> scale; // [M]
+  int64_t M = 0, Kp = 0;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r) {
+  r.M = M;
+  r.Kp = padded(K);
+  r.q.assign(M * r.Kp, 0);
+  r.a.assign(M * r.Kp, 0);
+  r.scale.assign(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* q = r.q.data() + m * r.Kp;
+    uint8_t* a = r.a.data() + m * r.Kp;
+    for (int64_t k = 0; k < K; ++k) {
+      const int v = std::clamp(static_cast<int>(std::nearbyint(xr[k] * inv)), -127, 127);
+      q[k] = static_cast<int8_t>(v);
+      a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
+    }
+    r.scale[m] = amax / 127.f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer dot products of R activation rows with C = 4 weight rows: out[r * 4 + c] (int32, exact).
+
+constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's reduction over a short K
+constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight stream to ask for: one thread alone cannot
+                                    // keep enough reads in flight to stream DRAM at full speed
+
+#ifdef SPLITSPEC_AVX2
+// the four lane-sums of a[0..3] as one vector
+inline __m128i hsum4(const __m256i* a) {
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+template <int R>
+void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* out) {
+  // |x| * sign(w, x) == x * w, and with |x|, |w| <= 127 a pair of such products fits int16
+  // (_mm256_maddubs_epi16 saturates nothing): the sums are exact.
+  __m256i acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < Kp; k += KSTEP) {
+    const int8_t* chunk = w + k * C;  // the tile's C rows of this K step, contiguous (see gemm)
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH + 64), _MM_HINT_T0);
+    __m256i wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c * KSTEP));
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + (r0 + r) * Kp + k));
+      const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * Kp + k));
+      for (int c = 0; c < C; ++c) {
+        const __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(wv[c], s));
+        acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(p, ones));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * C), hsum4(acc[r]));
+}
+#else
+template <int R>
+void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* out) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int8_t* xr = x.q.data() + (r0 + r) * Kp;
+      int32_t s = 0;
+      for (int64_t k = 0; k < Kp; ++k) s += static_cast<int32_t>(xr[k]) * w[(k / KSTEP) * C * KSTEP + c * KSTEP + k % KSTEP];
+      out[r * C + c] = s;
+    }
+}
+#endif
+
+// y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual). Threads split the output columns, so one row
+// streams the weights once; for many rows a tile of weight rows stays in L1 while every activation
+// row passes over it. w holds N rows rounded up to a multiple of C (zeros past N), tiled: tile t's K
+// step k is its C rows' 32 values each, contiguous ([N / C, Kp / 32, C, 32]), one sequential stream.
+void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
+          int64_t N, float* y) {
+  const int64_t M = x.M, Kp = x.Kp;
+  constexpr int64_t R = 2;
+  const int64_t tiles = (N + C - 1) / C;
+  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+    int32_t acc[R * C];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * C, cols = std::min<int64_t>(C, N - n);
+      for (int64_t r0 = 0; r0 < M; r0 += R) {
+        const int64_t rows = std::min<int64_t>(R, M - r0);
+        if (rows == 2) dot_tile<2>(x, r0, w + n * Kp, Kp, acc);
+        else dot_tile<1>(x, r0, w + n * Kp, Kp, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = y + (r0 + r) * N + n;
+          const float sx = x.scale[r0 + r];
+          for (int64_t c = 0; c < cols; ++c) {
+            float v = static_cast<float>(acc[r * C + c]) * (sx * w_scale[n + c]);
+            if (bias) v += bias[n + c];
+            if (residual) v += residual[(r0 + r) * N + n + c];
+            yr[c] = v;
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float helpers, each one fixed order per row.
+
+#ifdef SPLITSPEC_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp on 8 lanes (Cephes' polynomial, ~1 ulp): deterministic, unlike a library call's choice of path.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// sum of a[i] * b[i], i < n (n a multiple of 8 on the vector path)
+inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef SPLITSPEC_AVX2
+  if (n % 8 == 0) {
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    return hsum(s);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[i] = exp(x[i]) for i < n
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef SPLITSPEC_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+    std::memcpy(x + i, tail, (n - i) * sizeof(float));
+    return;
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// acc[i] += p * v[i], i < n
+inline void axpy(float* acc, float p, const float* v, int64_t n) {
+  int64_t i = 0;
+#ifdef SPLITSPEC_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * v[i];
+}
+
+void rms_norm_rows(const float* x, const float* w, double eps, int64_t M, int64_t K, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    const float ms = dot(xr, xr, K) / static_cast<float>(K);
+    const float inv = 1.f / std::sqrt(ms + static_cast<float>(eps));
+    for (int64_t k = 0; k < K; ++k) y[m * K + k] = xr[k] * inv * w[k];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One query's attention over the keys it may see, in slot order.
+
+struct Keys {
+  const float* k;
+  int64_t k_stride;
+  const float* v;
+  int64_t v_stride;
+  const int64_t* slots;  // the visible slots, ascending
+  int64_t n;
+};
+
+// Any head size, plain loops (the portable build, and head sizes without a specialisation).
+void attend_query_any(const float* q, int64_t d, const Keys& kv, float scale, float* p, float* out) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < kv.n; ++j) {
+    p[j] = dot(q, kv.k + kv.slots[j] * kv.k_stride, d) * scale;
+    top = std::max(top, p[j]);
+  }
+  for (int64_t j = 0; j < kv.n; ++j) p[j] -= top;
+  exp_inplace(p, kv.n);
+  float total = 0.f;
+  std::fill(out, out + d, 0.f);
+  for (int64_t j = 0; j < kv.n; ++j) {
+    total += p[j];
+    axpy(out, p[j], kv.v + kv.slots[j] * kv.v_stride, d);
+  }
+  const float inv = 1.f / total;
+  for (int64_t e = 0; e < d; ++e) out[e] *= inv;
+}
+
+// softmax(q · kᵀ * scale) · v for a head of D values. Each key's score is one FMA chain over D then a
+// fixed reduction, four keys' chains interleaved only for speed (a key's arithmetic is the same alone);
+// the weighted sum of values runs over the keys in order with its accumulators in registers.
+template <int D>
+void attend_query(const float* q, const Keys& kv, float scale, float* p, float* out) {
+#ifdef SPLITSPEC_AVX2
+  constexpr int V = D / 8;
+  __m256 qv[V];
+  for (int i = 0; i < V; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  auto key = [&](int64_t j) { return kv.k + kv.slots[j] * kv.k_stride; };
+  int64_t j = 0;
+  for (; j + 4 <= kv.n; j += 4) {
+    const float *k0 = key(j), *k1 = key(j + 1), *k2 = key(j + 2), *k3 = key(j + 3);
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int i = 0; i < V; ++i) {
+      s0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), s0);
+      s1 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k1 + 8 * i), s1);
+      s2 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k2 + 8 * i), s2);
+      s3 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k3 + 8 * i), s3);
+    }
+    p[j] = hsum(s0) * scale;
+    p[j + 1] = hsum(s1) * scale;
+    p[j + 2] = hsum(s2) * scale;
+    p[j + 3] = hsum(s3) * scale;
+  }
+  for (; j < kv.n; ++j) {
+    const float* k0 = key(j);
+    __m256 s0 = _mm256_setzero_ps();
+    for (int i = 0; i < V; ++i) s0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), s0);
+    p[j] = hsum(s0) * scale;
+  }
+  float top = p[0];
+  for (j = 1; j < kv.n; ++j) top = std::max(top, p[j]);
+  for (j = 0; j < kv.n; ++j) p[j] -= top;
+  exp_inplace(p, kv.n);
+  float total = 0.f;
+  __m256 acc[V];
+  for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
+  for (j = 0; j < kv.n; ++j) {
+    total += p[j];
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* v = kv.v + kv.slots[j] * kv.v_stride;
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+#else
+  attend_query_any(q, D, kv, scale, p, out);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks: a wrong call names the tensor and what was expected.
+
+void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+              what, ": expected a contiguous CPU int8 matrix [N, K padded to 32], got ", w.scalar_type(), " ",
+              w.sizes());
+  TORCH_CHECK(w.size(1) == padded(K), what, ": weight rows hold ", w.size(1), " values; input has K = ", K,
+              ", expected ", padded(K));
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), what,
+              ": expected fp32 row scales, got ", scale.scalar_type(), " ", scale.sizes());
+  const int64_t rows = (scale.numel() + C - 1) / C * C;
+  TORCH_CHECK(w.size(0) == rows, what, ": ", scale.numel(), " outputs need ", rows,
+              " weight rows (a multiple of ", C, ", zeros past the last), got ", w.size(0));
+}
+
+const float* optional_vector(const std::optional<at::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == n && t->is_contiguous(), what, ": expected ", n,
+              " contiguous fp32 values, got ", t->scalar_type(), " ", t->sizes());
+  return t->data_ptr<float>();
+}
+
+at::Tensor rows_of(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1, what,
+              ": expected fp32 CPU rows, got ", x.scalar_type(), " on ", x.device());
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+at::Tensor run_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& bias, const float* residual) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = scale.numel();
+  Rows rows;
+  quantize_rows(x2.data_ptr<float>(), M, K, rows);
+  at::Tensor y = at::empty({M, N}, x2.options());
+  gemm(rows, w.data_ptr<int8_t>(), scale.data_ptr<float>(), optional_vector(bias, N, "bias"), residual, N,
+       y.data_ptr<float>());
+  return y;
+}
+
+std::vector<int64_t> shape_with_last(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ops.
+
+// x [..., K] fp32 -> x · dequant(w)ᵀ (+ bias) (+ residual) [..., N]
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  at::Tensor x2 = rows_of(x, "linear input");
+  check_weight(w, scale, x2.size(1), "linear weight");
+  const float* res = nullptr;
+  at::Tensor r2;
+  if (residual.has_value()) {
+    r2 = rows_of(*residual, "linear residual");
+    TORCH_CHECK(r2.size(0) == x2.size(0) && r2.size(1) == scale.numel(), "linear residual: expected [",
+                x2.size(0), ", ", scale.numel(), "], got ", residual->sizes());
+    res = r2.data_ptr<float>();
+  }
+  return run_linear(x2, w, scale, bias, res).view(shape_with_last(x, scale.numel()));
+}
+
+// rms_norm(x) · dequant(w)ᵀ (+ bias): a block's first step, one call
+at::Tensor norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& w,
+                       const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
+  at::Tensor x2 = rows_of(x, "norm_linear input");
+  const int64_t M = x2.size(0), K = x2.size(1);
+  check_weight(w, scale, K, "norm_linear weight");
+  const at::Tensor nwt = norm_weight.contiguous();
+  const float* nw = optional_vector(nwt, K, "norm weight");
+  at::Tensor h = at::empty_like(x2);
+  rms_norm_rows(x2.data_ptr<float>(), nw, eps, M, K, h.data_ptr<float>());
+  return run_linear(h, w, scale, bias, nullptr).view(shape_with_last(x, scale.numel()));
+}
+
+// x + down(silu(gate) * up), gate|up = rms_norm(x) · gate_upᵀ: a SwiGLU MLP with its residual, one call
+at::Tensor mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& w_gate_up,
+               const at::Tensor& s_gate_up, const std::optional<at::Tensor>& b_gate_up, const at::Tensor& w_down,
+               const at::Tensor& s_down, const std::optional<at::Tensor>& b_down) {
+  at::Tensor x2 = rows_of(x, "mlp input");
+  const int64_t M = x2.size(0), E = x2.size(1), F = s_gate_up.numel() / 2;
+  check_weight(w_gate_up, s_gate_up, E, "mlp gate_up weight");
+  check_weight(w_down, s_down, F, "mlp down weight");
+  TORCH_CHECK(s_down.numel() == E, "mlp down weight: expected ", E, " outputs, got ", s_down.numel());
+  const at::Tensor nwt = norm_weight.contiguous();
+  const float* nw = optional_vector(nwt, E, "norm weight");
+  at::Tensor h = at::empty_like(x2);
+  rms_norm_rows(x2.data_ptr<float>(), nw, eps, M, E, h.data_ptr<float>());
+  at::Tensor gu = run_linear(h, w_gate_up, s_gate_up, b_gate_up, nullptr);
+  at::Tensor act = at::empty({M, F}, x2.options());
+  const float* g = gu.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* am = a + m * F;
+    for (int64_t f = 0; f < F; ++f) am[f] = -g[m * 2 * F + f];
+    exp_inplace(am, F);
+    for (int64_t f = 0; f < F; ++f) am[f] = g[m * 2 * F + f] / (1.f + am[f]) * g[m * 2 * F + F + f];
+  }
+  return run_linear(act, w_down, s_down, b_down, x2.data_ptr<float>()).view(x.sizes());
+}
+
+// Self-attention of one sequence's T new tokens, from their fused projections qkv [T, (H + 2 KV) d]:
+// queries and keys rotated by cos, sin [T, d] (rotate-half convention), keys and values written into
+// k_cache, v_cache [KV, capacity, d] at slots [at, at + T), then each query attends to the slots
+// [0, at + T) that mask [T, at + T] allows (none given: all of them). Returns [T, H d].
+// A query's keys are visited in slot order and its softmax and sums run in one fixed order, so its
+// output depends only on the keys it may see, never on T.
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, int64_t at, const std::optional<at::Tensor>& mask, int64_t heads,
+                  int64_t kv_heads, double scale) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "attend: ", heads,
+              " query heads cannot share ", kv_heads, " key/value heads");
+  at::Tensor x = rows_of(qkv, "attend qkv");
+  const int64_t T = x.size(0), d = k_cache.size(-1), width = (heads + 2 * kv_heads) * d;
+  TORCH_CHECK(x.size(1) == width, "attend qkv: expected ", width, " values a token, got ", x.size(1));
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 3 && c->size(0) == kv_heads && c->stride(2) == 1 &&
+                    c->size(1) >= at + T,
+                "attend cache: expected fp32 [", kv_heads, ", >= ", at + T, ", ", d, "] (inner dim contiguous), got ",
+                c->scalar_type(), " ", c->sizes());
+  at::Tensor cs = cos.reshape({-1, d}).contiguous(), sn = sin.reshape({-1, d}).contiguous();
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.size(0) == T && sn.size(0) == T, "attend rope: expected fp32 [",
+              T, ", ", d, "] tables, got ", cos.sizes());
+  const int64_t S = at + T;
+  at::Tensor m2;
+  const bool* allow = nullptr;
+  if (mask.has_value()) {
+    m2 = mask->reshape({-1, mask->size(-1)}).to(at::kBool).contiguous();
+    TORCH_CHECK(m2.size(0) == T && m2.size(1) == S, "attend mask: expected [", T, ", ", S, "], got ", mask->sizes());
+    allow = m2.data_ptr<bool>();
+  }
+  const int64_t half = d / 2, group = heads / kv_heads;
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* src = x.data_ptr<float>();
+  auto rotate = [&](const float* in, const float* c, const float* s, float* out) {
+    for (int64_t i = 0; i < half; ++i) {
+      out[i] = in[i] * c[i] - in[i + half] * s[i];
+      out[i + half] = in[i + half] * c[i + half] + in[i] * s[i + half];
+    }
+  };
+  at::Tensor q = at::empty({T, heads, d}, x.options());
+  float* qr = q.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = src + t * width;
+    const float* c = cs.data_ptr<float>() + t * d;
+    const float* s = sn.data_ptr<float>() + t * d;
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, c, s, qr + (t * heads + h) * d);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      rotate(row + (heads + h) * d, c, s, kc + h * ks0 + (at + t) * ks1);
+      std::memcpy(vc + h * vs0 + (at + t) * vs1, row + (heads + kv_heads + h) * d, d * sizeof(float));
+    }
+  }
+  at::Tensor out = at::empty({T, heads * d}, x.options());
+  float* o = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  std::vector<int64_t> keys(T * S), counts(T);  // each query's visible slots, ascending
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < S; ++j)
+      if (!allow || allow[t * S + j]) keys[t * S + n++] = j;
+    counts[t] = n;
+  }
+  at::parallel_for(0, T * heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(S);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads, g = h / group, n = counts[t];
+      float* out_row = o + t * heads * d + h * d;
+      if (n == 0) {  // a fully masked query: zeros, not NaNs
+        std::fill(out_row, out_row + d, 0.f);
+        continue;
+      }
+      const Keys kv{kc + g * ks0, ks1, vc + g * vs0, vs1, keys.data() + t * S, n};
+      if (d == 64) attend_query<64>(qr + (t * heads + h) * d, kv, sc, p.data(), out_row);
+      else if (d == 128) attend_query<128>(qr + (t * heads + h) * d, kv, sc, p.data(), out_row);
+      else attend_query_any(qr + (t * heads + h) * d, d, kv, sc, p.data(), out_row);
+    }
+  });
+  return out;
+}
+
+// The ISA this build computes with: what the engine reports at start-up.
+std::string isa() {
+#ifdef SPLITSPEC_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitspec, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("norm_linear(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("mlp(Tensor x, Tensor norm_weight, float eps, Tensor w_gate_up, Tensor s_gate_up, Tensor? b_gate_up, "
+        "Tensor w_down, Tensor s_down, Tensor? b_down) -> Tensor");
+  m.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int at, Tensor? mask, "
+        "int heads, int kv_heads, float scale) -> Tensor");
+  m.def("isa() -> str", &isa);
+  m.impl("linear", c10::DispatchKey::CPU, &linear);
+  m.impl("norm_linear", c10::DispatchKey::CPU, &norm_linear);
+  m.impl("mlp", c10::DispatchKey::CPU, &mlp);
+  m.impl("attend", c10::DispatchKey::CPU, &attend);
+}

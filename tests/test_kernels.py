@@ -1,0 +1,172 @@
+"""The CPU kernels (shared/kernels): exact integer linear layers, and rows that never depend on their batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from client.decode import generate
+from client.drafters import NoDrafter, PromptLookup
+from client.verifiers import LocalVerifier
+from shared import kernels
+from shared.layers import pack_int8
+from shared.models import load_target
+from shared.tree import DraftTree, causal_from, path_to, tree_mask, tree_positions
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")
+ops = torch.ops.splitspec
+
+
+def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the linear kernel must compute, in torch: each row quantised on its own, exact integer dot
+    products (int64 here), then the same fp32 scaling."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    xq = torch.round(x * (127 / amax)).clamp(-127, 127).to(torch.int64)
+    w_scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
+    wq = (weight / w_scale[:, None]).round().clamp(-127, 127).to(torch.int64)
+    acc = (xq @ wq.T).to(torch.float32)
+    return acc * ((amax / 127) * w_scale)
+
+
+@pytest.mark.parametrize("n, k", [(96, 64), (37, 50), (1538, 576)])
+def test_linear_is_the_exact_integer_product(n, k):
+    """Odd sizes too: rows padded to the kernel's tiles with zeros change nothing."""
+    torch.manual_seed(n)
+    weight, x = torch.randn(n, k) * 0.05, torch.randn(9, k)
+    q, scale = pack_int8(weight)
+    got = ops.linear(x, q, scale, None, None)
+    assert torch.equal(got, int8_reference(x, weight))
+    bias, residual = torch.randn(n), torch.randn(9, n)
+    torch.testing.assert_close(ops.linear(x, q, scale, bias, residual), got + bias + residual)
+    assert (got - x @ weight.T).abs().max() < 0.03 * (x @ weight.T).abs().max()  # and close to fp32
+
+
+@pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
+def test_a_row_never_depends_on_the_rows_beside_it(op):
+    """The exactness guarantee: any subset of rows, in any count, gives bit-identical rows."""
+    torch.manual_seed(1)
+    E, Fh = 96, 160
+    norm = torch.rand(E) + 0.5
+    wq, sq = pack_int8(torch.randn(3 * E, E) * 0.05)
+    wgu, sgu = pack_int8(torch.randn(2 * Fh, E) * 0.05)
+    wd, sd = pack_int8(torch.randn(E, Fh) * 0.05)
+    calls = {
+        "linear": lambda x: ops.linear(x, wq, sq, None, None),
+        "norm_linear": lambda x: ops.norm_linear(x, norm, 1e-5, wq, sq, None),
+        "mlp": lambda x: ops.mlp(x, norm, 1e-5, wgu, sgu, None, wd, sd, None),
+    }
+    x = torch.randn(33, E) * 3
+    whole = calls[op](x)
+    rng = random.Random(0)
+    for count in (1, 2, 3, 5, 17):
+        rows = sorted(rng.sample(range(33), count))
+        assert torch.equal(calls[op](x[rows]), whole[rows]), count
+
+
+def test_mlp_and_norm_linear_compute_what_they_say():
+    torch.manual_seed(2)
+    E, Fh = 64, 96
+    norm = torch.rand(E) + 0.5
+    gate_up, down = torch.randn(2 * Fh, E) * 0.1, torch.randn(E, Fh) * 0.1
+    x = torch.randn(4, E)
+    h = F.rms_norm(x, (E,), norm, 1e-5)
+    g, u = (h @ gate_up.T).chunk(2, dim=-1)
+    want = x + (F.silu(g) * u) @ down.T
+    got = ops.mlp(x, norm, 1e-5, *pack_int8(gate_up), None, *pack_int8(down), None)
+    torch.testing.assert_close(got, want, atol=0.03, rtol=0.03)
+    torch.testing.assert_close(ops.norm_linear(x, norm, 1e-5, *pack_int8(gate_up), None), h @ gate_up.T,
+                               atol=0.03, rtol=0.03)  # fmt: skip
+
+
+def reference_attention(qkv, cos, sin, k_past, v_past, mask, heads, kv_heads, d):
+    """RoPE + causal/tree-masked grouped-query attention in fp64 torch."""
+    T = qkv.shape[0]
+    x = qkv.double().view(T, heads + 2 * kv_heads, d)
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    qk = x[:, : heads + kv_heads] * cos.double()[:, None] + rot[:, : heads + kv_heads] * sin.double()[:, None]
+    x = torch.cat([qk, x[:, heads + kv_heads :]], dim=1)
+    q, k, v = x[:, :heads], x[:, heads : heads + kv_heads], x[:, heads + kv_heads :]
+    k = torch.cat([k_past.double(), k.transpose(0, 1)], dim=1).repeat_interleave(heads // kv_heads, 0)
+    v = torch.cat([v_past.double(), v.transpose(0, 1)], dim=1).repeat_interleave(heads // kv_heads, 0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    return out.transpose(0, 1).reshape(T, heads * d).float()
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_attention_is_exact_per_query_and_matches_a_reference(d):
+    """A tree of queries attends in one call; each query's output equals the same query alone (seeing the same
+    keys), and both equal fp64 attention within fp32 rounding. d=64 is the vector path, 16 the generic one."""
+    torch.manual_seed(d)
+    heads, kv_heads, past = 6, 2, 40
+    parents = [-1, 0, 0, 1, 3, 2, -1]
+    T = len(parents) + 1
+    width = (heads + 2 * kv_heads) * d
+    qkv = torch.randn(T, width)
+    angles = torch.rand(T, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    k_cache, v_cache = torch.zeros(kv_heads, 64, d), torch.zeros(kv_heads, 64, d)
+    k_cache[:, :past], v_cache[:, :past] = torch.randn(kv_heads, past, d), torch.randn(kv_heads, past, d)
+    mask = tree_mask(parents, past)[0]
+    got = ops.attend(qkv, cos, sin, k_cache, v_cache, past, mask, heads, kv_heads, d**-0.5)
+    want = reference_attention(qkv, cos, sin, k_cache[:, :past], v_cache[:, :past], mask, heads, kv_heads, d)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for node in range(-1, len(parents)):  # each path again, one token per call, at consecutive slots
+        path = [0] + [1 + i for i in (path_to(parents, node) if node >= 0 else [])]
+        k2, v2 = k_cache.clone(), v_cache.clone()
+        for j, row in enumerate(path):
+            alone = ops.attend(qkv[row : row + 1], cos[row : row + 1], sin[row : row + 1], k2, v2, past + j, None,
+                               heads, kv_heads, d**-0.5)  # fmt: skip
+        assert torch.equal(alone[0], got[path[-1]]), node
+
+
+def test_bad_arguments_are_named():
+    q, scale = pack_int8(torch.randn(8, 40))
+    with pytest.raises(RuntimeError, match="weight rows hold 64 values; input has K = 70, expected 96"):
+        ops.linear(torch.randn(2, 70), q, scale, None, None)
+    with pytest.raises(RuntimeError, match="expected fp32 CPU rows"):
+        ops.linear(torch.randn(2, 40, dtype=torch.float64), q, scale, None, None)
+    with pytest.raises(RuntimeError, match="attend mask: expected"):
+        ops.attend(torch.randn(2, 3 * 16), torch.ones(2, 16), torch.zeros(2, 16), torch.zeros(1, 8, 16),
+                   torch.zeros(1, 8, 16), 0, torch.ones(3, 3, dtype=torch.bool), 1, 1, 0.25)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tiny_model_dir):
+    return load_target(str(tiny_model_dir), dtype="float32", weights="int8")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int8_tree_states_are_bit_identical_to_sequential_steps(tiny_int8, seed):
+    """The engine on the int8 kernels: every node of a tree verified in one forward gets exactly the state its
+    path gets one token at a time."""
+    rng = random.Random(seed)
+    engine, vocab = tiny_int8.engine, tiny_int8.vocab_size
+    assert engine.layers[0]._fused(torch.zeros(1, 1, 64), (0, 0), [])  # the kernels run the blocks
+    prompt = [rng.randrange(vocab) for _ in range(20)]
+    tree = DraftTree()
+    for i in range(12):
+        tree.add(rng.randrange(vocab), rng.randrange(-1, i))
+    root = rng.randrange(vocab)
+    with torch.no_grad():
+        cache = engine.new_cache(64)
+        n = len(prompt)
+        engine(torch.tensor([prompt]), torch.arange(n)[None], causal_from(0, n), cache, 0)
+        ids = torch.tensor([[root, *tree.tokens]])
+        batched = engine(ids, torch.tensor([tree_positions(tree.parents, n)]), tree_mask(tree.parents, n), cache, n)[0]
+        logits = engine.logits(batched)
+        for node in range(-1, len(tree)):
+            path = [root] + [tree.tokens[i] for i in (path_to(tree.parents, node) if node >= 0 else [])]
+            for j, token in enumerate(path):
+                alone = engine(torch.tensor([[token]]), torch.tensor([[n + j]]), None, cache, n + j)[0, 0]
+            assert torch.equal(alone, batched[node + 1]), node
+            assert torch.equal(engine.logits(alone[None])[0], logits[node + 1]), node
+
+
+def test_int8_speculative_output_equals_int8_plain_decoding(tiny_int8):
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
+    plain = generate(LocalVerifier(tiny_int8), NoDrafter(), prompt, 40)
+    for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
+        assert generate(LocalVerifier(tiny_int8), drafter, prompt, 40).token_ids == plain.token_ids
