@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto = float32 with int8 weights on a CPU without native bf16, bf16 where the hardware "
                         "computes it (AMX/AVX512-BF16 CPUs, CUDA); float32 + native weights gives transformers' own "
                         "greedy output")  # fmt: skip
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "int8"],
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "int8", "int4"],
                    help="the in-process target's projections: auto (with --dtype auto: int8 on a CPU without native "
                         "bf16), native, or int8 with per-token int8 activations on splitspec's CPU kernels (--local: "
                         "a different served target, lossless relative to itself; remote: the TLI layers)")  # fmt: skip

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "bf16, bf16 where the hardware computes it (AMX/AVX512-BF16 CPUs, CUDA); float32 + native weights "
              "gives transformers' own greedy output"
     )
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "int8"],
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "int8", "int4"],
                    help="auto (default; with --dtype auto: int8 on a CPU without native bf16), native, or int8: every "
                         "projection int8 with per-token int8 activations on splitspec's CPU kernels, a different "
                         "served target, lossless relative to itself, several times faster than fp32 here")  # fmt: skip

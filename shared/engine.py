@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, Span, attention_dtype, quantize_int8
+from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, Span, attention_dtype, quantize
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -222,7 +222,7 @@ class Part:
     at: int
 
 
-WEIGHTS = ("native", "int8")
+WEIGHTS = ("native", "int8", "int4")
 
 
 def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -239,6 +239,8 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     weight row and per activation row, exact int32 sums (``shared.kernels``; a fp32 model then runs each block
     as four kernel calls, attention included). A different served target, a quarter of fp32's bytes a token,
     and exact relative to itself by construction: no row's result depends on the others in its forward.
+    ``weights="int4"``: the same with the blocks' projections as Q4_1 (``shared.layers.pack_int4``; the LM head
+    stays int8): the built-in target comes back to exactly the 4-bit weights its GGUF ships.
 
     Drafters' own attention stays fp32: drafts never change outputs. Not for fp32 models: MKL's fp32
     GEMM rows do depend on the row count, so fp64 attention would not make them exact, only slower.
@@ -278,9 +280,9 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     model.exact = exact
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
-    if weights == "int8":
+    if weights in ("int8", "int4"):
         if model.device.type != "cpu":
             raise ValueError(f"int8 weights are a CPU path; on {model.device} serve native weights")
-        model.lm_head.quantize_int8(keep_weight=True)  # its float weight stays: embeddings, drafters' heads
-        quantize_int8(model.layers)
+        model.lm_head.quantize("int8", keep_weight=True)  # its float weight stays: embeddings, drafters' heads
+        quantize(model.layers, weights)
     return model.eval().requires_grad_(False), hf

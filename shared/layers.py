@@ -125,13 +125,32 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [out, in] as the CPU kernels take it: int8 with one fp32 scale per row (max |w| / 127), rows
     padded to a multiple of 4 and columns to 32 with zeros, in tiles of 4 rows whose 32-value steps lie together
     (the order the kernel streams them in)."""
-    w = weight.float().cpu()
+    w = weight.detach().float().cpu()
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
     rows, cols = -(-w.shape[0] // 4) * 4, -(-w.shape[1] // 32) * 32
     q = torch.zeros(rows, cols, dtype=torch.int8)
     q[: w.shape[0], : w.shape[1]] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     q = q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
     return q, scale.contiguous()
+
+
+def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] (out a multiple of 4, in of 32) as 4-bit Q4_1 blocks for the CPU kernels: per row and
+    32-value block, w ≈ d·q + m with q in 0..15, d = (max - min) / 15 and m = min in fp16. A checkpoint
+    dequantised from Q4_1 (the built-in target's GGUF) comes back to exactly its own quants. Returns the quants
+    [out / 4, in / 32, 4, 16] (byte j: value j low, j + 16 high) and the scales [out / 4, in / 32, 2, 4] (d, m)."""
+    w = weight.detach().float().cpu()
+    n, k = w.shape
+    if n % 4 or k % 32:
+        raise ValueError(f"4-bit weights need rows in multiples of 4 and columns of 32, got {n}x{k}")
+    blocks = w.view(n, k // 32, 32)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d, m = ((high - low) / 15).half(), low.half()
+    q = ((blocks - m.float()[..., None]) / d.float().clamp_min(1e-30)[..., None]).round().clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # [n, k/32, 16]
+    quants = packed.view(n // 4, 4, k // 32, 16).transpose(1, 2).contiguous()
+    scales = torch.stack([d, m], dim=-1).view(n // 4, 4, k // 32, 2).permute(0, 2, 3, 1).contiguous()
+    return quants, scales
 
 
 class Linear(nn.Linear):
@@ -144,23 +163,27 @@ class Linear(nn.Linear):
     streamed once either way. fp32 rows are left alone: MKL's single-row path is a fast GEMV, and
     its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
 
-    ``quantize_int8`` turns it int8 on a CPU (``shared.kernels``): int8 weights with one scale per
-    output row, each input row quantised to int8 with its own scale, exact int32 dot products. A
-    quarter of fp32's bytes to stream, and a row's result is the same whatever rows share the call.
+    ``quantize`` makes it low-bit on a CPU (``shared.kernels``): ``int8`` weights with one scale per output
+    row, or ``int4`` (Q4_1 blocks of 32, fp16 scale and minimum each: ``pack_int4``); either way each input
+    row is quantised to int8 with its own scale and every block's dot product is exact integer arithmetic.
+    A quarter (an eighth) of fp32's bytes to stream, and a row's result is the same whatever rows share the call.
     """
 
-    qweight: torch.Tensor | None = None  # [out padded to 4, in padded to 32] int8
-    qscale: torch.Tensor | None = None  # [out] fp32
+    qweight: torch.Tensor | None = None  # int8 [out padded to 4, in padded to 32], or int4 quants (pack_int4)
+    qscale: torch.Tensor | None = None  # fp32 [out], or int4 block scales
 
-    def quantize_int8(self, keep_weight: bool = False) -> None:
-        """Make this layer int8 (CPU only); ``keep_weight`` keeps the float weight too (a tied embedding uses it)."""
+    def quantize(self, kind: str = "int8", keep_weight: bool = False) -> None:
+        """Make this layer ``int8`` or ``int4`` (CPU only; int4 where the shape allows, else int8); ``keep_weight``
+        keeps the float weight too (a tied embedding uses it)."""
         from shared import kernels
 
         if self.weight.device.type != "cpu":
             raise ValueError(f"int8 weights are a CPU path; this layer is on {self.weight.device}")
         if not kernels.available():
             raise ValueError(f"int8 weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
-        self.qweight, self.qscale = pack_int8(self.weight.detach())
+        fits = self.out_features % 4 == 0 and self.in_features % 32 == 0
+        pack = pack_int4 if kind == "int4" and fits else pack_int8
+        self.qweight, self.qscale = pack(self.weight)
         if not keep_weight:
             self.weight = None  # the int8 copy is the weight now
 
@@ -188,12 +211,12 @@ class Linear(nn.Linear):
         return out[: rows.shape[0] - single].view(*x.shape[:-1], -1)
 
 
-def quantize_int8(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
-    """Make every :class:`Linear` under ``module`` (but those in ``skip``) int8; how many."""
+def quantize(module: nn.Module, kind: str = "int8", skip: tuple[nn.Module, ...] = ()) -> int:
+    """Make every :class:`Linear` under ``module`` (but those in ``skip``) ``int8`` or ``int4``; how many."""
     count = 0
     for m in module.modules():
         if isinstance(m, Linear) and m.qweight is None and not any(m is s for s in skip):
-            m.quantize_int8()
+            m.quantize(kind)
             count += 1
     return count
 

@@ -119,7 +119,7 @@ def default_dtype(device: str = "cpu", weights: str = "native") -> str:
     """
     if str(device).startswith("cuda"):
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    if weights == "int8":
+    if weights in ("int8", "int4"):
         return "float32"
     return "bfloat16" if native_bf16() else "float32"
 
@@ -128,8 +128,8 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     """(dtype, weights) for the ``auto`` settings on this device: what the CLIs serve by default."""
     if weights == "auto":
         weights = default_weights(device) if dtype == "auto" else "native"  # a pinned dtype means native weights
-    if weights not in ("native", "int8"):
-        raise SplitspecError(f"unknown weights {weights!r}; expected auto, native or int8")
+    if weights not in ("native", "int8", "int4"):
+        raise SplitspecError(f"unknown weights {weights!r}; expected auto, native, int8 or int4")
     if dtype == "auto":
         dtype = default_dtype(device, weights)
     return dtype, weights

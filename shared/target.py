@@ -75,8 +75,10 @@ class Target:
 
     @property
     def weights(self) -> str:
-        """``int8`` when the projections run on splitspec's CPU kernels, else ``native``."""
-        return "int8" if self.engine.lm_head.qweight is not None else "native"
+        """``int8`` or ``int4`` when the projections run on splitspec's CPU kernels, else ``native``."""
+        if self.engine.lm_head.qweight is None:
+            return "native"
+        return "int4" if self.engine.layers[0].mlp.gate_up.qweight.dtype == torch.uint8 else "int8"
 
     def describe(self) -> str:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""
@@ -85,10 +87,11 @@ class Target:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
             return f"{self.device}, {dtype}"
-        if self.weights == "int8":
+        if self.weights != "native":
             from shared import kernels
 
-            return f"cpu ({cpu_name()}), int8 weights and activations on {kernels.isa()} kernels, {dtype} between"
+            return (f"cpu ({cpu_name()}), {self.weights} weights (LM head int8) and int8 activations on "
+                    f"{kernels.isa()} kernels, {dtype} between")  # fmt: skip
         return f"cpu ({cpu_name()}), {dtype}"
 
     def session(self, sampling: SamplingParams = SamplingParams(), features=()) -> TargetSession:

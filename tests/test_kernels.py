@@ -12,7 +12,7 @@ from client.decode import generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LocalVerifier
 from shared import kernels
-from shared.layers import pack_int8
+from shared.layers import pack_int4, pack_int8
 from shared.models import load_target
 from shared.tree import DraftTree, causal_from, path_to, tree_mask, tree_positions
 
@@ -44,15 +44,44 @@ def test_linear_is_the_exact_integer_product(n, k):
     assert (got - x @ weight.T).abs().max() < 0.03 * (x @ weight.T).abs().max()  # and close to fp32
 
 
+def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] that ``pack_int4``'s quants and block scales stand for."""
+    tiles, blocks = quants.shape[:2]
+    q = quants.permute(0, 2, 1, 3).reshape(tiles * 4, blocks, 16)
+    values = torch.cat([q & 15, q >> 4], dim=-1).float()
+    d, m = scales.permute(0, 3, 1, 2).reshape(tiles * 4, blocks, 2).float().unbind(-1)
+    return (values * d[..., None] + m[..., None]).reshape(tiles * 4, blocks * 32)
+
+
+def test_int4_is_exact_on_its_blocks_and_gives_back_q4_1_weights():
+    """int4: each block's integer dot product is exact (fp64 reference on the dequantised weight, within fp32
+    rounding of the block sums), and weights that already are Q4_1 (the built-in GGUF's) pack to themselves."""
+    torch.manual_seed(3)
+    weight, x = torch.randn(64, 96) * 0.05, torch.randn(6, 96)
+    quants, scales = pack_int4(weight)
+    dequantised = dequantize_int4(quants, scales)
+    assert (dequantised - weight).abs().max() <= weight.abs().max() / 15  # half a step of the widest block
+    amax = x.abs().amax(dim=1, keepdim=True)
+    xq = torch.round(x * (127 / amax)).clamp(-127, 127).double()
+    want = (xq @ dequantised.double().T) * (amax.double() / 127)
+    got = ops.linear(x, quants, scales, None, None)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    again = pack_int4(dequantised)
+    assert torch.equal(again[0], quants) and torch.equal(again[1], scales)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        pack_int4(torch.randn(6, 64))
+
+
+@pytest.mark.parametrize("pack", [pack_int8, pack_int4])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
-def test_a_row_never_depends_on_the_rows_beside_it(op):
+def test_a_row_never_depends_on_the_rows_beside_it(op, pack):
     """The exactness guarantee: any subset of rows, in any count, gives bit-identical rows."""
     torch.manual_seed(1)
     E, Fh = 96, 160
     norm = torch.rand(E) + 0.5
-    wq, sq = pack_int8(torch.randn(3 * E, E) * 0.05)
-    wgu, sgu = pack_int8(torch.randn(2 * Fh, E) * 0.05)
-    wd, sd = pack_int8(torch.randn(E, Fh) * 0.05)
+    wq, sq = pack(torch.randn(3 * E, E) * 0.05)
+    wgu, sgu = pack(torch.randn(2 * Fh, E) * 0.05)
+    wd, sd = pack(torch.randn(E, Fh) * 0.05)
     calls = {
         "linear": lambda x: ops.linear(x, wq, sq, None, None),
         "norm_linear": lambda x: ops.norm_linear(x, norm, 1e-5, wq, sq, None),
@@ -133,17 +162,17 @@ def test_bad_arguments_are_named():
                    torch.zeros(1, 8, 16), 0, torch.ones(3, 3, dtype=torch.bool), 1, 1, 0.25)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny_int8(tiny_model_dir):
-    return load_target(str(tiny_model_dir), dtype="float32", weights="int8")
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def tiny_lowbit(tiny_model_dir, request):
+    return load_target(str(tiny_model_dir), dtype="float32", weights=request.param)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_int8_tree_states_are_bit_identical_to_sequential_steps(tiny_int8, seed):
-    """The engine on the int8 kernels: every node of a tree verified in one forward gets exactly the state its
+def test_lowbit_tree_states_are_bit_identical_to_sequential_steps(tiny_lowbit, seed):
+    """The engine on the int8 and int4 kernels: every node of a tree verified in one forward gets exactly the state its
     path gets one token at a time."""
     rng = random.Random(seed)
-    engine, vocab = tiny_int8.engine, tiny_int8.vocab_size
+    engine, vocab = tiny_lowbit.engine, tiny_lowbit.vocab_size
     assert engine.layers[0]._fused(torch.zeros(1, 1, 64), (0, 0), [])  # the kernels run the blocks
     prompt = [rng.randrange(vocab) for _ in range(20)]
     tree = DraftTree()
@@ -165,8 +194,8 @@ def test_int8_tree_states_are_bit_identical_to_sequential_steps(tiny_int8, seed)
             assert torch.equal(engine.logits(alone[None])[0], logits[node + 1]), node
 
 
-def test_int8_speculative_output_equals_int8_plain_decoding(tiny_int8):
+def test_lowbit_speculative_output_equals_its_plain_decoding(tiny_lowbit):
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
-    plain = generate(LocalVerifier(tiny_int8), NoDrafter(), prompt, 40)
+    plain = generate(LocalVerifier(tiny_lowbit), NoDrafter(), prompt, 40)
     for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
-        assert generate(LocalVerifier(tiny_int8), drafter, prompt, 40).token_ids == plain.token_ids
+        assert generate(LocalVerifier(tiny_lowbit), drafter, prompt, 40).token_ids == plain.token_ids

@@ -58,12 +58,12 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
 
 def quantize_drafter(model) -> None:
     """Weight-only int8 for a trained drafter's own layers and draft head, never the target's parts it shares."""
-    from shared.layers import quantize_int8
+    from shared.layers import quantize
 
     for name, child in model.named_children():
         if name != "parts":
-            quantize_int8(child)
-    model.parts.quantize_head_int8()
+            quantize(child)
+    model.parts.quantize_head()
 
 
 def drafter_for(model, name: str, **tree) -> Drafter:

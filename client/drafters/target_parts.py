@@ -42,7 +42,7 @@ class TargetParts(nn.Module):
         # the target's own blocks (not copies): TLI runs them with the same code and cache layout
         self.layers = nn.ModuleList(engine.layers[cfg.num_layers - tli :])
         self.vocab_ids: torch.Tensor | None = None
-        self.head: Linear | None = None  # set by quantize_head_int8
+        self.head: Linear | None = None  # set by quantize_head
         self.head_weight = engine.lm_head.weight
         if vocab_ids is not None and len(vocab_ids):
             self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=self.head_weight.device)
@@ -52,11 +52,11 @@ class TargetParts(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def quantize_head_int8(self) -> None:
+    def quantize_head(self) -> None:
         """The draft head weight-only int8 (drafts only: the target's own head is untouched)."""
         head = Linear(self.hidden_size, self.head_weight.shape[0], bias=False, device="meta")
         head.weight = nn.Parameter(self.head_weight.detach(), requires_grad=False)
-        head.quantize_int8()
+        head.quantize("int8")
         self.head = head
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

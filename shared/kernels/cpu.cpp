@@ -40,6 +40,7 @@ struct Rows {
   std::vector<int8_t> q;    // [M, Kp] signed values
   std::vector<uint8_t> a;   // [M, Kp] their magnitudes (AVX2 multiplies unsigned by signed bytes)
   std::vector<float> scale; // [M]
+  std::vector<float> bsum;  // [M, Kp / 32] each 32-value block's sum of q (small integers, exact as floats)
   int64_t M = 0, Kp = 0;
 };
 
@@ -49,6 +50,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r) {
   r.q.assign(M * r.Kp, 0);
   r.a.assign(M * r.Kp, 0);
   r.scale.assign(M, 0.f);
+  r.bsum.assign(M * (r.Kp / KSTEP), 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     float amax = 0.f;
@@ -62,6 +64,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r) {
       a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
     }
     r.scale[m] = amax / 127.f;
+    for (int64_t b = 0; b < r.Kp / KSTEP; ++b) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < KSTEP; ++k) sum += q[b * KSTEP + k];
+      r.bsum[m * (r.Kp / KSTEP) + b] = static_cast<float>(sum);
+    }
   }
 }
 
@@ -139,6 +146,120 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
           const float sx = x.scale[r0 + r];
           for (int64_t c = 0; c < cols; ++c) {
             float v = static_cast<float>(acc[r * C + c]) * (sx * w_scale[n + c]);
+            if (bias) v += bias[n + c];
+            if (residual) v += residual[(r0 + r) * N + n + c];
+            yr[c] = v;
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4-bit weights (Q4_1: blocks of 32 values along K, w = d·q + m with q in 0..15 and fp16 d, m per block) times
+// int8 activation rows. A block's integer dot product is exact; blocks are summed in float in K order.
+// Layout: tile t (C rows), block b: C × 16 bytes of quants (byte j: value j in the low nibble, j + 16 in the
+// high), and C fp16 d then C fp16 m. Σ m·x over a block is m times the row's block sum of q.
+
+#ifdef SPLITSPEC_AVX2
+inline __m128 hsum4(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+template <int R>
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+  __m256 acc[R][C];
+  __m128 mins[R];
+  for (int r = 0; r < R; ++r) {
+    mins[r] = _mm_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < Kb; ++b) {
+    const uint8_t* chunk = w + b * C * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
+    alignas(16) float d[C];
+    _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + b * 2 * C))));
+    const __m128 m = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + b * 2 * C + C)));
+    __m256i q[C];
+    for (int c = 0; c < C; ++c) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + c * 16));
+      q[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * x.Kp + b * KSTEP));
+      for (int c = 0; c < C; ++c) {
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d[c]), acc[r][c]);
+      }
+      mins[r] = _mm_fmadd_ps(m, _mm_set1_ps(x.bsum[(r0 + r) * Kb + b]), mins[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * C, _mm_add_ps(hsum4(acc[r]), mins[r]));
+}
+#else
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal
+      int e = -1;
+      uint32_t m = mant;
+      do { ++e; m <<= 1; } while (!(m & 0x400));
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <int R>
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float acc = 0.f, mins = 0.f;
+      for (int64_t b = 0; b < Kb; ++b) {
+        const uint8_t* quants = w + b * C * 16 + c * 16;
+        const int8_t* xr = x.q.data() + (r0 + r) * x.Kp + b * KSTEP;
+        int32_t s = 0;
+        for (int j = 0; j < 16; ++j) s += (quants[j] & 15) * xr[j] + (quants[j] >> 4) * xr[j + 16];
+        acc += static_cast<float>(s) * half_to_float(dm[b * 2 * C + c]);
+        mins += half_to_float(dm[b * 2 * C + C + c]) * x.bsum[(r0 + r) * Kb + b];
+      }
+      out[r * C + c] = acc + mins;
+    }
+}
+#endif
+
+// y[M, N] = x · (d·q + m)ᵀ (+ bias) (+ residual) for 4-bit weights of N rows (a multiple of C).
+void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
+             int64_t N, float* y) {
+  const int64_t M = x.M, Kb = x.Kp / KSTEP;
+  constexpr int64_t R = 2;
+  at::parallel_for(0, N / C, 8, [&](int64_t t0, int64_t t1) {
+    float acc[R * C];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * C;
+      const uint8_t* wt = w + t * Kb * C * 16;
+      const uint16_t* dt = dm + t * Kb * 2 * C;
+      for (int64_t r0 = 0; r0 < M; r0 += R) {
+        const int64_t rows = std::min<int64_t>(R, M - r0);
+        if (rows == 2) q4_tile<2>(x, r0, wt, dt, Kb, acc);
+        else q4_tile<1>(x, r0, wt, dt, Kb, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = y + (r0 + r) * N + n;
+          const float sx = x.scale[r0 + r];
+          for (int64_t c = 0; c < C; ++c) {
+            float v = acc[r * C + c] * sx;
             if (bias) v += bias[n + c];
             if (residual) v += residual[(r0 + r) * N + n + c];
             yr[c] = v;
@@ -312,7 +433,20 @@ void attend_query(const float* q, const Keys& kv, float scale, float* p, float* 
 // ---------------------------------------------------------------------------------------------
 // Argument checks: a wrong call names the tensor and what was expected.
 
-void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* what) {
+// A weight is int8 [N rounded up to C, K padded to 32] with fp32 scales [N], or 4-bit: uint8 quants
+// [N / C, K / 32, C, 16] with fp16 scales [N / C, K / 32, 2, C] (d, then m). Returns N.
+int64_t check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* what) {
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.device().is_cpu() && w.dim() == 4 && w.size(2) == C && w.size(3) == 16 && w.is_contiguous(), what,
+                ": expected contiguous 4-bit quants [N / ", C, ", K / 32, ", C, ", 16], got ", w.sizes());
+    TORCH_CHECK(w.size(1) * KSTEP == padded(K), what, ": weight rows hold ", w.size(1) * KSTEP,
+                " values; input has K = ", K, ", expected ", padded(K));
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 4 &&
+                    scale.size(0) == w.size(0) && scale.size(1) == w.size(1) && scale.size(2) == 2 && scale.size(3) == C,
+                what, ": expected fp16 block scales [", w.size(0), ", ", w.size(1), ", 2, ", C, "], got ",
+                scale.scalar_type(), " ", scale.sizes());
+    return w.size(0) * C;
+  }
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
               what, ": expected a contiguous CPU int8 matrix [N, K padded to 32], got ", w.scalar_type(), " ",
               w.sizes());
@@ -323,6 +457,7 @@ void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const
   const int64_t rows = (scale.numel() + C - 1) / C * C;
   TORCH_CHECK(w.size(0) == rows, what, ": ", scale.numel(), " outputs need ", rows,
               " weight rows (a multiple of ", C, ", zeros past the last), got ", w.size(0));
+  return scale.numel();
 }
 
 const float* optional_vector(const std::optional<at::Tensor>& t, int64_t n, const char* what) {
@@ -340,12 +475,16 @@ at::Tensor rows_of(const at::Tensor& x, const char* what) {
 
 at::Tensor run_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias, const float* residual) {
-  const int64_t M = x2.size(0), K = x2.size(1), N = scale.numel();
+  const int64_t M = x2.size(0), K = x2.size(1), N = check_weight(w, scale, K, "weight");
   Rows rows;
   quantize_rows(x2.data_ptr<float>(), M, K, rows);
   at::Tensor y = at::empty({M, N}, x2.options());
-  gemm(rows, w.data_ptr<int8_t>(), scale.data_ptr<float>(), optional_vector(bias, N, "bias"), residual, N,
-       y.data_ptr<float>());
+  const float* b = optional_vector(bias, N, "bias");
+  if (w.scalar_type() == at::kByte)
+    gemm_q4(rows, w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), b, residual,
+            N, y.data_ptr<float>());
+  else
+    gemm(rows, w.data_ptr<int8_t>(), scale.data_ptr<float>(), b, residual, N, y.data_ptr<float>());
   return y;
 }
 
@@ -362,16 +501,16 @@ std::vector<int64_t> shape_with_last(const at::Tensor& x, int64_t n) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
   at::Tensor x2 = rows_of(x, "linear input");
-  check_weight(w, scale, x2.size(1), "linear weight");
+  const int64_t N = check_weight(w, scale, x2.size(1), "linear weight");
   const float* res = nullptr;
   at::Tensor r2;
   if (residual.has_value()) {
     r2 = rows_of(*residual, "linear residual");
-    TORCH_CHECK(r2.size(0) == x2.size(0) && r2.size(1) == scale.numel(), "linear residual: expected [",
-                x2.size(0), ", ", scale.numel(), "], got ", residual->sizes());
+    TORCH_CHECK(r2.size(0) == x2.size(0) && r2.size(1) == N, "linear residual: expected [", x2.size(0), ", ", N,
+                "], got ", residual->sizes());
     res = r2.data_ptr<float>();
   }
-  return run_linear(x2, w, scale, bias, res).view(shape_with_last(x, scale.numel()));
+  return run_linear(x2, w, scale, bias, res).view(shape_with_last(x, N));
 }
 
 // rms_norm(x) · dequant(w)ᵀ (+ bias): a block's first step, one call
@@ -379,12 +518,12 @@ at::Tensor norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, doubl
                        const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
   at::Tensor x2 = rows_of(x, "norm_linear input");
   const int64_t M = x2.size(0), K = x2.size(1);
-  check_weight(w, scale, K, "norm_linear weight");
+  const int64_t N = check_weight(w, scale, K, "norm_linear weight");
   const at::Tensor nwt = norm_weight.contiguous();
   const float* nw = optional_vector(nwt, K, "norm weight");
   at::Tensor h = at::empty_like(x2);
   rms_norm_rows(x2.data_ptr<float>(), nw, eps, M, K, h.data_ptr<float>());
-  return run_linear(h, w, scale, bias, nullptr).view(shape_with_last(x, scale.numel()));
+  return run_linear(h, w, scale, bias, nullptr).view(shape_with_last(x, N));
 }
 
 // x + down(silu(gate) * up), gate|up = rms_norm(x) · gate_upᵀ: a SwiGLU MLP with its residual, one call
@@ -392,10 +531,9 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps, c
                const at::Tensor& s_gate_up, const std::optional<at::Tensor>& b_gate_up, const at::Tensor& w_down,
                const at::Tensor& s_down, const std::optional<at::Tensor>& b_down) {
   at::Tensor x2 = rows_of(x, "mlp input");
-  const int64_t M = x2.size(0), E = x2.size(1), F = s_gate_up.numel() / 2;
-  check_weight(w_gate_up, s_gate_up, E, "mlp gate_up weight");
-  check_weight(w_down, s_down, F, "mlp down weight");
-  TORCH_CHECK(s_down.numel() == E, "mlp down weight: expected ", E, " outputs, got ", s_down.numel());
+  const int64_t M = x2.size(0), E = x2.size(1), F = check_weight(w_gate_up, s_gate_up, E, "mlp gate_up weight") / 2;
+  const int64_t out = check_weight(w_down, s_down, F, "mlp down weight");
+  TORCH_CHECK(out == E, "mlp down weight: expected ", E, " outputs, got ", out);
   const at::Tensor nwt = norm_weight.contiguous();
   const float* nw = optional_vector(nwt, E, "norm weight");
   at::Tensor h = at::empty_like(x2);
