@@ -9,6 +9,7 @@ the engine needs: checked, not assumed):
 * ``torch fp32``        ``F.linear`` (MKL on x86);
 * ``splitspec int8``    ``torch.ops.splitspec.linear``: int8 weights (a scale per row), each activation row
                         int8 with its own scale, exact int32 sums (``shared/kernels/cpu.cpp``);
+* ``splitspec int4``    the same kernels on Q4_1 weights (blocks of 32, fp16 scale and minimum);
 * ``fbgemm int8``       ``torch.ao`` dynamic quantisation (int8 weights, int8 activations with one scale for
                         the whole call, int32 sums) — when torch has the fbgemm engine;
 * ``onnxruntime q4``    ONNX Runtime's ``MatMulNBits`` (4-bit weights, blocks of 32, ``accuracy_level=4``: int8
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from bench.common import environment, save_results
 from shared import kernels
-from shared.layers import pack_int8
+from shared.layers import pack_int4, pack_int8
 
 REPO = Path(__file__).resolve().parents[1]
 E, FF, LAYERS = 576, 1536, 30
@@ -82,6 +83,14 @@ class SplitspecInt8(Candidate):
         return [torch.ops.splitspec.linear(xs[k], q, s, None, None) for k, q, s in self.packed]
 
 
+class SplitspecInt4(SplitspecInt8):
+    name = "splitspec int4 (Q4_1 blocks, per-row activations)"
+    bytes_per_weight = 0.5 + 4 / 32
+
+    def __init__(self, ws):
+        self.packed = [(w.shape[1], *pack_int4(w)) for w in ws]
+
+
 class FbgemmInt8(Candidate):
     name = "fbgemm int8 (torch.ao dynamic, per-call activations)"
     bytes_per_weight = 1.0
@@ -105,7 +114,6 @@ class OnnxQ4(Candidate):
     bytes_per_weight = 0.5 + 4 / 32
 
     def __init__(self, ws, threads: int, m: int):
-        import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
@@ -171,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ws = weights()
     makers: dict[str, Callable[[int], Candidate]] = {"torch fp32 (MKL)": lambda m: TorchFp32(ws)}
     if kernels.available():
-        packed = SplitspecInt8(ws)
-        makers[SplitspecInt8.name] = lambda m: packed
+        int8, int4 = SplitspecInt8(ws), SplitspecInt4(ws)
+        makers[SplitspecInt8.name] = lambda m: int8
+        makers[SplitspecInt4.name] = lambda m: int4
     if "fbgemm" in torch.backends.quantized.supported_engines:
         fb = FbgemmInt8(ws)
         makers[FbgemmInt8.name] = lambda m: fb
@@ -190,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in rows:
             candidate, xs = make(m), inputs(m)
             per_rows[m] = timed(lambda c=candidate, xs=xs: c.run(xs), args.repeats)
-        cls = next(c for c in (TorchFp32, SplitspecInt8, FbgemmInt8, OnnxQ4) if c.name == name)
-        results[name] = {"ms": per_rows, "gb_per_s_at_1": weight_count * cls.bytes_per_weight / per_rows.get(1, 1) / 1e6,
+        cls = next(c for c in (TorchFp32, SplitspecInt8, SplitspecInt4, FbgemmInt8, OnnxQ4) if c.name == name)
+        streamed = weight_count * cls.bytes_per_weight / 1e6  # MB
+        results[name] = {"ms": per_rows, "gb_per_s_at_1": streamed / per_rows[1] if 1 in per_rows else None,
                          "row_invariant": row_invariant(make, 5)}  # fmt: skip
         print(name, per_rows, file=sys.stderr)
     lines = [f"All 30 layers' projections of SmolLM2-135M on {env['cpu']} (kernels: {env['kernels']}), "
@@ -199,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
              "| candidate | " + " | ".join(f"M={m} ms" for m in rows) + " | GB/s at M=1 | rows batch-invariant |",
              "|---|" + "---:|" * len(rows) + "---:|---|"]  # fmt: skip
     for name, r in results.items():
+        rate = "–" if r["gb_per_s_at_1"] is None else f"{r['gb_per_s_at_1']:.1f}"
         lines.append(f"| {name} | " + " | ".join(f"{r['ms'][m]:.1f}" for m in rows)
-                     + f" | {r['gb_per_s_at_1']:.1f} | {'yes' if r['row_invariant'] else 'no'} |")  # fmt: skip
+                     + f" | {rate} | {'yes' if r['row_invariant'] else 'no'} |")  # fmt: skip
     md = "\n".join(lines) + "\n"
     save_results(args.out, "kernels", {"environment": env, "rows": rows, "results": results}, md)
     print(md)
