@@ -103,3 +103,32 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
     assert policy(5e6).choose_spec(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
     assert policy(3e4).choose_spec(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget -> the smallest
     assert AdaptivePolicy(None, pin_spec=options[1]).choose_spec(3.0) is options[1]
+
+
+def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
+    """Local verification (no link) on a machine where a drafted round costs more than the tokens it gains: after
+    TRIAL drafted rounds the policy decodes plain for PAUSE rounds, then drafts again; where drafting pays it never
+    pauses. A pinned tree size always drafts."""
+    from client.adaptive import PAUSE, TRIAL
+
+    def run(accepted: int) -> list[bool]:
+        policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)  # one token: 12 ms
+        choices = []
+        for _ in range(TRIAL + PAUSE + 2):
+            drafting = policy.drafting()
+            choices.append(drafting)
+            if drafting:  # a 16-node tree: 44 ms of verification and 30 ms of drafting
+                policy.observe(TREE, accepted, compute_s=0.044, draft_s=0.030, depth=3)
+            else:
+                policy.observe(DraftTree(), 0, compute_s=0.012, draft_s=0.0, depth=0)
+        return choices
+
+    losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
+    assert losing[:TRIAL] == [True] * TRIAL
+    assert losing[TRIAL : TRIAL + PAUSE - 1] == [False] * (PAUSE - 1)
+    assert losing[TRIAL + PAUSE - 1] is True  # tried again
+    assert all(run(accepted=10))  # 11 tokens in 74 ms beat 12 ms a token
+    pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
+    for _ in range(TRIAL + 2):
+        pinned.observe(TREE, 0, compute_s=0.044, draft_s=0.030, depth=3)
+    assert pinned.drafting()
