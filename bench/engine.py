@@ -3,8 +3,9 @@
 All in one run, ``--threads`` torch threads (default 2), medians over ``--repeats`` (15) after ``--warmup`` (3):
 
 * forward   one forward of n tokens for each n in ``--sizes`` (default 1,17,33,65) after a ``--prefix``-token
-            prefix (300), per dtype in ``--dtypes`` (default fp32,bf16,bf16+int8; ``bf16+int8``: our engine with
-            weight-only int8 projections, a different served target, no transformers row):
+            prefix (300), per dtype in ``--dtypes`` (default fp32, bf16 where the CPU computes it natively,
+            fp32+int8 and fp32+int4: our engine on its CPU kernels with int8 or Q4_1 weights and per-token int8
+            activations, each a different served target, no transformers row):
             ``transformers``      ``AutoModelForCausalLM`` (sdpa) with a ``DynamicCache`` holding the prefix: one
                                   forward of n new tokens (a causal chain; logits for all n rows), then
                                   ``cache.crop(-n)`` back to the prefix;
@@ -57,13 +58,14 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, environment, first_difference, mark_differences, median, save_figure, save_results
+from client.adaptive import AdaptivePolicy
 from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
-from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, resolve_model
+from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, native_bf16, resolve_model
 from shared.tree import DraftTree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,6 +105,7 @@ class Method:
     target: object
     drafter: object
     max_tree_nodes: int
+    static: bool = False  # no adaptive policy: the whole drafted tree every round
 
 
 # ----------------------------------------------------------------------------------------------------- forward cost
@@ -210,14 +213,17 @@ def make_methods(targets: dict[str, object], args: argparse.Namespace) -> tuple[
                     tqdm.write(f"WARNING: skipping drafter {name}: {exc}", file=sys.stderr)
                     continue
                 nodes = args.max_tree_nodes
-            methods.append(Method(f"{name} {dtype}", name, dtype, target, drafter, nodes))
+            methods.append(Method(f"{name} {dtype}", name, dtype, target, drafter, nodes, args.static))
     return methods, skipped
 
 
 def run_ours(method: Method, prompt_ids: list[int], max_new_tokens: int):
-    return generate(
-        LocalVerifier(method.target), method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes
-    )
+    """As ``splitspec generate --local`` runs it: the adaptive policy sizes the trees (up to the method's node
+    budget) and stops drafting while it does not pay; ``--static``: the whole tree every round."""
+    verifier = LocalVerifier(method.target)
+    policy = None if method.static else AdaptivePolicy.for_run(verifier, [])
+    return generate(verifier, method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes,
+                    policy=policy)  # fmt: skip
 
 
 @torch.inference_mode()
@@ -408,6 +414,7 @@ def markdown(result: dict) -> str:
         f"`{env['command']}`\n",
         f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, {s['model']}, {env['threads']} "
         f"threads of {env['cpu_count']} CPUs ({env['cpu']}), load {env['load_avg_1m']:.2f} at the start.\n",
+        "".join(f"* {d}: {what}\n" for d, what in env.get("served", {}).items()) + "\n",
         f"## One forward of n tokens after a {s['prefix']}-token prefix\n",
         f"ms, median of {s['repeats']} after {s['warmup']} warm-up (× = ratio to n={sizes[0]} of the same engine "
         f"and dtype). transformers: sdpa, DynamicCache, a causal chain, logits for every row; splitspec: "
@@ -486,7 +493,8 @@ def plot(result: dict, path: Path) -> None:
 
     s = result["settings"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.2]})
-    colors = {"fp32": "#1f77b4", "bf16": "#d62728", "fp16": "#9467bd", "bf16+int8": "#2ca02c"}
+    colors = {"fp32": "#1f77b4", "bf16": "#d62728", "fp16": "#9467bd", "bf16+int8": "#2ca02c", "fp32+int8": "#2ca02c",
+              "fp32+int4": "#ff7f0e", "bf16+int4": "#8c564b"}  # fmt: skip
     styles = {"transformers": ":", "splitspec chain": "-", "splitspec tree": "--"}
     for engine, dtype in dict.fromkeys((r["engine"], r["dtype"]) for r in result["forward"]):
         rows = [r for r in result["forward"] if r["engine"] == engine and r["dtype"] == dtype]
@@ -528,8 +536,9 @@ def plot(result: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
-    p.add_argument("--dtypes", default="fp32,bf16,bf16+int8",
-                   help="comma list of target dtypes, each optionally +int8 (default fp32,bf16,bf16+int8)")
+    p.add_argument("--dtypes", default=None,
+                   help="comma list of target dtypes, each optionally +int8 or +int4 (low-bit weights on splitspec's "
+                        "CPU kernels; default fp32,fp32+int8,fp32+int4, and bf16 on CPUs that compute it natively)")
     p.add_argument("--sizes", default="1,17,33,65", help="tokens per forward, comma list (default 1,17,33,65)")
     p.add_argument("--prefix", type=int, default=300, help="tokens cached before each forward (default 300)")
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per size and engine (default 15)")
@@ -540,7 +549,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafters", default="prompt-lookup,eagle,moa-tli1", help="comma list ('none' always runs)")
     p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
     p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
-    p.add_argument("--max-tree-nodes", type=int, default=16, help="trained drafters: tree nodes per round (default 16)")
+    p.add_argument("--max-tree-nodes", type=int, default=16,
+                   help="trained drafters: tree nodes per round, at most (default 16)")  # fmt: skip
+    p.add_argument("--static", action="store_true",
+                   help="verify the whole drafted tree every round (default: the adaptive policy, as --local runs)")
     p.add_argument("--threads", type=int, default=2, help="torch threads, and llama-bench's -t (default 2)")
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                    help="a llama-bench binary (default $LLAMA_BENCH; none: llama.cpp is not measured)")  # fmt: skip
@@ -560,11 +572,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sizes must be a comma list of integers, not {args.sizes!r}")
     if not args.sizes or args.sizes[0] < 1:
         p.error("--sizes must be positive integers")
+    if args.dtypes is None:
+        args.dtypes = "fp32," + ("bf16," if native_bf16() else "") + "fp32+int8,fp32+int4"
     entries = [d.strip().split("+") for d in args.dtypes.split(",") if d.strip()]
-    unknown = ["+".join(e) for e in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"])]
+    unknown = ["+".join(e) for e in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"], ["int4"])]
     if unknown:
         p.error(f"unknown dtype(s) {', '.join(unknown)}; expected some of {', '.join(DTYPES)}, each optionally "
-                "+int8 (weight-only int8 target)")  # fmt: skip
+                "+int8 or +int4 (low-bit weights)")  # fmt: skip
     args.dtypes = list(dict.fromkeys("+".join([SHORT[DTYPES[e[0]]], *e[1:]]) for e in entries))
     names = [ALIASES.get(d.strip(), d.strip()) for d in args.drafters.split(",") if d.strip()]
     args.drafters = list(dict.fromkeys([PLAIN, *names]))
@@ -580,9 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.threads)  # load average before this process adds its own
     long = {short: str(dtype).removeprefix("torch.") for dtype, short in SHORT.items()}
 
-    base = {d: d.split("+")[0] for d in args.dtypes}  # "bf16+int8": a bf16 target with int8 weights
-    targets = {d: load_target(args.model, dtype=long[base[d]], weights="int8" if "+int8" in d else "native")
+    base = {d: d.split("+")[0] for d in args.dtypes}  # "fp32+int8": fp32 activations, int8 weights
+    targets = {d: load_target(args.model, dtype=long[base[d]], weights=(d.split("+") + ["native"])[1])
                for d in args.dtypes}  # fmt: skip
+    env["served"] = {d: t.describe() for d, t in targets.items()}
     tokenizer = next(iter(targets.values())).tokenizer
     prefix_ids = prefix_tokens(tokenizer, args.prefix)
     prompts = load_prompts(tokenizer, args.prompts)
@@ -595,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     hf32 = None
     for dtype in args.dtypes:
         bar.set_postfix_str(f"loading transformers {dtype}")
-        hf = load_hf(args.model, DTYPES[long[dtype]]) if dtype in long else None  # none for +int8
+        hf = load_hf(args.model, DTYPES[long[dtype]]) if dtype in long else None  # none for low-bit weights
         forward += forward_costs(targets[dtype], hf, dtype, prefix_ids, args, bar)
         hf32 = hf if dtype == "fp32" else hf32
         del hf

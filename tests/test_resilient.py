@@ -178,7 +178,7 @@ def test_a_server_killed_and_restarted_mid_generation(tiny_target, tiny_model_di
     from shared.server_process import ServerChild
 
     child = ServerChild(["--model", str(tiny_model_dir), "--max-tree-nodes", "16", "--max-context", "128",
-                         "--threads", "1"], tmp_path, timeout_s=120)  # fmt: skip
+                         "--threads", "1", "--dtype", "float32"], tmp_path, timeout_s=120)  # fmt: skip
     child.start()
     restarted = []
 
@@ -260,7 +260,7 @@ def test_the_cli_survives_a_cut_and_restored_link_with_no_flag(tiny_model_dir, t
     as the target decodes, with no flag."""
     address, service = tiny_server
     common = ["--model", str(tiny_model_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "40", "--drafter", "none",
-              "--json"]  # fmt: skip
+              "--json", "--dtype", "float32"]  # fmt: skip  (the fp32 target tiny_server serves)
     plain = json.loads(splitspec("generate", "--local", *common).stdout)["token_ids"]
     with simulated_link(address, Profile("test-40ms", rtt_ms=40), netsim=netsim_server) as link:
         before = set(service.sessions._sessions)
