@@ -165,9 +165,12 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, capacity: int, batch: int = 1) -> Cache:
+        from shared import kernels
+
         c = self.cfg
         exact = self.exact and self.device.type == "cpu" and self.dtype == torch.bfloat16
-        dtype = torch.float64 if exact else attention_dtype(self.dtype, self.device)
+        # exact bf16 on a CPU: the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64
+        dtype = torch.float64 if exact and not kernels.available() else attention_dtype(self.dtype, self.device)
         return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, dtype, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -229,8 +232,9 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
                 exact: bool = True, weights: str = "native") -> tuple[Transformer, object]:  # fmt: skip
     """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config.
 
-    ``exact`` (bf16 on a CPU): the KV cache and attention in fp64, so that a token's states do not depend on how
-    many tokens share its forward. Attention kernels reduce over keys in an order that depends on the
+    ``exact`` (bf16 on a CPU): attention whose result for a token does not depend on how many tokens share its
+    forward — the CPU kernels' fixed-order fp32 attention (``shared.kernels``), or, where they could not be
+    built, the KV cache and attention in fp64. Attention kernels reduce over keys in an order that depends on the
     query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
     ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain

@@ -345,15 +345,38 @@ class Block(nn.Module):
         if self._fused(x, rope, spans):
             return self._forward_int8(x, rope, spans)
         attn = self.self_attn
-        q, k, v = attn.project(self.input_layernorm(x), rope)
+        h = self.input_layernorm(x)
         outs = []
-        for s in spans:
-            kk, vv = k[:, :, s.start : s.end], v[:, :, s.start : s.end]
-            if s.cache is not None:
-                kk, vv = s.cache.write(kk, vv, s.at)
-            outs.append(attn.attention(q[:, :, s.start : s.end], kk, vv, s.mask))
+        if self._kernel_attention(x, rope, spans):  # bf16 on a CPU: the fixed-order fp32 attention, exact per query
+            qkv = attn.qkv(h)[0].float()
+            for s in spans:
+                outs.append(self._attend(qkv, rope, s)[None].to(x.dtype))
+        else:
+            q, k, v = attn.project(h, rope)
+            for s in spans:
+                kk, vv = k[:, :, s.start : s.end], v[:, :, s.start : s.end]
+                if s.cache is not None:
+                    kk, vv = s.cache.write(kk, vv, s.at)
+                outs.append(attn.attention(q[:, :, s.start : s.end], kk, vv, s.mask))
         x = x + attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _kernel_attention(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
+        """Whether attention runs in the CPU kernel for a model that is not fp32: a bf16 model's rows must not
+        depend on the query count (``shared.engine.load_engine``), and torch's bf16 CPU attention is slow anyway.
+        fp32 keeps torch's attention: it is what equals transformers."""
+        from shared import kernels
+
+        return (x.device.type == "cpu" and x.dtype != torch.float32 and x.shape[0] == 1 and rope is not None
+                and all(s.cache is not None for s in spans) and kernels.available())  # fmt: skip
+
+    def _attend(self, qkv: torch.Tensor, rope: tuple, s: Span) -> torch.Tensor:
+        """Span ``s``'s rows of the fused projections qkv [T, W] (fp32) through the attention kernel: [t, H·d]."""
+        attn, a, b = self.self_attn, s.start, s.end
+        k, v = s.cache.storage(s.at + b - a, 1, attn.kv_heads, attn.head_dim, qkv)
+        cos, sin = rope[0][0, a:b].float(), rope[1][0, a:b].float()
+        return torch.ops.splitspec.attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, attn.heads, attn.kv_heads,
+                                          attn.head_dim**-0.5)  # fmt: skip
 
     def _fused(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
         """Whether the int8 kernels run this block as four calls: fp32 on a CPU, one batch row, every span cached."""
@@ -366,14 +389,9 @@ class Block(nn.Module):
         """``forward_spans`` in the CPU kernels (``shared.kernels``): the same block, no per-op Python overhead."""
         ops, attn, mlp = torch.ops.splitspec, self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x, cos, sin = x[0], rope[0][0], rope[1][0]
+        x = x[0]
         qkv = ops.norm_linear(x, ln1.weight, ln1.eps, attn.qkv.qweight, attn.qkv.qscale, attn.qkv.int8_bias())
-        outs = []
-        for s in spans:
-            k, v = s.cache.storage(s.at + s.end - s.start, 1, attn.kv_heads, attn.head_dim, x)
-            a, b = s.start, s.end
-            outs.append(ops.attend(qkv[a:b], cos[a:b], sin[a:b], k[0], v[0], s.at, s.mask, attn.heads, attn.kv_heads,
-                                   attn.head_dim**-0.5))  # fmt: skip
+        outs = [self._attend(qkv, rope, s) for s in spans]
         h = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = ops.linear(h, attn.o_proj.qweight, attn.o_proj.qscale, attn.o_proj.int8_bias(), x)
         x = ops.mlp(x, ln2.weight, ln2.eps, mlp.gate_up.qweight, mlp.gate_up.qscale, mlp.gate_up.int8_bias(),
