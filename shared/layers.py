@@ -153,6 +153,15 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quants, scales
 
 
+def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] that ``pack_int4``'s quants and block scales stand for (d·q + m, in fp32)."""
+    tiles, blocks = quants.shape[:2]
+    q = quants.permute(0, 2, 1, 3).reshape(tiles * 4, blocks, 16)
+    values = torch.cat([q & 15, q >> 4], dim=-1).float()
+    d, m = scales.permute(0, 3, 1, 2).reshape(tiles * 4, blocks, 2).float().unbind(-1)
+    return (values * d[..., None] + m[..., None]).reshape(tiles * 4, blocks * 32)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
 
@@ -186,6 +195,19 @@ class Linear(nn.Linear):
         self.qweight, self.qscale = pack(self.weight)
         if not keep_weight:
             self.weight = None  # the int8 copy is the weight now
+
+    def q4_exact(self) -> bool:
+        """Whether this weight lies exactly on a Q4_1 grid (int4 would change nothing): a checkpoint dequantised
+        from a 4-bit GGUF, like the built-in target's."""
+        if self.out_features % 4 or self.in_features % 32 or self.weight is None:
+            return False
+        return torch.equal(dequantize_int4(*pack_int4(self.weight)), self.weight.detach().float().cpu())
+
+    def weights_kind(self) -> str:
+        """``native``, ``int8`` or ``int4``: what this layer computes with."""
+        if self.qweight is None:
+            return "native"
+        return "int4" if self.qweight.dtype == torch.uint8 else "int8"
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)

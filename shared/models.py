@@ -100,14 +100,15 @@ def native_bf16() -> bool:
 
 
 def default_weights(device: str = "cpu") -> str:
-    """int8 on a CPU without native bf16 where splitspec's kernels build (measured on an AVX2 EPYC: plain decoding
-    several times faster than fp32, trees cheap); native on CUDA and on AMX CPUs, whose bf16 path was measured and
-    the int8 one not yet (``--weights int8`` there is one flag away)."""
+    """``lowbit`` on a CPU without native bf16 where splitspec's kernels build (measured on an AVX2 EPYC: plain
+    decoding 5x fp32): int4 where that is lossless for the checkpoint, else int8 (``shared.engine.load_engine``);
+    native on CUDA and on AMX CPUs, whose bf16 path was measured and the low-bit one not yet there (``--weights
+    int4`` or ``int8`` is one flag away)."""
     from shared import kernels
 
     if str(device).startswith("cuda") or native_bf16():
         return "native"
-    return "int8" if kernels.available() else "native"
+    return "lowbit" if kernels.available() else "native"
 
 
 def default_dtype(device: str = "cpu", weights: str = "native") -> str:
@@ -119,7 +120,7 @@ def default_dtype(device: str = "cpu", weights: str = "native") -> str:
     """
     if str(device).startswith("cuda"):
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    if weights in ("int8", "int4"):
+    if weights in ("int8", "int4", "lowbit"):
         return "float32"
     return "bfloat16" if native_bf16() else "float32"
 
@@ -128,8 +129,8 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     """(dtype, weights) for the ``auto`` settings on this device: what the CLIs serve by default."""
     if weights == "auto":
         weights = default_weights(device) if dtype == "auto" else "native"  # a pinned dtype means native weights
-    if weights not in ("native", "int8", "int4"):
-        raise SplitspecError(f"unknown weights {weights!r}; expected auto, native, int8 or int4")
+    if weights not in ("native", "int8", "int4", "lowbit"):
+        raise SplitspecError(f"unknown weights {weights!r}; expected auto, native, int8, int4 or lowbit")
     if dtype == "auto":
         dtype = default_dtype(device, weights)
     return dtype, weights
@@ -177,6 +178,7 @@ def load_target(
     except OSError:
         pass  # no generation_config.json
     ids = [i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)]
+    weights = "native" if engine.lm_head.qweight is None else engine.layers[0].mlp.gate_up.weights_kind()
     name = spec if weights == "native" else f"{spec}-{weights}"  # a different served target
     return Target(engine, tokenizer, name=name, max_context=max_context, path=path, eos_token_ids=ids)
 

@@ -78,7 +78,7 @@ class Target:
         """``int8`` or ``int4`` when the projections run on splitspec's CPU kernels, else ``native``."""
         if self.engine.lm_head.qweight is None:
             return "native"
-        return "int4" if self.engine.layers[0].mlp.gate_up.qweight.dtype == torch.uint8 else "int8"
+        return self.engine.layers[0].mlp.gate_up.weights_kind()
 
     def describe(self) -> str:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""

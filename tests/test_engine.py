@@ -108,7 +108,7 @@ def test_unsupported_models_are_refused_clearly(tmp_path):
 
 
 def test_int8_weights_are_a_target_lossless_relative_to_itself(tiny_model_dir):
-    """Weight-only int8: close to the bf16 target, and drafted output equals its own plain decoding."""
+    """int8 weights on a bf16 model: drafted output equals its own plain decoding."""
     int8 = load_target(str(tiny_model_dir), dtype="bfloat16", weights="int8")
     assert int8.engine.layers[0].mlp.down_proj.qweight.dtype == torch.int8
     assert int8.engine.layers[0].mlp.down_proj.weight is None
@@ -117,7 +117,7 @@ def test_int8_weights_are_a_target_lossless_relative_to_itself(tiny_model_dir):
     for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
         assert generate(LocalVerifier(int8), drafter, prompt, 40).token_ids == plain.token_ids
     with pytest.raises(SplitspecError, match="weights"):
-        load_target(str(tiny_model_dir), weights="int4")
+        load_target(str(tiny_model_dir), weights="int3")
 
 
 def test_int8_drafter_weights_leave_the_target_untouched(tiny_target, tmp_path):

@@ -12,7 +12,7 @@ from client.decode import generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LocalVerifier
 from shared import kernels
-from shared.layers import pack_int4, pack_int8
+from shared.layers import dequantize_int4, pack_int4, pack_int8
 from shared.models import load_target
 from shared.tree import DraftTree, causal_from, path_to, tree_mask, tree_positions
 
@@ -42,15 +42,6 @@ def test_linear_is_the_exact_integer_product(n, k):
     bias, residual = torch.randn(n), torch.randn(9, n)
     torch.testing.assert_close(ops.linear(x, q, scale, bias, residual), got + bias + residual)
     assert (got - x @ weight.T).abs().max() < 0.03 * (x @ weight.T).abs().max()  # and close to fp32
-
-
-def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] that ``pack_int4``'s quants and block scales stand for."""
-    tiles, blocks = quants.shape[:2]
-    q = quants.permute(0, 2, 1, 3).reshape(tiles * 4, blocks, 16)
-    values = torch.cat([q & 15, q >> 4], dim=-1).float()
-    d, m = scales.permute(0, 3, 1, 2).reshape(tiles * 4, blocks, 2).float().unbind(-1)
-    return (values * d[..., None] + m[..., None]).reshape(tiles * 4, blocks * 32)
 
 
 def test_int4_is_exact_on_its_blocks_and_gives_back_q4_1_weights():
