@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 def prompts(tokenizer, limit: int) -> list[tuple[str, list[int]]]:
     from bench.single import load_prompts
 
-    return [(f"{p.dataset}/{p.prompt_id}", p.ids) for p in load_prompts(tokenizer, limit)]
+    return [(f"{p.dataset}/{p.id}", p.ids) for p in load_prompts(tokenizer, limit)]
 
 
 def held_out(tokenizer, count: int, seq_len: int) -> list[tuple[list[int], list[int]]]:

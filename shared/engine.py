@@ -244,9 +244,9 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     as four kernel calls, attention included). A different served target, a quarter of fp32's bytes a token,
     and exact relative to itself by construction: no row's result depends on the others in its forward.
     ``weights="int4"``: the same with the blocks' projections as Q4_1 (``shared.layers.pack_int4``; the LM head
-    stays int8): the built-in target comes back to exactly the 4-bit weights its GGUF ships. ``"lowbit"``: int4
-    where every projection already lies on a Q4_1 grid (a checkpoint dequantised from one: int4 is then lossless
-    and the fastest path), else int8.
+    stays int8): the built-in target comes back to exactly the 4-bit weights its GGUF ships. ``"lowbit"``: each
+    projection int4 where its weight already lies on a Q4_1 grid (a checkpoint dequantised from one: int4 is then
+    lossless and the fastest path), else int8.
 
     Drafters' own attention stays fp32: drafts never change outputs. Not for fp32 models: MKL's fp32
     GEMM rows do depend on the row count, so fp64 attention would not make them exact, only slower.
@@ -289,8 +289,6 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if weights in ("int8", "int4", "lowbit"):
         if model.device.type != "cpu":
             raise ValueError(f"low-bit weights are a CPU path; on {model.device} serve native weights")
-        if weights == "lowbit":  # int4 only where it is lossless: weights that already lie on a Q4_1 grid
-            weights = "int4" if all(m.q4_exact() for m in model.layers.modules() if isinstance(m, Linear)) else "int8"
         model.lm_head.quantize("int8", keep_weight=True)  # its float weight stays: embeddings, drafters' heads
         quantize(model.layers, weights)
     return model.eval().requires_grad_(False), hf

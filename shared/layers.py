@@ -182,8 +182,9 @@ class Linear(nn.Linear):
     qscale: torch.Tensor | None = None  # fp32 [out], or int4 block scales
 
     def quantize(self, kind: str = "int8", keep_weight: bool = False) -> None:
-        """Make this layer ``int8`` or ``int4`` (CPU only; int4 where the shape allows, else int8); ``keep_weight``
-        keeps the float weight too (a tied embedding uses it)."""
+        """Make this layer ``int8``, ``int4`` (where the shape allows, else int8) or ``lowbit`` (int4 where the weight
+        already lies on a Q4_1 grid, so nothing changes, else int8); CPU only. ``keep_weight`` keeps the float
+        weight too (a tied embedding uses it)."""
         from shared import kernels
 
         if self.weight.device.type != "cpu":
@@ -191,17 +192,12 @@ class Linear(nn.Linear):
         if not kernels.available():
             raise ValueError(f"int8 weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
         fits = self.out_features % 4 == 0 and self.in_features % 32 == 0
-        pack = pack_int4 if kind == "int4" and fits else pack_int8
-        self.qweight, self.qscale = pack(self.weight)
+        packed = pack_int4(self.weight) if kind in ("int4", "lowbit") and fits else None
+        if kind == "lowbit" and packed is not None and not torch.equal(dequantize_int4(*packed), self.weight.float()):
+            packed = None  # not on a Q4_1 grid: int4 would change the weights, int8 changes them least
+        self.qweight, self.qscale = packed or pack_int8(self.weight)
         if not keep_weight:
             self.weight = None  # the int8 copy is the weight now
-
-    def q4_exact(self) -> bool:
-        """Whether this weight lies exactly on a Q4_1 grid (int4 would change nothing): a checkpoint dequantised
-        from a 4-bit GGUF, like the built-in target's."""
-        if self.out_features % 4 or self.in_features % 32 or self.weight is None:
-            return False
-        return torch.equal(dequantize_int4(*pack_int4(self.weight)), self.weight.detach().float().cpu())
 
     def weights_kind(self) -> str:
         """``native``, ``int8`` or ``int4``: what this layer computes with."""
@@ -348,6 +344,8 @@ class Block(nn.Module):
         self.self_attn = Attention(dim, heads, kv_heads, head_dim, source_dim, bias, out_bias)
         self.post_attention_layernorm = RMSNorm(dim, eps)
         self.mlp = MLP(dim, mlp_hidden, mlp_bias)
+        self._shape = (heads, kv_heads, head_dim)
+        self._kernel: KernelWeights | None = None
 
     def memory_kv(self, memory: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.self_attn.keys_values(memory, rope)
@@ -394,31 +392,59 @@ class Block(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, rope: tuple, s: Span) -> torch.Tensor:
         """Span ``s``'s rows of the fused projections qkv [T, W] (fp32) through the attention kernel: [t, H·d]."""
-        attn, a, b = self.self_attn, s.start, s.end
-        k, v = s.cache.storage(s.at + b - a, 1, attn.kv_heads, attn.head_dim, qkv)
-        cos, sin = rope[0][0, a:b].float(), rope[1][0, a:b].float()
-        return torch.ops.splitspec.attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, attn.heads, attn.kv_heads,
-                                          attn.head_dim**-0.5)  # fmt: skip
+        heads, kv_heads, head_dim = self._shape
+        a, b = s.start, s.end
+        k, v = s.cache.storage(s.at + b - a, 1, kv_heads, head_dim, qkv)
+        cos, sin = rope[0][0, a:b], rope[1][0, a:b]
+        if cos.dtype != torch.float32:
+            cos, sin = cos.float(), sin.float()
+        return torch.ops.splitspec.attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, heads, kv_heads,
+                                          head_dim**-0.5)  # fmt: skip
+
+    def kernel_weights(self) -> KernelWeights | None:
+        """The low-bit block's kernel arguments, gathered once (None while any projection is not low-bit)."""
+        if self._kernel is None and not self.cross:
+            attn, mlp = self.self_attn, self.mlp
+            layers = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
+            if all(m.qweight is not None for m in layers):
+                ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+                qkv, o, gate_up, down = ((m.qweight, m.qscale, m.int8_bias()) for m in layers)
+                self._kernel = KernelWeights(ln1.weight.detach(), ln1.eps, qkv, o, ln2.weight.detach(), ln2.eps,
+                                             gate_up, down)  # fmt: skip
+        return self._kernel
+
+    def _apply(self, fn, recurse=True):
+        self._kernel = None  # the tensors it holds are about to be replaced
+        return super()._apply(fn, recurse)
 
     def _fused(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
-        """Whether the int8 kernels run this block as four calls: fp32 on a CPU, one batch row, every span cached."""
-        attn, mlp = self.self_attn, self.mlp
-        return (attn.qkv.qweight is not None and attn.o_proj.qweight is not None and mlp.gate_up.qweight is not None
-                and mlp.down_proj.qweight is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.shape[0] == 1 and rope is not None and all(s.cache is not None for s in spans))  # fmt: skip
+        """Whether the low-bit kernels run this block as four calls: fp32 on a CPU, one batch row, every span cached."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == 1 and rope is not None
+                and self.kernel_weights() is not None and all(s.cache is not None for s in spans))  # fmt: skip
 
     def _forward_int8(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
         """``forward_spans`` in the CPU kernels (``shared.kernels``): the same block, no per-op Python overhead."""
-        ops, attn, mlp = torch.ops.splitspec, self.self_attn, self.mlp
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        ops, w = torch.ops.splitspec, self._kernel
         x = x[0]
-        qkv = ops.norm_linear(x, ln1.weight, ln1.eps, attn.qkv.qweight, attn.qkv.qscale, attn.qkv.int8_bias())
+        qkv = ops.norm_linear(x, w.norm1, w.eps1, *w.qkv)
         outs = [self._attend(qkv, rope, s) for s in spans]
-        h = outs[0] if len(outs) == 1 else torch.cat(outs)
-        x = ops.linear(h, attn.o_proj.qweight, attn.o_proj.qscale, attn.o_proj.int8_bias(), x)
-        x = ops.mlp(x, ln2.weight, ln2.eps, mlp.gate_up.qweight, mlp.gate_up.qscale, mlp.gate_up.int8_bias(),
-                    mlp.down_proj.qweight, mlp.down_proj.qscale, mlp.down_proj.int8_bias())  # fmt: skip
-        return x[None]
+        x = ops.linear(outs[0] if len(outs) == 1 else torch.cat(outs), *w.o, x)
+        return ops.mlp(x, w.norm2, w.eps2, *w.gate_up, *w.down)[None]
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """What the CPU kernels take for one low-bit block: each projection's (weight, scales, bias) and the norms.
+    Gathered once: a token otherwise pays ~30 attribute lookups through ``nn.Module`` a block."""
+
+    norm1: torch.Tensor
+    eps1: float
+    qkv: tuple
+    o: tuple
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: tuple
+    down: tuple
 
 
 @dataclass

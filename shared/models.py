@@ -178,9 +178,10 @@ def load_target(
     except OSError:
         pass  # no generation_config.json
     ids = [i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)]
-    weights = "native" if engine.lm_head.qweight is None else engine.layers[0].mlp.gate_up.weights_kind()
-    name = spec if weights == "native" else f"{spec}-{weights}"  # a different served target
-    return Target(engine, tokenizer, name=name, max_context=max_context, path=path, eos_token_ids=ids)
+    target = Target(engine, tokenizer, name=spec, max_context=max_context, path=path, eos_token_ids=ids)
+    if target.weights != "native":
+        target.name = f"{spec}-{target.weights}"  # a different served target
+    return target
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = None):

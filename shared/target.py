@@ -25,6 +25,7 @@ import torch
 from shared.acceptance import SamplingParams, accept_tree
 from shared.engine import Part, Transformer
 from shared.features import Features, cache_kv
+from shared.layers import Linear
 from shared.tree import DraftTree, causal_from, tree_mask, tree_positions
 
 INITIAL_CAPACITY = 256  # a session's KV cache starts this long and doubles as needed (up to max_context)
@@ -78,7 +79,8 @@ class Target:
         """``int8`` or ``int4`` when the projections run on splitspec's CPU kernels, else ``native``."""
         if self.engine.lm_head.qweight is None:
             return "native"
-        return self.engine.layers[0].mlp.gate_up.weights_kind()
+        kinds = {m.weights_kind() for m in self.engine.layers.modules() if isinstance(m, Linear)}
+        return kinds.pop() if len(kinds) == 1 else "+".join(sorted(kinds))
 
     def describe(self) -> str:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""

@@ -45,16 +45,18 @@ def test_linear_is_the_exact_integer_product(n, k):
 
 
 def test_int4_is_exact_on_its_blocks_and_gives_back_q4_1_weights():
-    """int4: each block's integer dot product is exact (fp64 reference on the dequantised weight, within fp32
-    rounding of the block sums), and weights that already are Q4_1 (the built-in GGUF's) pack to themselves."""
+    """int4: each block's integer dot product is exact (fp64 reference on the dequantised weight and the block-wise
+    quantised activations, within fp32 rounding of the block sums), and weights that already are Q4_1 (the built-in
+    GGUF's) pack to themselves."""
     torch.manual_seed(3)
     weight, x = torch.randn(64, 96) * 0.05, torch.randn(6, 96)
     quants, scales = pack_int4(weight)
     dequantised = dequantize_int4(quants, scales)
     assert (dequantised - weight).abs().max() <= weight.abs().max() / 15  # half a step of the widest block
-    amax = x.abs().amax(dim=1, keepdim=True)
-    xq = torch.round(x * (127 / amax)).clamp(-127, 127).double()
-    want = (xq @ dequantised.double().T) * (amax.double() / 127)
+    blocks = x.view(6, 3, 32)  # int4's activations: a scale per 32-value block (Q8)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    xq = (torch.round(blocks * (127 / amax)).clamp(-127, 127) * (amax / 127)).view(6, 96).double()
+    want = xq @ dequantised.double().T
     got = ops.linear(x, quants, scales, None, None)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     again = pack_int4(dequantised)

@@ -34,41 +34,57 @@ constexpr int64_t KSTEP = 32;  // weights' rows are padded to a multiple of this
 int64_t padded(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 
 // ---------------------------------------------------------------------------------------------
-// Activations: each row quantised on its own (symmetric, scale = max|x| / 127).
+// Activations, quantised row by row: with one scale per row for int8 weights (a row's whole dot product
+// is then one exact integer sum), or one scale per 32-value block for 4-bit weights, whose blocks are
+// summed in float anyway (finer scales keep outlier channels from flattening the rest: llama.cpp's Q8).
 
 struct Rows {
   std::vector<int8_t> q;    // [M, Kp] signed values
   std::vector<uint8_t> a;   // [M, Kp] their magnitudes (AVX2 multiplies unsigned by signed bytes)
-  std::vector<float> scale; // [M]
-  std::vector<float> bsum;  // [M, Kp / 32] each 32-value block's sum of q (small integers, exact as floats)
+  std::vector<float> scale; // [M] per row, or [M, Kp / 32] per block
+  std::vector<float> bsum;  // [M, Kp / 32] each block's sum of q, times its scale in block mode
   int64_t M = 0, Kp = 0;
+  bool blocks = false;
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r) {
+void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = false) {
   r.M = M;
   r.Kp = padded(K);
+  r.blocks = blocks;
+  const int64_t Kb = r.Kp / KSTEP;
   r.q.assign(M * r.Kp, 0);
   r.a.assign(M * r.Kp, 0);
-  r.scale.assign(M, 0.f);
-  r.bsum.assign(M * (r.Kp / KSTEP), 0.f);
+  r.scale.assign(blocks ? M * Kb : M, 0.f);
+  r.bsum.assign(M * Kb, 0.f);
+  auto amax_of = [](const float* v, int64_t n) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
+    return amax;
+  };
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int8_t* q = r.q.data() + m * r.Kp;
     uint8_t* a = r.a.data() + m * r.Kp;
-    for (int64_t k = 0; k < K; ++k) {
-      const int v = std::clamp(static_cast<int>(std::nearbyint(xr[k] * inv)), -127, 127);
-      q[k] = static_cast<int8_t>(v);
-      a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
-    }
-    r.scale[m] = amax / 127.f;
-    for (int64_t b = 0; b < r.Kp / KSTEP; ++b) {
+    const float row_amax = blocks ? 0.f : amax_of(xr, K);
+    for (int64_t b = 0; b < Kb; ++b) {
+      const int64_t k0 = b * KSTEP, k1 = std::min(K, k0 + KSTEP);
+      const float amax = blocks ? amax_of(xr + k0, std::max<int64_t>(0, k1 - k0)) : row_amax;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t sum = 0;
-      for (int64_t k = 0; k < KSTEP; ++k) sum += q[b * KSTEP + k];
-      r.bsum[m * (r.Kp / KSTEP) + b] = static_cast<float>(sum);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int v = std::clamp(static_cast<int>(std::nearbyint(xr[k] * inv)), -127, 127);
+        q[k] = static_cast<int8_t>(v);
+        a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
+        sum += v;
+      }
+      if (blocks) {
+        r.scale[m * Kb + b] = amax / 127.f;
+        r.bsum[m * Kb + b] = static_cast<float>(sum) * (amax / 127.f);
+      } else {
+        r.bsum[m * Kb + b] = static_cast<float>(sum);
+      }
     }
+    if (!blocks) r.scale[m] = row_amax / 127.f;
   }
 }
 
@@ -158,9 +174,10 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
 
 // ---------------------------------------------------------------------------------------------
 // 4-bit weights (Q4_1: blocks of 32 values along K, w = d·q + m with q in 0..15 and fp16 d, m per block) times
-// int8 activation rows. A block's integer dot product is exact; blocks are summed in float in K order.
+// int8 activations with a scale per block (Q8). A block's integer dot product is exact; blocks are summed in
+// float in K order.
 // Layout: tile t (C rows), block b: C × 16 bytes of quants (byte j: value j in the low nibble, j + 16 in the
-// high), and C fp16 d then C fp16 m. Σ m·x over a block is m times the row's block sum of q.
+// high), and C fp16 d then C fp16 m. Σ m·x over a block is m times the row's block sum (scaled).
 
 #ifdef SPLITSPEC_AVX2
 inline __m128 hsum4(const __m256* a) {
@@ -190,9 +207,11 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     }
     for (int r = 0; r < R; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * x.Kp + b * KSTEP));
+      alignas(16) float dd[C];  // weight block scale times activation block scale
+      _mm_store_ps(dd, _mm_mul_ps(_mm_load_ps(d), _mm_set1_ps(x.scale[(r0 + r) * Kb + b])));
       for (int c = 0; c < C; ++c) {
         const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d[c]), acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd[c]), acc[r][c]);
       }
       mins[r] = _mm_fmadd_ps(m, _mm_set1_ps(x.bsum[(r0 + r) * Kb + b]), mins[r]);
     }
@@ -232,7 +251,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
         const int8_t* xr = x.q.data() + (r0 + r) * x.Kp + b * KSTEP;
         int32_t s = 0;
         for (int j = 0; j < 16; ++j) s += (quants[j] & 15) * xr[j] + (quants[j] >> 4) * xr[j + 16];
-        acc += static_cast<float>(s) * half_to_float(dm[b * 2 * C + c]);
+        acc += static_cast<float>(s) * (half_to_float(dm[b * 2 * C + c]) * x.scale[(r0 + r) * Kb + b]);
         mins += half_to_float(dm[b * 2 * C + C + c]) * x.bsum[(r0 + r) * Kb + b];
       }
       out[r * C + c] = acc + mins;
@@ -257,9 +276,8 @@ void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* b
         else q4_tile<1>(x, r0, wt, dt, Kb, acc);
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
-          const float sx = x.scale[r0 + r];
           for (int64_t c = 0; c < C; ++c) {
-            float v = acc[r * C + c] * sx;
+            float v = acc[r * C + c];  // the activations' block scales are inside
             if (bias) v += bias[n + c];
             if (residual) v += residual[(r0 + r) * N + n + c];
             yr[c] = v;
@@ -380,34 +398,32 @@ void attend_query_any(const float* q, int64_t d, const Keys& kv, float scale, fl
 }
 
 // softmax(q · kᵀ * scale) · v for a head of D values. Each key's score is one FMA chain over D then a
-// fixed reduction, four keys' chains interleaved only for speed (a key's arithmetic is the same alone);
+// fixed reduction, eight keys' chains interleaved only for speed (a key's arithmetic is the same alone);
 // the weighted sum of values runs over the keys in order with its accumulators in registers.
 template <int D>
 void attend_query(const float* q, const Keys& kv, float scale, float* p, float* out) {
 #ifdef SPLITSPEC_AVX2
   constexpr int V = D / 8;
-  __m256 qv[V];
-  for (int i = 0; i < V; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
   auto key = [&](int64_t j) { return kv.k + kv.slots[j] * kv.k_stride; };
   int64_t j = 0;
-  for (; j + 4 <= kv.n; j += 4) {
-    const float *k0 = key(j), *k1 = key(j + 1), *k2 = key(j + 2), *k3 = key(j + 3);
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int i = 0; i < V; ++i) {
-      s0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), s0);
-      s1 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k1 + 8 * i), s1);
-      s2 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k2 + 8 * i), s2);
-      s3 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k3 + 8 * i), s3);
+  constexpr int G = 8;  // keys whose FMA chains run interleaved: enough to hide the FMA latency
+  for (; j + G <= kv.n; j += G) {
+    const float* k[G];
+    __m256 s[G];
+    for (int g = 0; g < G; ++g) {
+      k[g] = key(j + g);
+      s[g] = _mm256_setzero_ps();
     }
-    p[j] = hsum(s0) * scale;
-    p[j + 1] = hsum(s1) * scale;
-    p[j + 2] = hsum(s2) * scale;
-    p[j + 3] = hsum(s3) * scale;
+    for (int i = 0; i < V; ++i) {
+      const __m256 qi = _mm256_loadu_ps(q + 8 * i);
+      for (int g = 0; g < G; ++g) s[g] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[g] + 8 * i), s[g]);
+    }
+    for (int g = 0; g < G; ++g) p[j + g] = hsum(s[g]) * scale;
   }
   for (; j < kv.n; ++j) {
     const float* k0 = key(j);
     __m256 s0 = _mm256_setzero_ps();
-    for (int i = 0; i < V; ++i) s0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), s0);
+    for (int i = 0; i < V; ++i) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), _mm256_loadu_ps(k0 + 8 * i), s0);
     p[j] = hsum(s0) * scale;
   }
   float top = p[0];
@@ -477,7 +493,7 @@ at::Tensor run_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tenso
                       const std::optional<at::Tensor>& bias, const float* residual) {
   const int64_t M = x2.size(0), K = x2.size(1), N = check_weight(w, scale, K, "weight");
   Rows rows;
-  quantize_rows(x2.data_ptr<float>(), M, K, rows);
+  quantize_rows(x2.data_ptr<float>(), M, K, rows, w.scalar_type() == at::kByte);
   at::Tensor y = at::empty({M, N}, x2.options());
   const float* b = optional_vector(bias, N, "bias");
   if (w.scalar_type() == at::kByte)
@@ -614,7 +630,8 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       if (!allow || allow[t * S + j]) keys[t * S + n++] = j;
     counts[t] = n;
   }
-  at::parallel_for(0, T * heads, 1, [&](int64_t i0, int64_t i1) {
+  // one token's heads stay on one thread: waking the other costs more than it saves (measured)
+  at::parallel_for(0, T * heads, heads, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads, g = h / group, n = counts[t];
