@@ -8,8 +8,8 @@ A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate
   ``Σ exp(score)``; a calibration factor (observed accepted ÷ predicted, averaged) corrects a
   drafter that is over- or under-confident. The tree comes parents-first in rank order, so
   keeping its first n nodes is exactly the tree a budget of n would have given.
-* ``verify(n)`` — the server reports its compute time per call; a running least-squares line
-  over (nodes, seconds) predicts it for any n.
+* ``verify(n)`` — the server reports its compute time per call; running averages per size, interpolated
+  between sizes and extended by a least-squares line, predict it for any n (``CostCurve``).
 * ``RTT``, rates — the link monitor (``client.link``).
 * ``draft`` — measured per depth step; the drafted depth follows the deepest node the policy
   actually kept (plus one), so drafting stops paying for levels that never get sent.
@@ -69,6 +69,36 @@ class LineFit:
 
 
 @dataclass
+class CostCurve:
+    """Seconds of a verification by how many tokens it verifies: a running average per size measured, read between
+    measured sizes by linear interpolation and beyond them by a running least-squares line. On a CPU the curve is
+    convex — one token streams the weights, a few cost little more, then every token is arithmetic — so one line
+    through all sizes would overprice small trees and underprice big ones."""
+
+    line: LineFit = field(default_factory=LineFit)
+    points: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def n(self) -> float:
+        return self.line.n
+
+    def add(self, x: int, y: float) -> None:
+        self.line.add(x, y)
+        self.points[x] = y if x not in self.points else (1 - GAIN) * self.points[x] + GAIN * y
+
+    def __call__(self, x: int, default: float) -> float:
+        if x in self.points:
+            return self.points[x]
+        below = max((k for k in self.points if k < x), default=None)
+        above = min((k for k in self.points if k > x), default=None)
+        if below is not None and above is not None:
+            share = (x - below) / (above - below)
+            return self.points[below] + share * (self.points[above] - self.points[below])
+        guess = self.line(x, default)  # outside what was measured: the line, never below a smaller size's cost
+        return max(guess, self.points[below]) if below is not None else guess
+
+
+@dataclass
 class Decision:
     nodes: int
     expected_gain: float
@@ -93,7 +123,7 @@ class AdaptivePolicy:
     pin_nodes: int | None = None
     pin_depth: int | None = None
     pin_spec: PayloadSpec | None = None
-    verify_fit: LineFit = field(default_factory=LineFit)
+    verify_fit: CostCurve = field(default_factory=CostCurve)
     draft_step_s: float | None = None
     calibration: float = 1.0
     depth: int = 0

@@ -132,3 +132,22 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     for _ in range(TRIAL + 2):
         pinned.observe(TREE, 0, compute_s=0.044, draft_s=0.030, depth=3)
     assert pinned.drafting()
+
+
+def test_a_convex_cost_curve_is_read_as_measured():
+    """A CPU's verify cost: flat for a few tokens, then steep. The curve interpolates what was measured (a line
+    through all sizes would price 4 nodes at ~2x one token), so the cut sends the cheap small tree."""
+    from client.adaptive import CostCurve
+
+    costs = {1: 0.013, 2: 0.0135, 5: 0.018, 9: 0.030, 17: 0.060}
+    curve = CostCurve()
+    for n, s in costs.items():
+        curve.add(n, s)
+    assert curve(5, 0.0) == pytest.approx(0.018)
+    assert curve(3, 0.0) == pytest.approx(0.0135 + (0.018 - 0.0135) / 3)
+    assert curve(33, 0.0) >= 0.060  # beyond the largest measured: the line, never cheaper than what was seen
+    policy = AdaptivePolicy(None)
+    for n, s in costs.items():
+        policy.verify_fit.add(n, s)
+    policy.rounds, policy.draft_step_s = len(EXPLORE), 0.0005
+    assert 3 <= len(policy.cut(TREE)) <= 5  # 4 nodes: 2.6 expected tokens for 1.4x a plain step

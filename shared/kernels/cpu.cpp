@@ -630,8 +630,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       if (!allow || allow[t * S + j]) keys[t * S + n++] = j;
     counts[t] = n;
   }
-  // one token's heads stay on one thread: waking the other costs more than it saves (measured)
-  at::parallel_for(0, T * heads, heads, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, T * heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads, g = h / group, n = counts[t];
