@@ -129,7 +129,8 @@ class AdaptivePolicy:
     depth: int = 0
     rounds: int = 0
     history: list[Decision] = field(default_factory=list)
-    drafted_rate: float | None = None  # tokens/s of drafted rounds as measured (running average)
+    drafted_rate: float | None = None  # tokens/s of whole drafted rounds as the decode loop saw them (running average)
+    plain_seen: float | None = None  # tokens/s of whole plain rounds, likewise
     drafted_rounds: int = 0  # drafted rounds since drafting last resumed
     paused: int = 0  # plain rounds still to go before drafting is tried again
 
@@ -159,7 +160,9 @@ class AdaptivePolicy:
         return draft + verify + rtt + transfer
 
     def plain_rate(self) -> float | None:
-        """Tokens/s of a plain step (a round of the root alone) as the verify line predicts it, plus the RTT."""
+        """Tokens/s of a plain step (a round of the root alone): as measured, else as the cost curve predicts it."""
+        if self.plain_seen is not None:
+            return self.plain_seen
         if self.verify_fit.n < 1:
             return None
         seconds = self.verify_fit(1, default=0.0) + self._transfer_s(16, 0)[0]
@@ -209,6 +212,21 @@ class AdaptivePolicy:
             self.depth = max(self.min_depth, min(self.max_depth, depth + 1))
         return tree.head(best)
 
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole round as the decode loop saw it — drafting, verification, absorbing, emitting, the link —
+        so that drafted and plain rounds compare in the same currency; pauses drafting when it loses."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        if not drafted:
+            self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
+            return
+        self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
+        self.drafted_rounds += 1
+        plain = self.plain_rate()
+        if self.drafted_rounds >= TRIAL and plain is not None and self.drafted_rate < plain:
+            self.paused = PAUSE
+
     def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the
         last round expected); None: no choice to make."""
@@ -231,13 +249,7 @@ class AdaptivePolicy:
     def observe(self, sent: DraftTree, accepted: int, compute_s: float, draft_s: float, depth: int) -> None:
         if compute_s > 0:
             self.verify_fit.add(len(sent) + 1, compute_s)
-        if depth > 0 and compute_s > 0:  # a drafted round: did it beat plain steps?
-            rate = (accepted + 1) / (draft_s + compute_s + self._transfer_s(16 + 6 * len(sent), 0)[0])
-            self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
-            self.drafted_rounds += 1
-            plain = self.plain_rate()
-            if self.drafted_rounds >= TRIAL and plain is not None and self.drafted_rate < plain:
-                self.paused = PAUSE
+
         if depth > 0:
             step = draft_s / depth
             self.draft_step_s = step if self.draft_step_s is None else (1 - GAIN) * self.draft_step_s + GAIN * step

@@ -221,10 +221,11 @@ class Run:
         budget = max(0, min(self.max_nodes, verifier.max_tree_nodes, room - 1))
         depth = policy.depth if policy is not None else None
         t0 = time.perf_counter()
-        if policy is not None and not policy.drafting():
-            tree, depth = DraftTree(), 0  # a plain step: drafting has not been paying
-        else:
+        drafting = policy is None or policy.drafting()
+        if drafting:
             tree = drafter.propose(budget, depth)
+        else:
+            tree, depth = DraftTree(), 0  # a plain step: drafting has not been paying
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
         if policy is not None:
@@ -248,6 +249,8 @@ class Run:
         self.gained += len(result.new_tokens)
         drafter.absorb(result.new_tokens, result.features)
         self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
+        if policy is not None:
+            policy.record(drafting, len(result.new_tokens), time.perf_counter() - t0)
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the

@@ -173,9 +173,10 @@ class Linear(nn.Linear):
     its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
 
     ``quantize`` makes it low-bit on a CPU (``shared.kernels``): ``int8`` weights with one scale per output
-    row, or ``int4`` (Q4_1 blocks of 32, fp16 scale and minimum each: ``pack_int4``); either way each input
-    row is quantised to int8 with its own scale and every block's dot product is exact integer arithmetic.
-    A quarter (an eighth) of fp32's bytes to stream, and a row's result is the same whatever rows share the call.
+    row (each input row quantised to int8 with its own scale: one exact integer sum a dot product), or
+    ``int4`` (Q4_1 blocks of 32, fp16 scale and minimum each: ``pack_int4``; input rows quantised with a
+    scale per 32-value block, every block's sum exact). A quarter (an eighth) of fp32's bytes to stream,
+    and a row's result is the same whatever rows share the call.
     """
 
     qweight: torch.Tensor | None = None  # int8 [out padded to 4, in padded to 32], or int4 quants (pack_int4)

@@ -119,8 +119,10 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
             choices.append(drafting)
             if drafting:  # a 16-node tree: 44 ms of verification and 30 ms of drafting
                 policy.observe(TREE, accepted, compute_s=0.044, draft_s=0.030, depth=3)
+                policy.record(True, accepted + 1, 0.074)
             else:
                 policy.observe(DraftTree(), 0, compute_s=0.012, draft_s=0.0, depth=0)
+                policy.record(False, 1, 0.012)
         return choices
 
     losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
@@ -130,7 +132,7 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     assert all(run(accepted=10))  # 11 tokens in 74 ms beat 12 ms a token
     pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
     for _ in range(TRIAL + 2):
-        pinned.observe(TREE, 0, compute_s=0.044, draft_s=0.030, depth=3)
+        pinned.record(True, 1, 0.074)
     assert pinned.drafting()
 
 
