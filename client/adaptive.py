@@ -35,10 +35,12 @@ GAIN = 0.2  # weight of a new sample in the running averages
 EXPLORE = (1.0, 0.25, 0.5)
 EXPLORE_EVERY = 8
 PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
-# Drafting itself must pay: after TRIAL drafted rounds whose measured tokens/s fall short of a plain step's, the
-# policy decodes plain for PAUSE rounds, then tries drafting again (the text may have become predictable: code).
-TRIAL = 6
+# Drafting itself must pay: after TRIAL drafted rounds whose measured tokens/s fall short of plain rounds', the
+# policy decodes plain for PAUSE rounds, then tries drafting again (the text may have become predictable: code);
+# each trial that fails again doubles the pause, up to MAX_PAUSE, and one that pays resets it.
+TRIAL = 4
 PAUSE = 24
+MAX_PAUSE = 384
 
 
 @dataclass
@@ -133,6 +135,7 @@ class AdaptivePolicy:
     plain_seen: float | None = None  # tokens/s of whole plain rounds, likewise
     drafted_rounds: int = 0  # drafted rounds since drafting last resumed
     paused: int = 0  # plain rounds still to go before drafting is tried again
+    pause: int = PAUSE  # the next pause's length
 
     def __post_init__(self) -> None:
         self.depth = self.pin_depth or min(self.max_depth, 5)
@@ -224,8 +227,11 @@ class AdaptivePolicy:
         self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
         self.drafted_rounds += 1
         plain = self.plain_rate()
-        if self.drafted_rounds >= TRIAL and plain is not None and self.drafted_rate < plain:
-            self.paused = PAUSE
+        if self.drafted_rounds >= TRIAL and plain is not None:
+            if self.drafted_rate < plain:
+                self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
+            elif self.drafted_rounds == TRIAL:
+                self.pause = PAUSE  # this trial paid: a later loss pauses briefly again
 
     def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the

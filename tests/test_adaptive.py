@@ -107,8 +107,8 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
 
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     """Local verification (no link) on a machine where a drafted round costs more than the tokens it gains: after
-    TRIAL drafted rounds the policy decodes plain for PAUSE rounds, then drafts again; where drafting pays it never
-    pauses. A pinned tree size always drafts."""
+    TRIAL drafted rounds the policy decodes plain for PAUSE rounds, then drafts again (each failed trial doubles
+    the pause); where drafting pays it never pauses. A pinned tree size always drafts."""
     from client.adaptive import PAUSE, TRIAL
 
     def run(accepted: int) -> list[bool]:
@@ -128,7 +128,7 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
     assert losing[:TRIAL] == [True] * TRIAL
     assert losing[TRIAL : TRIAL + PAUSE - 1] == [False] * (PAUSE - 1)
-    assert losing[TRIAL + PAUSE - 1] is True  # tried again
+    assert losing[TRIAL + PAUSE - 1] is True  # tried again; a second loss pauses twice as long
     assert all(run(accepted=10))  # 11 tokens in 74 ms beat 12 ms a token
     pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
     for _ in range(TRIAL + 2):
