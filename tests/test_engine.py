@@ -39,17 +39,30 @@ def test_qkv_and_gate_up_are_fused_from_a_checkpoint(tiny_target):
     assert torch.equal(layer.mlp.gate_up.weight, torch.cat([ref.mlp.gate_proj.weight, ref.mlp.up_proj.weight]))
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16(tiny_model_dir):
-    return load_target(str(tiny_model_dir), dtype="bfloat16")
+EXACT = [("bfloat16", "native"), ("float32", "int8"), ("float32", "int4")]
+
+
+@pytest.fixture(scope="module", params=EXACT, ids=["bf16", "int8", "int4"])
+def tiny_exact(tiny_model_dir, request):
+    """The tiny target served each way whose rows must not depend on the forward's shape (the low-bit ones on
+    splitspec's CPU kernels)."""
+    from shared import kernels
+
+    dtype, weights = request.param
+    if weights != "native" and not kernels.available():
+        pytest.skip(f"no CPU kernels: {kernels.unavailable_reason()}")
+    return load_target(str(tiny_model_dir), dtype=dtype, weights=weights)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_bf16_tree_states_are_bit_identical_to_sequential_steps(tiny_bf16, seed):
-    """Every node of a tree verified in one bf16 forward gets exactly the hidden state its path gets one
-    token at a time: the engine's rows do not depend on how many tokens share a forward."""
+def test_tree_states_are_bit_identical_to_sequential_steps(tiny_exact, seed):
+    """Every node of a tree verified in one forward gets exactly the hidden state and logits its path gets one
+    token at a time, in bf16 and on the int8 and int4 kernels: the engine's rows do not depend on how many tokens
+    share a forward."""
     rng = random.Random(seed)
-    engine, vocab = tiny_bf16.engine, tiny_bf16.vocab_size
+    engine, vocab = tiny_exact.engine, tiny_exact.vocab_size
+    if tiny_exact.weights != "native":
+        assert engine.layers[0]._fused(torch.zeros(1, 1, 64), (0, 0), [])  # the kernels run the blocks
     prompt = [rng.randrange(vocab) for _ in range(20)]
     tree = DraftTree()
     for i in range(12):
@@ -62,18 +75,20 @@ def test_bf16_tree_states_are_bit_identical_to_sequential_steps(tiny_bf16, seed)
         ids = torch.tensor([[root, *tree.tokens]])
         pos = torch.tensor([tree_positions(tree.parents, n)])
         batched = engine(ids, pos, tree_mask(tree.parents, n), cache, n)[0]
+        logits = engine.logits(batched)
         for node in range(-1, len(tree)):
             path = [root] + [tree.tokens[i] for i in (path_to(tree.parents, node) if node >= 0 else [])]
             for j, token in enumerate(path):  # one token per forward, overwriting the tree's slots
                 alone = engine(torch.tensor([[token]]), torch.tensor([[n + j]]), None, cache, n + j)[0, 0]
             assert torch.equal(alone, batched[node + 1]), node
+            assert torch.equal(engine.logits(alone[None])[0], logits[node + 1]), node
 
 
-def test_bf16_speculative_output_equals_bf16_plain_decoding(tiny_bf16):
+def test_speculative_output_equals_plain_decoding(tiny_exact):
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
-    plain = generate(LocalVerifier(tiny_bf16), NoDrafter(), prompt, 40)
+    plain = generate(LocalVerifier(tiny_exact), NoDrafter(), prompt, 40)
     for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
-        got = generate(LocalVerifier(tiny_bf16), drafter, prompt, 40)
+        got = generate(LocalVerifier(tiny_exact), drafter, prompt, 40)
         assert got.token_ids == plain.token_ids
 
 

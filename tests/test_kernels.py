@@ -8,13 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client.decode import generate
-from client.drafters import NoDrafter, PromptLookup
-from client.verifiers import LocalVerifier
 from shared import kernels
 from shared.layers import dequantize_int4, pack_int4, pack_int8
-from shared.models import load_target
-from shared.tree import DraftTree, causal_from, path_to, tree_mask, tree_positions
+from shared.tree import path_to, tree_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")
 ops = torch.ops.splitspec
@@ -153,42 +149,3 @@ def test_bad_arguments_are_named():
     with pytest.raises(RuntimeError, match="attend mask: expected"):
         ops.attend(torch.randn(2, 3 * 16), torch.ones(2, 16), torch.zeros(2, 16), torch.zeros(1, 8, 16),
                    torch.zeros(1, 8, 16), 0, torch.ones(3, 3, dtype=torch.bool), 1, 1, 0.25)  # fmt: skip
-
-
-@pytest.fixture(scope="module", params=["int8", "int4"])
-def tiny_lowbit(tiny_model_dir, request):
-    return load_target(str(tiny_model_dir), dtype="float32", weights=request.param)
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_lowbit_tree_states_are_bit_identical_to_sequential_steps(tiny_lowbit, seed):
-    """The engine on the int8 and int4 kernels: every node of a tree verified in one forward gets exactly the state its
-    path gets one token at a time."""
-    rng = random.Random(seed)
-    engine, vocab = tiny_lowbit.engine, tiny_lowbit.vocab_size
-    assert engine.layers[0]._fused(torch.zeros(1, 1, 64), (0, 0), [])  # the kernels run the blocks
-    prompt = [rng.randrange(vocab) for _ in range(20)]
-    tree = DraftTree()
-    for i in range(12):
-        tree.add(rng.randrange(vocab), rng.randrange(-1, i))
-    root = rng.randrange(vocab)
-    with torch.no_grad():
-        cache = engine.new_cache(64)
-        n = len(prompt)
-        engine(torch.tensor([prompt]), torch.arange(n)[None], causal_from(0, n), cache, 0)
-        ids = torch.tensor([[root, *tree.tokens]])
-        batched = engine(ids, torch.tensor([tree_positions(tree.parents, n)]), tree_mask(tree.parents, n), cache, n)[0]
-        logits = engine.logits(batched)
-        for node in range(-1, len(tree)):
-            path = [root] + [tree.tokens[i] for i in (path_to(tree.parents, node) if node >= 0 else [])]
-            for j, token in enumerate(path):
-                alone = engine(torch.tensor([[token]]), torch.tensor([[n + j]]), None, cache, n + j)[0, 0]
-            assert torch.equal(alone, batched[node + 1]), node
-            assert torch.equal(engine.logits(alone[None])[0], logits[node + 1]), node
-
-
-def test_lowbit_speculative_output_equals_its_plain_decoding(tiny_lowbit):
-    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
-    plain = generate(LocalVerifier(tiny_lowbit), NoDrafter(), prompt, 40)
-    for drafter in (PromptLookup(), PromptLookup(branches=3, num_tokens=6)):
-        assert generate(LocalVerifier(tiny_lowbit), drafter, prompt, 40).token_ids == plain.token_ids
