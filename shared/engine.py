@@ -171,6 +171,8 @@ class Transformer(nn.Module):
         exact = self.exact and self.device.type == "cpu" and self.dtype == torch.bfloat16
         # exact bf16 on a CPU: the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64
         dtype = torch.float64 if exact and not kernels.available() else attention_dtype(self.dtype, self.device)
+        if self.lm_head.qweight is not None:  # low-bit on the kernels: an fp16 cache, half the bytes to attend over
+            dtype = torch.float16
         return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, dtype, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

@@ -369,20 +369,43 @@ void rms_norm_rows(const float* x, const float* w, double eps, int64_t M, int64_
 // ---------------------------------------------------------------------------------------------
 // One query's attention over the keys it may see, in slot order.
 
+// A KV cache holds fp32, or fp16 (half the bytes a token's attention streams; stored as raw bits).
+inline float widen(float x) { return x; }
+inline float widen(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+inline void narrow(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void narrow(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef SPLITSPEC_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]).x;  // round to nearest even, as the vector path
+}
+#ifdef SPLITSPEC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+template <typename T>
 struct Keys {
-  const float* k;
+  const T* k;
   int64_t k_stride;
-  const float* v;
+  const T* v;
   int64_t v_stride;
   const int64_t* slots;  // the visible slots, ascending
   int64_t n;
 };
 
 // Any head size, plain loops (the portable build, and head sizes without a specialisation).
-void attend_query_any(const float* q, int64_t d, const Keys& kv, float scale, float* p, float* out) {
+template <typename T>
+void attend_query_any(const float* q, int64_t d, const Keys<T>& kv, float scale, float* p, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < kv.n; ++j) {
-    p[j] = dot(q, kv.k + kv.slots[j] * kv.k_stride, d) * scale;
+    const T* k = kv.k + kv.slots[j] * kv.k_stride;
+    float s = 0.f;
+    for (int64_t e = 0; e < d; ++e) s += q[e] * widen(k[e]);
+    p[j] = s * scale;
     top = std::max(top, p[j]);
   }
   for (int64_t j = 0; j < kv.n; ++j) p[j] -= top;
@@ -391,7 +414,8 @@ void attend_query_any(const float* q, int64_t d, const Keys& kv, float scale, fl
   std::fill(out, out + d, 0.f);
   for (int64_t j = 0; j < kv.n; ++j) {
     total += p[j];
-    axpy(out, p[j], kv.v + kv.slots[j] * kv.v_stride, d);
+    const T* v = kv.v + kv.slots[j] * kv.v_stride;
+    for (int64_t e = 0; e < d; ++e) out[e] += p[j] * widen(v[e]);
   }
   const float inv = 1.f / total;
   for (int64_t e = 0; e < d; ++e) out[e] *= inv;
@@ -400,15 +424,15 @@ void attend_query_any(const float* q, int64_t d, const Keys& kv, float scale, fl
 // softmax(q · kᵀ * scale) · v for a head of D values. Each key's score is one FMA chain over D then a
 // fixed reduction, eight keys' chains interleaved only for speed (a key's arithmetic is the same alone);
 // the weighted sum of values runs over the keys in order with its accumulators in registers.
-template <int D>
-void attend_query(const float* q, const Keys& kv, float scale, float* p, float* out) {
+template <int D, typename T>
+void attend_query(const float* q, const Keys<T>& kv, float scale, float* p, float* out) {
 #ifdef SPLITSPEC_AVX2
   constexpr int V = D / 8;
   auto key = [&](int64_t j) { return kv.k + kv.slots[j] * kv.k_stride; };
   int64_t j = 0;
   constexpr int G = 8;  // keys whose FMA chains run interleaved: enough to hide the FMA latency
   for (; j + G <= kv.n; j += G) {
-    const float* k[G];
+    const T* k[G];
     __m256 s[G];
     for (int g = 0; g < G; ++g) {
       k[g] = key(j + g);
@@ -416,14 +440,14 @@ void attend_query(const float* q, const Keys& kv, float scale, float* p, float* 
     }
     for (int i = 0; i < V; ++i) {
       const __m256 qi = _mm256_loadu_ps(q + 8 * i);
-      for (int g = 0; g < G; ++g) s[g] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[g] + 8 * i), s[g]);
+      for (int g = 0; g < G; ++g) s[g] = _mm256_fmadd_ps(qi, load8(k[g] + 8 * i), s[g]);
     }
     for (int g = 0; g < G; ++g) p[j + g] = hsum(s[g]) * scale;
   }
   for (; j < kv.n; ++j) {
-    const float* k0 = key(j);
+    const T* k0 = key(j);
     __m256 s0 = _mm256_setzero_ps();
-    for (int i = 0; i < V; ++i) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), _mm256_loadu_ps(k0 + 8 * i), s0);
+    for (int i = 0; i < V; ++i) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(k0 + 8 * i), s0);
     p[j] = hsum(s0) * scale;
   }
   float top = p[0];
@@ -436,8 +460,8 @@ void attend_query(const float* q, const Keys& kv, float scale, float* p, float* 
   for (j = 0; j < kv.n; ++j) {
     total += p[j];
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* v = kv.v + kv.slots[j] * kv.v_stride;
-    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    const T* v = kv.v + kv.slots[j] * kv.v_stride;
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), acc[i]);
   }
   const __m256 inv = _mm256_set1_ps(1.f / total);
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
@@ -567,40 +591,14 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps, c
   return run_linear(act, w_down, s_down, b_down, x2.data_ptr<float>()).view(x.sizes());
 }
 
-// Self-attention of one sequence's T new tokens, from their fused projections qkv [T, (H + 2 KV) d]:
-// queries and keys rotated by cos, sin [T, d] (rotate-half convention), keys and values written into
-// k_cache, v_cache [KV, capacity, d] at slots [at, at + T), then each query attends to the slots
-// [0, at + T) that mask [T, at + T] allows (none given: all of them). Returns [T, H d].
-// A query's keys are visited in slot order and its softmax and sums run in one fixed order, so its
-// output depends only on the keys it may see, never on T.
-at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-                  const at::Tensor& v_cache, int64_t at, const std::optional<at::Tensor>& mask, int64_t heads,
-                  int64_t kv_heads, double scale) {
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "attend: ", heads,
-              " query heads cannot share ", kv_heads, " key/value heads");
-  at::Tensor x = rows_of(qkv, "attend qkv");
-  const int64_t T = x.size(0), d = k_cache.size(-1), width = (heads + 2 * kv_heads) * d;
-  TORCH_CHECK(x.size(1) == width, "attend qkv: expected ", width, " values a token, got ", x.size(1));
-  for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 3 && c->size(0) == kv_heads && c->stride(2) == 1 &&
-                    c->size(1) >= at + T,
-                "attend cache: expected fp32 [", kv_heads, ", >= ", at + T, ", ", d, "] (inner dim contiguous), got ",
-                c->scalar_type(), " ", c->sizes());
-  at::Tensor cs = cos.reshape({-1, d}).contiguous(), sn = sin.reshape({-1, d}).contiguous();
-  TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.size(0) == T && sn.size(0) == T, "attend rope: expected fp32 [",
-              T, ", ", d, "] tables, got ", cos.sizes());
-  const int64_t S = at + T;
-  at::Tensor m2;
-  const bool* allow = nullptr;
-  if (mask.has_value()) {
-    m2 = mask->reshape({-1, mask->size(-1)}).to(at::kBool).contiguous();
-    TORCH_CHECK(m2.size(0) == T && m2.size(1) == S, "attend mask: expected [", T, ", ", S, "], got ", mask->sizes());
-    allow = m2.data_ptr<bool>();
-  }
+// ``attend`` over a cache of element type E (float, or fp16 bits).
+template <typename E>
+at::Tensor attend_with(const at::Tensor& x, const at::Tensor& cs, const at::Tensor& sn, E* kc, E* vc,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t at, const bool* allow,
+                       int64_t heads, int64_t kv_heads, double scale) {
+  const int64_t T = x.size(0), d = k_cache.size(-1), width = (heads + 2 * kv_heads) * d, S = at + T;
   const int64_t half = d / 2, group = heads / kv_heads;
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* src = x.data_ptr<float>();
   auto rotate = [&](const float* in, const float* c, const float* s, float* out) {
     for (int64_t i = 0; i < half; ++i) {
@@ -610,14 +608,16 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   };
   at::Tensor q = at::empty({T, heads, d}, x.options());
   float* qr = q.data_ptr<float>();
+  std::vector<float> key(d);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * width;
     const float* c = cs.data_ptr<float>() + t * d;
     const float* s = sn.data_ptr<float>() + t * d;
     for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, c, s, qr + (t * heads + h) * d);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate(row + (heads + h) * d, c, s, kc + h * ks0 + (at + t) * ks1);
-      std::memcpy(vc + h * vs0 + (at + t) * vs1, row + (heads + kv_heads + h) * d, d * sizeof(float));
+      rotate(row + (heads + h) * d, c, s, key.data());
+      narrow(key.data(), kc + h * ks0 + (at + t) * ks1, d);
+      narrow(row + (heads + kv_heads + h) * d, vc + h * vs0 + (at + t) * vs1, d);
     }
   }
   at::Tensor out = at::empty({T, heads * d}, x.options());
@@ -639,13 +639,52 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
         std::fill(out_row, out_row + d, 0.f);
         continue;
       }
-      const Keys kv{kc + g * ks0, ks1, vc + g * vs0, vs1, keys.data() + t * S, n};
+      const Keys<E> kv{kc + g * ks0, ks1, vc + g * vs0, vs1, keys.data() + t * S, n};
       if (d == 64) attend_query<64>(qr + (t * heads + h) * d, kv, sc, p.data(), out_row);
       else if (d == 128) attend_query<128>(qr + (t * heads + h) * d, kv, sc, p.data(), out_row);
       else attend_query_any(qr + (t * heads + h) * d, d, kv, sc, p.data(), out_row);
     }
   });
   return out;
+}
+
+// Self-attention of one sequence's T new tokens, from their fused projections qkv [T, (H + 2 KV) d]:
+// queries and keys rotated by cos, sin [T, d] (rotate-half convention), keys and values written into
+// k_cache, v_cache [KV, capacity, d] at slots [at, at + T), then each query attends to the slots
+// [0, at + T) that mask [T, at + T] allows (none given: all of them). Returns [T, H d].
+// A query's keys are visited in slot order and its softmax and sums run in one fixed order, so its
+// output depends only on the keys it may see, never on T.
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, int64_t at, const std::optional<at::Tensor>& mask, int64_t heads,
+                  int64_t kv_heads, double scale) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "attend: ", heads,
+              " query heads cannot share ", kv_heads, " key/value heads");
+  at::Tensor x = rows_of(qkv, "attend qkv");
+  const int64_t T = x.size(0), d = k_cache.size(-1), width = (heads + 2 * kv_heads) * d;
+  TORCH_CHECK(x.size(1) == width, "attend qkv: expected ", width, " values a token, got ", x.size(1));
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kHalf) &&
+                    c->scalar_type() == k_cache.scalar_type() && c->dim() == 3 && c->size(0) == kv_heads &&
+                    c->stride(2) == 1 && c->size(1) >= at + T,
+                "attend cache: expected fp32 or fp16 [", kv_heads, ", >= ", at + T, ", ", d,
+                "] (inner dim contiguous, keys and values alike), got ", c->scalar_type(), " ", c->sizes());
+  at::Tensor cs = cos.reshape({-1, d}).contiguous(), sn = sin.reshape({-1, d}).contiguous();
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.size(0) == T && sn.size(0) == T, "attend rope: expected fp32 [",
+              T, ", ", d, "] tables, got ", cos.sizes());
+  const int64_t S = at + T;
+  at::Tensor m2;
+  const bool* allow = nullptr;
+  if (mask.has_value()) {
+    m2 = mask->reshape({-1, mask->size(-1)}).to(at::kBool).contiguous();
+    TORCH_CHECK(m2.size(0) == T && m2.size(1) == S, "attend mask: expected [", T, ", ", S, "], got ", mask->sizes());
+    allow = m2.data_ptr<bool>();
+  }
+  if (k_cache.scalar_type() == at::kHalf)
+    return attend_with(x, cs, sn, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>()),
+                       reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>()), k_cache, v_cache, at, allow, heads,
+                       kv_heads, scale);
+  return attend_with(x, cs, sn, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, v_cache, at, allow,
+                     heads, kv_heads, scale);
 }
 
 // The ISA this build computes with: what the engine reports at start-up.
