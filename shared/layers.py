@@ -189,9 +189,9 @@ class Linear(nn.Linear):
         from shared import kernels
 
         if self.weight.device.type != "cpu":
-            raise ValueError(f"int8 weights are a CPU path; this layer is on {self.weight.device}")
+            raise ValueError(f"low-bit weights are a CPU path; this layer is on {self.weight.device}")
         if not kernels.available():
-            raise ValueError(f"int8 weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
+            raise ValueError(f"low-bit weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
         fits = self.out_features % 4 == 0 and self.in_features % 32 == 0
         packed = pack_int4(self.weight) if kind in ("int4", "lowbit") and fits else None
         if kind == "lowbit" and packed is not None and not torch.equal(dequantize_int4(*packed), self.weight.float()):
@@ -219,7 +219,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             if x.device.type != "cpu":
-                raise RuntimeError(f"an int8 layer computes on the CPU; its input is on {x.device}")
+                raise RuntimeError(f"a low-bit layer computes on the CPU; its input is on {x.device}")
+            if x.shape[-1] != self.in_features:  # the kernel sees only the padded width
+                raise ValueError(f"input of width {x.shape[-1]} for a layer of {self.in_features} inputs")
             out = torch.ops.splitspec.linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
             return out.to(x.dtype)
         single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
