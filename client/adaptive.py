@@ -24,7 +24,6 @@ these can be pinned (``--max-tree-nodes``/``--tree-depth``/``--payload``/``--pre
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 
 from shared.payload import PayloadSpec
@@ -132,8 +131,9 @@ class AdaptivePolicy:
     depth: int = 0
     rounds: int = 0
     history: list[Decision] = field(default_factory=list)
-    trial: list[float] = field(default_factory=list)  # tokens/s of the last TRIAL drafted rounds, as the loop saw them
-    plain_seen: float | None = None  # tokens/s of whole plain rounds (running average)
+    drafted_rate: float | None = None  # tokens/s of whole drafted rounds as the decode loop saw them (running average)
+    plain_seen: float | None = None  # tokens/s of whole plain rounds, likewise
+    drafted_rounds: int = 0  # drafted rounds since drafting last resumed
     paused: int = 0  # plain rounds still to go before drafting is tried again
     pause: int = PAUSE  # the next pause's length
 
@@ -182,7 +182,7 @@ class AdaptivePolicy:
         if self.paused > 0:
             self.paused -= 1
             if self.paused == 0:
-                self.trial = []  # a fresh trial
+                self.drafted_rate, self.drafted_rounds = None, 0
             return self.paused == 0
         return True
 
@@ -224,14 +224,14 @@ class AdaptivePolicy:
         if not drafted:
             self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
             return
-        self.trial = [*self.trial, rate][-TRIAL:]
+        self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
+        self.drafted_rounds += 1
         plain = self.plain_rate()
-        if len(self.trial) == TRIAL and plain is not None:
-            # the median: a trial's first round also pays one-off work (a drafter catching up, a prefill payload)
-            if statistics.median(self.trial) < plain:
+        if self.drafted_rounds >= TRIAL and plain is not None:
+            if self.drafted_rate < plain:
                 self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
-            else:
-                self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
+            elif self.drafted_rounds == TRIAL:
+                self.pause = PAUSE  # this trial paid: a later loss pauses briefly again
 
     def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the
