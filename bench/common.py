@@ -11,20 +11,14 @@ import statistics
 import sys
 from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
+from shared.kernels import cpu_label
 
 
 def machine() -> dict:
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu_model(),
+        "cpu": cpu_label(),  # model and vector ISAs: the machines alternate
         "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -84,7 +84,7 @@ class Target:
 
     def describe(self) -> str:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""
-        from shared.kernels import cpu_name
+        from shared.kernels import cpu_label
 
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
@@ -92,9 +92,9 @@ class Target:
         if self.weights != "native":
             from shared import kernels
 
-            return (f"cpu ({cpu_name()}), {self.weights} weights (LM head int8) and int8 activations on "
+            return (f"cpu ({cpu_label()}), {self.weights} weights (LM head int8) and int8 activations on "
                     f"{kernels.isa()} kernels, {dtype} between")  # fmt: skip
-        return f"cpu ({cpu_name()}), {dtype}"
+        return f"cpu ({cpu_label()}), {dtype}"
 
     def session(self, sampling: SamplingParams = SamplingParams(), features=()) -> TargetSession:
         """A new sequence; ``features`` names what each prefill/verify reports about newly cached tokens."""

@@ -46,6 +46,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_label() -> str:
+    """The CPU's model and the vector ISAs that decide which path is fast on it, e.g. ``AMD EPYC (AVX2)``: what
+    every measurement is labelled with, since the machines this project runs on alternate."""
+    flags = cpu_flags()
+    isas = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"),
+                                    ("AVX512-VNNI", "avx512_vnni"), ("AMX", "amx_bf16")) if flag in flags]  # fmt: skip
+    return f"{cpu_name()} ({', '.join(isas) or 'no AVX2'})"
+
+
 def isa_flags() -> tuple[str, list[str]]:
     """(tag, compiler flags) for the widest instruction set the kernels have a path for on this CPU."""
     flags = cpu_flags()
