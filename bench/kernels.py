@@ -84,7 +84,7 @@ class SplitspecInt8(Candidate):
 
 
 class SplitspecInt4(SplitspecInt8):
-    name = "splitspec int4 (Q4_1 blocks, per-row activations)"
+    name = "splitspec int4 (Q4_1 blocks, per-block activations)"
     bytes_per_weight = 0.5 + 4 / 32
 
     def __init__(self, ws):
