@@ -41,6 +41,9 @@ PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smalle
 TRIAL = 4
 PAUSE = 24
 MAX_PAUSE = 384
+# Plain rounds run to measure them when a trial ends and none has been seen: a plain round's cost predicted from
+# the verify curve and the RTT misses what the loop pays per token besides (payloads, the drafter catching up).
+PROBE = 2
 
 
 @dataclass
@@ -135,6 +138,7 @@ class AdaptivePolicy:
     plain_seen: float | None = None  # tokens/s of whole plain rounds, likewise
     drafted_rounds: int = 0  # drafted rounds since drafting last resumed
     paused: int = 0  # plain rounds still to go before drafting is tried again
+    probing: bool = False  # the plain rounds under way only measure plain speed (the trial goes on after them)
     pause: int = PAUSE  # the next pause's length
 
     def __post_init__(self) -> None:
@@ -162,15 +166,6 @@ class AdaptivePolicy:
         rtt, transfer = self._transfer_s(16 + 6 * nodes, down_bytes)
         return draft + verify + rtt + transfer
 
-    def plain_rate(self) -> float | None:
-        """Tokens/s of a plain step (a round of the root alone): as measured, else as the cost curve predicts it."""
-        if self.plain_seen is not None:
-            return self.plain_seen
-        if self.verify_fit.n < 1:
-            return None
-        seconds = self.verify_fit(1, default=0.0) + self._transfer_s(16, 0)[0]
-        return 1.0 / seconds if seconds > 0 else None
-
     # --- the choices ---
 
     def drafting(self) -> bool:
@@ -182,8 +177,10 @@ class AdaptivePolicy:
         if self.paused > 0:
             self.paused -= 1
             if self.paused == 0:
-                self.drafted_rate, self.drafted_rounds = None, 0
-            return self.paused == 0
+                if not self.probing:  # a new trial
+                    self.drafted_rate, self.drafted_rounds = None, 0
+                self.probing = False
+            return False
         return True
 
     def cut(self, tree: DraftTree, payload_per_token: float = 0.0) -> DraftTree:
@@ -226,12 +223,14 @@ class AdaptivePolicy:
             return
         self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
         self.drafted_rounds += 1
-        plain = self.plain_rate()
-        if self.drafted_rounds >= TRIAL and plain is not None:
+        plain = self.plain_seen
+        if self.drafted_rounds >= TRIAL and plain is None:
+            self.paused, self.probing = PROBE, True  # measure plain rounds before judging
+        elif self.drafted_rounds >= TRIAL:
             if self.drafted_rate < plain:
                 self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
-            elif self.drafted_rounds == TRIAL:
-                self.pause = PAUSE  # this trial paid: a later loss pauses briefly again
+            else:
+                self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
 
     def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the

@@ -18,7 +18,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import Block, KVCache, Linear, RMSNorm, Rotary, Span, attention_dtype, quantize
+from shared.layers import (
+    Block,
+    KVCache,
+    Linear,
+    RMSNorm,
+    Rotary,
+    Span,
+    attention_dtype,
+    kernel_blocks,
+    quantize,
+    run_blocks,
+)
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -145,14 +156,24 @@ class Transformer(nn.Module):
         E = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, E)
         self.layers = nn.ModuleList(
-            Block(E, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps,
-                  bias=cfg.qkv_bias, out_bias=cfg.out_bias, mlp_bias=cfg.mlp_bias)  # fmt: skip
+            Block(
+                E,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.mlp_hidden,
+                cfg.eps,
+                bias=cfg.qkv_bias,
+                out_bias=cfg.out_bias,
+                mlp_bias=cfg.mlp_bias,
+            )  # fmt: skip
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(E, cfg.eps)
         self.lm_head = Linear(E, cfg.vocab_size, bias=False)
         self.rotary = rotary
         self.exact = True  # see ``load_engine``
+        self._blocks = None  # kernel_blocks(), made on first use
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -205,11 +226,29 @@ class Transformer(nn.Module):
         rope = self.rotary(positions, x.dtype)
         ends = list(itertools.accumulate(len(p.ids) for p in parts))
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-        for i, layer in enumerate(self.layers):
-            spans = [Span(a, b, p.cache.layers[i], p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
-            x = layer.forward_spans(x, rope, spans)
+        stack = self.kernel_blocks() if x.dtype == torch.float32 and dev.type == "cpu" else None
+        if stack is not None:  # every block low-bit: the whole stack in one kernel call
+            for p in parts:
+                p.cache.reserve(p.at + len(p.ids))
+            spans = [Span(a, b, None, p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
+            x = run_blocks(stack, x[0], rope, [(p.cache.k, p.cache.v) for p in parts], spans)[None]
+        else:
+            for i, layer in enumerate(self.layers):
+                spans = [Span(a, b, p.cache.layers[i], p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
+                x = layer.forward_spans(x, rope, spans)
         x = self.norm(x)[0]
         return [x[a:b] for a, b in bounds]
+
+    def kernel_blocks(self):
+        """All the blocks as one CPU-kernel stack (``shared.layers.kernel_blocks``), made once; None unless every
+        block is low-bit (``load_engine`` quantises the head with them: a native model is told apart at once)."""
+        if self._blocks is None and self.lm_head.qweight is not None:
+            self._blocks = kernel_blocks(list(self.layers))
+        return self._blocks
+
+    def _apply(self, fn, recurse=True):
+        self._blocks = None  # the tensors it holds are about to be replaced
+        return super()._apply(fn, recurse)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -321,8 +321,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = Linear(dim, 2 * hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
-        self._register_load_state_dict_pre_hook(lambda state, prefix, *a: _fuse(state, prefix,
-                                                                               ("gate_proj", "up_proj"), "gate_up"))
+        self._register_load_state_dict_pre_hook(
+            lambda state, prefix, *a: _fuse(state, prefix, ("gate_proj", "up_proj"), "gate_up")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -348,7 +349,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps)
         self.mlp = MLP(dim, mlp_hidden, mlp_bias)
         self._shape = (heads, kv_heads, head_dim)
-        self._kernel: KernelWeights | None = None
+        self._kernel = None  # kernel_blocks([self]), made on first use
 
     def memory_kv(self, memory: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.self_attn.keys_values(memory, rope)
@@ -404,16 +405,10 @@ class Block(nn.Module):
         return torch.ops.splitspec.attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, heads, kv_heads,
                                           head_dim**-0.5)  # fmt: skip
 
-    def kernel_weights(self) -> KernelWeights | None:
-        """The low-bit block's kernel arguments, gathered once (None while any projection is not low-bit)."""
+    def kernel_blocks(self):
+        """This block on the CPU kernels (``kernel_blocks``), made once; None while any projection is not low-bit."""
         if self._kernel is None and not self.cross:
-            attn, mlp = self.self_attn, self.mlp
-            layers = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
-            if all(m.qweight is not None for m in layers):
-                ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-                qkv, o, gate_up, down = ((m.qweight, m.qscale, m.int8_bias()) for m in layers)
-                self._kernel = KernelWeights(ln1.weight.detach(), ln1.eps, qkv, o, ln2.weight.detach(), ln2.eps,
-                                             gate_up, down)  # fmt: skip
+            self._kernel = kernel_blocks([self])
         return self._kernel
 
     def _apply(self, fn, recurse=True):
@@ -421,33 +416,50 @@ class Block(nn.Module):
         return super()._apply(fn, recurse)
 
     def _fused(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
-        """Whether the low-bit kernels run this block as four calls: fp32 on a CPU, one batch row, every span cached."""
+        """Whether the low-bit kernels run this block in one call: fp32 on a CPU, one batch row, every span cached."""
         return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == 1 and rope is not None
-                and self.kernel_weights() is not None and all(s.cache is not None for s in spans))  # fmt: skip
+                and self.kernel_blocks() is not None and all(s.cache is not None for s in spans))  # fmt: skip
 
     def _forward_int8(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
         """``forward_spans`` in the CPU kernels (``shared.kernels``): the same block, no per-op Python overhead."""
-        ops, w = torch.ops.splitspec, self._kernel
-        x = x[0]
-        qkv = ops.norm_linear(x, w.norm1, w.eps1, *w.qkv)
-        outs = [self._attend(qkv, rope, s) for s in spans]
-        x = ops.linear(outs[0] if len(outs) == 1 else torch.cat(outs), *w.o, x)
-        return ops.mlp(x, w.norm2, w.eps2, *w.gate_up, *w.down)[None]
+        _, kv_heads, head_dim = self._shape
+        caches = [s.cache.storage(s.at + s.end - s.start, 1, kv_heads, head_dim, x) for s in spans]
+        return run_blocks(self._kernel, x[0], rope, [(k[None], v[None]) for k, v in caches], spans)[None]
 
 
-@dataclass(frozen=True)
-class KernelWeights:
-    """What the CPU kernels take for one low-bit block: each projection's (weight, scales, bias) and the norms.
-    Gathered once: a token otherwise pays ~30 attribute lookups through ``nn.Module`` a block."""
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # what the kernels take for "no mask" and "no bias"
+_NO_BIAS = torch.empty(0)
 
-    norm1: torch.Tensor
-    eps1: float
-    qkv: tuple
-    o: tuple
-    norm2: torch.Tensor
-    eps2: float
-    gate_up: tuple
-    down: tuple
+
+def kernel_blocks(blocks: list[Block]):
+    """``blocks`` (consecutive, the same shape) as one ``torch.classes.splitspec.Blocks``: a forward through all of
+    them crosses into C++ once. None unless every projection of every block is low-bit and the kernels are here."""
+    from shared import kernels
+
+    tensors, eps = [], []
+    for b in blocks:
+        attn, mlp = b.self_attn, b.mlp
+        layers = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
+        if b.cross or any(m.qweight is None for m in layers) or not kernels.available():
+            return None
+        ln1, ln2 = b.input_layernorm, b.post_attention_layernorm
+        qkv, o, gate_up, down = ((m.qweight, m.qscale, _NO_BIAS if m.bias is None else m.int8_bias()) for m in layers)
+        tensors += [ln1.weight.detach(), *qkv, *o, ln2.weight.detach(), *gate_up, *down]
+        eps += [ln1.eps, ln2.eps]
+    heads, kv_heads, head_dim = blocks[0]._shape
+    return torch.classes.splitspec.Blocks(tensors, eps, heads, kv_heads, head_dim**-0.5)
+
+
+def run_blocks(stack, x: torch.Tensor, rope: tuple, caches: list[tuple[torch.Tensor, torch.Tensor]],
+               spans: list[Span]) -> torch.Tensor:  # fmt: skip
+    """x [T, E] through a ``kernel_blocks`` stack; span i's keys and values go to caches[i] (keys, values
+    [blocks, 1, KV, capacity, d], room made)."""
+    cos, sin = rope[0][0], rope[1][0]
+    if cos.dtype != torch.float32:
+        cos, sin = cos.float(), sin.float()
+    masks = [_NO_MASK if s.mask is None else s.mask for s in spans]
+    return stack.forward(x, cos, sin, [k for k, _ in caches], [v for _, v in caches], [s.end for s in spans],
+                         [s.at for s in spans], masks)  # fmt: skip
 
 
 @dataclass

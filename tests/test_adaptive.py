@@ -107,14 +107,15 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
 
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     """Local verification (no link) on a machine where a drafted round costs more than the tokens it gains: after
-    TRIAL drafted rounds the policy decodes plain for PAUSE rounds, then drafts again (each failed trial doubles
-    the pause); where drafting pays it never pauses. A pinned tree size always drafts."""
-    from client.adaptive import PAUSE, TRIAL
+    TRIAL drafted rounds the policy measures PROBE plain rounds (none seen yet), judges, and decodes plain for
+    PAUSE rounds, then drafts again (each failed trial doubles the pause); where drafting pays it only probes.
+    A pinned tree size always drafts."""
+    from client.adaptive import PAUSE, PROBE, TRIAL
 
-    def run(accepted: int) -> list[bool]:
+    def run(accepted: int, rounds: int = TRIAL + PROBE + 1 + PAUSE + TRIAL + 2 * PAUSE) -> list[bool]:
         policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)  # one token: 12 ms
         choices = []
-        for _ in range(TRIAL + PAUSE + 2):
+        for _ in range(rounds):
             drafting = policy.drafting()
             choices.append(drafting)
             if drafting:  # a 16-node tree: 44 ms of verification and 30 ms of drafting
@@ -126,10 +127,15 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
         return choices
 
     losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
-    assert losing[:TRIAL] == [True] * TRIAL
-    assert losing[TRIAL : TRIAL + PAUSE - 1] == [False] * (PAUSE - 1)
-    assert losing[TRIAL + PAUSE - 1] is True  # tried again; a second loss pauses twice as long
-    assert all(run(accepted=10))  # 11 tokens in 74 ms beat 12 ms a token
+    trial, probe = TRIAL, TRIAL + PROBE
+    assert losing[:trial] == [True] * TRIAL and losing[trial:probe] == [False] * PROBE
+    assert losing[probe] is True  # judged against the measured plain rounds: it loses
+    assert losing[probe + 1 : probe + 1 + PAUSE] == [False] * PAUSE
+    again = probe + 1 + PAUSE
+    assert losing[again : again + TRIAL] == [True] * TRIAL  # tried again; a second loss pauses twice as long
+    assert losing[again + TRIAL : again + TRIAL + 2 * PAUSE] == [False] * (2 * PAUSE)
+    winning = run(accepted=10)  # 11 tokens in 74 ms beat 12 ms a token: only the probe's rounds are plain
+    assert winning[trial:probe] == [False] * PROBE and all(winning[probe:])
     pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
     for _ in range(TRIAL + 2):
         pinned.record(True, 1, 0.074)

@@ -84,6 +84,35 @@ def test_tree_states_are_bit_identical_to_sequential_steps(tiny_exact, seed):
             assert torch.equal(engine.logits(alone[None])[0], logits[node + 1]), node
 
 
+def test_one_forward_of_many_sequences_equals_each_alone_block_by_block(tiny_exact):
+    """``forward_many`` (on the kernels: every block in one call) gives two sequences, one a tree, exactly the
+    states each gets alone through ``Transformer.forward`` (block by block)."""
+    from shared.engine import Part
+
+    engine, rng = tiny_exact.engine, random.Random(3)
+    if tiny_exact.weights != "native":
+        assert engine.kernel_blocks() is not None and engine.kernel_blocks().size() == len(engine.layers)
+    a, b = (
+        [rng.randrange(tiny_exact.vocab_size) for _ in range(9)],
+        [rng.randrange(tiny_exact.vocab_size) for _ in range(5)],
+    )
+    parents = [-1, 0, 0, 1]
+    with torch.no_grad():
+        alone = []
+        for ids, mask, pos in (
+            (a, causal_from(0, 9), list(range(9))),
+            (b, tree_mask(parents, 0), tree_positions(parents, 0)),
+        ):
+            cache = engine.new_cache(16)
+            alone.append(engine(torch.tensor([ids]), torch.tensor([pos]), mask, cache, 0)[0])
+        parts = [
+            Part(a, list(range(9)), causal_from(0, 9), engine.new_cache(16), 0),
+            Part(b, tree_positions(parents, 0), tree_mask(parents, 0), engine.new_cache(16), 0),
+        ]
+        together = engine.forward_many(parts)
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+
+
 def test_speculative_output_equals_plain_decoding(tiny_exact):
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9, 14]
     plain = generate(LocalVerifier(tiny_exact), NoDrafter(), prompt, 40)
