@@ -51,6 +51,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def argmax(row: torch.Tensor) -> int:
+    """The first index of the largest value (as torch's argmax). On a CPU through numpy: torch's takes ~70 µs over a
+    49k vocabulary here, numpy's ~12 µs, a step of plain decoding being ~8 ms. Float first: bf16 is slow either way."""
+    row = row.detach().float()
+    return int(row.numpy().argmax() if row.device.type == "cpu" else row.argmax())
+
+
 def accept_tree(
     tokens: list[int],
     parents: list[int],
@@ -70,7 +77,7 @@ def accept_tree(
     row = 0
     if params.greedy:
         while True:
-            best = int(logits[row].float().argmax())  # float first: argmax over bf16 is ~3x slower on a CPU
+            best = argmax(logits[row])
             match = next((c for c in kids[row] if tokens[c] == best), None)
             if match is None:
                 return accepted, best

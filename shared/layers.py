@@ -134,32 +134,40 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
+# the column order of a 4-bit tile's scales: the order the kernel's widened int16 sums come in (shared.kernels' gemm_q4)
+_Q4_SLOTS = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] (out a multiple of 4, in of 32) as 4-bit Q4_1 blocks for the CPU kernels: per row and
+    """A weight [out, in] (out a multiple of 16, in of 32) as 4-bit Q4_1 blocks for the CPU kernels: per row and
     32-value block, w ≈ d·q + m with q in 0..15, d = (max - min) / 15 and m = min in fp16. A checkpoint
     dequantised from Q4_1 (the built-in target's GGUF) comes back to exactly its own quants. Returns the quants
-    [out / 4, in / 32, 4, 16] (byte j: value j low, j + 16 high) and the scales [out / 4, in / 32, 2, 4] (d, m)."""
+    [out / 16, in / 32, 256] and the scales [out / 16, in / 32, 2, 16] (d, m), tiles of 16 rows laid out as
+    ``cpu.cpp``'s gemm_q4 streams them: a 32-byte group g holds each row's values 2g, 2g + 1 (low nibbles) and
+    2g + 16, 2g + 17 (high nibbles), row after row."""
     w = weight.detach().float().cpu()
     n, k = w.shape
-    if n % 4 or k % 32:
-        raise ValueError(f"4-bit weights need rows in multiples of 4 and columns of 32, got {n}x{k}")
+    if n % 16 or k % 32:
+        raise ValueError(f"4-bit weights need rows in multiples of 16 and columns of 32, got {n}x{k}")
     blocks = w.view(n, k // 32, 32)
     low, high = blocks.amin(-1), blocks.amax(-1)
     d, m = ((high - low) / 15).half(), low.half()
     q = ((blocks - m.float()[..., None]) / d.float().clamp_min(1e-30)[..., None]).round().clamp(0, 15).to(torch.uint8)
-    packed = q[..., :16] | (q[..., 16:] << 4)  # [n, k/32, 16]
-    quants = packed.view(n // 4, 4, k // 32, 16).transpose(1, 2).contiguous()
-    scales = torch.stack([d, m], dim=-1).view(n // 4, 4, k // 32, 2).permute(0, 2, 3, 1).contiguous()
-    return quants, scales
+    pairs = q.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    quants = (pairs[:, :, :8] | (pairs[:, :, 8:] << 4)).reshape(n // 16, k // 32, 256).contiguous()
+    dm = torch.stack([d, m], dim=-1).view(n // 16, 16, k // 32, 2).permute(0, 2, 3, 1)
+    return quants, dm[..., list(_Q4_SLOTS)].contiguous()
 
 
 def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 weight [out, in] that ``pack_int4``'s quants and block scales stand for (d·q + m, in fp32)."""
     tiles, blocks = quants.shape[:2]
-    q = quants.permute(0, 2, 1, 3).reshape(tiles * 4, blocks, 16)
-    values = torch.cat([q & 15, q >> 4], dim=-1).float()
-    d, m = scales.permute(0, 3, 1, 2).reshape(tiles * 4, blocks, 2).float().unbind(-1)
-    return (values * d[..., None] + m[..., None]).reshape(tiles * 4, blocks * 32)
+    groups = quants.view(tiles, blocks, 8, 32)
+    pairs = torch.cat([groups & 15, groups >> 4], dim=2).view(tiles, blocks, 16, 16, 2)
+    values = pairs.permute(0, 3, 1, 2, 4).reshape(tiles * 16, blocks, 32).float()
+    order = torch.tensor(_Q4_SLOTS).argsort()
+    d, m = scales[..., order].permute(0, 3, 1, 2).reshape(tiles * 16, blocks, 2).float().unbind(-1)
+    return (values * d[..., None] + m[..., None]).reshape(tiles * 16, blocks * 32)
 
 
 class Linear(nn.Linear):
@@ -192,7 +200,7 @@ class Linear(nn.Linear):
             raise ValueError(f"low-bit weights are a CPU path; this layer is on {self.weight.device}")
         if not kernels.available():
             raise ValueError(f"low-bit weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
-        fits = self.out_features % 4 == 0 and self.in_features % 32 == 0
+        fits = self.out_features % 16 == 0 and self.in_features % 32 == 0
         packed = pack_int4(self.weight) if kind in ("int4", "lowbit") and fits else None
         if kind == "lowbit" and packed is not None and not torch.equal(dequantize_int4(*packed), self.weight.float()):
             packed = None  # not on a Q4_1 grid: int4 would change the weights, int8 changes them least

@@ -57,7 +57,7 @@ def test_int4_is_exact_on_its_blocks_and_gives_back_q4_1_weights():
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     again = pack_int4(dequantised)
     assert torch.equal(again[0], quants) and torch.equal(again[1], scales)
-    with pytest.raises(ValueError, match="multiples of 4"):
+    with pytest.raises(ValueError, match="multiples of 16"):
         pack_int4(torch.randn(6, 64))
 
 

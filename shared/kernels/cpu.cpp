@@ -48,36 +48,71 @@ struct Rows {
   bool blocks = false;
 };
 
+// amax of |v[0..n)|
+inline float amax_of(const float* v, int64_t n) {
+  int64_t k = 0;
+  float amax = 0.f;
+#ifdef SPLITSPEC_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (; k + 8 <= n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float l : lanes) amax = std::max(amax, l);
+#endif
+  for (; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
+  return amax;  // max is exact: the same whatever the order
+}
+
+// q[k] = clamp(round-half-even(x[k] * inv), -127, 127), |q| into a (if given); returns the sum of q
+inline int32_t quantize_span(const float* x, int64_t n, float inv, int8_t* q, uint8_t* a) {
+  int64_t k = 0;
+  int32_t sum = 0;
+#ifdef SPLITSPEC_AVX2
+  const __m256 scale = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i total = _mm256_setzero_si256();
+  for (; k + 8 <= n; k += 8) {  // cvtps rounds half to even, as std::nearbyint in the default mode
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), scale));
+    v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+    total = _mm256_add_epi32(total, v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i b = _mm_packs_epi16(w, w);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), b);
+    if (a) _mm_storel_epi64(reinterpret_cast<__m128i*>(a + k), _mm_abs_epi8(b));
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
+  for (int32_t l : lanes) sum += l;
+#endif
+  for (; k < n; ++k) {
+    const int v = std::clamp(static_cast<int>(std::nearbyint(x[k] * inv)), -127, 127);
+    q[k] = static_cast<int8_t>(v);
+    if (a) a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
+    sum += v;
+  }
+  return sum;
+}
+
 void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = false) {
   r.M = M;
   r.Kp = padded(K);
   r.blocks = blocks;
   const int64_t Kb = r.Kp / KSTEP;
   r.q.assign(M * r.Kp, 0);
-  r.a.assign(M * r.Kp, 0);
+  if (!blocks) r.a.assign(M * r.Kp, 0);  // the int8 kernel's magnitudes (sign trick); 4-bit weights need none
   r.scale.assign(blocks ? M * Kb : M, 0.f);
   r.bsum.assign(M * Kb, 0.f);
-  auto amax_of = [](const float* v, int64_t n) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
-    return amax;
-  };
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     int8_t* q = r.q.data() + m * r.Kp;
-    uint8_t* a = r.a.data() + m * r.Kp;
+    uint8_t* a = blocks ? nullptr : r.a.data() + m * r.Kp;
     const float row_amax = blocks ? 0.f : amax_of(xr, K);
     for (int64_t b = 0; b < Kb; ++b) {
-      const int64_t k0 = b * KSTEP, k1 = std::min(K, k0 + KSTEP);
-      const float amax = blocks ? amax_of(xr + k0, std::max<int64_t>(0, k1 - k0)) : row_amax;
+      const int64_t k0 = b * KSTEP, k1 = std::min(K, k0 + KSTEP), n = std::max<int64_t>(0, k1 - k0);
+      const float amax = blocks ? amax_of(xr + k0, n) : row_amax;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const int v = std::clamp(static_cast<int>(std::nearbyint(xr[k] * inv)), -127, 127);
-        q[k] = static_cast<int8_t>(v);
-        a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
-        sum += v;
-      }
+      const int32_t sum = quantize_span(xr + k0, n, inv, q + k0, a ? a + k0 : nullptr);
       if (blocks) {
         r.scale[m * Kb + b] = amax / 127.f;
         r.bsum[m * Kb + b] = static_cast<float>(sum) * (amax / 127.f);
@@ -176,109 +211,112 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
 // ---------------------------------------------------------------------------------------------
 // 4-bit weights (Q4_1: blocks of 32 values along K, w = d·q + m with q in 0..15 and fp16 d, m per block) times
 // int8 activations with a scale per block (Q8). A block's integer dot product is exact; blocks are summed in
-// float in K order.
-// Layout: tile t (C rows), block b: C × 16 bytes of quants (byte j: value j in the low nibble, j + 16 in the
-// high), and C fp16 d then C fp16 m. Σ m·x over a block is m times the row's block sum (scaled).
+// float in K order: acc = fma(float(isum)·d, x_scale, acc), then acc = fma(m, x_block_sum, acc).
+//
+// The vector lanes are output columns, not K positions: a tile is Q4 = 16 columns, and one multiply
+// (maddubs: unsigned 4-bit weights times signed activations) covers the tile's 16 columns at two K
+// positions, against those two activations broadcast. A pair's products are at most 2·15·127 = 3810, so 8
+// pairs add up in int16 (≤ 30480) before widening: about a quarter of the multiplies and float work of a
+// dot product per column (horizontal sums and per-column scale broadcasts), and no horizontal sum at all.
+// Layout: tile t (16 columns), block b: 8 groups of 32 bytes; group g's byte 2c + e holds column c's value
+// 2g + e in its low nibble and value 2(g + 8) + e in its high nibble. Then 16 fp16 d, 16 fp16 m, in the
+// column order {0-3, 8-11, 4-7, 12-15} that widening the int16 sums produces (see q4_tile).
+
+constexpr int64_t Q4 = 16;  // columns per 4-bit tile
 
 #ifdef SPLITSPEC_AVX2
-inline __m128 hsum4(const __m256* a) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
 template <int R>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
-  __m256 acc[R][C];
-  __m128 mins[R];
-  for (int r = 0; r < R; ++r) {
-    mins[r] = _mm_setzero_ps();
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  }
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
+  for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   for (int64_t b = 0; b < Kb; ++b) {
-    const uint8_t* chunk = w + b * C * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
-    alignas(16) float d[C];
-    _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + b * 2 * C))));
-    const __m128 m = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm + b * 2 * C + C)));
-    __m256i q[C];
-    for (int c = 0; c < C; ++c) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + c * 16));
-      q[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-    }
+    const uint8_t* qb = w + b * 8 * 32;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
+    __m256i first[R], second[R];  // int16 sums over pairs 0-7 and 8-15, a lane per column
+    for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
+    __m256i xl[R], xh[R];  // a row's block values 0-15 and 16-31, each in both 128-bit lanes (for vpshufb)
     for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * x.Kp + b * KSTEP));
-      alignas(16) float dd[C];  // weight block scale times activation block scale
-      _mm_store_ps(dd, _mm_mul_ps(_mm_load_ps(d), _mm_set1_ps(x.scale[(r0 + r) * Kb + b])));
-      for (int c = 0; c < C; ++c) {
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd[c]), acc[r][c]);
+      xl[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP)));
+      xh[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP + 16)));
+    }
+    for (int g = 0; g < 8; ++g) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
+      const __m256i wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * g) | ((2 * g + 1) << 8)));  // values 2g, 2g + 1
+      for (int r = 0; r < R; ++r) {
+        first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(wl, _mm256_shuffle_epi8(xl[r], pick)));
+        second[r] = _mm256_add_epi16(second[r], _mm256_maddubs_epi16(wh, _mm256_shuffle_epi8(xh[r], pick)));
       }
-      mins[r] = _mm_fmadd_ps(m, _mm_set1_ps(x.bsum[(r0 + r) * Kb + b]), mins[r]);
+    }
+    const uint16_t* sb = dm + b * 2 * Q4;
+    const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+    const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+    const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
+    const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 24)));
+    for (int r = 0; r < R; ++r) {
+      // interleaving the two halves' sums and adding neighbours widens them to int32: columns {0-3, 8-11}, {4-7, 12-15}
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(first[r], second[r]), ones));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(first[r], second[r]), ones));
+      const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm256_set1_ps(x.bsum[(r0 + r) * Kb + b]);
+      lo_acc[r] = _mm256_fmadd_ps(m_lo, bs, _mm256_fmadd_ps(_mm256_mul_ps(lo, d_lo), sx, lo_acc[r]));
+      hi_acc[r] = _mm256_fmadd_ps(m_hi, bs, _mm256_fmadd_ps(_mm256_mul_ps(hi, d_hi), sx, hi_acc[r]));
     }
   }
-  for (int r = 0; r < R; ++r) _mm_storeu_ps(out + r * C, _mm_add_ps(hsum4(acc[r]), mins[r]));
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * Q4, _mm256_permute2f128_ps(lo_acc[r], hi_acc[r], 0x20));
+    _mm256_storeu_ps(out + r * Q4 + 8, _mm256_permute2f128_ps(lo_acc[r], hi_acc[r], 0x31));
+  }
 }
 #else
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal
-      int e = -1;
-      uint32_t m = mant;
-      do { ++e; m <<= 1; } while (!(m & 0x400));
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 template <int R>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+  static constexpr int slot[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};  // column -> scale slot
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float acc = 0.f, mins = 0.f;
+    for (int c = 0; c < Q4; ++c) {
+      float acc = 0.f;
       for (int64_t b = 0; b < Kb; ++b) {
-        const uint8_t* quants = w + b * C * 16 + c * 16;
+        const uint8_t* qb = w + b * 8 * 32;
         const int8_t* xr = x.q.data() + (r0 + r) * x.Kp + b * KSTEP;
         int32_t s = 0;
-        for (int j = 0; j < 16; ++j) s += (quants[j] & 15) * xr[j] + (quants[j] >> 4) * xr[j + 16];
-        acc += static_cast<float>(s) * (half_to_float(dm[b * 2 * C + c]) * x.scale[(r0 + r) * Kb + b]);
-        mins += half_to_float(dm[b * 2 * C + C + c]) * x.bsum[(r0 + r) * Kb + b];
+        for (int g = 0; g < 8; ++g)
+          for (int e = 0; e < 2; ++e) {
+            const uint8_t byte = qb[32 * g + 2 * c + e];
+            s += (byte & 15) * xr[2 * g + e] + (byte >> 4) * xr[2 * (g + 8) + e];
+          }
+        const uint16_t* sb = dm + b * 2 * Q4;
+        const int64_t i = (r0 + r) * Kb + b;
+        acc = std::fma(static_cast<float>(s) * half_to_float(sb[slot[c]]), x.scale[i], acc);
+        acc = std::fma(half_to_float(sb[Q4 + slot[c]]), x.bsum[i], acc);
       }
-      out[r * C + c] = acc + mins;
+      out[r * Q4 + c] = acc;
     }
 }
 #endif
 
-// y[M, N] = x · (d·q + m)ᵀ (+ bias) (+ residual) for 4-bit weights of N rows (a multiple of C).
+// y[M, N] = x · (d·q + m)ᵀ (+ bias) (+ residual) for 4-bit weights of N rows (a multiple of Q4).
 void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
              int64_t N, float* y) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
   constexpr int64_t R = 2;
-  at::parallel_for(0, N / C, 8, [&](int64_t t0, int64_t t1) {
-    float acc[R * C];
+  at::parallel_for(0, N / Q4, 2, [&](int64_t t0, int64_t t1) {
+    float acc[R * Q4];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t * C;
-      const uint8_t* wt = w + t * Kb * C * 16;
-      const uint16_t* dt = dm + t * Kb * 2 * C;
+      const int64_t n = t * Q4;
+      const uint8_t* wt = w + t * Kb * 8 * 32;
+      const uint16_t* dt = dm + t * Kb * 2 * Q4;
       for (int64_t r0 = 0; r0 < M; r0 += R) {
         const int64_t rows = std::min<int64_t>(R, M - r0);
         if (rows == 2) q4_tile<2>(x, r0, wt, dt, Kb, acc);
         else q4_tile<1>(x, r0, wt, dt, Kb, acc);
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
-          for (int64_t c = 0; c < C; ++c) {
-            float v = acc[r * C + c];  // the activations' block scales are inside
+          for (int64_t c = 0; c < Q4; ++c) {
+            float v = acc[r * Q4 + c];  // the activations' block scales are inside
             if (bias) v += bias[n + c];
             if (residual) v += residual[(r0 + r) * N + n + c];
             yr[c] = v;
@@ -475,18 +513,18 @@ void attend_query(const float* q, const Keys<T>& kv, float scale, float* p, floa
 // Argument checks: a wrong call names the tensor and what was expected.
 
 // A weight is int8 [N rounded up to C, K padded to 32] with fp32 scales [N], or 4-bit: uint8 quants
-// [N / C, K / 32, C, 16] with fp16 scales [N / C, K / 32, 2, C] (d, then m). Returns N.
+// [N / 16, K / 32, 256] with fp16 scales [N / 16, K / 32, 2, 16] (d, then m; see gemm_q4). Returns N.
 int64_t check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* what) {
   if (w.scalar_type() == at::kByte) {
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 4 && w.size(2) == C && w.size(3) == 16 && w.is_contiguous(), what,
-                ": expected contiguous 4-bit quants [N / ", C, ", K / 32, ", C, ", 16], got ", w.sizes());
+    TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && w.size(2) == 8 * 32 && w.is_contiguous(), what,
+                ": expected contiguous 4-bit quants [N / ", Q4, ", K / 32, 256], got ", w.sizes());
     TORCH_CHECK(w.size(1) * KSTEP == padded(K), what, ": weight rows hold ", w.size(1) * KSTEP,
                 " values; input has K = ", K, ", expected ", padded(K));
     TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 4 &&
-                    scale.size(0) == w.size(0) && scale.size(1) == w.size(1) && scale.size(2) == 2 && scale.size(3) == C,
-                what, ": expected fp16 block scales [", w.size(0), ", ", w.size(1), ", 2, ", C, "], got ",
+                    scale.size(0) == w.size(0) && scale.size(1) == w.size(1) && scale.size(2) == 2 && scale.size(3) == Q4,
+                what, ": expected fp16 block scales [", w.size(0), ", ", w.size(1), ", 2, ", Q4, "], got ",
                 scale.scalar_type(), " ", scale.sizes());
-    return w.size(0) * C;
+    return w.size(0) * Q4;
   }
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
               what, ": expected a contiguous CPU int8 matrix [N, K padded to 32], got ", w.scalar_type(), " ",
