@@ -139,6 +139,7 @@ class AdaptivePolicy:
     drafted_rounds: int = 0  # drafted rounds since drafting last resumed
     paused: int = 0  # plain rounds still to go before drafting is tried again
     probing: bool = False  # the plain rounds under way only measure plain speed (the trial goes on after them)
+    exploring: bool = False  # the last cut was an exploration (a fixed share of the tree): not judged as drafting
     pause: int = PAUSE  # the next pause's length
 
     def __post_init__(self) -> None:
@@ -185,6 +186,7 @@ class AdaptivePolicy:
 
     def cut(self, tree: DraftTree, payload_per_token: float = 0.0) -> DraftTree:
         """The first n nodes of ``tree`` maximising expected tokens per second."""
+        self.exploring = False
         if self.pin_nodes is not None or tree.scores is None or not tree.tokens:
             n = len(tree) if self.pin_nodes is None else min(self.pin_nodes, len(tree))
             self.history.append(Decision(n, float("nan"), float("nan")))
@@ -194,6 +196,7 @@ class AdaptivePolicy:
         if explore is None and self.rounds % EXPLORE_EVERY == 0:
             explore = (self.rounds // EXPLORE_EVERY) % len(EXPLORE)
         if explore is not None:
+            self.exploring = True
             n = max(1, math.ceil(EXPLORE[explore] * len(tree)))
             self.history.append(Decision(n, 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n])), float("nan")))
             return tree.head(n)
@@ -221,6 +224,8 @@ class AdaptivePolicy:
         if not drafted:
             self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
             return
+        if self.exploring:
+            return  # a share of the tree fixed to learn the cost curve, not what the policy would send
         self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
         self.drafted_rounds += 1
         plain = self.plain_seen
