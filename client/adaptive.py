@@ -32,13 +32,13 @@ from shared.tree import DraftTree, depths
 GAIN = 0.2  # weight of a new sample in the running averages
 # Verification cost is learned from the sizes actually sent, so sizes must vary: the first rounds
 # send these shares of the tree, and every EXPLORE_EVERY-th round one of them again.
-EXPLORE = (1.0, 0.25, 0.5)
+EXPLORE = (0.5, 0.25)
 EXPLORE_EVERY = 8
 PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
 # Drafting itself must pay: after TRIAL drafted rounds whose measured tokens/s fall short of plain rounds', the
 # policy decodes plain for PAUSE rounds, then tries drafting again (the text may have become predictable: code);
 # each trial that fails again doubles the pause, up to MAX_PAUSE, and one that pays resets it.
-TRIAL = 4
+TRIAL = 2
 PAUSE = 24
 MAX_PAUSE = 384
 # Plain rounds run to measure them when a trial ends and none has been seen: a plain round's cost predicted from

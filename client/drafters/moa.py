@@ -156,7 +156,7 @@ class MoADrafter(TreeDrafter):
         super().__init__(model, width, depth, name)
 
     def can_draft(self) -> bool:
-        return self.mem_k is not None
+        return self.mem_k is not None or bool(self.pending)
 
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens: list[int] = []
@@ -165,24 +165,41 @@ class MoADrafter(TreeDrafter):
         self.sa_cache = KVCache()
         self.tli_caches = [KVCache() for _ in self.model.parts.layers]
         self.mem_k = self.mem_v = None
+        # features absorbed but not yet through LSA and into the TLI caches: done in one batch when the drafter
+        # next drafts (while the policy has drafting paused, a round would otherwise pay LSA for one token: ~30 %
+        # of a plain step on a fast CPU target)
+        self.pending: list[Features] = []
         self.nodes = DraftNodes(0, 0)
         self.absorb(tokens, features)
 
-    @torch.inference_mode()
     def absorb(self, tokens: list[int], features: Features | None = None) -> None:
         self.tokens += tokens
         if features is None or len(features) == 0:
             return
         if features.start != self.cached:
             raise ValueError(f"MoA needs features from position {self.cached}, got {features}")
+        if features.memory is None and features.kv is None:
+            raise ValueError(f"MoA needs kv or memory features, got {features}")
+        if self.pending and _kinds(self.pending[-1]) != _kinds(features):
+            self._settle()  # another payload mode: the batch so far goes through first
+        self.pending.append(features)
+        self.cached = features.start + len(features)
+
+    @torch.inference_mode()
+    def _settle(self) -> None:
+        """The pending features through LSA (their memory entries) and into the TLI caches, as one batch."""
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        joined = {k: torch.cat([getattr(f, k) for f in batch]) if getattr(batch[0], k) is not None else None
+                  for k in ("kv", "memory", "tli_kv")}  # fmt: skip
+        features = Features(batch[0].start, kv=joined["kv"], memory=joined["memory"], tli_kv=joined["tli_kv"])
         m, N = self.model, self.model.parts.tli
         kv = None if features.kv is None else features.kv.to(self._device, self._dtype)
         if features.memory is not None:  # payload mode lsa: the server ran our LSA
             memory = features.memory.to(self._device, self._dtype)
-        elif kv is not None:
-            memory = m.memory(kv)
         else:
-            raise ValueError(f"MoA needs kv or memory features, got {features}")
+            memory = m.memory(kv)
         n = memory.shape[0]
         positions = torch.arange(features.start, features.start + n, device=self._device)[None]
         k, v = m.memory_kv(memory[None], positions)
@@ -198,11 +215,11 @@ class MoADrafter(TreeDrafter):
             keys, values = split_kv(tli_kv.to(self._device, self._dtype), m.parts.num_kv_heads)
             for cache, lk, lv in zip(self.tli_caches, keys, values, strict=True):
                 cache.write(lk[None], lv[None], features.start)
-        self.cached = features.start + n  # tokens accepted from a draft sit past ``fed``: fed again as committed
 
     def rewind(self, n: int) -> None:
         if n <= 0:
             return
+        self._settle()
         self.tokens = self.tokens[:-n]
         root = len(self.tokens) - 1
         self.fed = min(self.fed, root)
@@ -230,6 +247,7 @@ class MoADrafter(TreeDrafter):
 
     @torch.inference_mode()
     def root_logprobs(self) -> torch.Tensor:
+        self._settle()
         root = len(self.tokens) - 1
         start = min(self.fed, root)  # the root again if nothing is pending (a second tree for the same root)
         pending = list(range(start, root + 1))
@@ -249,3 +267,8 @@ class MoADrafter(TreeDrafter):
 
     def end_tree(self) -> None:
         self.nodes = DraftNodes(len(self.tokens) - 1, len(self.tokens))
+
+
+def _kinds(features: Features) -> tuple[bool, ...]:
+    """Which tensors a features batch carries: batches that carry the same ones are joined before LSA."""
+    return tuple(getattr(features, k) is not None for k in ("kv", "memory", "tli_kv"))
