@@ -238,7 +238,7 @@ def test_acceptance_length_is_one_quantity_in_local_remote_and_surviving_runs(ti
 
 def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, tiny_server, netsim_server):
     """With the link survival on (heartbeat, deadlines) the policy is in the loop: its exploring rounds send
-    100 %, 25 % and 50 % of the drafted tree (that it follows the link is checked on the real target,
+    50 % and 25 % of the drafted tree (that it follows the link is checked on the real target,
     whose verification cost grows with the tree: test_real_target)."""
     drafter = MoADrafter(make_moa(tiny_target, 1), width=4, depth=6)
     with simulated_link(tiny_server[0], Profile("test-40ms", rtt_ms=40), netsim=netsim_server) as link:
@@ -251,8 +251,8 @@ def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, t
             verifier.shutdown()
     assert gen.stats.heartbeat_probes > 0 and gen.token_ids == generate(LocalVerifier(tiny_target), NoDrafter(),
                                                                          PROMPT, 24).token_ids  # fmt: skip
-    first, quarter, half = gen.stats.tree_nodes[: len(EXPLORE)]
-    assert first > quarter and quarter <= half and len(policy.history) == gen.stats.rounds
+    half, quarter = gen.stats.tree_nodes[: len(EXPLORE)]
+    assert half > quarter > 0 and len(policy.history) == gen.stats.rounds
 
 
 def test_the_cli_survives_a_cut_and_restored_link_with_no_flag(tiny_model_dir, tiny_server, netsim_server):
