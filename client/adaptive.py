@@ -34,6 +34,10 @@ GAIN = 0.2  # weight of a new sample in the running averages
 # send these shares of the tree, and every EXPLORE_EVERY-th round one of them again.
 EXPLORE = (0.5, 0.25)
 EXPLORE_EVERY = 8
+# The first trees' depth; each round's grows to one past the deepest node that paid. Shallow first: where a
+# draft step costs a good share of a target step (a CPU target on its low-bit kernels), a deep first tree
+# costs more than its tokens are worth, and it grows in a few rounds where depth pays (a slow link).
+START_DEPTH = 3
 PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
 # Drafting itself must pay: after TRIAL drafted rounds whose measured tokens/s fall short of plain rounds', the
 # policy decodes plain for PAUSE rounds, then tries drafting again (the text may have become predictable: code);
@@ -143,7 +147,7 @@ class AdaptivePolicy:
     pause: int = PAUSE  # the next pause's length
 
     def __post_init__(self) -> None:
-        self.depth = self.pin_depth or min(self.max_depth, 5)
+        self.depth = self.pin_depth or min(self.max_depth, START_DEPTH)
 
     @classmethod
     def for_run(cls, verifier, specs: list[PayloadSpec], **pins) -> AdaptivePolicy:
@@ -177,10 +181,11 @@ class AdaptivePolicy:
             return True
         if self.paused > 0:
             self.paused -= 1
-            if self.paused == 0:
-                if not self.probing:  # a new trial
-                    self.drafted_rate, self.drafted_rounds = None, 0
+            if self.paused == 0 and self.probing:  # plain rounds measured: the trial is judged now
                 self.probing = False
+                self._judge()  # (this round is still the probe's last)
+            elif self.paused == 0:  # a new trial
+                self.drafted_rate, self.drafted_rounds = None, 0
             return False
         return True
 
@@ -228,14 +233,17 @@ class AdaptivePolicy:
             return  # a share of the tree fixed to learn the cost curve, not what the policy would send
         self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
         self.drafted_rounds += 1
-        plain = self.plain_seen
-        if self.drafted_rounds >= TRIAL and plain is None:
+        if self.drafted_rounds >= TRIAL and self.plain_seen is None:
             self.paused, self.probing = PROBE, True  # measure plain rounds before judging
         elif self.drafted_rounds >= TRIAL:
-            if self.drafted_rate < plain:
-                self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
-            else:
-                self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
+            self._judge()
+
+    def _judge(self) -> None:
+        """Pause drafting (for longer each time) while its rounds fall short of plain ones."""
+        if self.drafted_rate < self.plain_seen:
+            self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
+        else:
+            self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
 
     def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the

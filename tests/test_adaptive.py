@@ -112,7 +112,7 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     A pinned tree size always drafts."""
     from client.adaptive import PAUSE, PROBE, TRIAL
 
-    def run(accepted: int, rounds: int = TRIAL + PROBE + 1 + PAUSE + TRIAL + 2 * PAUSE) -> list[bool]:
+    def run(accepted: int, rounds: int = TRIAL + PROBE + PAUSE + TRIAL + 2 * PAUSE + 1) -> list[bool]:
         policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)  # one token: 12 ms
         choices = []
         for _ in range(rounds):
@@ -129,9 +129,9 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
     trial, probe = TRIAL, TRIAL + PROBE
     assert losing[:trial] == [True] * TRIAL and losing[trial:probe] == [False] * PROBE
-    assert losing[probe] is True  # judged against the measured plain rounds: it loses
-    assert losing[probe + 1 : probe + 1 + PAUSE] == [False] * PAUSE
-    again = probe + 1 + PAUSE
+    # judged against the measured plain rounds as the probe ends: it loses, and the pause follows at once
+    assert losing[probe : probe + PAUSE] == [False] * PAUSE
+    again = probe + PAUSE
     assert losing[again : again + TRIAL] == [True] * TRIAL  # tried again; a second loss pauses twice as long
     assert losing[again + TRIAL : again + TRIAL + 2 * PAUSE] == [False] * (2 * PAUSE)
     winning = run(accepted=10)  # 11 tokens in 74 ms beat 12 ms a token: only the probe's rounds are plain
