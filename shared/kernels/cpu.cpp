@@ -302,7 +302,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
              int64_t N, float* y) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
-  constexpr int64_t R = 2;
+  constexpr int64_t R = 4;
   at::parallel_for(0, N / Q4, 2, [&](int64_t t0, int64_t t1) {
     float acc[R * Q4];
     for (int64_t t = t0; t < t1; ++t) {
@@ -311,7 +311,9 @@ void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* b
       const uint16_t* dt = dm + t * Kb * 2 * Q4;
       for (int64_t r0 = 0; r0 < M; r0 += R) {
         const int64_t rows = std::min<int64_t>(R, M - r0);
-        if (rows == 2) q4_tile<2>(x, r0, wt, dt, Kb, acc);
+        if (rows == 4) q4_tile<4>(x, r0, wt, dt, Kb, acc);
+        else if (rows == 3) q4_tile<3>(x, r0, wt, dt, Kb, acc);
+        else if (rows == 2) q4_tile<2>(x, r0, wt, dt, Kb, acc);
         else q4_tile<1>(x, r0, wt, dt, Kb, acc);
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
