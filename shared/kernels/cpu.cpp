@@ -554,19 +554,54 @@ at::Tensor rows_of(const at::Tensor& x, const char* what) {
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
 
+// A projection as the kernels read it, checked once: int8 or 4-bit weights, their scales, an optional bias.
+struct Weight {
+  const void* w = nullptr;
+  const void* scale = nullptr;
+  const float* bias = nullptr;
+  int64_t N = 0, K = 0;
+  bool q4 = false;
+};
+
+Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t K,
+                 const char* what) {
+  Weight r;
+  r.N = check_weight(w, scale, K, what);
+  r.K = K;
+  r.q4 = w.scalar_type() == at::kByte;
+  r.w = w.data_ptr();
+  r.scale = scale.data_ptr();
+  r.bias = optional_vector(bias, r.N, "bias");
+  return r;
+}
+
+// y[M, N] = x[M, K] · Wᵀ (+ bias) (+ residual [M, N]; y may be the residual itself: each output reads only its own)
+void project(const float* x, int64_t M, const Weight& w, const float* residual, float* y, Rows& rows) {
+  quantize_rows(x, M, w.K, rows, w.q4);
+  if (w.q4)
+    gemm_q4(rows, static_cast<const uint8_t*>(w.w), static_cast<const uint16_t*>(w.scale), w.bias, residual, w.N, y);
+  else
+    gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, y);
+}
+
 at::Tensor run_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias, const float* residual) {
-  const int64_t M = x2.size(0), K = x2.size(1), N = check_weight(w, scale, K, "weight");
+  const int64_t M = x2.size(0);
+  const Weight wt = weight_of(w, scale, bias, x2.size(1), "weight");
+  at::Tensor y = at::empty({M, wt.N}, x2.options());
   Rows rows;
-  quantize_rows(x2.data_ptr<float>(), M, K, rows, w.scalar_type() == at::kByte);
-  at::Tensor y = at::empty({M, N}, x2.options());
-  const float* b = optional_vector(bias, N, "bias");
-  if (w.scalar_type() == at::kByte)
-    gemm_q4(rows, w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), b, residual,
-            N, y.data_ptr<float>());
-  else
-    gemm(rows, w.data_ptr<int8_t>(), scale.data_ptr<float>(), b, residual, N, y.data_ptr<float>());
+  project(x2.data_ptr<float>(), M, wt, residual, y.data_ptr<float>(), rows);
   return y;
+}
+
+// act[M, F] = silu(gate) * up of gate|up [M, 2F]: SwiGLU's middle
+void swiglu(const float* g, int64_t M, int64_t F, float* a) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* am = a + m * F;
+    for (int64_t f = 0; f < F; ++f) am[f] = -g[m * 2 * F + f];
+    exp_inplace(am, F);
+    for (int64_t f = 0; f < F; ++f) am[f] = g[m * 2 * F + f] / (1.f + am[f]) * g[m * 2 * F + F + f];
+  }
 }
 
 std::vector<int64_t> shape_with_last(const at::Tensor& x, int64_t n) {
@@ -621,49 +656,43 @@ at::Tensor mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps, c
   rms_norm_rows(x2.data_ptr<float>(), nw, eps, M, E, h.data_ptr<float>());
   at::Tensor gu = run_linear(h, w_gate_up, s_gate_up, b_gate_up, nullptr);
   at::Tensor act = at::empty({M, F}, x2.options());
-  const float* g = gu.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* am = a + m * F;
-    for (int64_t f = 0; f < F; ++f) am[f] = -g[m * 2 * F + f];
-    exp_inplace(am, F);
-    for (int64_t f = 0; f < F; ++f) am[f] = g[m * 2 * F + f] / (1.f + am[f]) * g[m * 2 * F + F + f];
-  }
+  swiglu(gu.data_ptr<float>(), M, F, act.data_ptr<float>());
   return run_linear(act, w_down, s_down, b_down, x2.data_ptr<float>()).view(x.sizes());
 }
 
-// ``attend`` over a cache of element type E (float, or fp16 bits).
+// One layer's KV cache for one sequence: keys and values [KV, capacity, d] of float or fp16 bits, d contiguous.
+struct CacheLayer {
+  void* k;
+  void* v;
+  int64_t k_head, k_slot, v_head, v_slot;  // strides
+  bool half;
+};
+
+// out[T, H d] = attention of T new tokens from their fused projections qkv [T, (H + 2 KV) d] (see ``attend``).
 template <typename E>
-at::Tensor attend_with(const at::Tensor& x, const at::Tensor& cs, const at::Tensor& sn, E* kc, E* vc,
-                       const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t at, const bool* allow,
-                       int64_t heads, int64_t kv_heads, double scale) {
-  const int64_t T = x.size(0), d = k_cache.size(-1), width = (heads + 2 * kv_heads) * d, S = at + T;
-  const int64_t half = d / 2, group = heads / kv_heads;
-  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
-  const float* src = x.data_ptr<float>();
-  auto rotate = [&](const float* in, const float* c, const float* s, float* out) {
+void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, const CacheLayer& c, int64_t at,
+                 const bool* allow, int64_t heads, int64_t kv_heads, int64_t d, float sc, float* o) {
+  E* kc = static_cast<E*>(c.k);
+  E* vc = static_cast<E*>(c.v);
+  const int64_t width = (heads + 2 * kv_heads) * d, S = at + T, half = d / 2, group = heads / kv_heads;
+  auto rotate = [&](const float* in, const float* cr, const float* sr, float* out) {
     for (int64_t i = 0; i < half; ++i) {
-      out[i] = in[i] * c[i] - in[i + half] * s[i];
-      out[i + half] = in[i + half] * c[i + half] + in[i] * s[i + half];
+      out[i] = in[i] * cr[i] - in[i + half] * sr[i];
+      out[i + half] = in[i + half] * cr[i + half] + in[i] * sr[i + half];
     }
   };
-  at::Tensor q = at::empty({T, heads, d}, x.options());
-  float* qr = q.data_ptr<float>();
-  std::vector<float> key(d);
+  std::vector<float> q(T * heads * d), key(d);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * width;
-    const float* c = cs.data_ptr<float>() + t * d;
-    const float* s = sn.data_ptr<float>() + t * d;
-    for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, c, s, qr + (t * heads + h) * d);
+    const float* cr = cs + t * d;
+    const float* sr = sn + t * d;
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, cr, sr, q.data() + (t * heads + h) * d);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate(row + (heads + h) * d, c, s, key.data());
-      narrow(key.data(), kc + h * ks0 + (at + t) * ks1, d);
-      narrow(row + (heads + kv_heads + h) * d, vc + h * vs0 + (at + t) * vs1, d);
+      rotate(row + (heads + h) * d, cr, sr, key.data());
+      narrow(key.data(), kc + h * c.k_head + (at + t) * c.k_slot, d);
+      narrow(row + (heads + kv_heads + h) * d, vc + h * c.v_head + (at + t) * c.v_slot, d);
     }
   }
-  at::Tensor out = at::empty({T, heads * d}, x.options());
-  float* o = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
   std::vector<int64_t> keys(T * S), counts(T);  // each query's visible slots, ascending
   for (int64_t t = 0; t < T; ++t) {
     int64_t n = 0;
@@ -671,7 +700,9 @@ at::Tensor attend_with(const at::Tensor& x, const at::Tensor& cs, const at::Tens
       if (!allow || allow[t * S + j]) keys[t * S + n++] = j;
     counts[t] = n;
   }
-  at::parallel_for(0, T * heads, 1, [&](int64_t i0, int64_t i1) {
+  // a query's whole attention runs on one thread; small work stays on the calling thread (no wake-up to pay)
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, S * d));
+  at::parallel_for(0, T * heads, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads, g = h / group, n = counts[t];
@@ -680,13 +711,19 @@ at::Tensor attend_with(const at::Tensor& x, const at::Tensor& cs, const at::Tens
         std::fill(out_row, out_row + d, 0.f);
         continue;
       }
-      const Keys<E> kv{kc + g * ks0, ks1, vc + g * vs0, vs1, keys.data() + t * S, n};
-      if (d == 64) attend_query<64>(qr + (t * heads + h) * d, kv, sc, p.data(), out_row);
-      else if (d == 128) attend_query<128>(qr + (t * heads + h) * d, kv, sc, p.data(), out_row);
-      else attend_query_any(qr + (t * heads + h) * d, d, kv, sc, p.data(), out_row);
+      const Keys<E> kv{kc + g * c.k_head, c.k_slot, vc + g * c.v_head, c.v_slot, keys.data() + t * S, n};
+      const float* qi = q.data() + (t * heads + h) * d;
+      if (d == 64) attend_query<64>(qi, kv, sc, p.data(), out_row);
+      else if (d == 128) attend_query<128>(qi, kv, sc, p.data(), out_row);
+      else attend_query_any(qi, d, kv, sc, p.data(), out_row);
     }
   });
-  return out;
+}
+
+void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, const CacheLayer& c, int64_t at,
+                 const bool* allow, int64_t heads, int64_t kv_heads, int64_t d, float sc, float* o) {
+  if (c.half) attend_rows<uint16_t>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
+  else attend_rows<float>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
 }
 
 // Self-attention of one sequence's T new tokens, from their fused projections qkv [T, (H + 2 KV) d]:
@@ -720,12 +757,12 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
     TORCH_CHECK(m2.size(0) == T && m2.size(1) == S, "attend mask: expected [", T, ", ", S, "], got ", mask->sizes());
     allow = m2.data_ptr<bool>();
   }
-  if (k_cache.scalar_type() == at::kHalf)
-    return attend_with(x, cs, sn, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>()),
-                       reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>()), k_cache, v_cache, at, allow, heads,
-                       kv_heads, scale);
-  return attend_with(x, cs, sn, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, v_cache, at, allow,
-                     heads, kv_heads, scale);
+  const CacheLayer c{k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+                     v_cache.stride(1), k_cache.scalar_type() == at::kHalf};
+  at::Tensor out = at::empty({T, heads * d}, x.options());
+  attend_rows(x.data_ptr<float>(), T, cs.data_ptr<float>(), sn.data_ptr<float>(), c, at, allow, heads, kv_heads, d,
+              static_cast<float>(scale), out.data_ptr<float>());
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -736,60 +773,112 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 struct Blocks : torch::CustomClassHolder {
   // per block: norm1, qkv (w, scale, bias), o, norm2, gate_up, down; an empty tensor stands for no bias
   static constexpr int64_t PER_BLOCK = 14;
-  std::vector<at::Tensor> t;
-  std::vector<double> eps;  // per block: before attention, before the MLP
-  int64_t heads, kv_heads;
+  struct Layer {
+    const float* norm1;
+    const float* norm2;
+    float eps1, eps2;
+    Weight qkv, o, gate_up, down;
+  };
+  std::vector<at::Tensor> t;  // owns what the layers point into
+  std::vector<Layer> layers;
+  int64_t heads, kv_heads, E = 0, d = 0, F = 0;
   double scale;
 
   Blocks(std::vector<at::Tensor> tensors, std::vector<double> eps, int64_t heads, int64_t kv_heads, double scale)
-      : t(std::move(tensors)), eps(std::move(eps)), heads(heads), kv_heads(kv_heads), scale(scale) {
+      : t(std::move(tensors)), heads(heads), kv_heads(kv_heads), scale(scale) {
     TORCH_CHECK(!t.empty() && t.size() % PER_BLOCK == 0, "Blocks: expected ", PER_BLOCK,
                 " tensors a block (norm, qkv w/scale/bias, o w/scale/bias, norm, gate_up w/scale/bias, "
                 "down w/scale/bias), got ", t.size());
-    TORCH_CHECK(this->eps.size() == 2 * size(), "Blocks: expected 2 norm epsilons a block, got ", this->eps.size(),
-                " for ", size(), " blocks");
+    const int64_t n = static_cast<int64_t>(t.size()) / PER_BLOCK;
+    TORCH_CHECK(static_cast<int64_t>(eps.size()) == 2 * n, "Blocks: expected 2 norm epsilons a block, got ",
+                eps.size(), " for ", n, " blocks");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "Blocks: ", heads, " query heads cannot share ",
                 kv_heads, " key/value heads");
+    E = t[0].numel();
+    for (int64_t l = 0; l < n; ++l) {
+      at::Tensor* w = t.data() + l * PER_BLOCK;
+      for (int i : {0, 7}) {
+        w[i] = w[i].contiguous();
+        optional_vector(w[i], E, "Blocks norm weight");
+      }
+      auto bias = [&](int i) { return w[i].numel() ? std::optional<at::Tensor>(w[i]) : std::nullopt; };
+      Layer L{w[0].data_ptr<float>(), w[7].data_ptr<float>(), static_cast<float>(eps[2 * l]),
+              static_cast<float>(eps[2 * l + 1]), weight_of(w[1], w[2], bias(3), E, "Blocks qkv weight"), {}, {}, {}};
+      TORCH_CHECK(L.qkv.N % (heads + 2 * kv_heads) == 0, "Blocks qkv weight: ", L.qkv.N, " outputs do not split into ",
+                  heads, " + 2 x ", kv_heads, " heads");
+      d = L.qkv.N / (heads + 2 * kv_heads);
+      L.o = weight_of(w[4], w[5], bias(6), heads * d, "Blocks o weight");
+      TORCH_CHECK(L.o.N == E, "Blocks o weight: expected ", E, " outputs, got ", L.o.N);
+      L.gate_up = weight_of(w[8], w[9], bias(10), E, "Blocks gate_up weight");
+      F = L.gate_up.N / 2;
+      L.down = weight_of(w[11], w[12], bias(13), F, "Blocks down weight");
+      TORCH_CHECK(L.down.N == E, "Blocks down weight: expected ", E, " outputs, got ", L.down.N);
+      layers.push_back(L);
+    }
   }
 
-  int64_t size() const { return static_cast<int64_t>(t.size()) / PER_BLOCK; }
-
-  std::optional<at::Tensor> bias(int64_t i) const {
-    return t[i].numel() ? std::optional<at::Tensor>(t[i]) : std::nullopt;
-  }
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
 
   // x [T, E] through every block. Rows [ends[s-1], ends[s]) are sequence s: its keys and values go to
   // k[s], v[s] [blocks, 1, KV, capacity, d] from slot ats[s], and it attends under masks[s] [t, ats[s] + t]
-  // (an empty tensor: every slot up to its own). cos, sin [T, d]: the rows' rotary tables.
+  // (an empty tensor: every slot up to its own). cos, sin [T, d]: the rows' rotary tables. Everything is
+  // checked once; the blocks then run on raw pointers (the same functions as the single ops: the same bits).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                      std::vector<int64_t> ends, std::vector<int64_t> ats, std::vector<at::Tensor> masks) {
     const size_t S = ends.size();
     TORCH_CHECK(S > 0 && k.size() == S && v.size() == S && ats.size() == S && masks.size() == S,
                 "Blocks.forward: expected a key cache, value cache, start slot and mask for each of ", S,
                 " sequences, got ", k.size(), ", ", v.size(), ", ", ats.size(), ", ", masks.size());
-    TORCH_CHECK(x.dim() == 2 && ends.back() == x.size(0), "Blocks.forward: sequences end at row ", ends.back(),
-                "; input has ", x.sizes());
-    for (size_t s = 0; s < S; ++s)
-      TORCH_CHECK(k[s].dim() == 5 && v[s].dim() == 5 && k[s].size(0) == size() && v[s].size(0) == size(),
-                  "Blocks.forward: expected caches [", size(), ", 1, KV, capacity, d], got ", k[s].sizes());
-    std::vector<std::optional<at::Tensor>> mask(S);
-    for (size_t s = 0; s < S; ++s)
-      if (masks[s].numel()) mask[s] = masks[s];
-    for (int64_t l = 0; l < size(); ++l) {
-      const at::Tensor* w = t.data() + l * PER_BLOCK;
-      const at::Tensor qkv = norm_linear(x, w[0], eps[2 * l], w[1], w[2], bias(l * PER_BLOCK + 3));
-      std::vector<at::Tensor> outs;
-      int64_t a = 0;
-      for (size_t s = 0; s < S; ++s) {
-        const int64_t b = ends[s];
-        outs.push_back(attend(qkv.slice(0, a, b), cos.slice(0, a, b), sin.slice(0, a, b), k[s][l][0], v[s][l][0],
-                              ats[s], mask[s], heads, kv_heads, scale));
-        a = b;
+    at::Tensor out = rows_of(x, "Blocks.forward input").clone();
+    const int64_t T = out.size(0);
+    TORCH_CHECK(out.size(1) == E && ends.back() == T, "Blocks.forward: expected [", ends.back(), ", ", E,
+                "] input, got ", x.sizes());
+    const at::Tensor cs = cos.reshape({-1, d}).contiguous(), sn = sin.reshape({-1, d}).contiguous();
+    TORCH_CHECK(cs.scalar_type() == at::kFloat && sn.scalar_type() == at::kFloat && cs.size(0) == T && sn.size(0) == T,
+                "Blocks.forward rope: expected fp32 [", T, ", ", d, "] tables, got ", cos.sizes());
+    std::vector<at::Tensor> allow(S);
+    for (size_t s = 0; s < S; ++s) {
+      const int64_t a = s ? ends[s - 1] : 0, n = ends[s] - a;
+      TORCH_CHECK(n > 0 && ats[s] >= 0, "Blocks.forward: sequence ", s, " has ", n, " rows from slot ", ats[s]);
+      for (const at::Tensor* c : {&k[s], &v[s]})
+        TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kHalf) &&
+                        c->scalar_type() == k[s].scalar_type() && c->dim() == 5 && c->size(0) == size() &&
+                        c->size(2) == kv_heads && c->size(3) >= ats[s] + n && c->size(4) == d && c->stride(4) == 1,
+                    "Blocks.forward cache: expected fp32 or fp16 [", size(), ", 1, ", kv_heads, ", >= ", ats[s] + n,
+                    ", ", d, "] (keys and values alike), got ", c->scalar_type(), " ", c->sizes());
+      if (masks[s].numel()) {
+        allow[s] = masks[s].reshape({-1, masks[s].size(-1)}).to(at::kBool).contiguous();
+        TORCH_CHECK(allow[s].size(0) == n && allow[s].size(1) == ats[s] + n, "Blocks.forward mask: expected [", n,
+                    ", ", ats[s] + n, "], got ", masks[s].sizes());
       }
-      x = linear(S == 1 ? outs[0] : at::cat(outs), w[4], w[5], bias(l * PER_BLOCK + 6), x);
-      x = mlp(x, w[7], eps[2 * l + 1], w[8], w[9], bias(l * PER_BLOCK + 10), w[11], w[12], bias(l * PER_BLOCK + 13));
     }
-    return x;
+    const int64_t width = (heads + 2 * kv_heads) * d;
+    const float sc = static_cast<float>(scale);
+    float* xs = out.data_ptr<float>();
+    std::vector<float> h(T * E), qkv(T * width), att(T * heads * d), gu(T * 2 * F), act(T * F);
+    Rows rows;
+    for (int64_t l = 0; l < size(); ++l) {
+      const Layer& L = layers[l];
+      rms_norm_rows(xs, L.norm1, L.eps1, T, E, h.data());
+      project(h.data(), T, L.qkv, nullptr, qkv.data(), rows);
+      for (size_t s = 0; s < S; ++s) {
+        const int64_t a = s ? ends[s - 1] : 0;
+        const bool half = k[s].scalar_type() == at::kHalf;
+        const int64_t bytes = half ? 2 : 4;
+        const CacheLayer c{static_cast<char*>(k[s].data_ptr()) + l * k[s].stride(0) * bytes,
+                           static_cast<char*>(v[s].data_ptr()) + l * v[s].stride(0) * bytes,
+                           k[s].stride(2), k[s].stride(3), v[s].stride(2), v[s].stride(3), half};
+        attend_rows(qkv.data() + a * width, ends[s] - a, cs.data_ptr<float>() + a * d, sn.data_ptr<float>() + a * d,
+                    c, ats[s], allow[s].defined() ? allow[s].data_ptr<bool>() : nullptr, heads, kv_heads, d, sc,
+                    att.data() + a * heads * d);
+      }
+      project(att.data(), T, L.o, xs, xs, rows);
+      rms_norm_rows(xs, L.norm2, L.eps2, T, E, h.data());
+      project(h.data(), T, L.gate_up, nullptr, gu.data(), rows);
+      swiglu(gu.data(), T, F, act.data());
+      project(act.data(), T, L.down, xs, xs, rows);
+    }
+    return out;
   }
 };
 
