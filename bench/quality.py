@@ -83,7 +83,8 @@ def teacher_forced_agreement(target, prompt: list[int], answer: list[int]) -> fl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--weights", default="int8", help="comma list of low-bit weights to compare to fp32 (default int8)")
+    p.add_argument("--weights", default="int8,int4",
+                   help="comma list of low-bit weights to compare to fp32 (default int8,int4)")  # fmt: skip
     p.add_argument("--limit", type=int, default=10, help="prompts per dataset (MT-Bench, HumanEval; default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--conversations", type=int, default=40, help="held-out ShareGPT conversations (default 40)")
