@@ -48,7 +48,7 @@ from client.verifiers import LocalVerifier, RemoteVerifier
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.models import DEFAULT_MODEL, load_target
-from shared.server_process import server_child
+from shared.server_process import cpus_label, disjoint_cpus, pin_process, server_child
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = ["api", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3"]
@@ -327,10 +327,14 @@ def main(argv: list[str] | None = None) -> int:
             ceiling_runs[n].append(passes(problems[prompt.index], text, args.test_timeout))
     ceiling = {n: round(sum(v) / len(v), 4) for n, v in ceiling_runs.items()}
     runs: list[Run] = []
+    cpus = disjoint_cpus(args.server_threads, args.client_threads)  # the server and the device on their own cores
+    if cpus is not None:
+        pin_process(cpus[1])
+    torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         # every run leaves a session behind the dead link: a short TTL frees it while the next runs go on
         serve = ["--threads", str(args.server_threads), "--session-ttl", str(SESSION_TTL_S), "--max-sessions", "32"]
-        upstream = stack.enter_context(server_child(serve, Path(tmp)))
+        upstream = stack.enter_context(server_child(serve, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own())
         bar = tqdm(total=len(prompts) * len(args.cuts) * len(args.methods), desc="disconnect", unit="run",
                    file=sys.stderr)  # fmt: skip
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     bar.update()
         bar.close()
     summary = summarize(runs, ceiling)
-    env = {**environment(args.client_threads), "server_threads": args.server_threads}
+    env = {**environment(args.client_threads), "server_threads": args.server_threads, "cpus": cpus_label(cpus)}
     settings = {
         "methods": args.methods, "cuts": args.cuts, "window": args.window, "profile": asdict(PROFILES[args.profile]),
         "problems": [p["task_id"] for p in problems[: args.limit]], "tree": STATIC_TREE, "payload": "lsa/fp16",
@@ -361,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(summary)
     header = (
         f"# The link cut for good mid-generation\n\n`{env['command']}`\n\n{env['date']}, {args.model} ({dtype}, cpu): "
-        f"server child {args.server_threads} thread(s), client {args.client_threads}, on {env['cpu_count']} CPUs; "
+        f"server child {args.server_threads} thread(s), client {args.client_threads}, on {env['cpu_count']} CPUs "
+        f"({env['cpus']}); "
         f"first {len(prompts)} HumanEval problems, greedy, link {args.profile} cut silently after N new tokens and "
         f"never restored; agreement over the next {args.window} tokens against the target's own greedy "
         f"continuation; pass@1 at {args.window + TAU_SLACK} + N tokens; medians over problems (agreement: mean).\n\n"

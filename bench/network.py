@@ -48,7 +48,7 @@ from client.drafters import make_drafter
 from client.verifiers import LocalVerifier, RemoteVerifier
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL, load_target
-from shared.server_process import server_child
+from shared.server_process import cpus_label, disjoint_cpus, pin_process, server_child
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
@@ -275,13 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
     runs = plain_local(target, prompts, args)
+    cpus = disjoint_cpus(args.server_threads, args.client_threads)  # after plain-local, which runs on both shares
+    if cpus is not None:
+        pin_process(cpus[1])
+    torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        upstream = stack.enter_context(server_child(["--threads", str(args.server_threads)], Path(tmp)))
+        upstream = stack.enter_context(server_child(["--threads", str(args.server_threads)], Path(tmp),
+                                                    cpus=cpus and cpus[0]))  # fmt: skip
         netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
         for profile in args.profiles:
             runs += run_profile(profile, upstream, netsim, target, args.methods, prompts, args)
     summary = summarize(runs)
-    env = {**environment(args.client_threads), "server_threads": args.server_threads}
+    env = {**environment(args.client_threads), "server_threads": args.server_threads, "cpus": cpus_label(cpus)}
     table = markdown(summary)
     counts = {d: sum(p.dataset == d for p in prompts) for d in ("mt-bench", "humaneval")}
     settings = {
@@ -293,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
         f"{args.model} ({dtype}, cpu): server child {args.server_threads} thread(s), client {args.client_threads}, "
-        f"on {env['cpu_count']} CPUs ({env['cpu']}); {counts['mt-bench']} MT-Bench + {counts['humaneval']} HumanEval "
+        f"on {env['cpu_count']} CPUs ({env['cpu']}; {env['cpus']}); {counts['mt-bench']} MT-Bench + "
+        f"{counts['humaneval']} HumanEval "
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
         f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"
     )

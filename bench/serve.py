@@ -42,7 +42,7 @@ from client.drafters import make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
-from shared.server_process import ServerChild
+from shared.server_process import ServerChild, cpus_label, disjoint_cpus, pin_process
 from shared.tree import ROOT, DraftTree, children
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -214,12 +214,13 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
                  rss_mb(child.process.pid), share, exact)  # fmt: skip
 
 
-def markdown(points: list[Point], args, recordings: list[Recording]) -> str:
+def markdown(points: list[Point], args, recordings: list[Recording], cpus: str) -> str:
     rounds = sum(r.rounds() for r in recordings)
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
     lines = [
         f"Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} MT-Bench prompts, ≤ 16 nodes, "
-        f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads.",
+        f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads; "
+        f"{cpus}.",
         "",
         "| mode | clients | server tok/s | tok/forward | steps/forward | client tok/s | verify p50 ms "
         "| verify p99 ms | server ms/token | RSS MB | nodes verified | exact |",
@@ -279,11 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
     del target
     points: list[Point] = []
+    cpus = disjoint_cpus(args.server_threads, 1)  # the replaying clients on a core of their own, if one is left
+    if cpus is not None:
+        pin_process(cpus[1])
     with tempfile.TemporaryDirectory(prefix="splitspec-serve-") as workdir:
         for mode in modes:
             serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--max-sessions",
                           str(2 * max(counts)), "--metrics-port", "0", *MODES[mode]]  # fmt: skip
-            child = ServerChild(serve_args, Path(workdir) / mode)
+            child = ServerChild(serve_args, Path(workdir) / mode, cpus=cpus and cpus[0])
             (Path(workdir) / mode).mkdir()
             child.start()
             try:
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(str(points[-1]), file=sys.stderr)
             finally:
                 child.stop()
-    md = markdown(points, args, recordings)
+    md = markdown(points, args, recordings, cpus_label(cpus))
     print(md)
     result = {"environment": environment(args.server_threads), "args": vars(args) | {"out": str(args.out)},
               "points": [asdict(p) for p in points]}  # fmt: skip

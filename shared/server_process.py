@@ -6,6 +6,7 @@ user would, and found ready by the port it writes to ``--ready-file``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -23,8 +24,10 @@ class ServerChild:
     ``port=0`` lets the first start pick a free port; later starts reuse it (a restart, as clients see one).
     """
 
-    def __init__(self, serve_args: list[str], workdir: Path, port: int = 0, timeout_s: float = 300.0):
+    def __init__(self, serve_args: list[str], workdir: Path, port: int = 0, timeout_s: float = 300.0,
+                 cpus: set[int] | None = None):  # fmt: skip
         self.serve_args, self.workdir, self.port, self.timeout_s = list(serve_args), Path(workdir), port, timeout_s
+        self.cpus = cpus  # the CPUs it may run on (``disjoint_cpus``); None: any
         self.process: subprocess.Popen | None = None
 
     @property
@@ -39,6 +42,8 @@ class ServerChild:
                *self.serve_args]  # fmt: skip
         with open(log, "a") as log_file:
             self.process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        if self.cpus:  # pinned while it is still starting Python: every thread it makes inherits the set
+            pin_process(self.cpus, self.process.pid)
         deadline = time.monotonic() + self.timeout_s
         while not ready.exists():
             if self.process.poll() is not None:
@@ -67,10 +72,43 @@ class ServerChild:
 
 
 @contextmanager
-def server_child(serve_args: list[str], workdir: Path, timeout_s: float = 300.0) -> Iterator[str]:
-    """A `splitspec serve` child on a free loopback port: yields its address, always stops it."""
-    child = ServerChild(serve_args, workdir, timeout_s=timeout_s)
+def server_child(serve_args: list[str], workdir: Path, timeout_s: float = 300.0,
+                 cpus: set[int] | None = None) -> Iterator[str]:  # fmt: skip
+    """A `splitspec serve` child on a free loopback port (on ``cpus`` if given): yields its address, always stops it."""
+    child = ServerChild(serve_args, workdir, timeout_s=timeout_s, cpus=cpus)
     try:
         yield child.start()
     finally:
         child.stop()
+
+
+def disjoint_cpus(server: int, client: int) -> tuple[set[int], set[int]] | None:
+    """CPUs for a server child and for this process (the client) that do not overlap: two machines emulated on one,
+    so that neither slows the other and a baseline the same child serves gets the same cores. None where this OS
+    cannot pin threads or fewer CPUs than ``server + client`` are ours."""
+    if not hasattr(os, "sched_getaffinity") or server < 1 or client < 1:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < server + client:
+        return None
+    return set(cpus[:server]), set(cpus[server : server + client])
+
+
+def pin_process(cpus: set[int], pid: int | None = None) -> None:
+    """Every thread of process ``pid`` (default: this one) onto ``cpus``; threads it starts later inherit the set.
+    (Linux pins per thread: setting the process id alone would leave a running thread pool where it was.)"""
+    pid = pid or os.getpid()
+    tasks = Path(f"/proc/{pid}/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [pid]:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that has just ended
+
+
+def cpus_label(cpus: tuple[set[int], set[int]] | None) -> str:
+    """How the server and the client shared the machine, for every report."""
+    if cpus is None:
+        return "server child and client sharing the CPUs (too few to give each its own)"
+    server, client = (",".join(map(str, sorted(c))) for c in cpus)
+    return f"server child pinned to CPU {server}, client to CPU {client} (two machines emulated)"

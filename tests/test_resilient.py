@@ -281,3 +281,35 @@ def test_the_cli_survives_a_cut_and_restored_link_with_no_flag(tiny_model_dir, t
     result = json.loads(out)
     assert result["token_ids"] == plain and all(result["verified"])
     assert result["stats"]["disconnects"] >= 1 and result["stats"]["reconnects"] >= 1
+
+
+def test_a_server_child_and_this_process_get_disjoint_cpus():
+    """Two machines emulated on one: ``disjoint_cpus`` splits this process's CPUs, and ``pin_process`` moves every
+    thread of a child (a thread pool already running included) onto its share."""
+    import os
+    import subprocess
+    import sys
+
+    from shared.server_process import cpus_label, disjoint_cpus, pin_process
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs and CPU affinity")
+    assert disjoint_cpus(len(os.sched_getaffinity(0)), 1) is None  # not enough for both: say so, pin nothing
+    server, client = disjoint_cpus(1, 1)
+    assert len(server) == len(client) == 1 and not server & client and "pinned" in cpus_label((server, client))
+    code = ("import threading, time\n"
+            "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "time.sleep(30)")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{child.pid}/task")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pin_process(server, child.pid)
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) >= 4 and all(os.sched_getaffinity(t) == server for t in tids)
+    finally:
+        child.kill()
+        child.wait()
