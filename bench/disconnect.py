@@ -48,7 +48,7 @@ from client.verifiers import LocalVerifier, RemoteVerifier
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.models import DEFAULT_MODEL, load_target
-from shared.server_process import cpus_label, disjoint_cpus, pin_process, server_child
+from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = ["api", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3"]
@@ -327,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             ceiling_runs[n].append(passes(problems[prompt.index], text, args.test_timeout))
     ceiling = {n: round(sum(v) / len(v), 4) for n, v in ceiling_runs.items()}
     runs: list[Run] = []
-    cpus = disjoint_cpus(args.server_threads, args.client_threads)  # the server and the device on their own cores
-    if cpus is not None:
-        pin_process(cpus[1])
+    cpus = two_machines(args.server_threads, args.client_threads)  # the server and the device on their own cores
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         # every run leaves a session behind the dead link: a short TTL frees it while the next runs go on

@@ -48,7 +48,7 @@ from client.drafters import make_drafter
 from client.verifiers import LocalVerifier, RemoteVerifier
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL, load_target
-from shared.server_process import cpus_label, disjoint_cpus, pin_process, server_child
+from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
@@ -275,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
     runs = plain_local(target, prompts, args)
-    cpus = disjoint_cpus(args.server_threads, args.client_threads)  # after plain-local, which runs on both shares
-    if cpus is not None:
-        pin_process(cpus[1])
+    cpus = two_machines(args.server_threads, args.client_threads)  # after plain-local, which runs on both shares
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         upstream = stack.enter_context(server_child(["--threads", str(args.server_threads)], Path(tmp),

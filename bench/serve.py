@@ -42,7 +42,7 @@ from client.drafters import make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
-from shared.server_process import ServerChild, cpus_label, disjoint_cpus, pin_process
+from shared.server_process import ServerChild, cpus_label, two_machines
 from shared.tree import ROOT, DraftTree, children
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -280,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
     del target
     points: list[Point] = []
-    cpus = disjoint_cpus(args.server_threads, 1)  # the replaying clients on a core of their own, if one is left
-    if cpus is not None:
-        pin_process(cpus[1])
+    cpus = two_machines(args.server_threads, 1)  # the replaying clients on a core of their own, if one is left
     with tempfile.TemporaryDirectory(prefix="splitspec-serve-") as workdir:
         for mode in modes:
             serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--max-sessions",

@@ -22,7 +22,7 @@ from pathlib import Path
 from client.decode import verified_prefix
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL
-from shared.server_process import cpus_label, disjoint_cpus, pin_process, server_child
+from shared.server_process import cpus_label, server_child, two_machines
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of the same effect."
 
@@ -146,11 +146,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = target.tokenizer if target is not None else load_tokenizer(args.model, args.cache_dir)
     prompt_ids = encode_prompt(tokenizer, args.prompt, True)
     serve_args = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    cpus = disjoint_cpus(1, 1)  # a server machine and a device: a core each, the API baseline on the server's
+    cpus = two_machines(1, 1)  # a server machine and a device: a core each, the API baseline on the server's
     if cpus is not None:
         import torch
 
-        pin_process(cpus[1])
         torch.set_num_threads(1)
         serve_args += ["--threads", "1"]
     print(f"splitspec demo: starting the server ({args.model}) and a simulated {args.network} link; "

@@ -156,17 +156,8 @@ class Transformer(nn.Module):
         E = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, E)
         self.layers = nn.ModuleList(
-            Block(
-                E,
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.mlp_hidden,
-                cfg.eps,
-                bias=cfg.qkv_bias,
-                out_bias=cfg.out_bias,
-                mlp_bias=cfg.mlp_bias,
-            )  # fmt: skip
+            Block(E, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps,
+                  bias=cfg.qkv_bias, out_bias=cfg.out_bias, mlp_bias=cfg.mlp_bias)  # fmt: skip
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(E, cfg.eps)

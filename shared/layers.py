@@ -329,9 +329,8 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = Linear(dim, 2 * hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
-        self._register_load_state_dict_pre_hook(
-            lambda state, prefix, *a: _fuse(state, prefix, ("gate_proj", "up_proj"), "gate_up")
-        )
+        self._register_load_state_dict_pre_hook(lambda state, prefix, *a: _fuse(state, prefix,
+                                                                               ("gate_proj", "up_proj"), "gate_up"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)

@@ -94,6 +94,15 @@ def disjoint_cpus(server: int, client: int) -> tuple[set[int], set[int]] | None:
     return set(cpus[:server]), set(cpus[server : server + client])
 
 
+def two_machines(server: int, client: int) -> tuple[set[int], set[int]] | None:
+    """``disjoint_cpus``, this process (the client) already pinned to its share (its torch threads are the
+    caller's to set); None: the machine is shared, nothing pinned."""
+    cpus = disjoint_cpus(server, client)
+    if cpus is not None:
+        pin_process(cpus[1])
+    return cpus
+
+
 def pin_process(cpus: set[int], pid: int | None = None) -> None:
     """Every thread of process ``pid`` (default: this one) onto ``cpus``; threads it starts later inherit the set.
     (Linux pins per thread: setting the process id alone would leave a running thread pool where it was.)"""

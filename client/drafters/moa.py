@@ -166,8 +166,8 @@ class MoADrafter(TreeDrafter):
         self.tli_caches = [KVCache() for _ in self.model.parts.layers]
         self.mem_k = self.mem_v = None
         # features absorbed but not yet through LSA and into the TLI caches: done in one batch when the drafter
-        # next drafts (while the policy has drafting paused, a round would otherwise pay LSA for one token: ~30 %
-        # of a plain step on a fast CPU target)
+        # next drafts (while the policy has drafting paused, a round would otherwise pay LSA for one token: a large
+        # share of a plain step on a fast CPU target)
         self.pending: list[Features] = []
         self.nodes = DraftNodes(0, 0)
         self.absorb(tokens, features)
