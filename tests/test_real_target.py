@@ -168,13 +168,13 @@ def test_bf16_drafted_output_equals_bf16_plain_decoding(real_bf16, name):
 
 def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_server):
     """The adaptive policy sizes trees by the link in a run that survives link drops (the default): over a
-    150 ms round trip a round's RTT dwarfs what nodes cost to verify, so what it learned in the run makes it send
-    more of a tree than what it learned on loopback, where the fp32 target's verification time grows with every
-    node. (Judged on the same scored tree after each run: the rounds a run itself cuts are few and noisy, since
-    it stops drafting while drafting loses.)"""
+    150 ms round trip a round's RTT dwarfs what nodes cost to verify, so with the link it measured in the run it
+    sends more of a tree than with loopback's, where the fp32 target's verification time grows with every node.
+    (Judged on the same scored tree and the same server costs after each run: the rounds a run itself cuts are
+    few and noisy, since it stops drafting while drafting loses, and so is a cost curve learned from them.)"""
     import math
 
-    from client.adaptive import AdaptivePolicy
+    from client.adaptive import AdaptivePolicy, CostCurve
     from client.drafters import make_drafter
     from netsim import simulated_link
     from netsim.profiles import Profile
@@ -184,7 +184,7 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
     server, address, _ = start_server(real_target)
     probe = DraftTree.chain(list(range(100, 124)))  # 24 nodes, each 0.7 likely given its parent
     probe.scores = [(i + 1) * math.log(0.7) for i in range(24)]
-    sizes = {}
+    sizes, policies = {}, {}
     try:
         for profile in (Profile("loopback"), Profile("test-150ms", rtt_ms=150)):
             drafter = make_drafter("eagle", target=real_target)
@@ -197,10 +197,15 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
                 finally:
                     verifier.shutdown()
             assert gen.stats.heartbeat_probes > 0  # the link survival was on
-            policy.rounds, policy.calibration = 10, 1.0  # past its explorations; the tree's scores as they are
-            sizes[profile.name] = len(policy.cut(probe))
+            policies[profile.name] = policy
     finally:
         server.stop(grace=None)
+    for name, policy in policies.items():  # the same server costs for both (fp32-like: 60 ms + 5 ms a node): only
+        policy.verify_fit, policy.draft_step_s = CostCurve(), 0.0  # the link each run measured differs
+        for n in range(1, 26):
+            policy.verify_fit.add(n, 0.060 + 0.005 * n)
+        policy.rounds, policy.calibration = 10, 1.0  # past its explorations; the tree's scores as they are
+        sizes[name] = len(policy.cut(probe))
     print(sizes)
     assert sizes["test-150ms"] > sizes["loopback"]
 
