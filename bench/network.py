@@ -12,7 +12,12 @@ generates greedily, interleaved and rotated as in ``bench.single``:
 * ``moa-tliN``       MoA, static: payload ``lsa`` at fp16 (the server runs the LSA; TLI>0 adds the last N
                      layers' KV), EAGLE-2 tree B=4, D=5, 16 nodes, all of it verified every round
 * ``moa-tliN-paper`` the same with the MoA paper's fixed tree (B=8, D=6, 62 nodes)
-* ``moa-tliN-adaptive`` the adaptive policy (``client.adaptive``): tree size, depth and payload per round
+* ``moa-tliN-adaptive`` the adaptive policy (``client.adaptive``, ``--mode draft``): tree size, depth and payload
+                     per round, plain verification rounds while drafting loses
+* ``<drafter>-auto`` the adaptive policy in ``--mode auto`` (the client's default): the server decodes stretches by
+                     itself (server-side continuation) and drafting is tried between them, kept where it is faster
+* ``<drafter>-stream`` ``--mode stream``: the server decodes everything after the prompt, streaming payloads the
+                     drafter absorbs (what it costs over the API: the payloads; what it buys: local generation on a cut)
 * ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no local generation to fall back
                      on): every other method survives link drops as ``splitspec generate`` does by default,
                      so ``X`` beside ``X-fail`` is what that costs on a healthy link
@@ -52,8 +57,9 @@ from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
-DEFAULT_METHODS = ["api", "prompt-lookup", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3",
-                   "moa-tli3-paper", "moa-tli3-adaptive"]  # fmt: skip
+DEFAULT_METHODS = ["api", "prompt-lookup", "independent", "eagle", "eagle-auto", "moa-tli0", "moa-tli1", "moa-tli3",
+                   "moa-tli3-paper", "moa-tli3-adaptive", "moa-tli1-auto"]  # fmt: skip
+MODES = {"-adaptive": "draft", "-auto": "auto", "-stream": "stream"}  # method suffix -> the adaptive policy's mode
 REFERENCE = "api"
 STATIC_TREE = (4, 5, 16)
 PAPER_TREE = (8, 6, 62)
@@ -78,6 +84,7 @@ class Run:
     prefill_payload_bytes: int
     ttft_s: float
     payload: str
+    streamed_tokens: int = 0
     matches_reference: bool | None = None
     first_difference: int | None = None
 
@@ -89,7 +96,9 @@ class Method:
         self.name, self.target = name, target
         self.drafter, self.nodes = None, STATIC_TREE[2]
         self.resilience = Resilience("fail", heartbeat=False) if name.endswith("-fail") else Resilience()
-        base = name.removesuffix("-fail").removesuffix("-paper").removesuffix("-adaptive")
+        self.mode = next((mode for suffix, mode in MODES.items() if name.removesuffix("-fail").endswith(suffix)), None)
+        base = name.removesuffix("-fail").removesuffix("-paper")
+        base = next((base.removesuffix(suffix) for suffix in MODES if base.endswith(suffix)), base)
         if name != "api":
             tree = PAPER_TREE if "-paper" in name else STATIC_TREE
             trained = base not in ("prompt-lookup", "none")
@@ -98,8 +107,7 @@ class Method:
             self.nodes = tree[2] if trained else 64
         self.verifier = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=self.drafter)
         self.verifier.probe_link()
-        self.adaptive = "-adaptive" in name
-        if self.adaptive:
+        if self.mode is not None:
             self.nodes = 64
         # static methods: the drafter's first spec the server can send (lsa/fp16 for MoA: the server runs its LSA)
         self.specs = self.verifier.usable(self.drafter.payload_specs()) if self.drafter is not None else []
@@ -109,7 +117,7 @@ class Method:
             return api_generate(self.verifier, prompt_ids, max_new_tokens)
         self.verifier.spec = self.specs[0] if self.specs else self.verifier.spec
         # a fresh policy per generation: what it learns is this generation's
-        policy = AdaptivePolicy.for_run(self.verifier, self.specs) if self.adaptive else None
+        policy = AdaptivePolicy.for_run(self.verifier, self.specs, mode=self.mode) if self.mode else None
         return generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=self.nodes,
                         policy=policy, resilience=self.resilience)  # fmt: skip
 
@@ -142,7 +150,7 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                     round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, s.server_calls,
                     round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
                     s.prefill_payload_bytes, round(s.ttft_s, 4),
-                    f"{payload.mode}/{payload.precision}" if payload else "-",
+                    f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens,
                 )  # fmt: skip
                 runs.append(run)
                 done[m.name] = (run, gen.token_ids)
@@ -191,6 +199,7 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
                 ),
                 "prefill_payload_bytes": median([r.prefill_payload_bytes for r in mine]),
                 "median_ttft_s": median([r.ttft_s for r in mine]),
+                "streamed_share": round(sum(r.streamed_tokens for r in mine) / sum(tokens), 3),
                 "mismatches": sum(r.matches_reference is False for r in mine),
             }
     return out
@@ -199,8 +208,8 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     lines = [
         "| profile | method | tok/s | τ | calls/100 tok | server ms/tok | B/tok up | B/tok down | payload B/tok "
-        "| prefill payload KB | TTFT s | ≠ api |",
-        "|---|---|" + "---:|" * 10,
+        "| prefill payload KB | TTFT s | streamed | ≠ api |",
+        "|---|---|" + "---:|" * 11,
     ]
     for profile, methods in summary.items():
         for m, s in methods.items():
@@ -210,7 +219,8 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
                 cell(s["calls_per_100_tokens"], ".1f"), cell(ms, ".1f"), cell(s["bytes_up_per_token"], ".0f"),
                 cell(s["bytes_down_per_token"], ".0f"), cell(s["payload_bytes_per_token"], ".0f"),
                 cell(None if s["prefill_payload_bytes"] is None else s["prefill_payload_bytes"] / 1024, ".0f"),
-                cell(s["median_ttft_s"], ".2f"), "–" if m in (REFERENCE, "plain-local") else str(s["mismatches"]),
+                cell(s["median_ttft_s"], ".2f"), f"{s['streamed_share']:.0%}" if s["streamed_share"] else "–",
+                "–" if m in (REFERENCE, "plain-local") else str(s["mismatches"]),
             ]  # fmt: skip
             lines.append(f"| {profile} | {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

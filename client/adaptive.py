@@ -19,6 +19,14 @@ faithful option whose transfer takes at most ``PAYLOAD_SHARE`` of the round, els
 ``lsa`` ships one memory vector per token instead of every layer's KV, so it wins whenever the
 server holds the drafter's bundle; precision only drops below fp16 on very slow links. Any of
 these can be pinned (``--max-tree-nodes``/``--tree-depth``/``--payload``/``--precision``).
+
+The mode (``--mode``): ``draft`` is the above, falling back to plain verification rounds while drafting
+loses; ``stream`` has the server decode by itself and stream its tokens (server-side continuation: no
+round trip per token); ``auto`` (the default) streams instead of stepping plainly — it starts with a
+stretch of streamed tokens, tries drafting after each stretch and keeps whichever was faster, the
+stretches doubling while drafting loses — except that while the server says its compute is scarce
+(``Load.prefer == "capacity"``) it drafts whenever that costs the server less per token than its
+decoding would, by the costs the server reports.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ MAX_PAUSE = 384
 # Plain rounds run to measure them when a trial ends and none has been seen: a plain round's cost predicted from
 # the verify curve and the RTT misses what the loop pays per token besides (payloads, the drafter catching up).
 PROBE = 2
+MODES = ("auto", "draft", "stream")
+STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
 
 
 @dataclass
@@ -145,9 +155,17 @@ class AdaptivePolicy:
     probing: bool = False  # the plain rounds under way only measure plain speed (the trial goes on after them)
     exploring: bool = False  # the last cut was an exploration (a fixed share of the tree): not judged as drafting
     pause: int = PAUSE  # the next pause's length
+    mode: str = "auto"
+    load: object = None  # the server's latest ``Load`` (its costs and what it prefers); None: not told
+    drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
+    drafted_gain: float | None = None  # tokens gained per drafted round (running average)
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self.depth = self.pin_depth or min(self.max_depth, START_DEPTH)
+        if self.mode == "auto" and self.pin_nodes is None:
+            self.paused = PAUSE  # an idle server decodes with no round trip per token: stream first, then try drafting
 
     @classmethod
     def for_run(cls, verifier, specs: list[PayloadSpec], **pins) -> AdaptivePolicy:
@@ -173,11 +191,40 @@ class AdaptivePolicy:
 
     # --- the choices ---
 
+    def streaming(self) -> int:
+        """How many tokens the server should decode by itself now (0: a drafted or plain round instead). In mode
+        auto, the stretch of plain rounds a losing trial earned is streamed in one go (see the module docstring)."""
+        if self.mode == "stream":
+            return STREAM_ALL
+        if self.mode == "draft" or self.pin_nodes is not None:
+            return 0
+        if self.probing and self.paused == 0:  # the stream that measured plain speed is over: judge the trial
+            self.probing = False
+            self._judge()
+        if self.paused <= 0 or self.spare_server():
+            return 0
+        n, self.paused = self.paused, 0
+        if not self.probing:
+            self.drafted_rate, self.drafted_rounds = None, 0  # drafting after this stretch is a new trial
+        return n
+
+    def spare_server(self) -> bool:
+        """Does the server ask for its compute to be spared, and does drafting cost it less per token than decoding
+        (by the costs it reports and this drafter's measured trees)? Untried drafting is given its chance."""
+        load = self.load
+        if load is None or load.prefer != "capacity" or not load.node_s:
+            return False
+        if self.drafted_gain is None:
+            return True
+        decoding = load.step_s + load.node_s
+        drafting = (load.step_s + (self.drafted_nodes + 1) * load.node_s) / self.drafted_gain
+        return drafting < decoding
+
     def drafting(self) -> bool:
         """Whether to draft this round at all: not while drafted rounds have been slower than plain steps (on a
         machine where a tree costs much more than a token, or with a drafter that rarely hits), with a new trial
-        every ``PAUSE`` rounds. A pinned tree size always drafts."""
-        if self.pin_nodes is not None:
+        every ``PAUSE`` rounds. A pinned tree size always drafts; mode auto never steps plainly (it streams)."""
+        if self.pin_nodes is not None or self.mode == "auto":
             return True
         if self.paused > 0:
             self.paused -= 1
@@ -229,6 +276,9 @@ class AdaptivePolicy:
         if not drafted:
             self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
             return
+        nodes = self.history[-1].nodes if self.history else 0
+        self.drafted_nodes = nodes if self.drafted_nodes is None else (1 - GAIN) * self.drafted_nodes + GAIN * nodes
+        self.drafted_gain = tokens if self.drafted_gain is None else (1 - GAIN) * self.drafted_gain + GAIN * tokens
         if self.exploring:
             return  # a share of the tree fixed to learn the cost curve, not what the policy would send
         self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate

@@ -5,6 +5,10 @@ off, picks the payload spec) → the verifier verifies → the policy observes w
 drafter absorbs the kept tokens → they are emitted. It knows nothing about which drafter proposes
 or where verification happens; both are interfaces (``Drafter``, ``Verifier``).
 
+Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
+server-side continuation): its tokens stream in with their payloads, the drafter absorbs them as they
+come, so drafting can resume — or the link fail — at any token.
+
 Losing the link is an event of this loop, not another loop: a Verify that fails for the link
 (``LinkDown``; ``SessionLost``) hands over to ``client.offline.bridge``, which generates locally
 (the drafter, with MoA's TLI layers) until the server answers again and then settles the
@@ -18,6 +22,7 @@ calls are not rounds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -37,6 +42,9 @@ ON_RECONNECT = ("verify", "keep", "fail")
 MIN_DEADLINE_S = 0.1
 DEADLINE_MARGIN_S = 0.05
 UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has been measured
+# Tokens per payload while the server decodes: fewer, larger payloads cost the server less to make and compress
+# better; a cut may keep the last (up to this many tokens') from arriving, and the settlement fetches them then.
+PAYLOAD_EVERY = 8
 
 
 @dataclass
@@ -67,6 +75,8 @@ class GenerationStats:
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     rounds: int = 0  # verification rounds (prefill and reconciliation calls are not rounds)
+    streamed_tokens: int = 0  # tokens the server decoded by itself (server-side continuation)
+    streams: int = 0  # Decode calls
     server_calls: int = 0
     acceptance_length: float = 0.0  # tokens gained per verification round
     bytes_sent: int = 0
@@ -160,6 +170,7 @@ class Run:
         self.generator = torch.Generator().manual_seed(sampling.seed)  # offline sampling: reproducible per seed
         # running estimates of one verification, for its deadline
         self.verify_s, self.reply_bytes = 0.0, 0.0
+        self.unfeatured: tuple[int, int] | None = None  # cached tokens whose features a cut mid-stream kept away
 
     def generate(self) -> Generation:
         verifier, stats = self.verifier, self.stats
@@ -178,7 +189,11 @@ class Run:
             while not (reason := self.finished()):
                 call = time.perf_counter()
                 try:
-                    self.round()
+                    stretch = self.policy.streaming() if self.policy is not None else 0
+                    if stretch:
+                        self.stream(stretch)
+                    else:
+                        self.round()
                 except (LinkDown, SessionLost) as exc:
                     if self.resilience.on_reconnect == "fail":
                         raise SplitspecError(f"the link failed ({exc}); not generating without the server "
@@ -244,6 +259,7 @@ class Run:
             tree = tree.head(result.verified)  # the server verified only these
         if policy is not None:
             policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
+            policy.load = result.load or policy.load
         stats.rounds += 1
         stats.tree_nodes.append(len(tree))
         self.gained += len(result.new_tokens)
@@ -251,6 +267,38 @@ class Run:
         self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
         if policy is not None:
             policy.record(drafting, len(result.new_tokens), time.perf_counter() - t0)
+
+    def stream(self, limit: int) -> None:
+        """Up to ``limit`` tokens decoded by the server alone, absorbed and emitted as they arrive; the stream ends
+        early (cancelled) once the generation is finished (a stop string)."""
+        verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
+        room = verifier.max_context - len(self.prompt_ids) - len(self.out)
+        limit = min(limit, self.limit - len(self.out), room)
+        if self.heartbeat and self.heartbeat.dead.is_set():
+            raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
+        t0, got = time.perf_counter(), 0
+        stats.streams += 1
+        featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
+        try:
+            with contextlib.closing(verifier.decode(limit, sorted(self.stop), PAYLOAD_EVERY)) as tokens:
+                for result in tokens:
+                    drafter.absorb(result.new_tokens, result.features)
+                    cached += len(result.new_tokens)
+                    if result.features is not None:
+                        featured = result.features.start + len(result.features)
+                    got += len(result.new_tokens)
+                    stats.streamed_tokens += len(result.new_tokens)
+                    self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
+                    if policy is not None:
+                        policy.load = result.load or policy.load
+                    if self.finished():
+                        break
+        except (LinkDown, SessionLost):
+            if featured < cached and verifier.spec:
+                self.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
+            raise
+        if policy is not None:
+            policy.record(False, got, time.perf_counter() - t0)
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
@@ -272,6 +320,7 @@ class Run:
         except SplitspecError:
             pass
         opened = verifier.open(self.prompt_ids + history, self.sampling)
+        self.unfeatured = None  # the prefill brings the features of every cached token
         tokens = history + opened.new_tokens
         self.drafter.begin(self.prompt_ids + tokens, opened.features)
         self.opened = tokens

@@ -86,6 +86,8 @@ def bridge(run) -> None:
             reconnector.start()
             try:
                 if fresh:
+                    if run.unfeatured:
+                        _catch_up(run)
                     _generate_locally(run, reconnector, began)
                 wait = resilience.max_offline_s - (time.perf_counter() - began)
                 if run.finished() and resilience.settle_wait_s is not None:
@@ -112,6 +114,18 @@ def _reachable(verifier: Verifier) -> bool:
     """One Handshake, given as long as a healthy link would need, so a dead one costs each poll little."""
     bound = verifier.link.timeout_s() if verifier.link is not None else None
     return verifier.reachable(timeout_s=max(MIN_POLL_S, 2 * bound + 0.1) if bound else 1.0)
+
+
+def _catch_up(run) -> None:
+    """The tokens streamed since the last payload (a cut kept their features away) fed to the drafter again as local
+    tokens are — each after a proposal, so the drafter stands in its own features for the target's — so that it can
+    generate after them; the target's own features replace those at the settlement."""
+    start, end = run.unfeatured
+    tokens = (run.prompt_ids + run.out)[start + 1 : end + 1]
+    run.drafter.rewind(len(tokens))
+    for token in tokens:
+        run.drafter.propose(1, 1)
+        run.drafter.absorb([token])
 
 
 def _generate_locally(run, reconnector: Reconnector, began: float) -> None:
@@ -141,6 +155,9 @@ def _settle(run, first_local: int, fresh: bool) -> None:
         return
     if fresh:
         try:
+            if run.unfeatured:  # a cut mid-stream kept the features of the last tokens away: fetch them first
+                drafter.absorb([], verifier.fetch(*run.unfeatured))
+                run.unfeatured = None
             replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
             run.commit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
             return

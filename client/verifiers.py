@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -59,6 +60,7 @@ class Round:
     features: Features | None = None  # what the target reported about the tokens it cached this round
     compute_s: float = 0.0  # the server's (or in-process target's) time on this round
     verified: int | None = None  # tree nodes verified, the first of those sent (a loaded server may cut); None: all
+    load: pb.Load | None = None  # what the server's compute costs now (None: no server to ask)
 
 
 class Verifier(ABC):
@@ -85,6 +87,22 @@ class Verifier(ABC):
     @abstractmethod
     def close(self, timeout_s: float | None = None) -> None:
         """Free the session, if one is open."""
+
+    def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
+               timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+        """Server-side continuation: the target decodes by itself, one round per token (no drafts), until a stop
+        token or ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with
+        the last; closing the iterator early ends it. Here: plain verifications one by one (in process there is no
+        round trip to save, and features come with every token); a server streams them (``RemoteVerifier.decode``)."""
+        for _ in range(max_new_tokens):
+            result = self.verify(DraftTree(), timeout_s)
+            yield result
+            if result.new_tokens[-1] in stop_ids:
+                return
+
+    def fetch(self, start: int, end: int) -> Features:
+        """The features of cached tokens [start, end), asked for again (a cut kept a stream's last payload away)."""
+        raise SplitspecError(f"{self.address}: features come with every round here; none to fetch")
 
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
         """Those of ``specs`` this verifier can send (in their order)."""
@@ -332,7 +350,7 @@ class RemoteVerifier(Verifier):
         before = self.counters.payload_bytes
         features = self._features(reply.payload)
         self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
-        return Round([], [reply.first_token], features, reply.compute_s)
+        return Round([], [reply.first_token], features, reply.compute_s, load=reply.load)
 
     def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
         """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
@@ -343,7 +361,40 @@ class RemoteVerifier(Verifier):
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
         verified = reply.verified if 0 < reply.verified < len(tree) else None  # 0: an older server, all
-        return Round(accepted, new, self._features(reply.payload), reply.compute_s, verified)
+        return Round(accepted, new, self._features(reply.payload), reply.compute_s, verified, reply.load)
+
+    def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
+               timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+        """The server decodes the session by itself and streams each token with the payload of the token it cached
+        (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
+        made past what was received are rolled back by the next call's ``length``. ``timeout_s`` bounds the whole
+        stream (a silent cut is noticed by the heartbeat, which aborts it)."""
+        request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
+                                   stop_token_ids=stop_ids, payload=self.spec.to_msg(),
+                                   payload_every=payload_every)  # fmt: skip
+        c = self.counters
+        c.server_calls += 1
+        c.bytes_sent += request.ByteSize()
+        start = time.perf_counter()
+        call = self.stub.Decode(request, timeout=timeout_s or self.rpc_timeout_s + max_new_tokens)
+        self._inflight, self._aborted = call, ""
+        try:
+            for i, chunk in enumerate(call):
+                size = chunk.ByteSize()
+                if i == 0:  # the first token is one round trip around a step; later ones are pipelined
+                    self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+                c.bytes_received += size
+                c.server_compute_s += chunk.compute_s
+                self.length = chunk.length
+                features = self._features(chunk.payload) if chunk.HasField("payload") else None
+                yield Round([], [chunk.token], features, chunk.compute_s, load=chunk.load)
+        except grpc.RpcError as exc:
+            if self._aborted:
+                raise LinkDown(f"server {self.address}: call abandoned: {self._aborted}") from None
+            raise rpc_error(self.address, exc) from None
+        finally:
+            self._inflight = None
+            call.cancel()  # the consumer stopped early (a stop string, a switch): end the stream (no-op once ended)
 
     def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
         """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""
@@ -364,15 +415,16 @@ class RemoteVerifier(Verifier):
                 self.counters.payload_refetches += 1
         for _ in range(PAYLOAD_RETRIES):
             try:
-                return self._fetch(msg.start, msg.start + msg.count)
+                return self.fetch(msg.start, msg.start + msg.count)
             except CodecError as exc:
                 error = exc
                 self.counters.payload_refetches += 1
         raise SplitspecError(f"server {self.address}: payload for tokens [{msg.start}, {msg.start + msg.count}) "
                              f"does not decode after {PAYLOAD_RETRIES} re-requests: {error}")  # fmt: skip
 
-    def _fetch(self, start: int, end: int) -> Features:
-        """FetchPayload: the features of cached tokens [start, end), streamed in chunks."""
+    def fetch(self, start: int, end: int) -> Features:
+        """FetchPayload: the features of cached tokens [start, end), streamed in chunks (those a cut kept from
+        arriving, or a payload too big to ride inline)."""
         request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.spec.to_msg())
         c = self.counters
         c.server_calls += 1

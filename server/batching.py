@@ -66,6 +66,12 @@ class Batcher:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def sessions(self) -> int:
+        """Sequences that had a step in the last ``ACTIVE_S`` (readable from any thread)."""
+        now = time.monotonic()
+        return sum(1 for t in list(self._seen.values()) if now - t < ACTIVE_S)
+
     def run(self, step: Step):
         """Run ``step`` in the next batch; its ``finish`` result, or the exception it raised."""
         work = Work(step)

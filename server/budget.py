@@ -89,6 +89,23 @@ class TreeBudget:
         """The fitted cost of a forward; None before there is a fit."""
         return None if self._coef is None else float(self._coef @ [1.0, tokens, pairs])
 
+    def costs(self, context: int) -> tuple[float, float] | None:
+        """(fixed seconds of a forward, marginal seconds of one more token in it at ``context``) from the fit;
+        None before there is one."""
+        if self._coef is None:
+            return None
+        a, b, c = self._coef
+        return float(a), float(b + c * context)
+
+    def compute_bound(self) -> bool:
+        """Do recent forwards spend more on their tokens than on reading the weights? Then every token added
+        slows every session in the forward: the server is busy, whatever its batch size."""
+        if self._coef is None or not self._forwards:
+            return False
+        data = np.array(self._forwards)[-REFIT_EVERY:]
+        a, b, c = self._coef
+        return float(b * data[:, 0].mean() + c * data[:, 1].mean()) >= a
+
     def choose(self, trees: list[Tree], tokens: int, pairs: int) -> int | None:
         """The common length to cut ``trees`` to, or None to verify them whole. ``tokens`` and ``pairs``: the
         rest of the forward (other steps: prompt pieces, decode steps)."""

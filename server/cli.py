@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default; with --dtype auto: int8 on a CPU without native bf16), native, or int8: every "
                         "projection int8 with per-token int8 activations on splitspec's CPU kernels, a different "
                         "served target, lossless relative to itself, several times faster than fp32 here")  # fmt: skip
+    p.add_argument("--prefer", default="auto", choices=["auto", "latency", "capacity"],
+                   help="what replies ask clients to spend: latency (the server decodes for them when that is "
+                        "faster), capacity (they draft at the edge to spare its compute), auto: capacity while "
+                        "its forwards are compute-bound (default auto)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ServerLimits.add_arguments(p)
     p.add_argument(
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if args.auth_token_file:
         tokens = read_tokens(args.auth_token_file)
     # listening (health: NOT_SERVING, calls: UNAVAILABLE) while the model loads
-    server, port, service = build_server(None, args.host, args.port, limits, bundle_dirs, credentials, tokens)
+    server, port, service = build_server(None, args.host, args.port, limits, bundle_dirs, credentials, tokens,
+                                         args.prefer)
     server.start()
     stopped = threading.Event()
 

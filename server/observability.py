@@ -53,6 +53,8 @@ class Metrics:
         self.tokens_accepted = Counter("splitspec_tokens_accepted", "draft nodes accepted", registry=r)
         self.tokens_generated = Counter("splitspec_tokens_generated", "tokens committed (accepted + bonus, "
                                         "first tokens, streamed tokens)", registry=r)  # fmt: skip
+        self.tokens_decoded = Counter("splitspec_tokens_decoded", "tokens the server decoded by itself for a session "
+                                      "(server-side continuation, Decode)", registry=r)
         self.payload_bytes = Counter("splitspec_payload_bytes", "encoded payload bytes sent", registry=r)
         self.refusals = Counter("splitspec_refusals", "requests refused, by method and status",
                                 ["method", "code"], registry=r)  # fmt: skip
@@ -92,5 +94,5 @@ def log_session(session, reason: str) -> None:
         "event": "session_end", "session": session.id[:8], "owner": session.owner or None, "reason": reason,
         "age_s": round(time.monotonic() - s.opened, 3), "prompt_tokens": s.prompt_tokens,
         "tokens": len(session.engine.tokens), "rounds": s.rounds, "nodes": s.nodes, "accepted": s.accepted,
-        "verify_s": round(s.verify_s, 4), "payload_bytes": s.payload_bytes,
+        "decoded": s.decoded, "verify_s": round(s.verify_s, 4), "payload_bytes": s.payload_bytes,
     }))  # fmt: skip

@@ -38,6 +38,8 @@ PROTOCOL_VERSION = 1
 SPARE_WORKERS = 8
 LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+PREFER = ("auto", "latency", "capacity")
+LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
 log = logging.getLogger("splitspec.server")
 
 
@@ -126,7 +128,13 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     """The SplitSpec API over one target. Built before the model is loaded (every call is then UNAVAILABLE and
     health says NOT_SERVING), it serves once ``attach`` has given it the target."""
 
-    def __init__(self, target: Target | None, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,)):
+    def __init__(self, target: Target | None, limits: ServerLimits = ServerLimits(), bundle_dirs=(SHIPPED,),
+                 prefer: str = "auto"):  # fmt: skip
+        """``prefer``: what the replies tell clients to spend (``Load.prefer``): ``latency`` (decode for them),
+        ``capacity`` (have them draft), or ``auto``: capacity while forwards are compute-bound."""
+        if prefer not in PREFER:
+            raise ValueError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+        self.prefer = prefer
         self.target = None
         self.bundle_dirs = bundle_dirs
         capped = {
@@ -235,6 +243,21 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
         return run
 
+    def _lock(self, session) -> None:
+        """Take the session's lock, waiting briefly for a call just ending (ABORTED if another holds it on)."""
+        if not session.lock.acquire(timeout=LOCK_WAIT_S):
+            raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
+
+    def _load(self, context_len: int) -> pb.Load:
+        """What this server's compute costs now, for a sequence of ``context_len`` tokens (see ``pb.Load``)."""
+        batcher = self.batcher
+        sessions = max(1, batcher.sessions)
+        costs = batcher.budget.costs(context_len) if batcher.budget is not None else None
+        fixed, node = costs or (0.0, 0.0)
+        busy = batcher.budget is not None and batcher.budget.compute_bound()
+        prefer = self.prefer if self.prefer != "auto" else "capacity" if busy else "latency"
+        return pb.Load(sessions=sessions, step_s=fixed / sessions, node_s=node, prefer=prefer)
+
     @contextlib.contextmanager
     def _place(self, prompt_len: int):
         """Hold a place in the store for a sequence starting with ``prompt_len`` tokens (RESOURCE_EXHAUSTED if none)."""
@@ -299,7 +322,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.metrics.tokens_generated.inc()
         log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt), compute_s)
         return pb.OpenSessionReply(session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens),
-                                   compute_s=compute_s, payload=payload)  # fmt: skip
+                                   compute_s=compute_s, payload=payload, load=self._load(len(prompt)))  # fmt: skip
 
     @rpc
     def Verify(self, request, context):
@@ -311,17 +334,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         spec = self._spec(request.payload, session)
-        if not session.lock.acquire(blocking=False):
-            raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
+        self._lock(session)
         try:
             engine = session.engine
-            if request.length > len(engine.tokens):  # a sequencer check: ABORTED, as gRPC says
-                raise Abort(
-                    grpc.StatusCode.ABORTED,
-                    f"client believes the session holds {request.length} tokens, the server holds {len(engine.tokens)}",
-                )
-            if request.length and request.length < len(engine.tokens):  # a reply the client never got: roll back
-                session.truncate(request.length)
+            self._sequence(session, request.length)
             if len(engine.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
                     grpc.StatusCode.OUT_OF_RANGE,
@@ -348,8 +364,17 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         st.accepted += len(verdict.accepted)
         st.verify_s += time.perf_counter() - start
         return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens),
-                              compute_s=time.perf_counter() - start, payload=payload,
-                              verified=verdict.verified)  # fmt: skip
+                              compute_s=time.perf_counter() - start, payload=payload, verified=verdict.verified,
+                              load=self._load(len(engine.tokens)))  # fmt: skip
+
+    def _sequence(self, session, length: int) -> None:
+        """The client's committed ``length`` (0: unchecked): fewer than held rolls back what it never received."""
+        held = len(session.engine.tokens)
+        if length > held:  # a sequencer check: ABORTED, as gRPC says
+            raise Abort(grpc.StatusCode.ABORTED,
+                        f"client believes the session holds {length} tokens, the server holds {held}")  # fmt: skip
+        if length and length < held:  # a reply (or streamed tokens) the client never got: roll back
+            session.truncate(length)
 
     @rpc
     def FetchPayload(self, request, context):
@@ -387,6 +412,71 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         budget = min(budget, self.limits.max_context - len(prompt))
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
         return self._stream(prompt, sampling, budget, stop, context)
+
+    @rpc
+    def Decode(self, request, context):
+        """Server-side continuation (see the proto): validated here, streamed by ``_decode``."""
+        session = self._session(request.session_id, context)
+        if not 0 < request.max_new_tokens <= self.limits.max_new_tokens:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens {request.max_new_tokens} must be in "
+                        f"[1, {self.limits.max_new_tokens}]")  # fmt: skip
+        bad = next((t for t in request.stop_token_ids if t >= self.target.vocab_size), None)
+        if bad is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"stop token id {bad} is outside the vocabulary [0, {self.target.vocab_size})")  # fmt: skip
+        spec = self._spec(request.payload, session)
+        stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
+        return self._decode(session, request, spec, stop, context)
+
+    def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
+        """Plain steps on the session, one token a chunk, the payload of the tokens cached since the last one every
+        ``payload_every`` tokens and on the last chunk; holds the session's lock from its first step until the
+        stream ends (its last token, the client gone, or a failure)."""
+        engine, m, locked = session.engine, self.metrics, False
+        every = max(1, request.payload_every)
+        try:
+            self._lock(session)
+            locked = True
+            self._sequence(session, request.length)
+            if len(engine.tokens) + 1 > self.limits.max_context:
+                raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(engine.tokens)} tokens fill the context "
+                            f"limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
+            sent = engine.cached_len  # payloads sent up to here
+            for produced in range(1, request.max_new_tokens + 1):
+                if not context.is_active():
+                    return
+                start = time.perf_counter()
+                try:
+                    verdict = engine.verify(DraftTree(), self._runner(context))
+                    session.keep_hidden(verdict)
+                    token = verdict.bonus
+                    full = len(engine.tokens) + 1 > self.limits.max_context
+                    reason = ("stop" if token in stop else "length" if produced == request.max_new_tokens
+                              else "context" if full else "")  # fmt: skip
+                    payload = None
+                    if reason or engine.cached_len - sent >= every:
+                        payload, sent = self._payload(session, spec, sent, engine.cached_len), engine.cached_len
+                except Abort:
+                    raise
+                except Exception:
+                    self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
+                    raise
+                m.tokens_generated.inc()
+                m.tokens_decoded.inc()
+                session.stats.decoded += 1
+                yield pb.DecodeChunk(token=token, length=len(engine.tokens), compute_s=time.perf_counter() - start,
+                                     payload=payload, finish_reason=reason, load=self._load(len(engine.tokens)))
+                if reason:
+                    return
+        except Abort as exc:
+            m.refusals.labels("Decode", exc.code.name).inc()
+            exc.send(context)
+        except Exception as exc:
+            log.exception("Decode failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"Decode failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
+        finally:
+            if locked:
+                session.lock.release()
 
     @rpc
     def Probe(self, request, context):
@@ -448,11 +538,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
 def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),
                  bundle_dirs=(SHIPPED,), credentials: grpc.ServerCredentials | None = None,
-                 tokens: dict[str, str] | None = None):  # fmt: skip
+                 tokens: dict[str, str] | None = None, prefer: str = "auto"):  # fmt: skip
     """Create (not start) a gRPC server for ``target`` (None: not loaded yet, see ``SplitSpecService.attach``),
     with the health and reflection services; ``credentials``: TLS (``server.security.server_credentials``);
     ``tokens``: {token: identity} a caller must present one of. Returns (server, bound port, service)."""
-    service = SplitSpecService(None, limits, bundle_dirs)
+    service = SplitSpecService(None, limits, bundle_dirs, prefer)
     service.auth = TokenAuth(tokens) if tokens else None
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

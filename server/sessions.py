@@ -40,6 +40,7 @@ class SessionStats:
     rounds: int = 0
     nodes: int = 0  # draft nodes verified
     accepted: int = 0
+    decoded: int = 0  # tokens the server decoded by itself (Decode)
     verify_s: float = 0.0
     payload_bytes: int = 0
     opened: float = field(default_factory=time.monotonic)

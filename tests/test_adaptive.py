@@ -113,7 +113,7 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     from client.adaptive import PAUSE, PROBE, TRIAL
 
     def run(accepted: int, rounds: int = TRIAL + PROBE + PAUSE + TRIAL + 2 * PAUSE + 1) -> list[bool]:
-        policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)  # one token: 12 ms
+        policy = trained(AdaptivePolicy(None, mode="draft"), verify_base=0.010, per_node=0.002)  # one token: 12 ms
         choices = []
         for _ in range(rounds):
             drafting = policy.drafting()
@@ -140,6 +140,58 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     for _ in range(TRIAL + 2):
         pinned.record(True, 1, 0.074)
     assert pinned.drafting()
+
+
+def test_auto_streams_first_then_keeps_whichever_mode_was_faster():
+    """Mode auto: a stretch the server decodes, then a drafting trial judged against it; a losing trial earns a
+    longer stretch, a winning one keeps drafting."""
+    from client.adaptive import PAUSE, TRIAL
+
+    def trial(policy, tokens: int) -> None:
+        for _ in range(TRIAL):
+            assert policy.streaming() == 0 and policy.drafting()
+            policy.observe(TREE, tokens - 1, compute_s=0.044, draft_s=0.030, depth=3)
+            policy.record(True, tokens, 0.074)
+
+    losing = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
+    assert losing.streaming() == PAUSE
+    losing.record(False, PAUSE, PAUSE * 0.012)  # streamed at 83 tok/s
+    trial(losing, 3)  # 40 tok/s
+    assert losing.streaming() == PAUSE
+    losing.record(False, PAUSE, PAUSE * 0.012)
+    trial(losing, 3)
+    assert losing.streaming() == 2 * PAUSE  # each lost trial doubles the stretch
+    winning = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
+    assert winning.streaming() == PAUSE
+    winning.record(False, PAUSE, PAUSE * 0.012)
+    trial(winning, 11)  # 149 tok/s
+    assert all(winning.streaming() == 0 for _ in range(5))
+    assert AdaptivePolicy(None, mode="stream").streaming() > 10**6
+    assert AdaptivePolicy(None, mode="draft").streaming() == 0
+    with pytest.raises(ValueError, match="mode must be one of auto, draft, stream, got 'fast'"):
+        AdaptivePolicy(None, mode="fast")
+
+
+def test_a_busy_server_is_spared_when_drafting_costs_it_less_per_token():
+    """``Load.prefer == "capacity"``: draft instead of streaming when a tree's nodes per token gained cost the server
+    less than its decoding would — by its reported costs: on a GPU-like server (a node is nearly free) yes, on a CPU
+    whose every token is arithmetic no."""
+    from client.adaptive import PAUSE, TRIAL, Decision
+    from shared.wire import splitspec_pb2 as pb
+
+    policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
+    policy.record(False, PAUSE, PAUSE * 0.012)
+    assert policy.streaming() == PAUSE
+    for _ in range(TRIAL):  # a 16-node tree gaining 3 tokens, slower than streaming: the trial is lost
+        policy.history.append(Decision(16, 3.0, 0.074))
+        policy.record(True, 3, 0.074)
+    assert policy.paused > 0
+    policy.load = pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.00002, prefer="capacity")  # a GPU at batch 16
+    assert policy.spare_server() and policy.streaming() == 0  # drafting despite the lost trial
+    policy.load = pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.002, prefer="capacity")  # a CPU at batch 16
+    assert not policy.spare_server() and policy.streaming() > 0
+    policy.load = pb.Load(sessions=1, step_s=0.010, node_s=0.0001, prefer="latency")
+    assert not policy.spare_server()
 
 
 def test_a_convex_cost_curve_is_read_as_measured():

@@ -245,7 +245,7 @@ def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, t
         verifier = RemoteVerifier(link.address)
         try:
             verifier.probe_link(budget_s=0.5)
-            policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")])
+            policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="draft")
             gen = generate(verifier, drafter, PROMPT, 24, policy=policy)
         finally:
             verifier.shutdown()

@@ -131,18 +131,32 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "first_token", "length", "compute_s", "payload")
+    __slots__ = ("session_id", "first_token", "length", "compute_s", "payload", "load")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token: int
     length: int
     compute_s: float
     payload: Payload
-    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+    load: Load
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("sessions", "step_s", "node_s", "prefer")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFER_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    step_s: float
+    node_s: float
+    prefer: str
+    def __init__(self, sessions: _Optional[int] = ..., step_s: _Optional[float] = ..., node_s: _Optional[float] = ..., prefer: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tokens", "parents", "length", "payload")
@@ -159,20 +173,54 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload", "verified")
+    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload", "verified", "load")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     length: int
     compute_s: float
     payload: Payload
     verified: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ...) -> None: ...
+    load: Load
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_EVERY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    length: int
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    payload: PayloadSpec
+    payload_every: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ...) -> None: ...
+
+class DecodeChunk(_message.Message):
+    __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    length: int
+    compute_s: float
+    payload: Payload
+    finish_reason: str
+    load: Load
+    def __init__(self, token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., finish_reason: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

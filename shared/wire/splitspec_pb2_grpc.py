@@ -69,6 +69,11 @@ class SplitSpecStub:
                 request_serializer=shared_dot_wire_dot_splitspec__pb2.FetchPayloadRequest.SerializeToString,
                 response_deserializer=shared_dot_wire_dot_splitspec__pb2.Payload.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/splitspec.v1.SplitSpec/Decode',
+                request_serializer=shared_dot_wire_dot_splitspec__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=shared_dot_wire_dot_splitspec__pb2.DecodeChunk.FromString,
+                _registered_method=True)
 
 
 class SplitSpecServicer:
@@ -124,6 +129,16 @@ class SplitSpecServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """Server-side continuation: the server goes on decoding the session by itself and streams each token
+        with the payload of the token it cached, so the client's drafter can resume drafting (or go offline)
+        at any token. The client ends it early by cancelling; its next call's `length` rolls back what it
+        never received.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitSpecServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +176,11 @@ def add_SplitSpecServicer_to_server(servicer, server):
                     servicer.FetchPayload,
                     request_deserializer=shared_dot_wire_dot_splitspec__pb2.FetchPayloadRequest.FromString,
                     response_serializer=shared_dot_wire_dot_splitspec__pb2.Payload.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=shared_dot_wire_dot_splitspec__pb2.DecodeRequest.FromString,
+                    response_serializer=shared_dot_wire_dot_splitspec__pb2.DecodeChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +372,33 @@ class SplitSpec:
             '/splitspec.v1.SplitSpec/FetchPayload',
             shared_dot_wire_dot_splitspec__pb2.FetchPayloadRequest.SerializeToString,
             shared_dot_wire_dot_splitspec__pb2.Payload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitspec.v1.SplitSpec/Decode',
+            shared_dot_wire_dot_splitspec__pb2.DecodeRequest.SerializeToString,
+            shared_dot_wire_dot_splitspec__pb2.DecodeChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,155 @@
+"""Server-side continuation (Decode): the server decodes a session by itself; lossless across every switch."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import grpc
+import pytest
+
+from client.adaptive import PAUSE, AdaptivePolicy
+from client.decode import Resilience, generate
+from client.drafters.base import NoDrafter
+from client.drafters.moa import MoADrafter
+from client.offline import Backoff
+from client.verifiers import LocalVerifier, RemoteVerifier
+from netsim import simulated_link
+from shared.acceptance import SamplingParams
+from shared.payload import PayloadSpec
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+from tests.conftest import start_server
+from tests.test_moa import make_moa
+
+PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
+NEW = 60
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target):
+    server, address, service = start_server(tiny_target, max_sessions=16, max_tree_nodes=16, max_context=128,
+                                            session_ttl_s=60.0)  # fmt: skip
+    yield address, service
+    server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, stop_ids=[]).token_ids
+
+
+def moa(tiny_target):
+    return MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
+
+
+@contextlib.contextmanager
+def remote(address, **kw):
+    verifier = RemoteVerifier(address, spec=PayloadSpec("kv", "fp16"), **kw)
+    try:
+        yield verifier
+    finally:
+        verifier.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["stream", "auto"])
+def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, server, plain, mode):
+    with remote(server[0]) as verifier:
+        policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode=mode)
+        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy)
+    s = gen.stats
+    assert gen.token_ids == plain and all(gen.verified)
+    if mode == "stream":
+        assert s.streamed_tokens == NEW - 1 and s.rounds == 0 and s.streams == 1  # the first token is the prefill's
+    else:  # a stretch streamed, then drafting tried: both modes ran, and the tokens add up
+        assert s.streamed_tokens >= PAUSE and s.rounds >= 1
+        assert s.streamed_tokens + round(s.acceptance_length * s.rounds) == NEW - 1
+
+
+def test_in_process_the_same_loop_streams_plain_steps(tiny_target, plain):
+    policy = AdaptivePolicy.for_run(LocalVerifier(tiny_target), [], mode="stream")
+    gen = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, stop_ids=[], policy=policy)
+    assert gen.token_ids == plain and gen.stats.streamed_tokens == NEW - 1
+
+
+def test_a_stream_closed_early_is_rolled_back_by_the_next_call(tiny_target, server, plain):
+    """The server may decode past what the client took; the next Verify's length rolls that back."""
+    with remote(server[0]) as verifier:
+        verifier.open(PROMPT, SamplingParams())
+        stream = verifier.decode(40, [])
+        got = [next(stream).new_tokens[0] for _ in range(3)]
+        stream.close()
+        assert verifier.length == len(PROMPT) + 4
+        nxt = verifier.verify(DraftTree.chain(plain[4:9]))  # a draft that is right: all of it accepted
+        assert got == plain[1:4] and len(nxt.accepted) == 5 and nxt.new_tokens == plain[4:10]
+        verifier.close()
+
+
+@pytest.mark.parametrize("kind", ["moa", "eagle"])
+def test_a_cut_mid_stream_goes_local_from_the_last_token_and_ends_exactly(tiny_target, server, netsim_server, plain,
+                                                                          kind):  # fmt: skip
+    from tests.test_eagle_independent import make_drafter, make_model
+
+    drafter = moa(tiny_target) if kind == "moa" else make_drafter(make_model(tiny_target, "eagle"), width=3, depth=3)
+    spec = PayloadSpec("kv" if kind == "moa" else "hidden", "fp16")
+    with simulated_link(server[0], "none", netsim=netsim_server) as link, remote(link.address) as verifier:
+        verifier.spec = spec
+        cut, fetched = [], []
+        fetch = verifier.fetch
+        verifier.fetch = lambda a, b: fetched.append((a, b)) or fetch(a, b)
+
+        def update(tokens, verified):
+            if len(tokens) >= 13 and not cut:  # between two payloads (every 8 tokens)
+                cut.append(len(tokens))
+                link.cut()
+                threading.Timer(0.5, link.restore).start()
+
+        policy = AdaptivePolicy.for_run(verifier, [spec], mode="stream")
+        gen = generate(verifier, drafter, PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
+                       resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
+    s = gen.stats
+    assert gen.token_ids == plain and all(gen.verified)
+    assert s.disconnects >= 1 and s.local_tokens >= 1 and s.streams >= 2  # streamed again after the cut
+    assert s.streamed_tokens >= cut[0] - 1
+    # the features of the tokens streamed since the last payload were fetched when the server was back
+    assert fetched and all(0 < b - a < 8 for a, b in fetched) and fetched[0][1] >= len(PROMPT) + cut[0] - 1
+
+
+def test_decode_refuses_bad_requests_with_a_clear_status(server):
+    channel = grpc.insecure_channel(server[0])
+    stub = pb_grpc.SplitSpecStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(pb.DecodeRequest(session_id="nope", max_new_tokens=4), timeout=10))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=PROMPT), timeout=10)
+        for request, fragment in [(pb.DecodeRequest(session_id=opened.session_id), "max_new_tokens 0"),
+                                  (pb.DecodeRequest(session_id=opened.session_id, max_new_tokens=2,
+                                                    stop_token_ids=[10**6]), "stop token id 1000000")]:  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Decode(request, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details()
+        # the refusals left the session as it was: it decodes on from the prompt
+        chunks = list(stub.Decode(pb.DecodeRequest(session_id=opened.session_id, length=opened.length,
+                                                   max_new_tokens=3), timeout=10))  # fmt: skip
+        assert [c.length for c in chunks] == [opened.length + i for i in (1, 2, 3)]
+        assert chunks[-1].finish_reason == "length" and all(c.load.prefer == "latency" for c in chunks)
+    finally:
+        channel.close()
+
+
+def test_a_server_that_prefers_capacity_says_so_in_every_reply(tiny_target):
+    from server.limits import ServerLimits
+    from server.service import build_server
+
+    srv, port, _ = build_server(tiny_target, "127.0.0.1", 0, ServerLimits(max_context=128), prefer="capacity")
+    srv.start()
+    try:
+        with remote(f"127.0.0.1:{port}") as verifier:
+            opened = verifier.open(PROMPT, SamplingParams())
+            assert opened.load.prefer == "capacity" and opened.load.sessions >= 1
+            assert verifier.verify(DraftTree()).load.prefer == "capacity"
+            assert next(verifier.decode(1, [])).load.prefer == "capacity"
+    finally:
+        srv.stop(grace=None)
