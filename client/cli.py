@@ -7,9 +7,9 @@ import contextlib
 import json
 import sys
 
-from client.decode import verified_prefix
 from client.options import add_connection_arguments
 from client.private import Renderer, mask
+from client.stream import Terminal, TextDeltas, note
 from shared.models import DEFAULT_MODEL, DTYPES
 
 
@@ -101,66 +101,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class TextStream:
-    """Prints text as tokens arrive, holding back an incomplete multi-byte character; ``renderer``
-    (``client.private.Renderer``) puts private text back in place of placeholders."""
+    """Prints text as tokens arrive (each call: the tokens after the last call's, all final), on ``out`` through a
+    ``client.stream.Terminal``; ``renderer`` (``client.private.Renderer``) names the private texts to put back in
+    place of their placeholders. ``SettledStream`` and the demo show a whole generation on its terminal."""
 
-    def __init__(self, tokenizer, out=sys.stdout, renderer: Renderer | None = None):
-        self.tokenizer, self.out, self.renderer = tokenizer, out, renderer
-        self.ids: list[int] = []
-        self.printed = 0
+    def __init__(self, tokenizer, out=None, renderer: Renderer | None = None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.secrets = renderer.secrets if renderer is not None else None
+        self.deltas = TextDeltas(tokenizer, secrets=self.secrets)
+        self.terminal = Terminal(self.out)
 
     def __call__(self, tokens: list[int]) -> None:
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        delta = text[self.printed :]
-        self.out.write(self.renderer.feed(delta) if self.renderer else delta)
-        self.out.flush()
-        self.printed = len(text)
+        ids = self.deltas.ids + tokens
+        self.terminal(self.deltas.update(ids, [True] * len(ids)))
 
     def finish(self) -> None:
-        """The end of the text: what the renderer held back (never a whole placeholder)."""
-        if self.renderer:
-            self.out.write(self.renderer.flush())
-            self.out.flush()
+        """The end of the text: what was held back (an incomplete character, part of a placeholder)."""
+        ids = self.deltas.ids
+        self.terminal(self.deltas.update(ids, [True] * len(ids), final=True))
 
 
 class SettledStream:
-    """Streams the part of a generation that can no longer change.
+    """Shows a generation as ``on_update`` reports it (``client.stream.TextDeltas``), on ``text``'s terminal.
 
-    Verified tokens are final, and so are local ones under ``keep``; under ``verify`` a local token
-    may still be replaced when the server is back, so it waits. On a terminal, stderr says when the
-    link goes down and comes back. Tokens still unverified at the end are printed then, with a note.
+    Verified tokens are final, and so are local ones under ``keep``; under ``verify`` a local token may still be
+    replaced when the server is back: on a terminal it is shown dim meanwhile and rewritten in place (through a
+    pipe it waits). The link's events are notes on ``status``; tokens still unverified at the end are printed
+    then, with a note.
     """
 
-    def __init__(self, text: TextStream, final_local: bool, status=sys.stderr):
-        self.text, self.final_local, self.status = text, final_local, status
-        self.shown = 0
-        self.notify = status.isatty()
-        self.offline = False
+    def __init__(self, text: TextStream, final_local: bool, status=None):
+        self.terminal, self.status = text.terminal, status or sys.stderr
+        self.deltas = TextDeltas(text.tokenizer, final_local=final_local, secrets=text.secrets)
 
     def __call__(self, tokens: list[int], verified: list[bool]) -> None:
-        first_local = verified_prefix(verified)
-        final = len(tokens) if self.final_local else first_local
-        if final > self.shown:
-            self.text(tokens[self.shown : final])
-            self.shown = final
-        offline = first_local < len(tokens) and not verified[-1]
-        if self.notify and offline != self.offline:
-            waiting = "" if self.final_local else "; the text resumes once the server has checked it"
-            note = f"[link down: generating locally{waiting}]" if offline else "[link back]"
-            print(f"\n{note}", file=self.status, flush=True)
-        self.offline = offline
+        self.terminal(self.deltas.update(tokens, verified), self.say)
 
     def finish(self, tokens: list[int], verified: list[bool]) -> None:
-        if len(tokens) > self.shown:
-            self.text(tokens[self.shown :])
-            self.shown = len(tokens)
-        self.text.finish()
-        unverified = len(verified) - sum(verified)
-        if unverified:
-            print(f"\n[{unverified} tokens were generated locally and never verified by the server]", file=self.status)
+        self.terminal(self.deltas.update(tokens, verified, final=True), self.say)
+
+    def say(self, event: str) -> None:
+        note(event, self.status)
 
 
 def stats_line(gen) -> str:
@@ -302,6 +283,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     else {"mode": verifier.spec.mode, "precision": verifier.spec.precision},
                     "stats": gen.stats.as_dict(),
                     "verified": gen.verified,
+                    "unverified_tokens": len(gen.verified) - sum(gen.verified),  # local tokens the server never checked
                 }
             )
         )

@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-from client.decode import verified_prefix
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL
 from shared.server_process import cpus_label, server_child, two_machines
@@ -45,47 +44,45 @@ def say(message: str) -> None:
 
 
 class Show:
-    """Streams the settled text of a generation and narrates the link: the cut, local generation, the
-    reconciliation. Cuts the link (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later."""
+    """Shows a generation on ``text`` (a ``client.cli.TextStream``: its ``client.stream`` deltas and terminal): the
+    settled text, the local tail dim while the link is cut (on a terminal), the link's events narrated. Cuts the link
+    (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later. Measures the longest wait for more
+    settled text (``longest_stall``) and for any new text on the screen, provisional text included (``longest_wait``).
+    """
 
     def __init__(self, text, link, cut_after: int, cut_for: float):
         self.text, self.link, self.cut_after, self.cut_for = text, link, cut_after, cut_for
-        self.shown = 0
+        self.shown = 0  # settled tokens
         self.cut_at: float | None = None
-        self.local: list[int] | None = None  # the local tokens while they wait for the server
-        self.last_shown = time.perf_counter()
-        self.longest_stall = 0.0  # the longest wait for more text on the screen
+        self.provisional = ""
+        self.last_settled = self.last_text = time.perf_counter()
+        self.longest_stall = 0.0  # the longest wait for more settled text on the screen
+        self.longest_wait = 0.0  # the longest wait for any new text on the screen, settled or provisional
 
     def cut(self) -> None:
         self.cut_at = time.perf_counter()
         self.link.cut()
-        say(f"link cut after {self.shown} tokens (restored in {self.cut_for:g} s)")
+        self.text.terminal.aside(lambda: say(f"link cut after {self.shown} tokens (restored in {self.cut_for:g} s)"))
         timer = threading.Timer(self.cut_for, self.restore)
         timer.daemon = True
         timer.start()
 
     def restore(self) -> None:
         self.link.restore()
-        say("link restored")
+        self.text.terminal.aside(lambda: say("link restored"))
 
     def __call__(self, tokens: list[int], verified: list[bool]) -> None:
-        first_local = verified_prefix(verified)
-        if first_local < len(tokens) and self.local is None:
-            say("no answer from the server: generating locally with the drafter's TLI layer")
-        if first_local < len(tokens):
-            self.local = tokens[first_local:]
-        elif self.local is not None:
-            kept = next((i for i, (a, b) in enumerate(zip(self.local, tokens[self.shown :], strict=False)) if a != b),
-                        min(len(self.local), len(tokens) - self.shown))  # fmt: skip
-            say(f"server back: it verified the {len(self.local)} local tokens and kept the first {kept}; "
-                "the text goes on from there")  # fmt: skip
-            self.local = None
-        if first_local > self.shown:
-            now = time.perf_counter()
-            self.longest_stall = max(self.longest_stall, now - self.last_shown)
-            self.last_shown = now
-            self.text(tokens[self.shown : first_local])
-            self.shown = first_local
+        delta = self.text.deltas.update(tokens, verified)
+        now = time.perf_counter()
+        if delta.settled:
+            self.longest_stall = max(self.longest_stall, now - self.last_settled)
+            self.last_settled = now
+        if delta.settled or (delta.provisional and not self.provisional.startswith(delta.provisional)):
+            self.longest_wait = max(self.longest_wait, now - self.last_text)
+            self.last_text = now
+        self.provisional = delta.provisional
+        self.text.terminal(delta, say)
+        self.shown = len(self.text.deltas.ids)
         if self.cut_at is None and self.shown >= self.cut_after:
             self.cut()
 

@@ -8,6 +8,17 @@ drafter here, verification on ``--server``, local generation when the link drops
 text that can no longer change (what the server verified; local tokens once settled), so an app never
 sees text taken back. Replies carry OpenAI's ``usage`` and splitspec's own figures under ``splitspec``.
 
+An app that can show text which may still change opts in with ``"splitspec": {"provisional": true}`` in a
+streamed request: while the link is cut, the tokens made locally are text the server may still replace,
+and its chunks then also carry a top-level ``"splitspec": {"provisional": "..."}``, the text after all
+the content streamed so far that may still change, whole: it replaces the previous one (``""``: none);
+a chunk without it leaves it as it was. Such chunks may have no content of their own (an empty
+``delta``, or ``text: ""``), and ``"events"`` there narrates the link ("no answer from the server:
+generating locally", "server back: ..."). The content itself is the same as a plain client's, which
+never sees either (``client.stream.TextDeltas`` makes both); the usage chunk's ``splitspec`` holds the
+figures, as always. With the ``openai`` client: ``extra_body={"splitspec": {"provisional": True}}``, and
+``chunk.model_extra.get("splitspec")``.
+
 Built on Starlette + uvicorn (and sse-starlette for the event streams): well-kept ASGI libraries, the
 same stack as netsim's Toxiproxy API. Generations run in worker threads (torch releases the GIL), so
 several requests proceed at once, each with its own drafter state and server session.
@@ -26,7 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from client.decode import verified_prefix
+from client.stream import Delta, TextDeltas
 from shared.models import DEFAULT_MODEL, DTYPES
 
 MAX_BODY_BYTES = 4 << 20
@@ -65,6 +76,7 @@ class Ask:
     stop: list[str]
     stream: bool
     include_usage: bool
+    provisional: bool = False  # splitspec's extension: stream the text that may still change too
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
@@ -134,6 +146,9 @@ def parse(body: object, chat: bool, model: str) -> Ask:
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options must be an object", "stream_options")
     seed = _integer(body, "seed", None, 0)
+    extension = body.get("splitspec") or {}
+    if not isinstance(extension, dict) or not isinstance(extension.get("provisional", False), bool):
+        raise RequestError(400, 'splitspec must be an object such as {"provisional": true}', "splitspec")
     return Ask(
         chat=chat,
         prompt=prompt,
@@ -144,6 +159,7 @@ def parse(body: object, chat: bool, model: str) -> Ask:
         stop=stop,
         stream=bool(body.get("stream", False)),
         include_usage=bool(options.get("include_usage", False)),
+        provisional=extension.get("provisional", False),
     )
 
 
@@ -151,32 +167,18 @@ def parse(body: object, chat: bool, model: str) -> Ask:
 
 
 class Settled:
-    """The text of the settled tokens, as deltas: what the server verified (and, under ``keep``, local tokens),
-    holding back an incomplete character and what could still become a stop sequence."""
+    """``TextDeltas`` reduced to its settled text, a string per update: the view a plain OpenAI client gets
+    (kept for callers of this older interface; the endpoint itself uses ``TextDeltas``)."""
 
     def __init__(self, tokenizer, stop: list[str], final_local: bool):
-        self.tokenizer, self.stop, self.final_local = tokenizer, stop, final_local
-        self.sent = 0  # characters of the text already handed out
-        self.stopped = False
+        self.deltas = TextDeltas(tokenizer, final_local=final_local, stop=stop)
 
     def update(self, tokens: list[int], verified: list[bool], final: bool = False) -> str:
-        """The new text after this update ('' if none); ``final``: the generation ended, nothing is held back."""
-        settled = len(tokens) if final or self.final_local else verified_prefix(verified)
-        text = self.tokenizer.decode(tokens[:settled], skip_special_tokens=True)
-        end = len(text)
-        if not final and text.endswith("\ufffd"):
-            end -= 1
-        for s in self.stop:
-            at = text.find(s, max(0, self.sent - len(s) + 1))
-            if at != -1 and at < end:
-                end, self.stopped = at, True
-        if not self.stopped and not final:  # a stop sequence may be starting at the end
-            end -= max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text[:end].endswith(s[:k])),
-                       default=0)  # fmt: skip
-        if end <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent : end], end
-        return delta
+        return self.deltas.update(tokens, verified, final).settled
+
+    @property
+    def stopped(self) -> bool:
+        return self.deltas.stopped
 
 
 # --- the endpoint ---
@@ -360,21 +362,30 @@ def app(edge: Edge):
         if ask.stream:
             c.requests.labels(route, "200").inc()
 
-            def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+            def chunk(text: str | None, reason: str | None, first: bool = False, extra: dict | None = None) -> str:
                 if chat:
                     delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
                     choice = {"index": 0, "delta": delta, "finish_reason": reason}
                 else:
                     choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-                return json.dumps({"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                                   "model": edge.model, "choices": [choice]})  # fmt: skip
+                body = {"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                        "model": edge.model, "choices": [choice]}  # fmt: skip
+                return json.dumps(body | ({"splitspec": extra} if extra else {}))
 
             async def events():
                 try:
                     if chat:
                         yield chunk("", None, first=True)
-                    async for text in job.deltas():
-                        yield chunk(text, None)
+                    shown = ""  # the provisional text the app has
+                    async for delta in job.deltas():
+                        extra = {}
+                        if ask.provisional:
+                            if delta.provisional != shown:
+                                extra["provisional"] = shown = delta.provisional
+                            if delta.events:
+                                extra["events"] = delta.events
+                        if delta.settled or extra:
+                            yield chunk(delta.settled or (None if chat else ""), None, extra=extra)
                     gen = job.result()
                     yield chunk(None if chat else "", finish_reason(gen, job.stopped))
                     if ask.include_usage:
@@ -443,14 +454,15 @@ def server_serving(edge: Edge) -> bool:
 
 
 class Job:
-    """One generation on a worker thread, its settled text handed to the event loop as deltas."""
+    """One generation on a worker thread, its text handed to the event loop as ``Delta``s (``client.stream``)."""
 
     def __init__(self, edge: Edge, ask: Ask, prompt_ids: list[int], secrets):
         self.edge, self.ask, self.prompt_ids = edge, ask, prompt_ids
-        self.settled = Settled(edge.tokenizer, ask.stop, final_local=edge.resilience.on_reconnect == "keep")
-        self.render = secrets.renderer()
-        self.queue: queue.Queue = queue.Queue()  # text deltas, then None at the end
-        self.text = ""
+        self.text_deltas = TextDeltas(edge.tokenizer, final_local=edge.resilience.on_reconnect == "keep",
+                                      stop=ask.stop, secrets=secrets)  # fmt: skip
+        self.queue: queue.Queue = queue.Queue()  # deltas that change something, then None at the end
+        self.text = ""  # the settled text so far
+        self._provisional = ""
         self._gen = None
         self._error: BaseException | None = None
         self._cancelled = threading.Event()
@@ -458,7 +470,7 @@ class Job:
 
     @property
     def stopped(self) -> bool:
-        return self.settled.stopped
+        return self.text_deltas.stopped
 
     def start(self) -> None:
         self._thread.start()
@@ -466,23 +478,22 @@ class Job:
     def cancel(self) -> None:
         self._cancelled.set()
 
-    def _emit(self, delta: str) -> None:
-        if delta:
-            self.text += delta
+    def _emit(self, delta: Delta) -> None:
+        if delta.settled or delta.events or delta.provisional != self._provisional:
+            self.text += delta.settled
+            self._provisional = delta.provisional
             self.queue.put(delta)
 
     def _update(self, tokens: list[int], verified: list[bool]) -> None:
         if self._cancelled.is_set():
             raise Cancelled
-        self._emit(self.render.feed(self.settled.update(tokens, verified)))
+        self._emit(self.text_deltas.update(tokens, verified))
 
     def _run(self) -> None:
         try:
             gen = self.edge.generate(self.ask, self.prompt_ids, self._update,
-                                     stop_when=lambda: self.settled.stopped or self._cancelled.is_set())  # fmt: skip
-            if not self.settled.stopped:
-                self._emit(self.render.feed(self.settled.update(gen.token_ids, gen.verified, final=True)))
-            self._emit(self.render.flush())
+                                     stop_when=lambda: self.stopped or self._cancelled.is_set())  # fmt: skip
+            self._emit(self.text_deltas.update(gen.token_ids, gen.verified, final=True))
             self._gen = gen
         except BaseException as exc:  # noqa: BLE001 - handed to the request that waits for it
             self._error = exc
@@ -490,7 +501,7 @@ class Job:
             self.queue.put(None)
 
     async def deltas(self):
-        """The settled text as it comes (awaiting the worker thread without blocking the event loop)."""
+        """The deltas as they come (awaiting the worker thread without blocking the event loop)."""
         while True:
             try:
                 item = self.queue.get_nowait()

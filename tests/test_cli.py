@@ -136,3 +136,33 @@ def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
     keep = SettledStream(TextStream(Words(), out), final_local=True, status=io.StringIO())
     keep([1, 2, 3], [True, True, False])  # under keep a local token is final at once
     assert out.getvalue() == "t1 t2 t3 "
+
+
+def test_settled_stream_shows_local_tokens_dim_on_a_terminal_and_rewrites_them():
+    import io
+
+    from client.cli import SettledStream, TextStream
+    from client.stream import DIM, PLAIN, RESTORE_CLEAR, SAVE
+
+    class Screen(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out, status = Screen(), io.StringIO()
+    stream = SettledStream(TextStream(Words(), out), final_local=False, status=status)
+    stream([1, 2], [True, True])
+    stream([1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 are shown, dim, after a saved cursor
+    assert out.getvalue().startswith("t1 t2 ") and out.getvalue().endswith(SAVE + DIM + "t3 t4 " + PLAIN)
+    stream([1, 2, 3, 5], [True] * 4)  # the server kept 3, replaced 4: erased from the saved cursor, then final text
+    assert out.getvalue().endswith(PLAIN + RESTORE_CLEAR + "t3 t5 ")
+    stream.finish([1, 2, 3, 5], [True] * 4)
+    assert "\n[no answer from the server: generating locally" in status.getvalue()
+    assert "\n[server back: it verified the 2 local tokens and kept the first 1]" in status.getvalue()
+
+
+def test_json_counts_the_tokens_never_verified(tiny_model_dir):
+    proc = splitspec("generate", "--local", "--model", str(tiny_model_dir), "--prompt", "w1 w2",
+                     "--max-new-tokens", "4", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["unverified_tokens"] == out["verified"].count(False) == 0 and len(out["verified"]) >= 1

@@ -266,3 +266,58 @@ def test_the_edge_command_serves_until_stopped(tiny_server, tiny_model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+class ScriptedEdge:
+    """An ``Edge`` whose generation is a script of the decode loop's updates: two tokens verified, the link cut
+    (two local tokens), the server back (it keeps the first local token and replaces the second), one more."""
+
+    def __init__(self, model_dir):
+        from client.decode import Resilience
+        from client.edge import Counters
+        from shared.models import load_tokenizer
+
+        self.tokenizer, self.model, self.drafter_name = load_tokenizer(str(model_dir)), str(model_dir), "scripted"
+        self.resilience, self.counters = Resilience(), Counters()
+        a, b, c, d, e, f = self.tokenizer.convert_tokens_to_ids(["w1", "w2", "w3", "w4", "w5", "w6"])
+        self.script = [([a, b], [True] * 2), ([a, b, c], [True, True, False]),
+                       ([a, b, c, d], [True, True, False, False]), ([a, b, c, e], [True] * 4),
+                       ([a, b, c, e, f], [True] * 5)]  # fmt: skip
+
+    def prompt_ids(self, ask):
+        from client.private import Secrets
+
+        return [0], Secrets()
+
+    def generate(self, ask, prompt_ids, on_update, stop_when):
+        from client.decode import Generation, GenerationStats
+
+        for tokens, verified in self.script:
+            on_update(tokens, verified)
+        return Generation(tokens, verified, "length", GenerationStats())
+
+
+def test_provisional_text_streams_only_to_an_app_that_asks_for_it(tiny_model_dir):
+    edge = ScriptedEdge(tiny_model_dir)
+    server, thread, url = serve(edge)
+    try:
+        app = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "w1"}]
+        plain_chunks = list(app.chat.completions.create(model=edge.model, messages=messages, stream=True))
+        asked = list(app.chat.completions.create(model=edge.model, messages=messages, stream=True,
+                                                 extra_body={"splitspec": {"provisional": True}}))  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            app.chat.completions.create(model=edge.model, messages=messages,
+                                        extra_body={"splitspec": {"provisional": 1}})  # fmt: skip
+        assert info.value.body["param"] == "splitspec"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    for chunks in (plain_chunks, asked):  # the content is the final text, the replaced local token never in it
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w1 w2 w3 w5 w6"
+    assert not any((c.model_extra or {}).get("splitspec") for c in plain_chunks)
+    assert not any("w4" in c.model_dump_json() for c in plain_chunks)
+    extension = [c.model_extra["splitspec"] for c in asked if (c.model_extra or {}).get("splitspec")]
+    assert [x["provisional"] for x in extension] == [" w3", " w3 w4", ""]  # shown, grown, then settled
+    assert extension[0]["events"][0].startswith("no answer from the server: generating locally")
+    assert extension[2]["events"] == ["server back: it verified the 2 local tokens and kept the first 1"]
