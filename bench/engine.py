@@ -221,7 +221,7 @@ def run_ours(method: Method, prompt_ids: list[int], max_new_tokens: int):
     """As ``splitspec generate --local`` runs it: the adaptive policy sizes the trees (up to the method's node
     budget) and stops drafting while it does not pay; ``--static``: the whole tree every round."""
     verifier = LocalVerifier(method.target)
-    policy = None if method.static else AdaptivePolicy.for_run(verifier, [])
+    policy = None if method.static else AdaptivePolicy.for_run(verifier, [], mode="draft")  # drafters, measured
     return generate(verifier, method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes,
                     policy=policy)  # fmt: skip
 

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from client.options import add_connection_arguments
+from client.options import add_connection_arguments, add_mode_argument
 from client.private import Renderer, mask
 from client.stream import Terminal, TextDeltas, note
 from shared.models import DEFAULT_MODEL, DTYPES
@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "local tokens (verify, the default: greedy output as if never cut) or take them as they are (keep); "
         "fail: stop with an error instead",
     )
+    add_mode_argument(p)
     p.add_argument(
         "--static",
         action="store_true",
@@ -227,6 +228,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                                weights=args.drafter_weights, **options)  # fmt: skip
     if args.local and args.on_reconnect:
         raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
+    if args.static and args.mode != "auto":
+        raise SplitspecError(f"--static verifies every drafted tree whole; --mode {args.mode} needs the adaptive "
+                             "policy: drop one of them")  # fmt: skip
     if args.local:
         verifier = LocalVerifier(target)
     else:
@@ -259,7 +263,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     else:
         policy = None
         if not args.static:
-            policy = AdaptivePolicy.for_run(verifier, specs, pin_nodes=args.max_tree_nodes, pin_depth=args.tree_depth)
+            policy = AdaptivePolicy.for_run(verifier, specs, pin_nodes=args.max_tree_nodes, pin_depth=args.tree_depth,
+                                            mode=args.mode)  # fmt: skip
         gen = generate(
             verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,

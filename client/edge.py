@@ -207,8 +207,9 @@ class Edge:
 
     def __init__(self, server: str, drafter: str | Callable[[], object] = "prompt-lookup", model: str = DEFAULT_MODEL,
                  on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
-                 connect_timeout_s: float = 10.0, max_tree_nodes: int = 64):  # fmt: skip
-        """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one."""
+                 connect_timeout_s: float = 10.0, max_tree_nodes: int = 64, mode: str = "auto"):  # fmt: skip
+        """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
+        adaptive policy's (``client.adaptive``)."""
         from client.decode import Resilience
         from client.drafters import ALIASES, DRAFTERS, make_drafter
         from client.endpoint import Endpoint
@@ -216,7 +217,7 @@ class Edge:
 
         self.server, self.model, self.resilience = server, model, Resilience(on_reconnect)
         self.endpoint = endpoint or Endpoint(server)
-        self.connect_timeout_s, self.max_tree_nodes = connect_timeout_s, max_tree_nodes
+        self.connect_timeout_s, self.max_tree_nodes, self.mode = connect_timeout_s, max_tree_nodes, mode
         self.target = None
         if isinstance(drafter, str) and drafter not in DRAFTERS and drafter not in ALIASES:
             self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
@@ -269,7 +270,7 @@ class Edge:
             verifier = RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
                                       connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
             specs = verifier.usable(drafter.payload_specs())
-            policy = AdaptivePolicy.for_run(verifier, specs)
+            policy = AdaptivePolicy.for_run(verifier, specs, mode=self.mode)
             gen = generate(verifier, drafter, prompt_ids, ask.max_tokens, sampling, max_tree_nodes=self.max_tree_nodes,
                            policy=policy, resilience=self.resilience, on_update=on_update,
                            stop_when=lambda tokens, verified: stop_when())  # fmt: skip
@@ -299,6 +300,7 @@ def extension(gen, drafter: str) -> dict:
         "drafter": drafter,
         "server_calls": s.server_calls,
         "rounds": s.rounds,
+        "streamed_tokens": s.streamed_tokens,
         "acceptance_length": round(s.acceptance_length, 3),
         "local_tokens": s.local_tokens,
         "link_losses": s.disconnects,
@@ -521,11 +523,12 @@ class Job:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from client.options import add_connection_arguments
+    from client.options import add_connection_arguments, add_mode_argument
 
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this device only)")
     p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
     add_connection_arguments(p)
+    add_mode_argument(p)
     p.add_argument("--drafter", default="prompt-lookup",
                    help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, "
                         "independent) or a bundle's path")  # fmt: skip
@@ -557,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint = Endpoint.from_files(address, args.tls, args.tls_ca, args.tls_cert, args.tls_key,
                                        args.auth_token_file)  # fmt: skip
         edge = Edge(args.server, args.drafter, args.model, args.on_reconnect, endpoint, args.dtype, args.cache_dir,
-                    args.connect_timeout)  # fmt: skip
+                    args.connect_timeout, mode=args.mode)  # fmt: skip
         link = f", via netsim {args.via_netsim}" if args.via_netsim else ""
         print(f"splitspec edge: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {edge.model!r}, "
               f"drafter {args.drafter}, server {args.server}{link})", flush=True)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Command-line options every client command shares: how to reach the server (`generate`, `edge`)."""
+"""Command-line options every client command shares: how to reach the server and how to use it (`generate`, `edge`)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,12 @@ def add_connection_arguments(p: argparse.ArgumentParser, server_group=None) -> N
         choices=list(PROFILES),
         help=f"reach --server through a netsim proxy with this network profile ({', '.join(PROFILES)})",
     )
+
+
+def add_mode_argument(p: argparse.ArgumentParser) -> None:
+    """--mode: who decodes (``client.adaptive``)."""
+    p.add_argument("--mode", default="auto", choices=["auto", "draft", "stream"],
+                   help="draft: the drafter proposes and the server verifies every round; stream: the server decodes "
+                        "by itself and streams tokens with the drafter's payloads (no round trip per token; local "
+                        "generation takes over on a cut); auto (default): streams, tries drafting between stretches "
+                        "and keeps what is faster, and drafts where that spares a busy server compute")  # fmt: skip
