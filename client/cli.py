@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "local tokens (verify, the default: greedy output as if never cut) or take them as they are (keep); "
         "fail: stop with an error instead",
     )
+    p.add_argument("--keep-after", type=float, metavar="SECONDS",
+                   help="with --on-reconnect verify: a cut longer than this keeps the text made locally as it is "
+                        "(as keep does) instead of having the server verify it (default: always verify)")  # fmt: skip
     add_mode_argument(p)
     p.add_argument(
         "--static",
@@ -228,6 +231,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                                weights=args.drafter_weights, **options)  # fmt: skip
     if args.local and args.on_reconnect:
         raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
+    if args.keep_after is not None and (args.keep_after < 0 or (args.on_reconnect or "verify") != "verify"):
+        raise SplitspecError(f"--keep-after {args.keep_after:g}: expected seconds >= 0, with --on-reconnect verify")
     if args.static and args.mode != "auto":
         raise SplitspecError(f"--static verifies every drafted tree whole; --mode {args.mode} needs the adaptive "
                              "policy: drop one of them")  # fmt: skip
@@ -268,7 +273,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         gen = generate(
             verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
-            resilience=Resilience(on_reconnect), on_update=stream,
+            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after), on_update=stream,
         )  # fmt: skip
         drafter_name = drafter.name
     if stream:

@@ -55,7 +55,11 @@ class Resilience:
     generation already complete offline waits for the server to settle it (None: the rest of
     ``max_offline_s``; 0: return at once with the tail unverified). ``heartbeat`` probes the server
     on a connection of its own (``client.heartbeat``) so that a silent cut is noticed within about
-    two round trips, not only at a Verify's deadline.
+    two round trips, not only at a Verify's deadline. ``keep_after_s``: under ``verify``, a cut that
+    lasts longer keeps its local tokens as ``keep`` does (None: never). ``local_cap``: while local
+    tokens are to be verified, local generation waits once the chance that all of them survive — the
+    drafter's own probabilities, calibrated by its measured acceptance — falls below this (0: never
+    waits): what comes after would almost surely be thrown away.
     """
 
     on_reconnect: str = "verify"
@@ -63,10 +67,16 @@ class Resilience:
     max_offline_s: float = 600.0
     settle_wait_s: float | None = None
     heartbeat: bool = True
+    keep_after_s: float | None = None
+    local_cap: float = 0.05
 
     def __post_init__(self) -> None:
         if self.on_reconnect not in ON_RECONNECT:
             raise ValueError(f"on_reconnect must be one of {', '.join(ON_RECONNECT)}, got {self.on_reconnect!r}")
+        if self.keep_after_s is not None and not self.keep_after_s >= 0:
+            raise ValueError(f"keep_after_s must be >= 0 seconds or None, got {self.keep_after_s!r}")
+        if not 0 <= self.local_cap < 1:
+            raise ValueError(f"local_cap must be a probability in [0, 1), got {self.local_cap!r}")
 
 
 @dataclass
@@ -96,6 +106,8 @@ class GenerationStats:
     uplink_mbps: float | None = None
     # when the link failed: all zero in a generation it never did
     local_tokens: int = 0  # tokens generated without the server (kept or not)
+    local_kept: int = 0  # of which the settlement kept (the server agreed with them, or they were kept as they are)
+    local_capped: int = 0  # times local generation waited: what followed would almost surely have been thrown away
     disconnects: int = 0
     reconnects: int = 0
     reconnect_attempts: int = 0  # server polls while offline

@@ -17,6 +17,7 @@ A session the server lost (TTL, restart) is reopened from the token history the 
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -99,7 +100,7 @@ def bridge(run) -> None:
                 stats.reconnect_attempts += reconnector.attempts
             stats.reconnects += 1
             try:
-                _settle(run, first_local, fresh)
+                _settle(run, first_local, fresh, _keeping(run, began))
                 if run.heartbeat:
                     run.heartbeat.revive()
                 return
@@ -128,29 +129,44 @@ def _catch_up(run) -> None:
         run.drafter.absorb([token])
 
 
+def _keeping(run, began: float) -> bool:
+    """Will the local tokens be kept as they are (keep, or a cut past ``keep_after_s``) rather than verified?"""
+    resilience = run.resilience
+    late = resilience.keep_after_s is not None and time.perf_counter() - began > resilience.keep_after_s
+    return resilience.on_reconnect == "keep" or late
+
+
 def _generate_locally(run, reconnector: Reconnector, began: float) -> None:
-    t0 = time.perf_counter()
+    t0, survival, capped = time.perf_counter(), 1.0, False
+    calibration = min(1.0, run.policy.calibration) if run.policy is not None else 1.0
     try:
         while not reconnector.up.is_set():
             if run.finished() or time.perf_counter() - began > run.resilience.max_offline_s:
                 return
-            token = local_token(run.drafter, run.sampling, run.generator)
+            if survival < run.resilience.local_cap and not _keeping(run, began):
+                run.stats.local_capped += not capped  # the rest would almost surely be discarded: wait for the server
+                capped = True
+                reconnector.up.wait(0.05)
+                continue
+            token, p = local_draw(run.drafter, run.sampling, run.generator)
             if token is None:  # nothing to offer offline (prompt lookup without a match): wait
                 reconnector.up.wait(0.05)
                 continue
+            survival *= 1.0 if p is None else calibration * p
             run.stats.local_tokens += 1
             run.commit(run.out + [token], run.verified + [False])
     finally:
         run.stats.local_s += time.perf_counter() - t0
 
 
-def _settle(run, first_local: int, fresh: bool) -> None:
-    """The history after reconnection: the local tail kept (keep) or verified against the target (verify)."""
+def _settle(run, first_local: int, fresh: bool, keep: bool) -> None:
+    """The history after reconnection: the local tail kept (``keep``) or verified against the target."""
     verifier, drafter, out, verified = run.verifier, run.drafter, run.out, run.verified
     local = out[first_local:]
     chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
-    if run.resilience.on_reconnect == "keep":
+    if keep:
         run.open(out)
+        run.stats.local_kept += len(local)
         run.commit(run.opened, verified[: len(out)] + [True] * (len(run.opened) - len(out)))
         return
     if fresh:
@@ -159,6 +175,7 @@ def _settle(run, first_local: int, fresh: bool) -> None:
                 drafter.absorb([], verifier.fetch(*run.unfeatured))
                 run.unfeatured = None
             replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
+            run.stats.local_kept += _agreed(local, replaced)
             run.commit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
             return
         except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
@@ -171,7 +188,14 @@ def _settle(run, first_local: int, fresh: bool) -> None:
     for token in local:
         drafter.absorb([token])
     replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
+    run.stats.local_kept += _agreed(local, replaced)
     run.commit(history + replaced, verified[:first_local] + [True] * len(replaced))
+
+
+def _agreed(local: list[int], replaced: list[int]) -> int:
+    """Local tokens the target agreed with: the common prefix."""
+    return next((i for i, (a, b) in enumerate(zip(local, replaced, strict=False)) if a != b),
+                min(len(local), len(replaced)))  # fmt: skip
 
 
 def local_token(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
@@ -182,25 +206,27 @@ def local_token(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
     the first level of its tree (at most ``width`` tokens, the drafter's own top-B): a truncated
     version of its distribution, which a tree drafter does not expose whole.
     """
-    if sampling.temperature == 0:
-        tree = drafter.propose(1, 1)
-        token = tree.tokens[0] if tree.tokens else None
-    else:
-        tree = drafter.propose(width, 1)
-        token = _draw(tree, sampling, generator)
-    if token is not None:
-        drafter.absorb([token])
-    return token
+    return local_draw(drafter, sampling, generator, width)[0]
 
 
-def _draw(tree: DraftTree, sampling: SamplingParams, generator: torch.Generator | None) -> int | None:
+def local_draw(drafter: Drafter, sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
+               width: int = 8) -> tuple[int | None, float | None]:  # fmt: skip
+    """``local_token`` and the drafter's own probability of it (None: the drafter gives none, prompt lookup)."""
+    tree = drafter.propose(1 if sampling.temperature == 0 else width, 1)
     roots = [i for i, p in enumerate(tree.parents) if p == -1]
     if not roots:
-        return None
+        return None, None
+    pick = roots[0] if sampling.temperature == 0 else _draw(tree, roots, sampling, generator)
+    drafter.absorb([tree.tokens[pick]])
+    return tree.tokens[pick], math.exp(tree.scores[pick]) if tree.scores else None
+
+
+def _draw(tree: DraftTree, roots: list[int], sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """Which of the tree's ``roots`` to take, drawn by the target's own rule from the drafter's probabilities."""
     if not tree.scores:  # no probabilities (prompt lookup): its one candidate
-        return tree.tokens[roots[0]]
-    probs = target_probs(torch.tensor([tree.scores[i] for i in roots]), sampling)  # the target's own rule
-    return tree.tokens[roots[torch.multinomial(probs, 1, generator=generator).item()]]
+        return roots[0]
+    probs = target_probs(torch.tensor([tree.scores[i] for i in roots]), sampling)
+    return roots[torch.multinomial(probs, 1, generator=generator).item()]
 
 
 def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None) -> list[int]:

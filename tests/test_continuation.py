@@ -153,3 +153,44 @@ def test_a_server_that_prefers_capacity_says_so_in_every_reply(tiny_target):
             assert next(verifier.decode(1, [])).load.prefer == "capacity"
     finally:
         srv.stop(grace=None)
+
+
+def cut_run(tiny_target, server, netsim_server, resilience, down_s: float = 0.8):
+    """A streamed generation whose link is cut after 13 tokens for ``down_s``."""
+    drafter = moa(tiny_target)
+    with simulated_link(server[0], "none", netsim=netsim_server) as link, remote(link.address) as verifier:
+        cut = []
+
+        def update(tokens, verified):
+            if len(tokens) >= 13 and not cut:
+                cut.append(1)
+                link.cut()
+                threading.Timer(down_s, link.restore).start()
+
+        policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="stream")
+        return generate(verifier, drafter, PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
+                        resilience=resilience)  # fmt: skip
+
+
+def test_local_generation_waits_once_its_tokens_would_almost_surely_be_discarded(tiny_target, server, netsim_server,
+                                                                                 plain):  # fmt: skip
+    """A random drafter is unsure of every token: the chance that all its local tokens survive verification soon
+    falls below the cap, and it stops making them; without the cap it goes on for the whole cut."""
+    backoff = Backoff(base_s=0.02, cap_s=0.2, seed=1)
+    capped = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, local_cap=0.05))
+    free = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, local_cap=0.0))
+    for gen in (capped, free):
+        assert gen.token_ids == plain and all(gen.verified)
+    assert capped.stats.local_capped == 1 and free.stats.local_capped == 0
+    assert 1 <= capped.stats.local_tokens < free.stats.local_tokens
+    assert capped.stats.local_kept <= capped.stats.local_tokens
+
+
+def test_a_cut_longer_than_keep_after_keeps_the_local_text(tiny_target, server, netsim_server, plain):
+    backoff = Backoff(base_s=0.02, cap_s=0.2, seed=1)
+    gen = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, keep_after_s=0.2))
+    s = gen.stats
+    assert s.local_tokens >= 1 and s.local_kept == s.local_tokens  # the cap waits only until keep_after
+    assert gen.verified.count(False) == s.local_tokens and gen.token_ids[:13] == plain[:13]
+    with pytest.raises(ValueError, match="keep_after_s must be >= 0"):
+        Resilience(keep_after_s=-1.0)
