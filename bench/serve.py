@@ -10,15 +10,18 @@ equal the recording's). Client i replays prompt i mod K.
 
 Per server mode and N in ``--clients`` (default 1,2,4,8,16,32), all clients start together and each
 generates its recording's tokens: ``batched`` (``--max-batch 16``), ``whole`` (the same, every node verified:
-no cut at load, ``server.budget``), ``serial`` (``--max-batch 1``) and
+no cut at load, ``server.budget``), ``serial`` (``--max-batch 1``),
 ``api`` (each client one Generate stream of the same length, on the batched server: plain decoding,
-its steps batched too). Reported: server tokens/s (all clients' tokens over the wall time), tokens per
+its steps batched too) and ``auto`` (each client the real decode loop with the adaptive policy in ``--mode auto``,
+replaying the recorded trees when it drafts: it streams, tries drafting between stretches, and drafts where the
+server's reported load says that spares it compute — ``Load.prefer``, ``step_s``, ``node_s``).
+Reported: server tokens/s (all clients' tokens over the wall time), tokens per
 target forward and steps per forward (the server's Prometheus metrics), per-client tokens/s (median),
 Verify latency p50/p99 as the clients saw it, the server's resident memory at the end, and the server's
 compute per generated token (its forward time, from the metrics, over the tokens).
 
 Run:  .venv/bin/python -m bench.serve [--clients 1,2,4,8,16,32] [--prompts 8] [--max-new-tokens 64]
-      [--drafter eagle] [--modes batched,whole,serial,api] [--server-threads 2]
+      [--drafter eagle] [--modes batched,whole,serial,api,auto] [--server-threads 2]
 Writes serve.json, serve.md and serve.png under --out (default bench/results).
 """
 
@@ -37,10 +40,12 @@ import grpc
 from tqdm import tqdm
 
 from bench.common import cell, environment, median, save_figure, save_results
-from client.decode import generate
+from client.adaptive import AdaptivePolicy
+from client.decode import Resilience, generate
 from client.drafters import make_drafter
+from client.drafters.base import Drafter
 from client.training.datasets import mtbench_questions
-from client.verifiers import LocalVerifier
+from client.verifiers import LocalVerifier, RemoteVerifier
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
 from shared.server_process import ServerChild, cpus_label, two_machines
 from shared.tree import ROOT, DraftTree, children
@@ -53,6 +58,7 @@ MODES = {
     "whole": ["--max-batch", "16", "--min-tree-nodes", "1000000"],
     "serial": ["--max-batch", "1"],
     "api": ["--max-batch", "16"],
+    "auto": ["--max-batch", "16"],
 }
 TIMEOUT = 600.0
 
@@ -102,6 +108,7 @@ class Point:
     server_rss_mb: float | None
     nodes_verified: float | None  # of the nodes sent (the rest cut by the server at load)
     exact: bool
+    streamed: float | None = None  # share of the tokens the server decoded by itself (mode auto)
 
 
 def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) -> list[Recording]:
@@ -143,6 +150,43 @@ def replay(stub, rec: Recording, latencies: list[float]) -> tuple[list[int], flo
     return tokens, time.perf_counter() - start
 
 
+class Replay(Drafter):
+    """A drafter that proposes the recorded tree at the position it has reached (mode auto's clients)."""
+
+    name = "replay"
+
+    def __init__(self, rec: Recording):
+        self.rec = rec
+
+    def begin(self, tokens: list[int], features=None) -> None:
+        self.generated = len(tokens) - len(self.rec.prompt)
+
+    def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
+        if self.generated >= len(self.rec.tokens):
+            return DraftTree()
+        tree = self.rec.tree(self.generated)
+        return DraftTree(tree.tokens, tree.parents).head(min(max_nodes, len(tree)))
+
+    def absorb(self, tokens: list[int], features=None) -> None:
+        self.generated += len(tokens)
+
+    def rewind(self, n: int) -> None:
+        self.generated -= n
+
+
+def adaptive(address: str, rec: Recording) -> tuple[list[int], float, int]:
+    """The decode loop in mode auto, drafting by replay; (tokens, seconds, tokens the server decoded itself)."""
+    start = time.perf_counter()
+    verifier = RemoteVerifier(address, rpc_timeout_s=TIMEOUT)
+    try:
+        policy = AdaptivePolicy.for_run(verifier, [], mode="auto")
+        gen = generate(verifier, Replay(rec), rec.prompt, len(rec.tokens), stop_ids=[], max_tree_nodes=16,
+                       policy=policy, resilience=Resilience("fail", heartbeat=False))  # fmt: skip
+    finally:
+        verifier.shutdown()
+    return gen.token_ids, time.perf_counter() - start, gen.stats.streamed_tokens
+
+
 def stream(stub, rec: Recording) -> tuple[list[int], float]:
     start = time.perf_counter()
     request = pb.GenerateRequest(prompt_ids=rec.prompt, max_new_tokens=len(rec.tokens))
@@ -181,7 +225,10 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
     def client(i: int) -> None:
         rec = recordings[i % len(recordings)]
         barrier.wait()
-        results[i] = stream(stubs[i], rec) if mode == "api" else replay(stubs[i], rec, latencies)
+        if mode == "auto":
+            results[i] = adaptive(child.address, rec)
+        else:
+            results[i] = stream(stubs[i], rec) if mode == "api" else replay(stubs[i], rec, latencies)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     start = time.perf_counter()
@@ -211,7 +258,8 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
                  round(1000 * lat[len(lat) // 2], 1) if lat else None,
                  round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
                  round(1000 * delta("splitspec_forward_seconds_total") / tokens, 2) if tokens else None,
-                 rss_mb(child.process.pid), share, exact)  # fmt: skip
+                 rss_mb(child.process.pid), share, exact,
+                 round(sum(r[2] for r in results) / tokens, 3) if mode == "auto" and tokens else None)  # fmt: skip
 
 
 def markdown(points: list[Point], args, recordings: list[Recording], cpus: str) -> str:
@@ -223,15 +271,15 @@ def markdown(points: list[Point], args, recordings: list[Recording], cpus: str) 
         f"{cpus}.",
         "",
         "| mode | clients | server tok/s | tok/forward | steps/forward | client tok/s | verify p50 ms "
-        "| verify p99 ms | server ms/token | RSS MB | nodes verified | exact |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| verify p99 ms | server ms/token | RSS MB | nodes verified | decoded by the server | exact |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in points:
         lines.append(f"| {p.mode} | {p.clients} | {p.server_tokens_per_s:.1f} | {cell(p.tokens_per_forward, '.1f')} | "
                      f"{cell(p.steps_per_forward, '.2f')} | {cell(p.client_tokens_per_s, '.1f')} | "
                      f"{cell(p.verify_p50_ms, '.0f')} | {cell(p.verify_p99_ms, '.0f')} | "
                      f"{cell(p.server_compute_ms_per_token, '.1f')} | {cell(p.server_rss_mb, '.0f')} | "
-                     f"{cell(p.nodes_verified, '.0%')} | "
+                     f"{cell(p.nodes_verified, '.0%')} | {cell(p.streamed, '.0%')} | "
                      f"{'yes' if p.exact else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -260,7 +308,7 @@ def figure(points: list[Point], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="1,2,4,8,16,32", help="comma list of concurrent client counts")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of batched, whole, serial, api")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of batched, whole, serial, api, auto")
     p.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts to record trees on (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per client (default 64)")
     p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")

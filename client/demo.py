@@ -87,6 +87,28 @@ class Show:
             self.cut()
 
 
+def narrated(policy_class):
+    """The adaptive policy, saying when it switches between the server decoding and drafting (``client.adaptive``)."""
+
+    class Narrated(policy_class):
+        said = ""
+
+        def streaming(self) -> int:
+            stretch = super().streaming()
+            mode = "stream" if stretch else "draft"
+            if mode != self.said:
+                if mode == "stream":
+                    why = "drafting lost to it" if self.said else "an idle server decodes with no round trip a token"
+                    say(f"mode: the server decodes by itself and streams (up to {min(stretch, 9999)} tokens; {why})")
+                else:
+                    why = "its compute is scarce" if self.spare_server() else "trying whether drafting is faster"
+                    say(f"mode: drafting on this device, the server verifies ({why})")
+                self.said = mode
+            return stretch
+
+    return Narrated
+
+
 def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show) -> dict:
     """The streaming API as an app would use it through a cut: the stream breaks, the app waits for the
     server and asks again for the rest (the prompt and what it already has). Its figures for the table."""
@@ -114,17 +136,19 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show) -> dict:
             while not remote.reachable(timeout_s=0.5) and time.monotonic() < deadline:
                 time.sleep(0.2)
     wall = time.perf_counter() - start
-    return {"tokens": len(out), "wall_s": wall, "tok_s": len(out) / wall, "stall_s": show.longest_stall,
-            "server_calls": remote.counters.server_calls - before,
+    return {"tokens": len(out), "wall_s": wall, "tok_s": len(out) / wall, "wait_s": show.longest_wait,
+            "stall_s": show.longest_stall, "server_calls": remote.counters.server_calls - before,
             "kib": (remote.counters.bytes_sent + remote.counters.bytes_received - bytes_before) / 1024,
-            "acceptance_length": 1.0, "local_tokens": 0, "verified": f"{len(out)}/{len(out)}"}  # fmt: skip
+            "streamed": f"{len(out)}/{len(out)}", "acceptance_length": 1.0, "local": "0",
+            "verified": f"{len(out)}/{len(out)}"}  # fmt: skip
 
 
 def figures(gen, show: Show) -> dict:
     s = gen.stats
-    return {"tokens": s.new_tokens, "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "stall_s": show.longest_stall,
-            "server_calls": s.server_calls, "kib": (s.bytes_sent + s.bytes_received) / 1024,
-            "acceptance_length": s.acceptance_length, "local_tokens": s.local_tokens,
+    return {"tokens": s.new_tokens, "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "wait_s": show.longest_wait,
+            "stall_s": show.longest_stall, "server_calls": s.server_calls,
+            "kib": (s.bytes_sent + s.bytes_received) / 1024, "streamed": f"{s.streamed_tokens}/{s.new_tokens}",
+            "acceptance_length": s.acceptance_length, "local": f"{s.local_tokens}, {s.local_kept} kept",
             "verified": f"{sum(gen.verified)}/{len(gen.verified)}"}  # fmt: skip
 
 
@@ -165,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         remote = RemoteVerifier(link.address, fingerprint=tokenizer_fingerprint(tokenizer), drafter=drafter)
         try:
             show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for)
-            policy = AdaptivePolicy.for_run(remote, remote.usable(drafter.payload_specs()))
+            policy = narrated(AdaptivePolicy).for_run(remote, remote.usable(drafter.payload_specs()))
             gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show)
             show.text(gen.token_ids[show.shown :])
             print(flush=True)
@@ -184,9 +208,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 ROWS = [("tokens", "tokens", "d"), ("wall s", "wall_s", ".1f"), ("tok/s", "tok_s", ".1f"),
-        ("longest stall s", "stall_s", ".1f"), ("server calls", "server_calls", "d"), ("KiB on the link", "kib", ".0f"),
-        ("acceptance length", "acceptance_length", ".2f"), ("local tokens", "local_tokens", "d"),
-        ("verified", "verified", "s")]  # fmt: skip
+        ("longest wait for text s", "wait_s", ".1f"), ("longest wait for verified text s", "stall_s", ".1f"),
+        ("server calls", "server_calls", "d"), ("KiB on the link", "kib", ".0f"),
+        ("decoded by the server", "streamed", "s"), ("acceptance length (drafted rounds)", "acceptance_length", ".2f"),
+        ("local tokens", "local", "s"), ("verified", "verified", "s")]  # fmt: skip
 
 
 def summary(runs: dict[str, dict]) -> str:

@@ -14,7 +14,8 @@ def test_the_demo_runs_through_a_cut_without_a_terminal(real_target):
     assert out.returncode == 0, out.stderr[-2000:]
     err = out.stderr
     for event in ("[link cut after", "[no answer from the server: generating locally", "[link restored]",
-                  "[server back:", "[the API stream broke", "streaming API"):  # fmt: skip
+                  "[server back:", "[the API stream broke", "streaming API",
+                  "[mode: the server decodes by itself", "longest wait for text s"):  # fmt: skip
         assert event in err, (event, err[-2000:])
     assert "\x1b[" not in err  # no terminal: no escape codes
     assert len(out.stdout.strip()) > 20
