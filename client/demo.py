@@ -204,7 +204,18 @@ def run(args: argparse.Namespace) -> int:
             remote.shutdown()
     print("\n", file=sys.stderr)
     print(summary(runs), file=sys.stderr)
+    if len(runs) == 2:
+        print(verdict(*runs.values()), file=sys.stderr)
     return 0
+
+
+def verdict(split: dict, api: dict) -> str:
+    """In plain words, where the split client won against the API on this run and where it did not."""
+    speed = split["tok_s"] / api["tok_s"] if api["tok_s"] else float("inf")
+    wait = "shorter" if split["wait_s"] <= api["wait_s"] else "LONGER"
+    return (f"split vs API: {speed:.2f}x the tokens/s ({'faster' if speed >= 1 else 'SLOWER'}); longest wait for text "
+            f"{split['wait_s']:.1f} s vs {api['wait_s']:.1f} s ({wait}; the split client's counts its provisional, "
+            "local text)")
 
 
 ROWS = [("tokens", "tokens", "d"), ("wall s", "wall_s", ".1f"), ("tok/s", "tok_s", ".1f"),
