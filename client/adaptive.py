@@ -49,7 +49,8 @@ START_DEPTH = 3
 PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
 # Drafting itself must pay: after TRIAL drafted rounds whose measured tokens/s fall short of plain rounds', the
 # policy decodes plain for PAUSE rounds, then tries drafting again (the text may have become predictable: code);
-# each trial that fails again doubles the pause, up to MAX_PAUSE, and one that pays resets it.
+# each trial that fails again doubles the pause (quadruples it when drafting ran under half the plain speed), up to
+# MAX_PAUSE, and one that pays resets it.
 TRIAL = 2
 PAUSE = 24
 MAX_PAUSE = 384
@@ -291,9 +292,11 @@ class AdaptivePolicy:
             self._judge()
 
     def _judge(self) -> None:
-        """Pause drafting (for longer each time) while its rounds fall short of plain ones."""
+        """Pause drafting (for longer each time) while its rounds fall short of plain ones: twice as long after a
+        close loss, four times after drafting ran at under half the plain speed (a trial has its price)."""
         if self.drafted_rate < self.plain_seen:
-            self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)
+            growth = 2 if 2 * self.drafted_rate >= self.plain_seen else 4
+            self.paused, self.pause = self.pause, min(MAX_PAUSE, growth * self.pause)
         else:
             self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
 

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-after", type=float, metavar="SECONDS",
                    help="with --on-reconnect verify: a cut longer than this keeps the text made locally as it is "
                         "(as keep does) instead of having the server verify it (default: always verify)")  # fmt: skip
+    p.add_argument("--local-cap", type=float, default=0.05, metavar="P",
+                   help="while local tokens are to be verified, stop making more once the chance that all of them "
+                        "survive falls below P (the drafter's own calibrated confidence; 0: never stop; default 0.05)")
     add_mode_argument(p)
     p.add_argument(
         "--static",
@@ -233,6 +236,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
     if args.keep_after is not None and (args.keep_after < 0 or (args.on_reconnect or "verify") != "verify"):
         raise SplitspecError(f"--keep-after {args.keep_after:g}: expected seconds >= 0, with --on-reconnect verify")
+    if not 0 <= args.local_cap < 1:
+        raise SplitspecError(f"--local-cap {args.local_cap:g}: expected a probability in [0, 1)")
     if args.static and args.mode != "auto":
         raise SplitspecError(f"--static verifies every drafted tree whole; --mode {args.mode} needs the adaptive "
                              "policy: drop one of them")  # fmt: skip
@@ -273,7 +278,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         gen = generate(
             verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
-            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after), on_update=stream,
+            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, local_cap=args.local_cap),
+            on_update=stream,
         )  # fmt: skip
         drafter_name = drafter.name
     if stream:

@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", default="4g", choices=list(PROFILES), help="simulated link (default 4g)")
     p.add_argument("--cut-after", type=int, default=30, help="cut the link once this many tokens streamed (default 30)")
     p.add_argument("--cut-for", type=float, default=3.0, help="seconds the link stays cut (default 3)")
+    p.add_argument("--keep-after", type=float, metavar="SECONDS",
+                   help="a cut longer than this keeps the local text as it is (default: the server verifies it)")
+    p.add_argument("--local-cap", type=float, default=0.05, metavar="P",
+                   help="stop generating locally once the chance that all local tokens survive verification falls "
+                        "below P (0: never; default 0.05)")
     p.add_argument("--no-baseline", action="store_true", help="skip the streaming API baseline")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
@@ -155,7 +160,7 @@ def figures(gen, show: Show) -> dict:
 def run(args: argparse.Namespace) -> int:
     from client.adaptive import AdaptivePolicy
     from client.cli import TextStream
-    from client.decode import generate
+    from client.decode import Resilience, generate
     from client.drafters import ALIASES, DRAFTERS, make_drafter
     from client.verifiers import RemoteVerifier
     from netsim import Netsim, simulated_link
@@ -190,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for)
             policy = narrated(AdaptivePolicy).for_run(remote, remote.usable(drafter.payload_specs()))
-            gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show)
+            resilience = Resilience(keep_after_s=args.keep_after, local_cap=args.local_cap)
+            gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show,
+                           resilience=resilience)  # fmt: skip
             show.text(gen.token_ids[show.shown :])
             print(flush=True)
             runs[f"split, {drafter.name}"] = figures(gen, show)

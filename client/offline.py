@@ -39,7 +39,7 @@ class Backoff:
 
     base_s: float = 0.05
     factor: float = 2.0
-    cap_s: float = 1.0
+    cap_s: float = 0.5
     jitter: float = 0.5
     seed: int | None = None
 
