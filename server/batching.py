@@ -59,6 +59,7 @@ class Batcher:
         self._queue: queue.Queue[Work | None] = queue.Queue()
         self._carry: Work | None = None  # taken from the queue but left for the next batch (over the token cap)
         self._seen: dict[int, float] = {}  # cache id -> when a step of it last ran: who is active
+        self._ended: list[int] = []  # cache ids of sequences that ended (appended by any thread, read by the worker)
         self._thread = threading.Thread(target=self._work, daemon=True, name="splitspec-batcher")
         self._thread.start()
 
@@ -72,6 +73,11 @@ class Batcher:
         now = time.monotonic()
         return sum(1 for t in list(self._seen.values()) if now - t < ACTIVE_S)
 
+    def forget(self, cache) -> None:
+        """The sequence of ``cache`` ended (closed, its stream over): it will send no more steps, so no forward should
+        wait for one (a lone client's next generation would otherwise wait a window per step for ``ACTIVE_S``)."""
+        self._ended.append(id(cache))
+
     def run(self, step: Step):
         """Run ``step`` in the next batch; its ``finish`` result, or the exception it raised."""
         work = Work(step)
@@ -84,6 +90,8 @@ class Batcher:
     def _active(self) -> int:
         """Sequences (caches) that had a step run in the last ``ACTIVE_S``."""
         now = time.monotonic()
+        while self._ended:
+            self._seen.pop(self._ended.pop(), None)
         self._seen = {k: t for k, t in self._seen.items() if now - t < ACTIVE_S}
         self._done = {k: t for k, t in self._done.items() if now - t < FORGET_S}
         self._away = {k: a for k, a in self._away.items() if k in self._done}

@@ -51,6 +51,7 @@ class TreeBudget:
         self._reach = np.zeros(1, dtype=np.int64)  # _reach[j]: recorded trees with at least j nodes
         self._forwards: deque[tuple[float, float, float]] = deque(maxlen=forwards)
         self._coef: np.ndarray | None = None
+        self._bound = False  # recent forwards compute-bound (see compute_bound)
         self._unfitted = 0
 
     def observe_path(self, nodes: int, accepted: list[int]) -> None:
@@ -84,6 +85,8 @@ class TreeBudget:
             x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             coef = np.linalg.lstsq(x, data[:, 2], rcond=None)[0]
             self._coef = coef if (coef >= 0).all() and coef[1] > 0 else None  # an implausible fit: cut nothing
+            recent = data[-REFIT_EVERY:]
+            self._bound = self._coef is not None and float(coef[1:] @ recent[:, :2].mean(axis=0)) >= coef[0]
 
     def seconds(self, tokens: float, pairs: float) -> float | None:
         """The fitted cost of a forward; None before there is a fit."""
@@ -99,12 +102,8 @@ class TreeBudget:
 
     def compute_bound(self) -> bool:
         """Do recent forwards spend more on their tokens than on reading the weights? Then every token added
-        slows every session in the forward: the server is busy, whatever its batch size."""
-        if self._coef is None or not self._forwards:
-            return False
-        data = np.array(self._forwards)[-REFIT_EVERY:]
-        a, b, c = self._coef
-        return float(b * data[:, 0].mean() + c * data[:, 1].mean()) >= a
+        slows every session in the forward: the server is busy, whatever its batch size. (Judged at each refit.)"""
+        return self._bound
 
     def choose(self, trees: list[Tree], tokens: int, pairs: int) -> int | None:
         """The common length to cut ``trees`` to, or None to verify them whole. ``tokens`` and ``pairs``: the

@@ -144,7 +144,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.limits = ServerLimits(**{**limits.as_dict(), **capped})
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s,
                                      self.limits.kv_memory_mb * 2**20, self.limits.evict_idle_s,
-                                     on_end=log_session)  # fmt: skip
+                                     on_end=self._ended)  # fmt: skip
         self.batcher: Batcher | None = None  # runs every forward, once the target is attached
         self.metrics = Metrics(self.sessions, lambda: self.batcher.waiting if self.batcher else 0)
         self.health = None  # the gRPC health servicer, set by build_server
@@ -164,6 +164,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.target = target
         if self.health is not None:
             set_serving(self.health)
+
+    def _ended(self, session, reason: str) -> None:
+        log_session(session, reason)
+        if self.batcher is not None:
+            self.batcher.forget(session.engine.cache)
 
     def close(self) -> None:
         """Stop the session reaper and the batcher (the gRPC server is stopped by its owner)."""
@@ -517,17 +522,20 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         try:
             with self._place(len(prompt)):
                 engine = self.target.session(sampling)
-                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
-                self.metrics.tokens_generated.inc()
-                for produced in range(1, budget + 1):
-                    token = verdict.bonus
-                    done = token in stop or produced == budget
-                    reason = ("stop" if token in stop else "length") if done else ""
-                    yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
-                    if done or not context.is_active():
-                        return
-                    verdict = engine.verify(DraftTree(), self._runner(context))
+                try:
+                    verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
                     self.metrics.tokens_generated.inc()
+                    for produced in range(1, budget + 1):
+                        token = verdict.bonus
+                        done = token in stop or produced == budget
+                        reason = ("stop" if token in stop else "length") if done else ""
+                        yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
+                        if done or not context.is_active():
+                            return
+                        verdict = engine.verify(DraftTree(), self._runner(context))
+                        self.metrics.tokens_generated.inc()
+                finally:
+                    self.batcher.forget(engine.cache)
         except Abort as exc:
             self.metrics.refusals.labels("Generate", exc.code.name).inc()
             exc.send(context)
