@@ -57,6 +57,8 @@ MAX_PAUSE = 384
 # Plain rounds run to measure them when a trial ends and none has been seen: a plain round's cost predicted from
 # the verify curve and the RTT misses what the loop pays per token besides (payloads, the drafter catching up).
 PROBE = 2
+STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's time per streamed token
+PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
 MODES = ("auto", "draft", "stream")
 STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
 
@@ -204,12 +206,35 @@ class AdaptivePolicy:
         if self.probing and self.paused == 0:  # the stream that measured plain speed is over: judge the trial
             self.probing = False
             self._judge()
+        if self.paused <= 0 and not self.spare_server() and self.hopeless():
+            self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)  # another stretch, no trial
         if self.paused <= 0 or self.spare_server():
             return 0
         n, self.paused = self.paused, 0
         if not self.probing:
             self.drafted_rate, self.drafted_rounds = None, 0  # drafting after this stretch is a new trial
         return n
+
+    def stream_spec(self) -> PayloadSpec | None:
+        """The payload spec for a stream: the most faithful whose bytes take at most ``STREAM_SHARE`` of the
+        downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make."""
+        step = 1.0 / self.plain_seen if self.plain_seen else self.verify_fit(1, default=0.02)
+        return self.choose_spec(1.0, STREAM_SHARE * step)
+
+    def prompt_spec(self, prompt_tokens: int) -> PayloadSpec | None:
+        """The payload spec for a prompt's features: the most faithful whose download takes at most a round trip
+        (``PROMPT_SHARE`` s before the link is measured); None: no choice to make."""
+        rtt = self.link.srtt_s if self.link is not None else None
+        return self.choose_spec(float(prompt_tokens), max(PROMPT_SHARE, rtt or 0.0))
+
+    def hopeless(self) -> bool:
+        """Could drafting not beat streaming even if every drafted token were accepted and drafting and verifying
+        cost nothing? (A round trip per round gains at most the tree's depth and its bonus token.) Then a trial is
+        not worth its price: on a long round trip, streaming wins."""
+        rtt = self.link.srtt_s if self.link is not None else None
+        if not rtt or not self.plain_seen:
+            return False
+        return (1 + self.depth) / rtt < self.plain_seen
 
     def spare_server(self) -> bool:
         """Does the server ask for its compute to be spared, and does drafting cost it less per token than decoding
@@ -300,9 +325,10 @@ class AdaptivePolicy:
         else:
             self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
 
-    def choose_spec(self, expected_tokens: float | None = None) -> PayloadSpec | None:
+    def choose_spec(self, expected_tokens: float | None = None, budget_s: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the
-        last round expected); None: no choice to make."""
+        last round expected), whose download may take ``budget_s`` (default: ``PAYLOAD_SHARE`` of the last round);
+        None: no choice to make."""
         if self.pin_spec is not None or not self.specs:
             return self.pin_spec
         if expected_tokens is None:
@@ -310,7 +336,7 @@ class AdaptivePolicy:
         if not math.isfinite(expected_tokens):
             expected_tokens = 2.0
         last = self.history[-1].expected_round_s if self.history else float("nan")
-        budget = PAYLOAD_SHARE * (last if math.isfinite(last) and last > 0 else 0.1)
+        budget = PAYLOAD_SHARE * (last if math.isfinite(last) and last > 0 else 0.1) if budget_s is None else budget_s
         sized = [(spec, expected_tokens * self.bytes_per_token(spec)) for spec in self.specs]
         for spec, size in sized:
             if self._transfer_s(0, size)[1] <= budget:

@@ -193,6 +193,8 @@ class Run:
             self.heartbeat = Heartbeat(verifier.endpoint, verifier.link, busy=lambda: verifier.busy)
             self.heartbeat.on_dead(verifier.abort)
         reason = ""
+        if self.policy is not None and (spec := self.policy.prompt_spec(len(self.prompt_ids))):
+            verifier.spec = spec  # sized for the link: the prompt's features are the largest payload
         try:
             self.verify_s = self.open([])  # the prefill's compute is the first guess at a round's
             stats.ttft_s = time.perf_counter() - start
@@ -288,6 +290,8 @@ class Run:
         limit = min(limit, self.limit - len(self.out), room)
         if self.heartbeat and self.heartbeat.dead.is_set():
             raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
+        if policy is not None and (spec := policy.stream_spec()):
+            verifier.spec = spec
         t0, got = time.perf_counter(), 0
         stats.streams += 1
         featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root

@@ -105,6 +105,35 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
     assert AdaptivePolicy(None, pin_spec=options[1]).choose_spec(3.0) is options[1]
 
 
+def test_streams_and_prompts_get_the_payload_their_link_can_carry():
+    """A stream's payloads must keep pace with its tokens; a prompt's may take about a round trip."""
+    options = [PayloadSpec("lsa", p, 1, "moa-tli1") for p in ("fp16", "int8", "int4")]
+    size = {"fp16": 1920.0, "int8": 960.0, "int4": 480.0}
+
+    def policy(rtt_s: float, rate: float) -> AdaptivePolicy:
+        policy = AdaptivePolicy(FakeLink(rtt_s, rate), specs=options, bytes_per_token=lambda s: size[s.precision])
+        policy.plain_seen = 80.0  # tokens/s streamed
+        return policy
+
+    assert policy(0.03, 2.5e6).stream_spec().precision == "fp16"  # 4G: 1.9 KB a token is 0.8 ms of 12.5 ms
+    assert policy(0.3, 2e5).stream_spec().precision == "int8"  # 3G: 4.8 ms of 12.5 ms; fp16 would take 9.6
+    assert policy(0.03, 2.5e6).prompt_spec(100).precision == "int8"  # 192 KB is 77 ms > 50 ms; 96 KB fits
+    assert policy(0.3, 2e5).prompt_spec(100).precision == "int4"  # 48 KB is 0.24 s < one 0.3 s round trip
+
+
+def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
+    """3G's 300 ms round trip: even a depth-3 tree wholly accepted and free gains 4 tokens a round, 13 tok/s, below
+    the 80 tok/s stream: auto streams on without a trial. On 4G's 30 ms it may pay: the trial runs."""
+    from client.adaptive import PAUSE
+
+    for rtt_s, trial in ((0.3, False), (0.03, True)):
+        policy = AdaptivePolicy(FakeLink(rtt_s, 1e6))
+        assert policy.streaming() == PAUSE
+        policy.record(False, PAUSE, PAUSE / 80.0)
+        assert policy.hopeless() is not trial
+        assert (policy.streaming() == 0) is trial
+
+
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     """Local verification (no link) on a machine where a drafted round costs more than the tokens it gains: after
     TRIAL drafted rounds the policy measures PROBE plain rounds (none seen yet), judges, and decodes plain for
