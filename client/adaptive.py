@@ -162,6 +162,7 @@ class AdaptivePolicy:
     load: object = None  # the server's latest ``Load`` (its costs and what it prefers); None: not told
     drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
     drafted_gain: float | None = None  # tokens gained per drafted round (running average)
+    token_s: float | None = None  # server compute per streamed token (running average)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -207,7 +208,7 @@ class AdaptivePolicy:
             self.probing = False
             self._judge()
         if self.paused <= 0 and not self.spare_server() and self.hopeless():
-            self.paused, self.pause = self.pause, min(MAX_PAUSE, 2 * self.pause)  # another stretch, no trial
+            self.paused = self.pause = MAX_PAUSE  # the longest stretch, no trial: each new stream costs a round trip
         if self.paused <= 0 or self.spare_server():
             return 0
         n, self.paused = self.paused, 0
@@ -218,7 +219,7 @@ class AdaptivePolicy:
     def stream_spec(self) -> PayloadSpec | None:
         """The payload spec for a stream: the most faithful whose bytes take at most ``STREAM_SHARE`` of the
         downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make."""
-        step = 1.0 / self.plain_seen if self.plain_seen else self.verify_fit(1, default=0.02)
+        step = self.token_s or self.verify_fit(1, default=0.02)  # the server's pace, not the stream's (payload-bound)
         return self.choose_spec(1.0, STREAM_SHARE * step)
 
     def prompt_spec(self, prompt_tokens: int) -> PayloadSpec | None:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from client import offline
-from client.adaptive import AdaptivePolicy
+from client.adaptive import GAIN, AdaptivePolicy
 from client.drafters.base import Drafter
 from client.heartbeat import Heartbeat
 from client.verifiers import LinkDown, SessionLost, Verifier
@@ -190,7 +190,8 @@ class Run:
         start = time.perf_counter()
         self.spec_for_drafter()
         if verifier.link is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
-            self.heartbeat = Heartbeat(verifier.endpoint, verifier.link, busy=lambda: verifier.busy)
+            self.heartbeat = Heartbeat(verifier.endpoint, verifier.link, busy=lambda: verifier.busy,
+                                       heard=verifier.heard, backlog_s=verifier.backlog_s)  # fmt: skip
             self.heartbeat.on_dead(verifier.abort)
         reason = ""
         if self.policy is not None and (spec := self.policy.prompt_spec(len(self.prompt_ids))):
@@ -292,7 +293,7 @@ class Run:
             raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
         if policy is not None and (spec := policy.stream_spec()):
             verifier.spec = spec
-        t0, got = time.perf_counter(), 0
+        t0, got, compute = time.perf_counter(), 0, 0.0
         stats.streams += 1
         featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
         try:
@@ -302,7 +303,7 @@ class Run:
                     cached += len(result.new_tokens)
                     if result.features is not None:
                         featured = result.features.start + len(result.features)
-                    got += len(result.new_tokens)
+                    got, compute = got + len(result.new_tokens), compute + result.compute_s
                     stats.streamed_tokens += len(result.new_tokens)
                     self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
                     if policy is not None:
@@ -315,6 +316,9 @@ class Run:
             raise
         if policy is not None:
             policy.record(False, got, time.perf_counter() - t0)
+            if got and compute > 0:
+                step = compute / got
+                policy.token_s = step if policy.token_s is None else (1 - GAIN) * policy.token_s + GAIN * step
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the

@@ -21,6 +21,7 @@ are sent (the reconnection poll takes over) until ``revive``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -41,8 +42,14 @@ class Heartbeat:
     unanswered probe."""
 
     def __init__(self, endpoint: Endpoint, link: LinkMonitor, min_interval_s: float = MIN_INTERVAL_S,
-                 margin_s: float = MARGIN_S, busy: Callable[[], bool] = lambda: True):  # fmt: skip
+                 margin_s: float = MARGIN_S, busy: Callable[[], bool] = lambda: True,
+                 heard: Callable[[], float] = lambda: 0.0, backlog_s: Callable[[], float] = lambda: 0.0):  # fmt: skip
+        """``heard()``: when (``time.monotonic()``) the main connection last received something from the server —
+        a probe unanswered while the server's stream kept arriving meant a congested link, not a cut one;
+        ``backlog_s()``: how long the link needs for the reply in flight (a prompt's payload on a slow link), which
+        a probe's answer may queue behind."""
         self.link, self.min_interval_s, self.margin_s, self.busy = link, min_interval_s, margin_s, busy
+        self.heard, self.backlog_s = heard, backlog_s
         self.endpoint = endpoint
         self.generation = 0  # which connection: a failure on a replaced one is not news
         self.channel = self._connect()
@@ -65,7 +72,7 @@ class Heartbeat:
 
     def deadline_s(self) -> float:
         bound = self.link.timeout_s()
-        return (UNMEASURED_DEADLINE_S if bound is None else bound) + self.margin_s
+        return (UNMEASURED_DEADLINE_S if bound is None else bound) + self.margin_s + self.backlog_s()
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -101,28 +108,36 @@ class Heartbeat:
         self.channel = self._connect()
         self.stub = pb_grpc.SplitSpecStub(self.channel)
         old.close()
+        self._ready("reconnect")
+
+    def _ready(self, doing: str) -> None:
+        """Wait for the connection to come up (a TCP and HTTP/2 handshake: several round trips on a slow link), so
+        that the first probe is not refused for a connection still opening."""
         wait = max(READY_WAIT_S, 4 * self.deadline_s())
         try:
             grpc.channel_ready_future(self.channel).result(timeout=wait)
         except grpc.FutureTimeoutError:
-            self._mark_dead(f"heartbeat could not reconnect within {1000 * wait:.0f} ms", self.generation)
+            self._mark_dead(f"heartbeat could not {doing} within {1000 * wait:.0f} ms", self.generation)
 
     def _run(self) -> None:
+        self._ready("connect")
         while not self._stop.is_set():
             if self._fresh.is_set():
                 self._fresh.clear()
                 self._reconnect()
             if not self.dead.is_set() and self.busy():
-                deadline, generation = self.deadline_s(), self.generation
+                deadline, generation, sent = self.deadline_s(), self.generation, time.monotonic()
                 future = self.stub.Probe.future(pb.ProbeRequest(), timeout=deadline)
-                future.add_done_callback(lambda f, d=deadline, g=generation: self._answered(f, d, g))
+                future.add_done_callback(lambda f, d=deadline, g=generation, t=sent: self._answered(f, d, g, t))
                 self.probes += 1
             self._stop.wait(self.interval_s())
 
-    def _answered(self, future: grpc.Future, deadline: float, generation: int) -> None:
+    def _answered(self, future: grpc.Future, deadline: float, generation: int, sent: float) -> None:
         if self._stop.is_set() or future.cancelled():
             return
         exc = future.exception()
+        if exc is not None and self.heard() > sent + self.margin_s:
+            return  # the server's stream went on arriving meanwhile: the probe queued behind it, the link is up
         if exc is not None:
             self._mark_dead(f"heartbeat unanswered within {1000 * deadline:.0f} ms ({exc.code().name})", generation)
 

@@ -125,6 +125,14 @@ class Verifier(ABC):
         """Is a call to the server in flight (what a heartbeat watches over)?"""
         return False
 
+    def heard(self) -> float:
+        """When (``time.monotonic()``) the server was last heard from on the main connection (0: never)."""
+        return 0.0
+
+    def backlog_s(self) -> float:
+        """How long the link needs for the reply in flight, as far as it is known (0: nothing to wait for)."""
+        return 0.0
+
 
 class LocalVerifier(Verifier):
     """The target in-process: no network, the single-device reference (it counts no server calls).
@@ -215,6 +223,8 @@ class RemoteVerifier(Verifier):
         self.length = 0
         self._inflight: grpc.Future | None = None
         self._aborted = ""
+        self._heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
+        self._backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -302,6 +312,13 @@ class RemoteVerifier(Verifier):
     def busy(self) -> bool:
         return self._inflight is not None
 
+    def heard(self) -> float:
+        return self._heard
+
+    def backlog_s(self) -> float:
+        """How long the link needs for the reply in flight, as far as it is known (a payload's size)."""
+        return self.link.transfer_s(0, self._backlog) if self._inflight is not None else 0.0
+
     def _call(self, method, request, count_compute: bool = True, timeout_s: float | None = None):
         reply, wall_s = self._timed(method, request, timeout_s or self.rpc_timeout_s)
         compute_s = getattr(reply, "compute_s", 0.0)
@@ -345,7 +362,11 @@ class RemoteVerifier(Verifier):
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
                                         payload=self.spec.to_msg())  # fmt: skip
-        reply = self._call(self.stub.OpenSession, request)
+        self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(self.spec))
+        try:
+            reply = self._call(self.stub.OpenSession, request)
+        finally:
+            self._backlog = 0
         self.session_id, self.length = reply.session_id, reply.length
         before = self.counters.payload_bytes
         features = self._features(reply.payload)
@@ -378,6 +399,7 @@ class RemoteVerifier(Verifier):
         start = time.perf_counter()
         call = self.stub.Decode(request, timeout=timeout_s or self.rpc_timeout_s + max_new_tokens)
         self._inflight, self._aborted = call, ""
+        self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
         try:
             for i, chunk in enumerate(call):
                 size = chunk.ByteSize()
@@ -385,7 +407,7 @@ class RemoteVerifier(Verifier):
                     self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
                 c.bytes_received += size
                 c.server_compute_s += chunk.compute_s
-                self.length = chunk.length
+                self.length, self._heard = chunk.length, time.monotonic()
                 features = self._features(chunk.payload) if chunk.HasField("payload") else None
                 yield Round([], [chunk.token], features, chunk.compute_s, load=chunk.load)
         except grpc.RpcError as exc:
@@ -393,7 +415,7 @@ class RemoteVerifier(Verifier):
                 raise LinkDown(f"server {self.address}: call abandoned: {self._aborted}") from None
             raise rpc_error(self.address, exc) from None
         finally:
-            self._inflight = None
+            self._inflight, self._backlog = None, 0
             call.cancel()  # the consumer stopped early (a stop string, a switch): end the stream (no-op once ended)
 
     def payload_bytes_per_token(self, spec: PayloadSpec) -> float:

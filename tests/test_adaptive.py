@@ -112,7 +112,7 @@ def test_streams_and_prompts_get_the_payload_their_link_can_carry():
 
     def policy(rtt_s: float, rate: float) -> AdaptivePolicy:
         policy = AdaptivePolicy(FakeLink(rtt_s, rate), specs=options, bytes_per_token=lambda s: size[s.precision])
-        policy.plain_seen = 80.0  # tokens/s streamed
+        policy.token_s = 0.0125  # the server's compute per streamed token: the pace payloads must keep
         return policy
 
     assert policy(0.03, 2.5e6).stream_spec().precision == "fp16"  # 4G: 1.9 KB a token is 0.8 ms of 12.5 ms

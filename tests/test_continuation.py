@@ -194,3 +194,37 @@ def test_a_cut_longer_than_keep_after_keeps_the_local_text(tiny_target, server, 
     assert gen.verified.count(False) == s.local_tokens and gen.token_ids[:13] == plain[:13]
     with pytest.raises(ValueError, match="keep_after_s must be >= 0"):
         Resilience(keep_after_s=-1.0)
+
+
+def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
+    """A probe unanswered while the server's stream kept arriving (a congested slow link) does not mark the link
+    dead; one unanswered with nothing heard since it was sent does. The reply in flight's transfer time extends a
+    probe's deadline."""
+    import time
+
+    from client.endpoint import Endpoint
+    from client.heartbeat import Heartbeat
+    from client.link import LinkMonitor
+
+    class Failed:
+        def cancelled(self):
+            return False
+
+        def exception(self):
+            error = grpc.RpcError()
+            error.code = lambda: grpc.StatusCode.DEADLINE_EXCEEDED
+            return error
+
+    heard = [0.0]
+    beat = Heartbeat(Endpoint(server[0]), LinkMonitor(), heard=lambda: heard[0], backlog_s=lambda: 0.25)
+    try:
+        assert beat.deadline_s() >= 0.25
+        sent = time.monotonic()
+        heard[0] = sent + 0.2  # a chunk of the stream arrived after the probe went out
+        beat._answered(Failed(), 0.1, beat.generation, sent)
+        assert not beat.dead.is_set()
+        heard[0] = sent - 1.0  # nothing since
+        beat._answered(Failed(), 0.1, beat.generation, sent)
+        assert beat.dead.is_set()
+    finally:
+        beat.close()
