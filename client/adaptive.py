@@ -237,6 +237,16 @@ class AdaptivePolicy:
             return False
         return (1 + self.depth) / rtt < self.plain_seen
 
+    def extend(self) -> int:
+        """A stretch is over: more tokens to read from the same stream (0: end it and draft). A hopeless trial (see
+        ``hopeless``) is not started: the stream goes on, saving the round trip a new one would cost."""
+        if self.mode == "stream":
+            return STREAM_ALL
+        if self.mode != "auto" or self.pin_nodes is not None or self.spare_server() or not self.hopeless():
+            return 0
+        self.pause = MAX_PAUSE
+        return MAX_PAUSE
+
     def spare_server(self) -> bool:
         """Does the server ask for its compute to be spared, and does drafting cost it less per token than decoding
         (by the costs it reports and this drafter's measured trees)? Untried drafting is given its chance."""

@@ -283,12 +283,13 @@ class Run:
         if policy is not None:
             policy.record(drafting, len(result.new_tokens), time.perf_counter() - t0)
 
-    def stream(self, limit: int) -> None:
-        """Up to ``limit`` tokens decoded by the server alone, absorbed and emitted as they arrive; the stream ends
-        early (cancelled) once the generation is finished (a stop string)."""
+    def stream(self, stretch: int) -> None:
+        """``stretch`` tokens decoded by the server alone, absorbed and emitted as they arrive. The server is asked for
+        all the generation has left, so that the policy may extend the stretch without a new call (``extend``);
+        the stream is cancelled when the stretch ends, or once the generation is finished (a stop string)."""
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
         room = verifier.max_context - len(self.prompt_ids) - len(self.out)
-        limit = min(limit, self.limit - len(self.out), room)
+        limit = min(self.limit - len(self.out), room)
         if self.heartbeat and self.heartbeat.dead.is_set():
             raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
         if policy is not None and (spec := policy.stream_spec()):
@@ -310,15 +311,27 @@ class Run:
                         policy.load = result.load or policy.load
                     if self.finished():
                         break
+                    if got >= stretch:  # the stretch is over: judged as a whole round, then maybe extended
+                        self.streamed(got, compute, time.perf_counter() - t0)
+                        t0, got, compute = time.perf_counter(), 0, 0.0
+                        stretch = policy.extend() if policy is not None else 0
+                        if not stretch:
+                            break
         except (LinkDown, SessionLost):
             if featured < cached and verifier.spec:
                 self.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
             raise
-        if policy is not None:
-            policy.record(False, got, time.perf_counter() - t0)
-            if got and compute > 0:
-                step = compute / got
-                policy.token_s = step if policy.token_s is None else (1 - GAIN) * policy.token_s + GAIN * step
+        self.streamed(got, compute, time.perf_counter() - t0)
+
+    def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
+        """Tell the policy what a stretch of the stream gave and cost."""
+        policy = self.policy
+        if policy is None or not tokens:
+            return
+        policy.record(False, tokens, seconds)
+        if compute_s > 0:
+            step = compute_s / tokens
+            policy.token_s = step if policy.token_s is None else (1 - GAIN) * policy.token_s + GAIN * step
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
