@@ -305,6 +305,8 @@ class Run:
                     if result.features is not None:
                         featured = result.features.start + len(result.features)
                     got, compute = got + len(result.new_tokens), compute + result.compute_s
+                    # a streamed token's time on a loaded server (its batch's forward) bounds a Verify's from below
+                    self.verify_s = max(result.compute_s, 0.8 * self.verify_s + 0.2 * result.compute_s)
                     stats.streamed_tokens += len(result.new_tokens)
                     self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
                     if policy is not None:
@@ -335,14 +337,17 @@ class Run:
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
-        server's expected compute with headroom, the transfers at the measured rates, a margin (None: no link)."""
+        server's expected compute with headroom (the larger of the recent rounds' and what the policy's cost curve
+        says a tree this size takes), the transfers at the measured rates, a margin. None: no link, or nothing to
+        fall back on (``fail``: a deadline could only turn a slow reply into a failed generation)."""
         link = self.verifier.link
-        if link is None:
+        if link is None or self.resilience.on_reconnect == "fail":
             return None
         rtt = link.timeout_s()
         transfer = link.transfer_s(8 * nodes + 64, int(2 * self.reply_bytes))
         rtt = UNMEASURED_RTT_S if rtt is None else rtt
-        return max(MIN_DEADLINE_S, rtt + 1.5 * self.verify_s + transfer + DEADLINE_MARGIN_S)
+        compute = max(self.verify_s, self.policy.verify_fit(nodes + 1, 0.0) if self.policy is not None else 0.0)
+        return max(MIN_DEADLINE_S, rtt + 1.5 * compute + transfer + DEADLINE_MARGIN_S)
 
     def open(self, history: list[int]) -> float:
         """(Re)open a session after ``prompt + history`` (the last token of ``history`` becomes the root again);
