@@ -313,7 +313,9 @@ class Run:
                         policy.load = result.load or policy.load
                     if self.finished():
                         break
-                    if got >= stretch:  # the stretch is over: judged as a whole round, then maybe extended
+                    # the stretch is over once its features are in too (a payload comes every PAYLOAD_EVERY tokens;
+                    # ending between two would leave the drafter without the last ones): judged, then maybe extended
+                    if got >= stretch and (featured == cached or not verifier.spec):
                         self.streamed(got, compute, time.perf_counter() - t0)
                         t0, got, compute = time.perf_counter(), 0, 0.0
                         stretch = policy.extend() if policy is not None else 0

@@ -67,6 +67,17 @@ def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, se
         assert s.streamed_tokens + round(s.acceptance_length * s.rounds) == NEW - 1
 
 
+def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_target, server, plain):
+    """Payloads come every 8 tokens: a 3-token stretch goes on to the 8th, so the drafter has every feature when
+    drafting resumes (it refuses a gap)."""
+    with remote(server[0]) as verifier:
+        policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="auto")
+        policy.paused = 3
+        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy)
+    assert gen.token_ids == plain and gen.stats.rounds >= 1
+    assert gen.stats.streamed_tokens >= 8  # the first stretch read on to its payload
+
+
 def test_in_process_the_same_loop_streams_plain_steps(tiny_target, plain):
     policy = AdaptivePolicy.for_run(LocalVerifier(tiny_target), [], mode="stream")
     gen = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, stop_ids=[], policy=policy)
