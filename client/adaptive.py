@@ -57,6 +57,7 @@ MAX_PAUSE = 384
 # Plain rounds run to measure them when a trial ends and none has been seen: a plain round's cost predicted from
 # the verify curve and the RTT misses what the loop pays per token besides (payloads, the drafter catching up).
 PROBE = 2
+UNMEASURED_STEP_S = 0.005  # a server's step before one was measured: a fast one, so a first stream's payloads are small
 STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's time per streamed token
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
 MODES = ("auto", "draft", "stream")
@@ -219,7 +220,8 @@ class AdaptivePolicy:
     def stream_spec(self) -> PayloadSpec | None:
         """The payload spec for a stream: the most faithful whose bytes take at most ``STREAM_SHARE`` of the
         downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make."""
-        step = self.token_s or self.verify_fit(1, default=0.02)  # the server's pace, not the stream's (payload-bound)
+        step = self.token_s or self.verify_fit(1, default=UNMEASURED_STEP_S)  # the server's pace (the stream's may be
+        # payload-bound)
         return self.choose_spec(1.0, STREAM_SHARE * step)
 
     def prompt_spec(self, prompt_tokens: int) -> PayloadSpec | None:
@@ -229,13 +231,16 @@ class AdaptivePolicy:
         return self.choose_spec(float(prompt_tokens), max(PROMPT_SHARE, rtt or 0.0))
 
     def hopeless(self) -> bool:
-        """Could drafting not beat streaming even if every drafted token were accepted and drafting and verifying
-        cost nothing? (A round trip per round gains at most the tree's depth and its bonus token.) Then a trial is
-        not worth its price: on a long round trip, streaming wins."""
+        """Could drafting not beat streaming even at its best? A round gains at most the tree's depth and its bonus
+        token (at most twice what drafted rounds gained so far, once some ran) and takes at least a round trip,
+        the measured drafting and a plain step's verification. Then a trial is not worth its price (a long round
+        trip, a drafter that rarely hits)."""
         rtt = self.link.srtt_s if self.link is not None else None
         if not rtt or not self.plain_seen:
             return False
-        return (1 + self.depth) / rtt < self.plain_seen
+        gain = 1 + self.depth if self.drafted_gain is None else min(1 + self.depth, 2 * self.drafted_gain)
+        seconds = rtt + (self.draft_step_s or 0.0) * self.depth + self.verify_fit(1, default=0.0)
+        return gain / seconds < self.plain_seen
 
     def extend(self) -> int:
         """A stretch is over: more tokens to read from the same stream (0: end it and draft). A hopeless trial (see

@@ -132,6 +132,12 @@ def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
         policy.record(False, PAUSE, PAUSE / 80.0)
         assert policy.hopeless() is not trial
         assert (policy.streaming() == 0) is trial
+    policy = AdaptivePolicy(FakeLink(0.03, 1e6), plain_seen=80.0)
+    policy.drafted_gain = 1.4  # a drafter that rarely hits: at best 2.8 tokens a 30 ms round, 93 tok/s ...
+    policy.draft_step_s = 0.003  # ... and drafting 3 levels takes 9 ms: 72 tok/s < 80, no more trials
+    assert policy.hopeless()
+    policy.drafted_gain = 3.0
+    assert not policy.hopeless()
 
 
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
