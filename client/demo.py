@@ -37,9 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-for", type=float, default=3.0, help="seconds the link stays cut (default 3)")
     p.add_argument("--keep-after", type=float, metavar="SECONDS",
                    help="a cut longer than this keeps the local text as it is (default: the server verifies it)")
-    p.add_argument("--local-cap", type=float, default=0.05, metavar="P",
+    p.add_argument("--local-cap", type=float, default=0.0, metavar="P",
                    help="stop generating locally once the chance that all local tokens survive verification falls "
-                        "below P (0: never; default 0.05)")
+                        "below P (default 0: the demo shows local generation through the whole cut; `generate` "
+                        "stops at 0.05)")
     p.add_argument("--no-baseline", action="store_true", help="skip the streaming API baseline")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
