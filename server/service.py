@@ -113,15 +113,37 @@ def rpc(method):
             if self.target is None:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its model; retry shortly", retry_s=1.0)
             return method(self, request, context)
-        except Abort as exc:
-            self.metrics.refusals.labels(method.__name__, exc.code.name).inc()
-            exc.send(context)
-        except Exception as exc:  # a bug, not bad input: log it, report it, keep serving
-            log.exception("%s failed", method.__name__)
-            message = f"{method.__name__} failed: {exc.__class__.__name__}: {exc}"
-            context.abort(grpc.StatusCode.INTERNAL, message[:MAX_DETAILS])
+        except Exception as exc:
+            failed(self, method.__name__, exc, context)
 
     return wrapper
+
+
+def streamed(name: str):
+    """``rpc`` for a reply stream's generator, which runs after its method has returned: the same statuses."""
+
+    def wrap(generator):
+        @functools.wraps(generator)
+        def wrapper(self, *args):
+            try:
+                yield from generator(self, *args)
+            except Exception as exc:
+                failed(self, name, exc, args[-1])  # (the context is every generator's last argument)
+
+        return wrapper
+
+    return wrap
+
+
+def failed(service, name: str, exc: Exception, context) -> None:
+    """End call ``name`` with a status: an Abort's own; for anything else (a bug, not bad input) INTERNAL, logged —
+    the server keeps serving."""
+    if isinstance(exc, Abort):
+        service.metrics.refusals.labels(name, exc.code.name).inc()
+        exc.send(context)
+        return
+    log.exception("%s failed", name)
+    context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
 
 
 class SplitSpecService(pb_grpc.SplitSpecServicer):
@@ -433,15 +455,14 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
         return self._decode(session, request, spec, stop, context)
 
+    @streamed("Decode")
     def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
         """Plain steps on the session, one token a chunk, the payload of the tokens cached since the last one every
         ``payload_every`` tokens and on the last chunk; holds the session's lock from its first step until the
         stream ends (its last token, the client gone, or a failure)."""
-        engine, m, locked = session.engine, self.metrics, False
-        every = max(1, request.payload_every)
+        engine, m, every = session.engine, self.metrics, max(1, request.payload_every)
+        self._lock(session)
         try:
-            self._lock(session)
-            locked = True
             self._sequence(session, request.length)
             if len(engine.tokens) + 1 > self.limits.max_context:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(engine.tokens)} tokens fill the context "
@@ -473,15 +494,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                                      payload=payload, finish_reason=reason, load=self._load(len(engine.tokens)))
                 if reason:
                     return
-        except Abort as exc:
-            m.refusals.labels("Decode", exc.code.name).inc()
-            exc.send(context)
-        except Exception as exc:
-            log.exception("Decode failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"Decode failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
         finally:
-            if locked:
-                session.lock.release()
+            session.lock.release()
 
     @rpc
     def Probe(self, request, context):
@@ -495,54 +509,40 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         payload = bytes(request.reply_bytes)
         return pb.ProbeReply(payload=payload, compute_s=time.perf_counter() - start)
 
+    @streamed("FetchPayload")
     def _fetch(self, session, spec: PayloadSpec, start: int, end: int, chunk: int, context):
-        try:
-            for a in range(start, end, chunk):
-                if not context.is_active():
-                    return
-                b = min(a + chunk, end)
-                with session.lock:
-                    if b > session.engine.cached_len:  # a Verify resent after a lost reply rolled the session back
-                        raise Abort(grpc.StatusCode.ABORTED,
-                                    f"the session now caches {session.engine.cached_len} tokens: payload range "
-                                    f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
-                    msg = payloads.export(session, spec, self.lsas, a, b)
-                yield msg
-        except Abort as exc:
-            self.metrics.refusals.labels("FetchPayload", exc.code.name).inc()
-            exc.send(context)
-        except Exception as exc:
-            log.exception("FetchPayload failed")
-            message = f"FetchPayload failed: {exc.__class__.__name__}: {exc}"
-            context.abort(grpc.StatusCode.INTERNAL, message[:MAX_DETAILS])
+        for a in range(start, end, chunk):
+            if not context.is_active():
+                return
+            b = min(a + chunk, end)
+            with session.lock:
+                if b > session.engine.cached_len:  # a Verify resent after a lost reply rolled the session back
+                    raise Abort(grpc.StatusCode.ABORTED,
+                                f"the session now caches {session.engine.cached_len} tokens: payload range "
+                                f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
+                msg = payloads.export(session, spec, self.lsas, a, b)
+            yield msg
 
+    @streamed("Generate")
     def _stream(self, prompt, sampling, budget, stop, context):
         """One token per chunk, as an API streams; stops early when the client goes away. An open stream holds a
         place in the session store, so streams cannot take every worker from the other calls."""
-        try:
-            with self._place(len(prompt)):
-                engine = self.target.session(sampling)
-                try:
-                    verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
+        with self._place(len(prompt)):
+            engine = self.target.session(sampling)
+            try:
+                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
+                self.metrics.tokens_generated.inc()
+                for produced in range(1, budget + 1):
+                    token = verdict.bonus
+                    done = token in stop or produced == budget
+                    reason = ("stop" if token in stop else "length") if done else ""
+                    yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
+                    if done or not context.is_active():
+                        return
+                    verdict = engine.verify(DraftTree(), self._runner(context))
                     self.metrics.tokens_generated.inc()
-                    for produced in range(1, budget + 1):
-                        token = verdict.bonus
-                        done = token in stop or produced == budget
-                        reason = ("stop" if token in stop else "length") if done else ""
-                        yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
-                        if done or not context.is_active():
-                            return
-                        verdict = engine.verify(DraftTree(), self._runner(context))
-                        self.metrics.tokens_generated.inc()
-                finally:
-                    self.batcher.forget(engine.cache)
-        except Abort as exc:
-            self.metrics.refusals.labels("Generate", exc.code.name).inc()
-            exc.send(context)
-        except Exception as exc:
-            log.exception("Generate failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"Generate failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
-
+            finally:
+                self.batcher.forget(engine.cache)
 
 def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),
                  bundle_dirs=(SHIPPED,), credentials: grpc.ServerCredentials | None = None,
