@@ -24,7 +24,8 @@ The mode (``--mode``): ``draft`` is the above, falling back to plain verificatio
 loses; ``stream`` has the server decode by itself and stream its tokens (server-side continuation: no
 round trip per token); ``auto`` (the default) streams instead of stepping plainly — it starts with a
 stretch of streamed tokens, tries drafting after each stretch and keeps whichever was faster, the
-stretches doubling while drafting loses — except that while the server says its compute is scarce
+stretches growing while drafting loses (and no trial at all where even a perfect draft could not beat the
+stream: a long round trip) — except that while the server says its compute is scarce
 (``Load.prefer == "capacity"``) it drafts whenever that costs the server less per token than its
 decoding would, by the costs the server reports.
 """
@@ -208,8 +209,8 @@ class AdaptivePolicy:
         if self.probing and self.paused == 0:  # the stream that measured plain speed is over: judge the trial
             self.probing = False
             self._judge()
-        if self.paused <= 0 and not self.spare_server() and self.hopeless():
-            self.paused = self.pause = MAX_PAUSE  # the longest stretch, no trial: each new stream costs a round trip
+        if self.paused <= 0 and self._skip_trial():
+            self.paused = MAX_PAUSE
         if self.paused <= 0 or self.spare_server():
             return 0
         n, self.paused = self.paused, 0
@@ -220,9 +221,8 @@ class AdaptivePolicy:
     def stream_spec(self) -> PayloadSpec | None:
         """The payload spec for a stream: the most faithful whose bytes take at most ``STREAM_SHARE`` of the
         downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make."""
-        step = self.token_s or self.verify_fit(1, default=UNMEASURED_STEP_S)  # the server's pace (the stream's may be
-        # payload-bound)
-        return self.choose_spec(1.0, STREAM_SHARE * step)
+        step = self.token_s or self.verify_fit(1, default=UNMEASURED_STEP_S)  # the server's pace: a stream's own
+        return self.choose_spec(1.0, STREAM_SHARE * step)  # rate may be bound by its payloads
 
     def prompt_spec(self, prompt_tokens: int) -> PayloadSpec | None:
         """The payload spec for a prompt's features: the most faithful whose download takes at most a round trip
@@ -247,10 +247,17 @@ class AdaptivePolicy:
         ``hopeless``) is not started: the stream goes on, saving the round trip a new one would cost."""
         if self.mode == "stream":
             return STREAM_ALL
-        if self.mode != "auto" or self.pin_nodes is not None or self.spare_server() or not self.hopeless():
+        if self.mode != "auto" or self.pin_nodes is not None:
             return 0
+        return MAX_PAUSE if self._skip_trial() else 0
+
+    def _skip_trial(self) -> bool:
+        """Stream on, for the longest stretch, instead of trying drafting: it is hopeless and no busy server asks
+        for it (each new stream would cost a round trip)."""
+        if self.spare_server() or not self.hopeless():
+            return False
         self.pause = MAX_PAUSE
-        return MAX_PAUSE
+        return True
 
     def spare_server(self) -> bool:
         """Does the server ask for its compute to be spared, and does drafting cost it less per token than decoding
