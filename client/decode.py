@@ -197,31 +197,35 @@ class Run:
         if self.policy is not None and (spec := self.policy.prompt_spec(len(self.prompt_ids))):
             verifier.spec = spec  # sized for the link: the prompt's features are the largest payload
         try:
-            self.verify_s = self.open([])  # the prefill's compute is the first guess at a round's
-            stats.ttft_s = time.perf_counter() - start
-            if self.heartbeat:
-                self.heartbeat.start()  # the prefill gave the link an RTT estimate to set its deadline from
+            # a first stretch streamed opens the session in the same call; else the prefill is a call of its own
+            stretch = self.policy.streaming() if self.policy is not None else 0
+            if not stretch:
+                self.verify_s = self.open([])  # the prefill's compute is the first guess at a round's
+                self.started(start)
             while not (reason := self.finished()):
                 call = time.perf_counter()
                 try:
-                    stretch = self.policy.streaming() if self.policy is not None else 0
                     if stretch:
-                        self.stream(stretch)
+                        self.stream(stretch, start if not self.out else None)
                     else:
                         self.round()
                 except (LinkDown, SessionLost) as exc:
+                    if not self.out:  # the session never opened: as a failed OpenSession
+                        raise
                     if self.resilience.on_reconnect == "fail":
                         raise SplitspecError(f"the link failed ({exc}); not generating without the server "
                                              "(on_reconnect fail)") from None  # fmt: skip
                     stats.disconnects += 1
                     stats.switch_s.append(time.perf_counter() - call)
                     offline.bridge(self)
+                if not self.finished():
+                    stretch = self.policy.streaming() if self.policy is not None else 0
         finally:
             if self.heartbeat:
                 self.heartbeat.close()
                 stats.heartbeat_probes = self.heartbeat.probes
             try:
-                verifier.close(timeout_s=1.0)
+                verifier.close(timeout_s=1.0, wait=False)  # its answer would cost a round trip for nothing
             except SplitspecError:  # the link may be down for good: the server's TTL frees the session
                 pass
         stats.new_tokens, stats.wall_s = len(self.out), time.perf_counter() - start
@@ -229,6 +233,12 @@ class Run:
         stats.acceptance_length = self.gained / stats.rounds if stats.rounds else 0.0
         copy_link_stats(stats, verifier, before)
         return Generation(self.out, self.verified, reason, stats)
+
+    def started(self, start: float) -> None:
+        """The first token is in (``start``: when the generation began)."""
+        self.stats.ttft_s = time.perf_counter() - start
+        if self.heartbeat:
+            self.heartbeat.start()  # the first call gave the link an RTT estimate to set its deadline from
 
     def spec_for_drafter(self) -> None:
         """The payload spec to open with: the caller's, if it set one the drafter can use, else the drafter's first."""
@@ -283,10 +293,11 @@ class Run:
         if policy is not None:
             policy.record(drafting, len(result.new_tokens), time.perf_counter() - t0)
 
-    def stream(self, stretch: int) -> None:
+    def stream(self, stretch: int, opening: float | None = None) -> None:
         """``stretch`` tokens decoded by the server alone, absorbed and emitted as they arrive. The server is asked for
         all the generation has left, so that the policy may extend the stretch without a new call (``extend``);
-        the stream is cancelled when the stretch ends, or once the generation is finished (a stop string)."""
+        the stream is cancelled when the stretch ends, or once the generation is finished (a stop string).
+        ``opening``: the session is opened by this stream (the time the generation began)."""
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
         room = verifier.max_context - len(self.prompt_ids) - len(self.out)
         limit = min(self.limit - len(self.out), room)
@@ -296,11 +307,21 @@ class Run:
             verifier.spec = spec
         t0, got, compute = time.perf_counter(), 0, 0.0
         stats.streams += 1
-        featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
+        stop = sorted(self.stop)
+        if opening is None:
+            tokens = verifier.decode(limit, stop, PAYLOAD_EVERY)
+            featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
+        else:  # the prompt's features come with the first payload
+            tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY)
+            featured, cached = 0, len(self.prompt_ids) - 1
         try:
-            with contextlib.closing(verifier.decode(limit, sorted(self.stop), PAYLOAD_EVERY)) as tokens:
+            with contextlib.closing(tokens):
                 for result in tokens:
-                    drafter.absorb(result.new_tokens, result.features)
+                    if opening is not None and not self.out:
+                        drafter.begin(self.prompt_ids + result.new_tokens, result.features)
+                        self.started(opening)
+                    else:
+                        drafter.absorb(result.new_tokens, result.features)
                     cached += len(result.new_tokens)
                     if result.features is not None:
                         featured = result.features.start + len(result.features)

@@ -122,6 +122,8 @@ def _catch_up(run) -> None:
     tokens are — each after a proposal, so the drafter stands in its own features for the target's — so that it can
     generate after them; the target's own features replace those at the settlement."""
     start, end = run.unfeatured
+    if start == 0:  # not even the prompt's arrived (a stream that opened the session): nothing to draft from until
+        return  # the settlement fetches them
     tokens = (run.prompt_ids + run.out)[start + 1 : end + 1]
     run.drafter.rewind(len(tokens))
     for token in tokens:

@@ -8,6 +8,7 @@ time and bandwidth.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -85,8 +86,9 @@ class Verifier(ABC):
         """One round; ``timeout_s`` bounds it (LinkDown past it)."""
 
     @abstractmethod
-    def close(self, timeout_s: float | None = None) -> None:
-        """Free the session, if one is open."""
+    def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
+        """Free the session, if one is open; ``wait`` False: without waiting for the server's answer (a generation's
+        end, where it would cost a round trip for nothing; a lost request leaves the session to the server's TTL)."""
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
                timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
@@ -99,6 +101,16 @@ class Verifier(ABC):
             yield result
             if result.new_tokens[-1] in stop_ids:
                 return
+
+    def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
+                    payload_every: int = 1, timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+        """``open`` then ``decode``, in one call where there is a server (a round trip less): the first round is the
+        open's, the rest as ``decode``'s, ``max_new_tokens`` in all. The prompt's features may come with a later
+        round than the first (a server sends them after the first token, so they do not hold it up)."""
+        first = self.open(prompt_ids, sampling)
+        yield first
+        if max_new_tokens > 1 and first.new_tokens[-1] not in stop_ids:
+            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s)
 
     def fetch(self, start: int, end: int) -> Features:
         """The features of cached tokens [start, end), asked for again (a cut kept a stream's last payload away)."""
@@ -162,7 +174,7 @@ class LocalVerifier(Verifier):
         self.counters.server_compute_s += verdict.compute_s
         return Round(verdict.accepted, verdict.new_tokens, verdict.features, verdict.compute_s, verdict.verified)
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
         self.session = None
 
 
@@ -225,6 +237,7 @@ class RemoteVerifier(Verifier):
         self._aborted = ""
         self._heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
         self._backlog = 0  # bytes the reply in flight is expected to carry (its payload)
+        self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -360,6 +373,7 @@ class RemoteVerifier(Verifier):
         return self.link.probe(call, budget_s, max_bytes)
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
+        self._closed()
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
                                         payload=self.spec.to_msg())  # fmt: skip
         self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(self.spec))
@@ -393,22 +407,44 @@ class RemoteVerifier(Verifier):
         request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
                                    stop_token_ids=stop_ids, payload=self.spec.to_msg(),
                                    payload_every=payload_every)  # fmt: skip
+        return self._decode(request, payload_every, timeout_s)
+
+    def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
+                    payload_every: int = 1, timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+        request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
+                                   max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=self.spec.to_msg(),
+                                   payload_every=payload_every)  # fmt: skip
+        self._closed()
+        self.session_id, self.length = "", 0
+        return self._decode(request, payload_every, timeout_s, prompt=len(prompt_ids))
+
+    def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None,
+                prompt: int = 0) -> Iterator[Round]:  # fmt: skip
+        """A Decode call's chunks as rounds; ``prompt``: the prompt's length when the call opens the session (its
+        features come with the first payload)."""
         c = self.counters
         c.server_calls += 1
         c.bytes_sent += request.ByteSize()
         start = time.perf_counter()
-        call = self.stub.Decode(request, timeout=timeout_s or self.rpc_timeout_s + max_new_tokens)
+        call = self.stub.Decode(request, timeout=timeout_s or self.rpc_timeout_s + request.max_new_tokens)
         self._inflight, self._aborted = call, ""
-        self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
+        self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(self.spec))
         try:
             for i, chunk in enumerate(call):
                 size = chunk.ByteSize()
                 if i == 0:  # the first token is one round trip around a step; later ones are pipelined
                     self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+                    self.session_id = chunk.session_id or self.session_id
                 c.bytes_received += size
                 c.server_compute_s += chunk.compute_s
                 self.length, self._heard = chunk.length, time.monotonic()
-                features = self._features(chunk.payload) if chunk.HasField("payload") else None
+                features = None
+                if chunk.HasField("payload"):
+                    before = c.payload_bytes
+                    features = self._features(chunk.payload)
+                    if prompt and features is not None and features.start == 0:  # the prompt's, deferred
+                        c.prefill_payload_bytes += c.payload_bytes - before
+                        self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
                 yield Round([], [chunk.token], features, chunk.compute_s, load=chunk.load)
         except grpc.RpcError as exc:
             if self._aborted:
@@ -467,13 +503,25 @@ class RemoteVerifier(Verifier):
             raise CodecError(f"FetchPayload returned tokens {got}, asked for [{start}, {end})")
         return features
 
-    def close(self, timeout_s: float | None = None) -> None:
-        if self.session_id:
-            try:
-                request = pb.CloseSessionRequest(session_id=self.session_id)
-                self._call(self.stub.CloseSession, request, timeout_s=timeout_s)
-            finally:
-                self.session_id = ""
+    def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
+        if not self.session_id:
+            return
+        request = pb.CloseSessionRequest(session_id=self.session_id)
+        self.session_id = ""
+        if wait:
+            self._call(self.stub.CloseSession, request, timeout_s=timeout_s)
+            return
+        self.counters.server_calls += 1
+        self.counters.bytes_sent += request.ByteSize()
+        self._closing = self.stub.CloseSession.future(request, timeout=timeout_s or self.rpc_timeout_s)
+
+    def _closed(self) -> None:
+        """Wait for a close sent without waiting, however it ended: the next session should not find the server's
+        store still holding this one's place."""
+        if self._closing is not None:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                self._closing.result()
+            self._closing = None
 
     def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int]):
         """The server's plain streaming decode (the API baseline): yields lists of tokens."""
@@ -500,4 +548,5 @@ class RemoteVerifier(Verifier):
             raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
 
     def shutdown(self) -> None:
+        self._closed()
         self.channel.close()

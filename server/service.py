@@ -24,7 +24,7 @@ from server.budget import TreeBudget
 from server.limits import ServerLimits
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
 from server.security import TokenAuth, caller
-from server.sessions import SessionStore, StoreFull
+from server.sessions import Session, SessionStore, StoreFull
 from shared.acceptance import SamplingParams
 from shared.bundles import SHIPPED
 from shared.errors import SplitspecError
@@ -332,9 +332,20 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     @rpc
     def OpenSession(self, request, context):
-        prompt = self._prompt(request.prompt_ids)
-        sampling = self._sampling(request.sampling)
+        start = time.perf_counter()
         spec = self._spec(request.payload)
+        session, first = self._open(request.prompt_ids, request.sampling, spec, context)
+        with session.lock:
+            payload = self._payload(session, spec, 0, session.engine.cached_len)
+        return pb.OpenSessionReply(session_id=session.id, first_token=first, length=len(session.engine.tokens),
+                                   compute_s=time.perf_counter() - start, payload=payload,
+                                   load=self._load(len(session.engine.tokens)))  # fmt: skip
+
+    def _open(self, prompt_ids, sampling_msg: pb.Sampling, spec: PayloadSpec, context) -> tuple[Session, int]:
+        """A new session with ``prompt_ids`` prefilled (OpenSession, or a Decode that opens its session): the
+        session and the first token."""
+        prompt = self._prompt(prompt_ids)
+        sampling = self._sampling(sampling_msg)
         with self._place(len(prompt)):
             start = time.perf_counter()
             engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
@@ -343,13 +354,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             session.stats.prompt_tokens = len(prompt)
             if "hidden" in target_features(spec):
                 session.hidden = verdict.features.hidden
-            with session.lock:
-                payload = self._payload(session, spec, 0, engine.cached_len)
-        compute_s = time.perf_counter() - start
         self.metrics.tokens_generated.inc()
-        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt), compute_s)
-        return pb.OpenSessionReply(session_id=session.id, first_token=verdict.bonus, length=len(engine.tokens),
-                                   compute_s=compute_s, payload=payload, load=self._load(len(prompt)))  # fmt: skip
+        log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt),
+                 time.perf_counter() - start)  # fmt: skip
+        return session, verdict.bonus
 
     @rpc
     def Verify(self, request, context):
@@ -442,8 +450,12 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     @rpc
     def Decode(self, request, context):
-        """Server-side continuation (see the proto): validated here, streamed by ``_decode``."""
-        session = self._session(request.session_id, context)
+        """Server-side continuation (see the proto): validated here, streamed by ``_decode`` (which opens the
+        session first when the request carries a prompt)."""
+        if request.prompt_ids and (request.session_id or request.length):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a Decode that opens its session (prompt_ids) takes no "
+                        f"session_id or length, got {shown(request.session_id)} and {request.length}")  # fmt: skip
+        session = None if request.prompt_ids else self._session(request.session_id, context)
         if not 0 < request.max_new_tokens <= self.limits.max_new_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens {request.max_new_tokens} must be in "
                         f"[1, {self.limits.max_new_tokens}]")  # fmt: skip
@@ -459,39 +471,51 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
         """Plain steps on the session, one token a chunk, the payload of the tokens cached since the last one every
         ``payload_every`` tokens and on the last chunk; holds the session's lock from its first step until the
-        stream ends (its last token, the client gone, or a failure)."""
-        engine, m, every = session.engine, self.metrics, max(1, request.payload_every)
+        stream ends (its last token, the client gone, or a failure). ``session`` None: open it first (its prefill's
+        token is the first chunk, sent before the prompt's features, which go with the second)."""
+        m, every, start = self.metrics, max(1, request.payload_every), time.perf_counter()
+        prefilled = None
+        if session is None:
+            session, prefilled = self._open(request.prompt_ids, request.sampling, spec, context)
+        engine = session.engine
         self._lock(session)
         try:
             self._sequence(session, request.length)
             if len(engine.tokens) + 1 > self.limits.max_context:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(engine.tokens)} tokens fill the context "
                             f"limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
-            sent = engine.cached_len  # payloads sent up to here
+            sent = engine.cached_len if prefilled is None else 0  # payloads sent up to here
             for produced in range(1, request.max_new_tokens + 1):
+                first = produced == 1 and prefilled is not None
                 if not context.is_active():
+                    if first:  # the client never learnt the session's id
+                        self.sessions.pop(session.id, reason="cancelled")
                     return
-                start = time.perf_counter()
                 try:
-                    verdict = engine.verify(DraftTree(), self._runner(context))
-                    session.keep_hidden(verdict)
-                    token = verdict.bonus
+                    if first:
+                        token = prefilled
+                    else:
+                        start = time.perf_counter()
+                        verdict = engine.verify(DraftTree(), self._runner(context))
+                        session.keep_hidden(verdict)
+                        token = verdict.bonus
+                        m.tokens_generated.inc()
+                        m.tokens_decoded.inc()
+                        session.stats.decoded += 1
                     full = len(engine.tokens) + 1 > self.limits.max_context
                     reason = ("stop" if token in stop else "length" if produced == request.max_new_tokens
                               else "context" if full else "")  # fmt: skip
                     payload = None
-                    if reason or engine.cached_len - sent >= every:
+                    if reason or (engine.cached_len - sent >= every and not first):
                         payload, sent = self._payload(session, spec, sent, engine.cached_len), engine.cached_len
                 except Abort:
                     raise
                 except Exception:
                     self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
                     raise
-                m.tokens_generated.inc()
-                m.tokens_decoded.inc()
-                session.stats.decoded += 1
                 yield pb.DecodeChunk(token=token, length=len(engine.tokens), compute_s=time.perf_counter() - start,
-                                     payload=payload, finish_reason=reason, load=self._load(len(engine.tokens)))
+                                     payload=payload, finish_reason=reason, load=self._load(len(engine.tokens)),
+                                     session_id=session.id if first else "")  # fmt: skip
                 if reason:
                     return
         finally:

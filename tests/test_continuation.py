@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from client.adaptive import PAUSE, AdaptivePolicy
+from client import decode
 from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
@@ -60,11 +61,14 @@ def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, se
         gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy)
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
+    # the first stretch opened the session (the prefill's token is its first): no OpenSession, and the close is
+    # sent without waiting for its answer; the prompt's features came with the first payload, not ahead of a token
+    assert s.prefill_payload_bytes > 0
     if mode == "stream":
-        assert s.streamed_tokens == NEW - 1 and s.rounds == 0 and s.streams == 1  # the first token is the prefill's
+        assert s.streamed_tokens == NEW and s.rounds == 0 and s.streams == 1 and s.server_calls == 2
     else:  # a stretch streamed, then drafting tried: both modes ran, and the tokens add up
         assert s.streamed_tokens >= PAUSE and s.rounds >= 1
-        assert s.streamed_tokens + round(s.acceptance_length * s.rounds) == NEW - 1
+        assert s.streamed_tokens + round(s.acceptance_length * s.rounds) == NEW
 
 
 def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_target, server, plain):
@@ -81,7 +85,7 @@ def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_targ
 def test_in_process_the_same_loop_streams_plain_steps(tiny_target, plain):
     policy = AdaptivePolicy.for_run(LocalVerifier(tiny_target), [], mode="stream")
     gen = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, stop_ids=[], policy=policy)
-    assert gen.token_ids == plain and gen.stats.streamed_tokens == NEW - 1
+    assert gen.token_ids == plain and gen.stats.streamed_tokens == NEW
 
 
 def test_a_stream_closed_early_is_rolled_back_by_the_next_call(tiny_target, server, plain):
@@ -127,6 +131,30 @@ def test_a_cut_mid_stream_goes_local_from_the_last_token_and_ends_exactly(tiny_t
     assert fetched and all(0 < b - a < 8 for a, b in fetched) and fetched[0][1] >= len(PROMPT) + cut[0] - 1
 
 
+def test_a_cut_before_the_prompts_features_arrived_waits_for_the_server_and_ends_exactly(
+        tiny_target, server, netsim_server, plain, monkeypatch):  # fmt: skip
+    """The stream that opened the session sends the prompt's features with its first payload: cut before it (no
+    payload for 200 tokens here), the drafter has nothing to generate from, so the client waits, fetches them
+    all when the server is back, and goes on."""
+    monkeypatch.setattr(decode, "PAYLOAD_EVERY", 200)
+    with simulated_link(server[0], "none", netsim=netsim_server) as link, remote(link.address) as verifier:
+        fetched, fetch, cut = [], verifier.fetch, []
+        verifier.fetch = lambda a, b: fetched.append((a, b)) or fetch(a, b)
+
+        def update(tokens, verified):
+            if len(tokens) == 5 and not cut:
+                cut.append(len(tokens))
+                link.cut()
+                threading.Timer(0.5, link.restore).start()
+
+        policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="stream")
+        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
+                       resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
+    s = gen.stats
+    assert gen.token_ids == plain and all(gen.verified)
+    assert s.disconnects >= 1 and s.local_tokens == 0 and fetched[0][0] == 0 and fetched[0][1] >= len(PROMPT) + 4
+
+
 def test_decode_refuses_bad_requests_with_a_clear_status(server):
     channel = grpc.insecure_channel(server[0])
     stub = pb_grpc.SplitSpecStub(channel)
@@ -146,6 +174,27 @@ def test_decode_refuses_bad_requests_with_a_clear_status(server):
                                                    max_new_tokens=3), timeout=10))  # fmt: skip
         assert [c.length for c in chunks] == [opened.length + i for i in (1, 2, 3)]
         assert chunks[-1].finish_reason == "length" and all(c.load.prefer == "latency" for c in chunks)
+        # a Decode that opens its session takes no session of its own
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(pb.DecodeRequest(session_id=opened.session_id, prompt_ids=PROMPT, max_new_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "takes no session_id" in err.value.details()
+    finally:
+        channel.close()
+
+
+def test_a_decode_that_opens_its_session_sends_the_first_token_before_the_prompts_features(server, plain):
+    channel = grpc.insecure_channel(server[0])
+    stub = pb_grpc.SplitSpecStub(channel)
+    try:
+        spec = PayloadSpec("kv", "fp16").to_msg()
+        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=4, payload=spec,
+                                                   payload_every=2), timeout=10))  # fmt: skip
+        assert [c.token for c in chunks] == plain[:4] and chunks[0].session_id and not chunks[1].session_id
+        assert [c.length for c in chunks] == [len(PROMPT) + i for i in (1, 2, 3, 4)]
+        # the first chunk is the prefill's token alone; the second brings the prompt's features and its own
+        assert not chunks[0].HasField("payload")
+        assert (chunks[1].payload.start, chunks[1].payload.count) == (0, len(PROMPT) + 1)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=chunks[0].session_id), timeout=10)
     finally:
         channel.close()
 

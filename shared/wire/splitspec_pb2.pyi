@@ -191,36 +191,42 @@ class VerifyReply(_message.Message):
     def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every")
+    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every", "prompt_ids", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_EVERY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     payload: PayloadSpec
     payload_every: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: Sampling
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load")
+    __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load", "session_id")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     token: int
     length: int
     compute_s: float
     payload: Payload
     finish_reason: str
     load: Load
-    def __init__(self, token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., finish_reason: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., finish_reason: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
