@@ -220,7 +220,11 @@ class AdaptivePolicy:
 
     def stream_spec(self) -> PayloadSpec | None:
         """The payload spec for a stream: the most faithful whose bytes take at most ``STREAM_SHARE`` of the
-        downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make."""
+        downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make. On a link
+        whose rate is not measured yet the smallest (a first stream's payload then measures it, ``observe_gap``)."""
+        unmeasured = self.link is not None and self.link.down_rate is None
+        if unmeasured and self.specs and self.pin_spec is None and self.bytes_per_token:
+            return min(self.specs, key=self.bytes_per_token)  # an unmeasured link may be slow: the smallest first
         step = self.token_s or self.verify_fit(1, default=UNMEASURED_STEP_S)  # the server's pace: a stream's own
         return self.choose_spec(1.0, STREAM_SHARE * step)  # rate may be bound by its payloads
 

@@ -20,6 +20,8 @@ RTTVAR_GAIN = 1 / 4  # RFC 6298 beta
 RATE_GAIN = 1 / 4  # bandwidth samples come rarely; a larger gain lets a few of them move the estimate
 MIN_TRANSFER_BYTES = 32 * 1024  # below this (on an unknown link) a transfer hides in the RTT's jitter
 MIN_TRANSFER_SHARE = 0.25  # a rate sample needs its transfer to be at least this share of the call
+GAP_MIN_BYTES = 16 * 1024  # a stream's message timed by its arrival gap (observe_gap): at least this large...
+GAP_FLOOR_S = 0.01  # ...and its transfer taken as at least this long (a quicker one bounds the rate from below)
 
 PROBE_PINGS = 9  # a median of several: on a jittery link (4G: ±19 ms) a few pings say little
 PROBE_REPEATS = 3  # transfers at the final size, for a median
@@ -72,6 +74,13 @@ class LinkMonitor:
             self._rtt_sample(rtt)
         self.samples += 1
         return True
+
+    def observe_gap(self, gap_s: float, compute_s: float, nbytes: int) -> None:
+        """A reply stream's message of ``nbytes`` that arrived ``gap_s`` after a small one, with ``compute_s`` of server
+        work between them: the rest of the gap is its transfer (a stream's first payload, which carries a prompt's
+        features). One quicker than ``GAP_FLOOR_S`` still says the rate is at least ``nbytes / GAP_FLOOR_S``."""
+        if nbytes >= GAP_MIN_BYTES and math.isfinite(gap_s - compute_s):
+            self.down_rate = _ewma(self.down_rate, nbytes / max(gap_s - compute_s, GAP_FLOOR_S), RATE_GAIN)
 
     def _rtt_sample(self, rtt: float) -> None:
         """RFC 6298: the first sample sets SRTT and RTTVAR = R/2; later ones move them by fixed gains."""

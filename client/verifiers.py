@@ -431,10 +431,13 @@ class RemoteVerifier(Verifier):
         self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(self.spec))
         try:
             for i, chunk in enumerate(call):
-                size = chunk.ByteSize()
+                size, arrived = chunk.ByteSize(), time.perf_counter()
                 if i == 0:  # the first token is one round trip around a step; later ones are pipelined
-                    self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+                    self.link.observe(arrived - start, chunk.compute_s, request.ByteSize(), size)
                     self.session_id = chunk.session_id or self.session_id
+                elif i == 1 and prompt:  # the prompt's features, after the small first chunk: the link's rate
+                    self.link.observe_gap(arrived - start, chunk.compute_s, size)
+                start = arrived
                 c.bytes_received += size
                 c.server_compute_s += chunk.compute_s
                 self.length, self._heard = chunk.length, time.monotonic()

@@ -14,8 +14,8 @@ from shared.tree import DraftTree
 class FakeLink:
     """A link monitor with a fixed RTT and rate (bytes/s both ways)."""
 
-    def __init__(self, rtt_s: float, rate: float):
-        self.srtt_s, self.rate = rtt_s, rate
+    def __init__(self, rtt_s: float, rate: float | None):
+        self.srtt_s, self.rate, self.down_rate = rtt_s, rate, rate
 
     def transfer_s(self, up: int, down: int) -> float:
         return (up + down) / self.rate
@@ -119,6 +119,8 @@ def test_streams_and_prompts_get_the_payload_their_link_can_carry():
     assert policy(0.3, 2e5).stream_spec().precision == "int8"  # 3G: 4.8 ms of 12.5 ms; fp16 would take 9.6
     assert policy(0.03, 2.5e6).prompt_spec(100).precision == "int8"  # 192 KB is 77 ms > 50 ms; 96 KB fits
     assert policy(0.3, 2e5).prompt_spec(100).precision == "int4"  # 48 KB is 0.24 s < one 0.3 s round trip
+    # a link whose rate nobody measured may be 3G: a first stream (which carries the prompt's features) goes small
+    assert policy(0.3, None).stream_spec().precision == "int4"
 
 
 def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():

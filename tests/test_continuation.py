@@ -8,8 +8,8 @@ import threading
 import grpc
 import pytest
 
-from client.adaptive import PAUSE, AdaptivePolicy
 from client import decode
+from client.adaptive import PAUSE, AdaptivePolicy
 from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter

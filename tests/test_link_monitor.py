@@ -97,6 +97,18 @@ def test_small_calls_give_rtt_but_no_bandwidth():
     assert monitor.bandwidth_mbps is None and monitor.uplink_mbps is None
 
 
+def test_a_streamed_payloads_arrival_gap_measures_the_downlink():
+    """A stream's prompt payload arrives after a small chunk: its gap, less the server's step, is its transfer."""
+    monitor = LinkMonitor()
+    monitor.observe_gap(0.01 + 64 * 1024 / 2e5, 0.01, 64 * 1024)  # 3G: 200 KB/s
+    assert monitor.down_rate == pytest.approx(2e5)
+    monitor.observe_gap(0.5, 0.01, 8 * 1024)  # too small to time: ignored
+    assert monitor.down_rate == pytest.approx(2e5)
+    fast = LinkMonitor()
+    fast.observe_gap(0.0101, 0.01, 64 * 1024)  # loopback: no time to speak of, but the rate is at least 6.5 MB/s
+    assert fast.down_rate == pytest.approx(64 * 1024 / 0.01)
+
+
 def test_rtt_follows_a_step_within_a_few_samples():
     monitor = LinkMonitor()
     for _ in range(30):
