@@ -33,6 +33,8 @@ decoding would, by the costs the server reports.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from shared.payload import PayloadSpec
@@ -60,6 +62,10 @@ MAX_PAUSE = 384
 PROBE = 2
 UNMEASURED_STEP_S = 0.005  # a server's step before one was measured: a fast one, so a first stream's payloads are small
 STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's time per streamed token
+# Mode auto rehearses drafting while it streams (``rehearse``): the latest REHEARSALS unsent trees, scored against the
+# tokens that came, predict what drafting would gain; MIN_REHEARSALS of them before the prediction is trusted.
+REHEARSALS = 16
+MIN_REHEARSALS = 3
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
 MODES = ("auto", "draft", "stream")
 STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
@@ -165,6 +171,9 @@ class AdaptivePolicy:
     drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
     drafted_gain: float | None = None  # tokens gained per drafted round (running average)
     token_s: float | None = None  # server compute per streamed token (running average)
+    # trees drafted during streams and never sent (see ``rehearse``): (nodes, the path the streamed tokens took
+    # through it, seconds drafting it took), the latest REHEARSALS
+    rehearsals: deque = field(default_factory=lambda: deque(maxlen=REHEARSALS))
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -234,14 +243,50 @@ class AdaptivePolicy:
         rtt = self.link.srtt_s if self.link is not None else None
         return self.choose_spec(float(prompt_tokens), max(PROMPT_SHARE, rtt or 0.0))
 
+    def rehearse(self) -> bool:
+        """Should the stream under way draft a tree it will not send, to see what drafting would gain? (Mode auto:
+        the client's own time is spare while the server decodes, and a rehearsal costs the server nothing.)"""
+        return self.mode == "auto" and self.pin_nodes is None
+
+    def rehearsed(self, tree: DraftTree, path: list[int], draft_s: float) -> None:
+        """A rehearsal's outcome: ``path``, the nodes of ``tree`` the streamed tokens went through."""
+        self.rehearsals.append((len(tree), path, draft_s))
+
+    def rehearsed_rate(self) -> float | None:
+        """Tokens/s drafting would reach by the rehearsals: for each tree size n, 1 + the nodes their ranked first n
+        would have had accepted, over a round's predicted time (its drafting, a round trip, the server's verification
+        of n nodes, the transfers); the best n. None until there are MIN_REHEARSALS."""
+        if len(self.rehearsals) < MIN_REHEARSALS:
+            return None
+        largest = max(nodes for nodes, _, _ in self.rehearsals)
+        draft_s = statistics.median(seconds for _, _, seconds in self.rehearsals)  # (the first may catch up a prompt)
+        rtt, best = (self.link.srtt_s or 0.0) if self.link is not None else 0.0, 0.0
+        for n in range(1, largest + 1):  # a path's nodes come in rank order: those below n are what head(n) keeps
+            gain = 1 + sum(sum(i < n for i in path) for _, path, _ in self.rehearsals) / len(self.rehearsals)
+            seconds = draft_s + rtt + self.verify_s(n) + self._transfer_s(16 + 6 * n, 0)[1]
+            best = max(best, gain / seconds)
+        return best
+
+    def verify_s(self, nodes: int) -> float:
+        """A verification of ``nodes`` nodes: as measured (the cost curve), else by the costs the server reports
+        (``Load``), else a streamed token's compute."""
+        if self.verify_fit.n:
+            return self.verify_fit(nodes + 1, default=0.0)
+        load = self.load
+        if load is not None and (load.step_s or load.node_s):
+            return load.step_s + (nodes + 1) * load.node_s
+        return self.token_s or UNMEASURED_STEP_S
+
     def hopeless(self) -> bool:
-        """Could drafting not beat streaming even at its best? A round gains at most the tree's depth and its bonus
-        token (at most twice what drafted rounds gained so far, once some ran) and takes at least a round trip,
-        the measured drafting and a plain step's verification. Then a trial is not worth its price (a long round
-        trip, a drafter that rarely hits)."""
+        """Could drafting not beat streaming? By the rehearsals once there are enough; before, even at its best: a
+        round gains at most the tree's depth and its bonus token (at most twice what drafted rounds gained so far,
+        once some ran) and takes at least a round trip, the measured drafting and a plain step's verification. Then
+        a trial is not worth its price (a long round trip, a drafter that rarely hits)."""
         rtt = self.link.srtt_s if self.link is not None else None
         if not rtt or not self.plain_seen:
             return False
+        if (rate := self.rehearsed_rate()) is not None:
+            return rate < self.plain_seen
         gain = 1 + self.depth if self.drafted_gain is None else min(1 + self.depth, 2 * self.drafted_gain)
         seconds = rtt + (self.draft_step_s or 0.0) * self.depth + self.verify_fit(1, default=0.0)
         return gain / seconds < self.plain_seen

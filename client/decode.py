@@ -36,7 +36,7 @@ from client.heartbeat import Heartbeat
 from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
-from shared.tree import DraftTree
+from shared.tree import DraftTree, depths
 
 ON_RECONNECT = ("verify", "keep", "fail")
 MIN_DEADLINE_S = 0.1
@@ -257,8 +257,7 @@ class Run:
     def round(self) -> None:
         """Propose, plan, verify, observe, absorb, emit: one verification round."""
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
-        room = verifier.max_context - len(self.prompt_ids) - len(self.out)
-        budget = max(0, min(self.max_nodes, verifier.max_tree_nodes, room - 1))
+        budget = self.budget()
         depth = policy.depth if policy is not None else None
         t0 = time.perf_counter()
         drafting = policy is None or policy.drafting()
@@ -293,6 +292,11 @@ class Run:
         if policy is not None:
             policy.record(drafting, len(result.new_tokens), time.perf_counter() - t0)
 
+    def budget(self) -> int:
+        """The most tree nodes a round may send now."""
+        room = self.verifier.max_context - len(self.prompt_ids) - len(self.out)
+        return max(0, min(self.max_nodes, self.verifier.max_tree_nodes, room - 1))
+
     def stream(self, stretch: int, opening: float | None = None) -> None:
         """``stretch`` tokens decoded by the server alone, absorbed and emitted as they arrive. The server is asked for
         all the generation has left, so that the policy may extend the stretch without a new call (``extend``);
@@ -314,6 +318,7 @@ class Run:
         else:  # the prompt's features come with the first payload
             tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY)
             featured, cached = 0, len(self.prompt_ids) - 1
+        rehearsal = None  # (a tree drafted and not sent, where its root is in the output, seconds drafting it)
         try:
             with contextlib.closing(tokens):
                 for result in tokens:
@@ -334,6 +339,8 @@ class Run:
                         policy.load = result.load or policy.load
                     if self.finished():
                         break
+                    if policy is not None:
+                        rehearsal = self.rehearse(rehearsal, featured == cached or not verifier.spec)
                     # the stretch is over once its features are in too (a payload comes every PAYLOAD_EVERY tokens;
                     # ending between two would leave the drafter without the last ones): judged, then maybe extended
                     if got >= stretch and (featured == cached or not verifier.spec):
@@ -347,6 +354,24 @@ class Run:
                 self.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
             raise
         self.streamed(got, compute, time.perf_counter() - t0)
+
+    def rehearse(self, rehearsal, featured: bool):
+        """Drafting rehearsed during a stream (``AdaptivePolicy.rehearse``): a tree drafted from the newest token once
+        the drafter has every feature (``featured``), never sent, scored once the tokens its depth reaches have
+        streamed in. Returns the rehearsal under way (None: none)."""
+        drafter, policy = self.drafter, self.policy
+        if rehearsal is not None:
+            tree, at, draft_s = rehearsal
+            came = self.out[at + 1 :]
+            if len(came) <= max(depths(tree.parents), default=0):
+                return rehearsal
+            policy.rehearsed(tree, tree.follow(came), draft_s)
+        if not featured or not policy.rehearse():
+            return None
+        t0 = time.perf_counter()
+        tree = drafter.propose(self.budget(), policy.depth)
+        drafter.discard()
+        return (tree, len(self.out) - 1, time.perf_counter() - t0) if len(tree) else None
 
     def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
         """Tell the policy what a stretch of the stream gave and cost."""

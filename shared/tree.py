@@ -37,6 +37,18 @@ class DraftTree:
         """A linear draft: each token is the child of the one before."""
         return cls(list(tokens), list(range(-1, len(tokens) - 1)))
 
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The nodes along ``tokens`` from the root, as far as the tree has them: what a target that chose
+        ``tokens`` would accept (greedy), node indices from the root down."""
+        path, at = [], ROOT
+        for token in tokens:
+            at = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents, strict=True))
+                       if p == at and t == token), None)  # fmt: skip
+            if at is None:
+                break
+            path.append(at)
+        return path
+
     def add(self, token: int, parent: int = ROOT) -> int:
         """Append a node and return its index."""
         self.tokens.append(int(token))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from client.adaptive import EXPLORE, AdaptivePolicy, LineFit
+from client.adaptive import EXPLORE, MIN_REHEARSALS, AdaptivePolicy, LineFit
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -248,3 +248,21 @@ def test_a_convex_cost_curve_is_read_as_measured():
         policy.verify_fit.add(n, s)
     policy.rounds, policy.draft_step_s = len(EXPLORE), 0.0005
     assert 3 <= len(policy.cut(TREE)) <= 5  # 4 nodes: 2.6 expected tokens for 1.4x a plain step
+
+
+def test_rehearsals_predict_drafting_from_trees_never_sent():
+    """Trees drafted during a stream and scored against the tokens that came: a drafter whose first two nodes are
+    always right beats a 100 tok/s stream on a 5 ms link; one that is never right does not (no trial)."""
+    def policy(path: list[int]) -> AdaptivePolicy:
+        p = AdaptivePolicy(FakeLink(0.005, 1e7), plain_seen=100.0)
+        p.token_s = 0.008
+        for _ in range(MIN_REHEARSALS):
+            p.rehearsed(DraftTree.chain([1, 2, 3, 4]), path, 0.002)
+        return p
+
+    assert AdaptivePolicy(FakeLink(0.005, 1e7)).rehearsed_rate() is None  # none yet: the old bound rules
+    right = policy([0, 1])
+    assert right.rehearsed_rate() == pytest.approx(3 / (0.002 + 0.005 + 0.008 + 28 / 1e7), rel=0.01)
+    assert not right.hopeless()
+    wrong = policy([])
+    assert wrong.rehearsed_rate() < 100 and wrong.hopeless()

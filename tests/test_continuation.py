@@ -66,9 +66,45 @@ def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, se
     assert s.prefill_payload_bytes > 0
     if mode == "stream":
         assert s.streamed_tokens == NEW and s.rounds == 0 and s.streams == 1 and s.server_calls == 2
-    else:  # a stretch streamed, then drafting tried: both modes ran, and the tokens add up
-        assert s.streamed_tokens >= PAUSE and s.rounds >= 1
-        assert s.streamed_tokens + round(s.acceptance_length * s.rounds) == NEW
+    else:  # a random drafter's rehearsals during the stream say drafting would not pay: it is never tried
+        assert s.streamed_tokens == NEW and s.rounds == 0 and len(policy.rehearsals) >= 3
+        assert all(path == [] for _, path, _ in policy.rehearsals)
+
+
+class Oracle(NoDrafter):
+    """Drafts what plain decoding will say: every draft accepted."""
+
+    name = "oracle"
+
+    def __init__(self, plain: list[int]):
+        self.plain = plain
+
+    def begin(self, tokens, features=None):
+        self.at = len(tokens) - 1 - len(PROMPT)  # the root's index in the output
+
+    def absorb(self, tokens, features=None):
+        self.at += len(tokens)
+
+    def rewind(self, n):
+        self.at -= n
+
+    def propose(self, max_nodes, depth=None):
+        tree = DraftTree.chain(self.plain[self.at + 1 : self.at + 1 + min(max_nodes, depth or 4)])
+        tree.scores = [0.0] * len(tree)
+        return tree
+
+
+def test_auto_drafts_once_its_rehearsals_say_drafting_pays(tiny_target, server, plain):
+    """Rehearsals of a drafter that is always right predict more tokens a round than the stream gives: auto tries
+    drafting after its first stretch, and both modes make the answer, exactly."""
+    with remote(server[0]) as verifier:
+        verifier.spec = PayloadSpec()
+        policy = AdaptivePolicy.for_run(verifier, [], mode="auto")
+        gen = generate(verifier, Oracle(plain), PROMPT, NEW, stop_ids=[], policy=policy)
+    s = gen.stats
+    assert gen.token_ids == plain and s.streamed_tokens >= PAUSE and s.rounds >= 1
+    assert s.streamed_tokens + round(s.acceptance_length * s.rounds) >= NEW  # (the last round may overshoot)
+    assert all(len(path) == nodes for nodes, path, _ in policy.rehearsals)
 
 
 def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_target, server, plain):

@@ -97,3 +97,10 @@ def test_verify_keeps_only_the_accepted_path(tiny_target, seed):
     assert session.cached_len == n
     torch.testing.assert_close(session.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(session.cache.v[:, :, :, :n], fresh.cache.v[:, :, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_follow_walks_the_tokens_a_target_chose_through_the_tree():
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 2])  # 5 -> 7 -> 8, and 6
+    assert tree.follow([5, 7, 8, 9]) == [0, 2, 3]
+    assert tree.follow([6, 7]) == [1]
+    assert tree.follow([9]) == [] and tree.follow([]) == []

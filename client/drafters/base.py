@@ -53,6 +53,11 @@ class Drafter(ABC):
     def rewind(self, n: int) -> None:
         """Forget the last ``n`` committed tokens (reconciliation after a divergence)."""
 
+    def discard(self) -> None:
+        """The last proposal will not be verified (a rehearsal during a stream): the tokens absorbed next are not
+        its verdict. Only a drafter that learns from its verdicts needs to forget it."""
+        return None
+
 
 class NoDrafter(Drafter):
     """Plain target decoding: every round verifies an empty tree and yields one token."""

@@ -55,6 +55,9 @@ class PromptLookup(Drafter):
     def rewind(self, n: int) -> None:
         self.begin(self.history[: len(self.history) - n])
 
+    def discard(self) -> None:
+        self._proposed = 0  # its length adapts to verdicts only
+
     def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         tree = DraftTree()
         end = len(self.history)
