@@ -66,6 +66,7 @@ STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's 
 # tokens that came, predict what drafting would gain; MIN_REHEARSALS of them before the prediction is trusted.
 REHEARSALS = 16
 MIN_REHEARSALS = 3
+LOOKUP = 10  # tokens a stream's server may copy by prompt lookup and verify in one step (``DecodeRequest.lookup``)
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
 MODES = ("auto", "draft", "stream")
 STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
@@ -171,6 +172,7 @@ class AdaptivePolicy:
     drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
     drafted_gain: float | None = None  # tokens gained per drafted round (running average)
     token_s: float | None = None  # server compute per streamed token (running average)
+    lookup: int = LOOKUP  # a stream lets the server draft this many tokens itself by prompt lookup (0: plain steps)
     # trees drafted during streams and never sent (see ``rehearse``): (nodes, the path the streamed tokens took
     # through it, seconds drafting it took), the latest REHEARSALS
     rehearsals: deque = field(default_factory=lambda: deque(maxlen=REHEARSALS))
@@ -258,7 +260,7 @@ class AdaptivePolicy:
         of n nodes, the transfers); the best n. None until there are MIN_REHEARSALS."""
         if len(self.rehearsals) < MIN_REHEARSALS:
             return None
-        largest = max(nodes for nodes, _, _ in self.rehearsals)
+        largest = max(1, max(nodes for nodes, _, _ in self.rehearsals))
         draft_s = statistics.median(seconds for _, _, seconds in self.rehearsals)  # (the first may catch up a prompt)
         rtt, best = (self.link.srtt_s or 0.0) if self.link is not None else 0.0, 0.0
         for n in range(1, largest + 1):  # a path's nodes come in rank order: those below n are what head(n) keeps

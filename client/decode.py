@@ -311,12 +311,12 @@ class Run:
             verifier.spec = spec
         t0, got, compute = time.perf_counter(), 0, 0.0
         stats.streams += 1
-        stop = sorted(self.stop)
+        stop, lookup = sorted(self.stop), policy.lookup if policy is not None else 0
         if opening is None:
-            tokens = verifier.decode(limit, stop, PAYLOAD_EVERY)
+            tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, lookup=lookup)
             featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
         else:  # the prompt's features come with the first payload
-            tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY)
+            tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY, lookup=lookup)
             featured, cached = 0, len(self.prompt_ids) - 1
         rehearsal = None  # (a tree drafted and not sent, where its root is in the output, seconds drafting it)
         try:
@@ -371,7 +371,7 @@ class Run:
         t0 = time.perf_counter()
         tree = drafter.propose(self.budget(), policy.depth)
         drafter.discard()
-        return (tree, len(self.out) - 1, time.perf_counter() - t0) if len(tree) else None
+        return tree, len(self.out) - 1, time.perf_counter() - t0  # (an empty tree counts: a round that gains one)
 
     def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
         """Tell the policy what a stretch of the stream gave and cost."""

@@ -91,10 +91,11 @@ class Verifier(ABC):
         end, where it would cost a round trip for nothing; a lost request leaves the session to the server's TTL)."""
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
-        """Server-side continuation: the target decodes by itself, one round per token (no drafts), until a stop
-        token or ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with
-        the last; closing the iterator early ends it. Here: plain verifications one by one (in process there is no
+               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Round]:  # fmt: skip
+        """Server-side continuation: the target decodes by itself, one round per token, until a stop token or
+        ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with the last;
+        closing the iterator early ends it; ``lookup``: the server may verify its own prompt-lookup drafts of up to
+        this many tokens (``DecodeRequest.lookup``). Here: plain verifications one by one (in process there is no
         round trip to save, and features come with every token); a server streams them (``RemoteVerifier.decode``)."""
         for _ in range(max_new_tokens):
             result = self.verify(DraftTree(), timeout_s)
@@ -103,14 +104,15 @@ class Verifier(ABC):
                 return
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
-                    payload_every: int = 1, timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+                    payload_every: int = 1, timeout_s: float | None = None,
+                    lookup: int = 0) -> Iterator[Round]:  # fmt: skip
         """``open`` then ``decode``, in one call where there is a server (a round trip less): the first round is the
         open's, the rest as ``decode``'s, ``max_new_tokens`` in all. The prompt's features may come with a later
         round than the first (a server sends them after the first token, so they do not hold it up)."""
         first = self.open(prompt_ids, sampling)
         yield first
         if max_new_tokens > 1 and first.new_tokens[-1] not in stop_ids:
-            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s)
+            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s, lookup)
 
     def fetch(self, start: int, end: int) -> Features:
         """The features of cached tokens [start, end), asked for again (a cut kept a stream's last payload away)."""
@@ -399,21 +401,22 @@ class RemoteVerifier(Verifier):
         return Round(accepted, new, self._features(reply.payload), reply.compute_s, verified, reply.load)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Round]:  # fmt: skip
         """The server decodes the session by itself and streams each token with the payload of the token it cached
         (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
         made past what was received are rolled back by the next call's ``length``. ``timeout_s`` bounds the whole
         stream (a silent cut is noticed by the heartbeat, which aborts it)."""
         request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
                                    stop_token_ids=stop_ids, payload=self.spec.to_msg(),
-                                   payload_every=payload_every)  # fmt: skip
+                                   payload_every=payload_every, lookup=lookup)  # fmt: skip
         return self._decode(request, payload_every, timeout_s)
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
-                    payload_every: int = 1, timeout_s: float | None = None) -> Iterator[Round]:  # fmt: skip
+                    payload_every: int = 1, timeout_s: float | None = None,
+                    lookup: int = 0) -> Iterator[Round]:  # fmt: skip
         request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
                                    max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=self.spec.to_msg(),
-                                   payload_every=payload_every)  # fmt: skip
+                                   payload_every=payload_every, lookup=lookup)  # fmt: skip
         self._closed()
         self.session_id, self.length = "", 0
         return self._decode(request, payload_every, timeout_s, prompt=len(prompt_ids))

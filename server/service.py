@@ -22,6 +22,7 @@ from server import payloads
 from server.batching import Batcher
 from server.budget import TreeBudget
 from server.limits import ServerLimits
+from server.lookup import SelfDraft
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
 from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
@@ -469,12 +470,13 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     @streamed("Decode")
     def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
-        """Plain steps on the session, one token a chunk, the payload of the tokens cached since the last one every
+        """Steps on the session, one token a chunk, the payload of the tokens cached since the last one every
         ``payload_every`` tokens and on the last chunk; holds the session's lock from its first step until the
         stream ends (its last token, the client gone, or a failure). ``session`` None: open it first (its prefill's
-        token is the first chunk, sent before the prompt's features, which go with the second)."""
-        m, every, start = self.metrics, max(1, request.payload_every), time.perf_counter()
-        prefilled = None
+        token is the first chunk, sent before the prompt's features, which go with the second). With
+        ``request.lookup`` a step may verify the server's own prompt-lookup draft (``SelfDraft``): several tokens."""
+        every, budget = max(1, request.payload_every), request.max_new_tokens
+        start, prefilled = time.perf_counter(), None
         if session is None:
             session, prefilled = self._open(request.prompt_ids, request.sampling, spec, context)
         engine = session.engine
@@ -484,26 +486,23 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             if len(engine.tokens) + 1 > self.limits.max_context:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(engine.tokens)} tokens fill the context "
                             f"limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
+            drafter = SelfDraft(engine.tokens, request.lookup) if request.lookup else None
             sent = engine.cached_len if prefilled is None else 0  # payloads sent up to here
-            for produced in range(1, request.max_new_tokens + 1):
-                first = produced == 1 and prefilled is not None
+            produced = 0
+            while True:
+                first = produced == 0 and prefilled is not None
                 if not context.is_active():
                     if first:  # the client never learnt the session's id
                         self.sessions.pop(session.id, reason="cancelled")
                     return
                 try:
                     if first:
-                        token = prefilled
+                        tokens, compute_s = [prefilled], time.perf_counter() - start
                     else:
-                        start = time.perf_counter()
-                        verdict = engine.verify(DraftTree(), self._runner(context))
-                        session.keep_hidden(verdict)
-                        token = verdict.bonus
-                        m.tokens_generated.inc()
-                        m.tokens_decoded.inc()
-                        session.stats.decoded += 1
+                        tokens, compute_s = self._step(session, drafter, budget - produced, stop, context)
+                    produced += len(tokens)
                     full = len(engine.tokens) + 1 > self.limits.max_context
-                    reason = ("stop" if token in stop else "length" if produced == request.max_new_tokens
+                    reason = ("stop" if tokens[-1] in stop else "length" if produced >= budget
                               else "context" if full else "")  # fmt: skip
                     payload = None
                     if reason or (engine.cached_len - sent >= every and not first):
@@ -513,13 +512,38 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 except Exception:
                     self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
                     raise
-                yield pb.DecodeChunk(token=token, length=len(engine.tokens), compute_s=time.perf_counter() - start,
-                                     payload=payload, finish_reason=reason, load=self._load(len(engine.tokens)),
-                                     session_id=session.id if first else "")  # fmt: skip
+                length = len(engine.tokens) - len(tokens)
+                for i, token in enumerate(tokens):  # a step's compute goes with its first token, its payload its last
+                    last = i == len(tokens) - 1
+                    yield pb.DecodeChunk(token=token, length=length + i + 1, compute_s=0.0 if i else compute_s,
+                                         payload=payload if last else None, finish_reason=reason if last else "",
+                                         load=self._load(len(engine.tokens)),
+                                         session_id=session.id if first else "")  # fmt: skip
                 if reason:
                     return
         finally:
             session.lock.release()
+
+    def _step(self, session, drafter: SelfDraft | None, budget: int, stop: set[int],
+              context) -> tuple[list[int], float]:  # fmt: skip
+        """One forward of a Decode stream: its new tokens (at most ``budget``, none past a stop token; the session
+        keeps only those) and its seconds."""
+        engine, m, start = session.engine, self.metrics, time.perf_counter()
+        room = min(budget, self.limits.max_context - len(engine.tokens)) - 1  # drafted tokens, besides the bonus
+        tree = drafter.propose(room) if drafter is not None and room > 0 else DraftTree()
+        verdict = engine.verify(tree, self._runner(context))
+        session.keep_hidden(verdict)
+        tokens = verdict.new_tokens
+        end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+        if end < len(tokens):  # a stop token inside an accepted draft: what follows it is not the answer
+            session.truncate(len(engine.tokens) - (len(tokens) - end))
+            tokens = tokens[:end]
+        if drafter is not None:
+            drafter.observe(bool(tree), tokens, time.perf_counter() - start)
+        m.tokens_generated.inc(len(tokens))
+        m.tokens_decoded.inc(len(tokens))
+        session.stats.decoded += len(tokens)
+        return tokens, time.perf_counter() - start
 
     @rpc
     def Probe(self, request, context):

@@ -324,3 +324,29 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
         assert beat.dead.is_set()
     finally:
         beat.close()
+
+
+def test_the_servers_own_lookup_decodes_several_tokens_a_step_exactly(server, plain):
+    """With ``lookup`` the server verifies its own prompt-lookup drafts: the tiny model's answer loops, so steps
+    yield several tokens (the later ones carry no compute of their own), and the answer is plain decoding's. A stop
+    token inside an accepted draft ends it there, and the session holds exactly what was sent."""
+    channel = grpc.insecure_channel(server[0])
+    stub = pb_grpc.SplitSpecStub(channel)
+    never = next(t for t in range(1000) if t not in plain)
+    try:
+        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=NEW, lookup=8,
+                                                   stop_token_ids=[never]), timeout=30))  # fmt: skip
+        assert [c.token for c in chunks] == plain
+        assert [c.length for c in chunks] == [len(PROMPT) + i for i in range(1, NEW + 1)]
+        assert sum(c.compute_s == 0 for c in chunks) > 0  # tokens that rode on another token's step
+        stub.CloseSession(pb.CloseSessionRequest(session_id=chunks[0].session_id), timeout=10)
+        stop = plain[-10]
+        end = plain.index(stop) + 1
+        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=NEW, lookup=8,
+                                                   stop_token_ids=[stop]), timeout=30))  # fmt: skip
+        assert [c.token for c in chunks] == plain[:end] and chunks[-1].finish_reason == "stop"
+        more = list(stub.Decode(pb.DecodeRequest(session_id=chunks[0].session_id, length=chunks[-1].length,
+                                                 max_new_tokens=5, stop_token_ids=[never]), timeout=30))  # fmt: skip
+        assert [c.token for c in more] == plain[end : end + 5]
+    finally:
+        channel.close()

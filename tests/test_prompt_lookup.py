@@ -58,3 +58,18 @@ def test_unknown_drafter_is_a_clear_error():
 
     with pytest.raises(SplitspecError, match="unknown drafter 'nope': expected one of none, prompt-lookup.*moa-tli1"):
         make_drafter("nope")
+
+
+def test_the_servers_own_lookup_is_passed_over_while_it_loses_to_plain_steps():
+    from server.lookup import RETRY, SelfDraft
+
+    draft = SelfDraft([7, 8, 9, 7, 8], max_tokens=4)  # the suffix 7 8 came before: 9 7 8 is its copy
+    assert draft.propose(4).tokens == [9, 7, 8]  # nothing measured yet: it tries
+    draft.observe(True, [9], 0.02)  # the copy missed: one token for a 20 ms forward
+    draft.observe(False, [7], 0.01)  # a plain step: 10 ms
+    draft.lookup.rewind(2)  # (back to the suffix 7 8)
+    passed = [len(draft.propose(4)) for _ in range(RETRY + 1)]
+    assert passed == [0] * RETRY + [3]  # passed over, then tried again
+    for _ in range(5):
+        draft.observe(True, [9, 7, 8, 9], 0.004)  # it paid, again and again: lookups run again
+    assert draft.per_token[True] < draft.per_token[False] and len(draft.propose(4)) > 0
