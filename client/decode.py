@@ -325,6 +325,8 @@ class Run:
                     if opening is not None and not self.out:
                         drafter.begin(self.prompt_ids + result.new_tokens, result.features)
                         self.started(opening)
+                        stretch += 1  # the prefill's token: every mode waits for it, so it does not time the stream
+                        t0, got, compute = time.perf_counter(), -1, -result.compute_s
                     else:
                         drafter.absorb(result.new_tokens, result.features)
                     cached += len(result.new_tokens)
