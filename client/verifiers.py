@@ -451,7 +451,8 @@ class RemoteVerifier(Verifier):
                     if prompt and features is not None and features.start == 0:  # the prompt's, deferred
                         c.prefill_payload_bytes += c.payload_bytes - before
                         self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
-                yield Round([], [chunk.token], features, chunk.compute_s, load=chunk.load)
+                yield Round([], [chunk.token], features, chunk.compute_s,
+                            load=chunk.load if chunk.HasField("load") else None)  # fmt: skip
         except grpc.RpcError as exc:
             if self._aborted:
                 raise LinkDown(f"server {self.address}: call abandoned: {self._aborted}") from None

@@ -515,9 +515,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 length = len(engine.tokens) - len(tokens)
                 for i, token in enumerate(tokens):  # a step's compute goes with its first token, its payload its last
                     last = i == len(tokens) - 1
+                    told = first or (last and (payload is not None or reason))  # the load: now and then is enough
                     yield pb.DecodeChunk(token=token, length=length + i + 1, compute_s=0.0 if i else compute_s,
                                          payload=payload if last else None, finish_reason=reason if last else "",
-                                         load=self._load(len(engine.tokens)),
+                                         load=self._load(len(engine.tokens)) if told else None,
                                          session_id=session.id if first else "")  # fmt: skip
                 if reason:
                     return
