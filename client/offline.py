@@ -31,6 +31,7 @@ from shared.acceptance import SamplingParams, target_probs
 from shared.tree import DraftTree
 
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
+FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see reconcile_verify)
 
 
 @dataclass
@@ -239,11 +240,15 @@ def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max
     there; when the last local token came back as the target's own choice, nothing is added).
     The drafter is rewound and fed
     the target's features along the way, so it continues exactly as after an ordinary round.
+
+    Chunks start at ``FIRST_CHUNK`` tokens and double while every token is kept, up to ``max_nodes``: a local tail
+    is mostly wrong early (the drafter alone drifts), and on a CPU a forward's cost grows with its tokens, so one
+    forward over a long tail would pay for many tokens only to keep a few.
     """
     out: list[int] = []
-    i = 0  # next local token not yet verified
+    i, size = 0, min(FIRST_CHUNK, max(1, max_nodes))  # next local token not yet verified; the next chunk's size
     while i < len(local):
-        chunk = local[i : i + max(1, max_nodes)]
+        chunk = local[i : i + size]
         result = verifier.verify(DraftTree.chain(chunk))
         if stats is not None:
             stats.reconcile_calls += 1
@@ -254,6 +259,7 @@ def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max
             drafter.absorb([], result.features)
             out.append(bonus)
             i += 1
+            size = min(2 * size, max(1, max_nodes))
             continue
         drafter.rewind(len(local) - i)
         drafter.absorb([bonus], result.features)

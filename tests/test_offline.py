@@ -92,6 +92,23 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
     assert out[:TOTAL] == plain[:TOTAL]
 
 
+def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(tiny_target, plain):
+    """4 tokens first, then 8, then 16: a tail wrong early costs one small forward, a right one few calls."""
+    d = drafter(tiny_target, "moa-tli1")
+    verifier, out = start(tiny_target, d)
+    online_rounds(verifier, d, out, 4)
+    n = len(out)
+    sizes, verify = [], verifier.verify
+    verifier.verify = lambda tree, timeout_s=None: sizes.append(len(tree)) or verify(tree, timeout_s)
+    local = plain[n : n + 20]
+    for token in local:
+        d.absorb([token])
+    assert reconcile_verify(verifier, d, local, max_nodes=64)[:20] == local and sizes == [4, 8, 6]
+    out += plain[n : n + 21]
+    online_rounds(verifier, d, out, TOTAL)
+    assert out[:TOTAL] == plain[:TOTAL]
+
+
 def test_offline_sampling_draws_from_the_drafters_top_level_reproducibly(tiny_target):
     """Sampling offline: a draw among the drafter's first-level candidates, the same for the same seed;
     a hot temperature leaves the greedy path somewhere, a near-zero one does not."""
