@@ -13,6 +13,9 @@ Probes go out only while a call is in flight (``busy``): between calls there is 
 and the next call starts the probing again; on a healthy link that saves the probes (and the CPU
 the client, the server and any proxy spend on them) of the time the client spends drafting.
 
+Nor while the main connection has been heard from within the last interval: a stream's chunks arriving say
+the link is up as well as a probe would (and on a one-core server each probe takes a moment from decoding); a
+silent cut is then noticed within interval + deadline of the last chunk.
 The probes travel on a connection of their own (a local subchannel pool), so they never queue behind
 a large payload on the main connection and cannot delay it; while the link is marked dead no probes
 are sent (the reconnection poll takes over) until ``revive``.
@@ -125,7 +128,8 @@ class Heartbeat:
             if self._fresh.is_set():
                 self._fresh.clear()
                 self._reconnect()
-            if not self.dead.is_set() and self.busy():
+            quiet = time.monotonic() - self.heard() >= self.interval_s()  # (a stream's chunks say the link is up)
+            if not self.dead.is_set() and self.busy() and quiet:
                 deadline, generation, sent = self.deadline_s(), self.generation, time.monotonic()
                 future = self.stub.Probe.future(pb.ProbeRequest(), timeout=deadline)
                 future.add_done_callback(lambda f, d=deadline, g=generation, t=sent: self._answered(f, d, g, t))

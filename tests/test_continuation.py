@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import grpc
 import pytest
@@ -296,8 +297,6 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
     """A probe unanswered while the server's stream kept arriving (a congested slow link) does not mark the link
     dead; one unanswered with nothing heard since it was sent does. The reply in flight's transfer time extends a
     probe's deadline."""
-    import time
-
     from client.endpoint import Endpoint
     from client.heartbeat import Heartbeat
     from client.link import LinkMonitor
@@ -322,6 +321,25 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
         heard[0] = sent - 1.0  # nothing since
         beat._answered(Failed(), 0.1, beat.generation, sent)
         assert beat.dead.is_set()
+    finally:
+        beat.close()
+
+
+def test_no_probe_goes_out_while_the_stream_is_heard_from(server):
+    """A stream's chunks arriving say the link is up: the heartbeat stays quiet, and probes once they stop."""
+    from client.endpoint import Endpoint
+    from client.heartbeat import Heartbeat
+    from client.link import LinkMonitor
+
+    streaming = [True]
+    beat = Heartbeat(Endpoint(server[0]), LinkMonitor(), busy=lambda: True,
+                     heard=lambda: time.monotonic() if streaming[0] else 0.0).start()  # fmt: skip
+    try:
+        time.sleep(0.3)
+        assert beat.probes == 0
+        streaming[0] = False
+        time.sleep(0.3)
+        assert beat.probes >= 2 and not beat.dead.is_set()
     finally:
         beat.close()
 
