@@ -263,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=1, help="torch threads of the server child (default 1)")
     p.add_argument("--client-threads", type=int, default=1, help="torch threads here (default 1)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", help="the target's dtype, served and here (default auto, as `serve`)")
+    p.add_argument("--weights", default="auto", help="the target's weights, served and here (default auto: low-bit "
+                   "where lossless; native with --dtype float32 for the check against transformers)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     args.profiles = [x.strip() for x in args.profiles.split(",") if x.strip()]
@@ -281,15 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.client_threads)
-    target = load_target(args.model, dtype="auto")
+    target = load_target(args.model, dtype=args.dtype, weights=args.weights)
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
     runs = plain_local(target, prompts, args)
     cpus = two_machines(args.server_threads, args.client_threads)  # after plain-local, which runs on both shares
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        upstream = stack.enter_context(server_child(["--threads", str(args.server_threads)], Path(tmp),
-                                                    cpus=cpus and cpus[0]))  # fmt: skip
+        serve_args = ["--threads", str(args.server_threads), "--dtype", args.dtype, "--weights", args.weights]
+        upstream = stack.enter_context(server_child(serve_args, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
         for profile in args.profiles:
             runs += run_profile(profile, upstream, netsim, target, args.methods, prompts, args)
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
-        f"{args.model} ({dtype}, cpu): server child {args.server_threads} thread(s), client {args.client_threads}, "
+        f"{args.model} ({dtype}, weights {args.weights}, cpu): server child {args.server_threads} thread(s), "
+        f"client {args.client_threads}, "
         f"on {env['cpu_count']} CPUs ({env['cpu']}; {env['cpus']}); {counts['mt-bench']} MT-Bench + "
         f"{counts['humaneval']} HumanEval "
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
