@@ -40,7 +40,7 @@ import os
 import statistics
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
+from shared.acceptance import ACCEPTANCE, SamplingParams
 from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,6 +97,7 @@ class Method:
     max_tree_nodes: int
     bundle: dict | None = None  # a trained drafter's bundle config (its "training" budget among it)
     vocabulary: tuple[str, float] | None = None  # --draft-vocabs: (size label, share of assistant tokens covered)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # --temperature, --acceptance (seed per prompt)
 
 
 def load_prompts(tokenizer, limit: int | None) -> list[Prompt]:
@@ -143,7 +145,20 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
             vocabulary = (label, coverage) if label else None
             methods.append(Method(f"{name}@{label}" if label else name, drafter, args.max_tree_nodes, config,
                                   vocabulary))  # fmt: skip
-    return methods, skipped
+    return with_rules(methods, args), skipped
+
+
+def with_rules(methods: list[Method], args: argparse.Namespace) -> list[Method]:
+    """Each method at ``--temperature`` under each ``--acceptance`` rule (named "<method> <rule>" but for exact;
+    the reference, plain decoding, has nothing to accept and runs once)."""
+    out = []
+    for rule in args.acceptance:
+        for m in methods:
+            if rule != "exact" and m.name == REFERENCE:
+                continue
+            sampling = SamplingParams(temperature=args.temperature, acceptance=rule)
+            out.append(replace(m, name=m.name if rule == "exact" else f"{m.name} {rule}", sampling=sampling))
+    return out
 
 
 def draft_vocabularies(sizes: list[int], target, config: dict, counts: dict
@@ -172,10 +187,9 @@ def draft_vocabularies(sizes: list[int], target, config: dict, counts: dict
     return vocabularies
 
 
-def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int):
-    return generate(
-        LocalVerifier(target), method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes
-    )
+def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int, seed: int = 0):
+    return generate(LocalVerifier(target), method.drafter, prompt_ids, max_new_tokens,
+                    replace(method.sampling, seed=seed), max_tree_nodes=method.max_tree_nodes)  # fmt: skip
 
 
 def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_tokens: int) -> list[Run]:
@@ -187,7 +201,7 @@ def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_toke
         done: dict[str, tuple[Run, list[int]]] = {}
         for method in methods[shift:] + methods[:shift]:
             bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {method.name}")
-            gen = run_method(target, method, prompt.ids, max_new_tokens)
+            gen = run_method(target, method, prompt.ids, max_new_tokens, seed=k)
             s = gen.stats
             run = Run(
                 prompt.dataset, prompt.index, method.name, s.new_tokens, round(s.wall_s, 4), round(s.tokens_per_s, 3),
@@ -196,7 +210,8 @@ def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_toke
             done[method.name] = (run, gen.token_ids)
             runs.append(run)
             bar.update()
-        mark_differences(done, REFERENCE, f"{prompt.dataset} prompt {prompt.index} ({prompt.id})")
+        if methods[0].sampling.greedy:  # sampled outputs differ by design: their check is the distribution's
+            mark_differences(done, REFERENCE, f"{prompt.dataset} prompt {prompt.index} ({prompt.id})")
     bar.close()
     return runs
 
@@ -293,6 +308,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-vocabs", default="",
                    help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
                         "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature, seed = the prompt's index (default 0: greedy)")
+    p.add_argument("--acceptance", default="exact",
+                   help=f"comma list of rules sampled drafts are judged by ({', '.join(ACCEPTANCE)}): one method "
+                        "per rule; typical is not lossless (default exact)")  # fmt: skip
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -305,6 +325,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if REFERENCE not in names:
         names.insert(0, REFERENCE)
     args.drafters = list(dict.fromkeys(names))
+    args.acceptance = [r.strip() for r in args.acceptance.split(",") if r.strip()]
+    if not args.acceptance or set(args.acceptance) - set(ACCEPTANCE):
+        p.error(f"--acceptance takes a comma list of {', '.join(ACCEPTANCE)}, got {','.join(args.acceptance)!r}")
+    if not args.temperature >= 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
     try:
         args.draft_vocabs = [parse_size(v) for v in args.draft_vocabs.split(",") if v.strip()]
     except ValueError:
@@ -314,6 +339,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def sampled(args: argparse.Namespace) -> str:
+    """How the run decodes, for its header: greedy, or the temperature and the rules (sampled outputs are not
+    compared with plain decoding's: ≠ plain is 0 by construction)."""
+    if args.temperature == 0:
+        return "greedy"
+    return f"sampled at T={args.temperature:g} (seed = prompt index; rules: {', '.join(args.acceptance)})"
 
 
 def parse_size(text: str) -> int:
@@ -349,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = {
         "model": args.model,
         "max_new_tokens": args.max_new_tokens,
-        "greedy": True,
+        "greedy": args.temperature == 0,
+        "temperature": args.temperature,
+        "acceptance": args.acceptance,
         "methods": names,
         "skipped": skipped,
         "reference": REFERENCE,
@@ -372,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# Single-device drafter benchmark\n\n`{env['command']}`\n\n{env['date']}, torch {env['torch']}, "
         f"transformers {env['transformers']}, {args.model} ({env['dtype']}, {args.device}), {env['threads']} threads "
         f"of {env['cpu_count']} CPUs ({env['cpu']}); {counts['mt-bench']} MT-Bench first turns + "
-        f"{counts['humaneval']} HumanEval problems, greedy, ≤{args.max_new_tokens} new tokens, stop at EOS; "
+        f"{counts['humaneval']} HumanEval problems, {sampled(args)}, ≤{args.max_new_tokens} new tokens, stop at EOS; "
         f"trained drafters: EAGLE-2 trees B={args.tree_width}, D={args.tree_depth}, ≤{args.max_tree_nodes} nodes.\n"
         f"τ = tokens per verification round, mean over prompts; tok/s = median over prompts; speedup = median over "
         f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; ≠ plain counts prompts whose token ids differ "
@@ -384,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
     save_results(args.out, "single", result, header + table)
-    title = (f"{args.model}, single device ({args.device}, {args.threads} threads), greedy, "
+    title = (f"{args.model}, single device ({args.device}, {args.threads} threads), {sampled(args)}, "
              f"≤{args.max_new_tokens} new tokens, {counts['mt-bench']} + {counts['humaneval']} prompts")  # fmt: skip
     plot(summary, args.out / "single.png", title)
     print(table)

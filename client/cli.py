@@ -10,6 +10,7 @@ import sys
 from client.options import add_connection_arguments, add_mode_argument
 from client.private import Renderer, mask
 from client.stream import Terminal, TextDeltas, note
+from shared.acceptance import ACCEPTANCE, TYPICAL_DELTA, TYPICAL_EPSILON
 from shared.models import DEFAULT_MODEL, DTYPES
 
 
@@ -85,6 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--temperature", type=float, help="sample at this temperature (lossless speculative sampling)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="random seed when sampling (default 0)")
+    p.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),
+                   help="how sampled drafts are judged: exact (default; the target's own distribution, lossless) or "
+                        "typical (Medusa's typical acceptance: keeps more of a draft, NOT lossless; greedy at "
+                        "temperature 0)")  # fmt: skip
+    p.add_argument("--typical-epsilon", type=float, default=TYPICAL_EPSILON,
+                   help="typical acceptance: the bar p(x) must clear for a confident target "
+                        f"(default {TYPICAL_EPSILON})")  # fmt: skip
+    p.add_argument("--typical-delta", type=float, default=TYPICAL_DELTA,
+                   help=f"typical acceptance: the bar's scale where the target is unsure, delta*exp(-entropy) "
+                        f"(default {TYPICAL_DELTA})")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="target (--local) or its tokenizer (remote); default smollm2-135m"
@@ -205,7 +216,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if args.via_netsim and args.local:
         raise SplitspecError("--via-netsim shapes the link to a server; drop --local")
     try:
-        sampling = SamplingParams(temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed)
+        sampling = SamplingParams(temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,
+                                  acceptance=args.acceptance, epsilon=args.typical_epsilon,
+                                  delta=args.typical_delta)  # fmt: skip
     except ValueError as exc:
         raise SplitspecError(str(exc)) from None
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -293,6 +306,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     "private_spans": len(secrets),
                     "finish_reason": gen.finish_reason,
                     "drafter": drafter_name,
+                    "acceptance": sampling.acceptance,  # "typical": the output is not the target's own distribution
                     "mode": "local" if args.local else "remote",
                     "network": args.via_netsim,
                     "payload": None if args.local or not verifier.spec

@@ -77,6 +77,7 @@ class Ask:
     stream: bool
     include_usage: bool
     provisional: bool = False  # splitspec's extension: stream the text that may still change too
+    acceptance: str = "exact"  # splitspec's extension: "typical" judges sampled drafts by Medusa's rule (not lossless)
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
@@ -146,9 +147,14 @@ def parse(body: object, chat: bool, model: str) -> Ask:
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options must be an object", "stream_options")
     seed = _integer(body, "seed", None, 0)
+    from shared.acceptance import ACCEPTANCE
+
     extension = body.get("splitspec") or {}
     if not isinstance(extension, dict) or not isinstance(extension.get("provisional", False), bool):
         raise RequestError(400, 'splitspec must be an object such as {"provisional": true}', "splitspec")
+    if extension.get("acceptance", "exact") not in ACCEPTANCE:
+        raise RequestError(400, f"splitspec.acceptance must be one of {', '.join(ACCEPTANCE)}, "
+                           f"got {extension.get('acceptance')!r}", "splitspec")  # fmt: skip
     return Ask(
         chat=chat,
         prompt=prompt,
@@ -160,6 +166,7 @@ def parse(body: object, chat: bool, model: str) -> Ask:
         stream=bool(body.get("stream", False)),
         include_usage=bool(options.get("include_usage", False)),
         provisional=extension.get("provisional", False),
+        acceptance=extension.get("acceptance", "exact"),
     )
 
 
@@ -260,7 +267,8 @@ class Edge:
         from shared.acceptance import SamplingParams
         from shared.target import tokenizer_fingerprint
 
-        sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed)
+        sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed,
+                                  acceptance=ask.acceptance)  # fmt: skip
         drafter = self.take()
         c = self.counters
         c.active.inc()
@@ -293,11 +301,13 @@ def usage(prompt_tokens: int, gen) -> dict:
             "total_tokens": prompt_tokens + len(gen.token_ids)}  # fmt: skip
 
 
-def extension(gen, drafter: str) -> dict:
-    """splitspec's own figures about a reply: how it was made."""
+def extension(gen, drafter: str, acceptance: str = "exact") -> dict:
+    """splitspec's own figures about a reply: how it was made (``acceptance`` "typical": not the target's own
+    distribution)."""
     s = gen.stats
     return {
         "drafter": drafter,
+        "acceptance": acceptance,
         "server_calls": s.server_calls,
         "rounds": s.rounds,
         "streamed_tokens": s.streamed_tokens,
@@ -393,7 +403,7 @@ def app(edge: Edge):
                     if ask.include_usage:
                         yield json.dumps({"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
                                           "model": edge.model, "choices": [], "usage": usage(len(prompt_ids), gen),
-                                          "splitspec": extension(gen, edge.drafter_name)})  # fmt: skip
+                                          "splitspec": extension(gen, edge.drafter_name, ask.acceptance)})  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 - the stream has begun: the error goes in it
                     yield json.dumps(RequestError(502, f"generation failed: {exc}", kind="server_error").body())
                 finally:
@@ -416,7 +426,7 @@ def app(edge: Edge):
         choice["finish_reason"] = finish_reason(gen, job.stopped)
         return JSONResponse({"id": ident, "object": kind, "created": created, "model": edge.model,
                              "choices": [choice], "usage": usage(len(prompt_ids), gen),
-                             "splitspec": extension(gen, edge.drafter_name)})  # fmt: skip
+                             "splitspec": extension(gen, edge.drafter_name, ask.acceptance)})  # fmt: skip
 
     async def chat(request: Request):
         return await completion(request, chat=True)

@@ -181,7 +181,8 @@ class LocalVerifier(Verifier):
 
 
 def _sampling_msg(sampling: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+    return pb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                       acceptance=sampling.acceptance, epsilon=sampling.epsilon, delta=sampling.delta)  # fmt: skip
 
 
 class LinkDown(SplitspecError):

@@ -26,7 +26,7 @@ from server.lookup import SelfDraft
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
 from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
-from shared.acceptance import SamplingParams
+from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, target_features
@@ -207,7 +207,12 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"temperature {temperature} must be a finite number >= 0")
         if not 0 < top_p <= 1:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {top_p} must be in (0, 1]")
-        return SamplingParams(temperature=temperature, top_p=top_p, seed=msg.seed)
+        try:
+            return SamplingParams(temperature=temperature, top_p=top_p, seed=msg.seed,
+                                  acceptance=msg.acceptance or "exact", epsilon=msg.epsilon or TYPICAL_EPSILON,
+                                  delta=msg.delta or TYPICAL_DELTA)  # fmt: skip
+        except ValueError as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}") from None
 
     def _prompt(self, ids) -> list[int]:
         ids = list(ids)

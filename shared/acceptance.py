@@ -6,30 +6,52 @@ at each node try the children in order, accept child x with probability p(x) (th
 probability is 1, so min(1, p/q) = p), on rejection set p(x) = 0 and renormalise; when every
 child is rejected, sample the next token from what is left of p. The emitted tokens are then
 distributed exactly as the target's own sampling (DESIGN.md §2).
+
+A third rule, opt-in and *not* lossless: Medusa's typical acceptance (Cai et al. 2024, §2.3.1). A drafted token
+is kept while the target finds it plausible, p(x) > min(ε, δ·exp(−H(p))) — a fixed bar ε for a confident target,
+a lower one where its distribution is flat (high entropy H) — and the longest such path through the tree wins;
+the token after it is drawn from p. It keeps more of a draft than exact sampling, at the price of emitting
+tokens the target would not have sampled with those probabilities. At temperature 0 it is greedy, exactly.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from shared.tree import children
 
+ACCEPTANCE = ("exact", "typical")  # the rules a sampled verification may follow (see the module docstring)
+TYPICAL_EPSILON = 0.09  # Medusa's defaults for typical acceptance: the bar a confident target sets ...
+TYPICAL_DELTA = 0.3  # ... and the scale of exp(-entropy) that lowers it where the target is unsure
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the target picks tokens. ``temperature == 0`` means greedy."""
+    """How the target picks tokens. ``temperature == 0`` means greedy. ``acceptance`` is the rule drafts are
+    judged by when sampling: ``exact`` (the target's distribution, lossless) or ``typical`` (with ``epsilon`` and
+    ``delta``; not lossless)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    acceptance: str = "exact"
+    epsilon: float = TYPICAL_EPSILON
+    delta: float = TYPICAL_DELTA
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
+        if not 0.0 < self.epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in (0, 1], got {self.epsilon}")
+        if not self.delta >= 0.0:
+            raise ValueError(f"delta must be >= 0, got {self.delta}")
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +97,8 @@ def accept_tree(
     kids = children(parents)
     accepted: list[int] = []
     row = 0
+    if params.acceptance == "typical" and not params.greedy:
+        return _typical(tokens, kids, logits, params, generator)
     if params.greedy:
         while True:
             best = argmax(logits[row])
@@ -101,3 +125,31 @@ def accept_tree(
             return accepted, int(torch.multinomial(p, 1, generator=generator).item())
         accepted.append(match)
         row = match + 1
+
+
+def _typical(tokens: list[int], kids: list[list[int]], logits, params: SamplingParams,
+             generator: torch.Generator | None) -> tuple[list[int], int]:  # fmt: skip
+    """Typical acceptance: the longest path of nodes the target finds plausible (the first of equals, in the
+    drafter's order), and a draw from p after it."""
+    probs: dict[int, torch.Tensor] = {}
+
+    def p(row: int) -> torch.Tensor:
+        if row not in probs:
+            probs[row] = target_probs(logits[row].cpu(), params)
+        return probs[row]
+
+    def longest(row: int) -> list[int]:
+        dist = p(row)
+        entropy = -(dist * dist.clamp_min(1e-30).log()).sum().item()
+        bar = min(params.epsilon, params.delta * math.exp(-entropy))
+        best: list[int] = []
+        for c in kids[row]:
+            if dist[tokens[c]].item() > bar:
+                path = [c] + longest(c + 1)
+                if len(path) > len(best):
+                    best = path
+        return best
+
+    accepted = longest(0)
+    row = accepted[-1] + 1 if accepted else 0
+    return accepted, int(torch.multinomial(p(row), 1, generator=generator).item())

@@ -160,3 +160,31 @@ def test_session_sampling_matches_target_distribution(tiny_target):
         total = sum(counts.values())
         stat, df = chi2_statistic(counts, {t: v for t, v in enumerate(p.tolist()) if v > 0}, total)
         assert stat < chi2_critical(df), f"chi-square {stat:.1f} over {total} samples"
+
+
+def test_typical_acceptance_is_greedy_at_temperature_zero():
+    torch.manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(len(TOKENS) + 1, VOCAB) * 3
+        typical = SamplingParams(acceptance="typical")
+        assert accept_tree(TOKENS, PARENTS, logits, typical) == accept_tree(TOKENS, PARENTS, logits, SamplingParams())
+
+
+def test_typical_acceptance_keeps_the_longest_plausible_path():
+    """p(x) > min(epsilon, delta * exp(-H)): a plausible second choice is kept, an implausible one is not, and of two
+    plausible children the one whose own child is plausible too wins (the longest path)."""
+    def row(*probs: float) -> torch.Tensor:
+        return torch.tensor(probs).log()
+
+    # root -> [0: token 1, 1: token 2]; node 1 -> [2: token 0]; node 0 has no child
+    tokens, parents = [1, 2, 0], [-1, -1, 1]
+    rows = torch.stack([row(0.5, 0.3, 0.2), row(0.9, 0.05, 0.05), row(0.6, 0.3, 0.1), row(0.4, 0.3, 0.3)])
+    params = SamplingParams(temperature=1.0, acceptance="typical", seed=1)
+    accepted, bonus = accept_tree(tokens, parents, rows, params, torch.Generator().manual_seed(0))
+    assert accepted == [1, 2]  # token 2 (p 0.2, over the bar 0.09), then token 0 (p 0.6) under it
+    # a confident target (p 0.9 / 0.05 / 0.05, H = 0.39, bar min(0.09, 0.3 e^-0.39 = 0.20)): p 0.05 is not kept
+    assert accept_tree([1], [-1], rows[1:3], params)[0] == []
+    lenient = SamplingParams(temperature=1.0, acceptance="typical", epsilon=0.04)
+    assert accept_tree([1], [-1], rows[1:3], lenient)[0] == [0]
+    with pytest.raises(ValueError, match="acceptance"):
+        SamplingParams(acceptance="medusa")

@@ -31,6 +31,10 @@ def test_generate_local_json(tiny_model_dir):
     }  # fmt: skip
     assert 1 <= len(out["token_ids"]) == out["stats"]["new_tokens"] <= 12
     assert out["stats"]["acceptance_length"] >= 1.0 and isinstance(out["text"], str)
+    assert out["acceptance"] == "exact"  # the rule is named: "typical" output is not the target's own distribution
+    typical = splitspec("generate", "--local", "--model", str(tiny_model_dir), "--prompt", "w1 w2", "--temperature",
+                        "1.0", "--acceptance", "typical", "--max-new-tokens", "4", "--json")  # fmt: skip
+    assert typical.returncode == 0 and json.loads(typical.stdout)["acceptance"] == "typical", typical.stderr
 
 
 def test_generate_remote_matches_local(tiny_model_dir, tiny_server):

@@ -128,6 +128,20 @@ def test_sampling_with_a_seed_is_reproducible(client, tiny_model_dir):
     assert ask() == ask()
 
 
+def test_typical_acceptance_is_opt_in_and_named_in_the_reply(client, tiny_model_dir):
+    """``"splitspec": {"acceptance": "typical"}`` samples under Medusa's rule; the reply says which rule made it."""
+    def ask(**extension):
+        return client.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                         seed=3, extra_body={"splitspec": extension})  # fmt: skip
+
+    assert ask().model_extra["splitspec"]["acceptance"] == "exact"
+    typical = ask(acceptance="typical")
+    assert typical.model_extra["splitspec"]["acceptance"] == "typical" and typical.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(acceptance="medusa")
+    assert "splitspec.acceptance must be one of exact, typical" in info.value.body["message"]
+
+
 def test_bad_requests_get_openai_shaped_errors(client, edge_url, tiny_model_dir):
     model = str(tiny_model_dir)
     with pytest.raises(openai.NotFoundError) as info:
