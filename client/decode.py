@@ -318,7 +318,7 @@ class Run:
         else:  # the prompt's features come with the first payload
             tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY, lookup=lookup)
             featured, cached = 0, len(self.prompt_ids) - 1
-        rehearsal = None  # (a tree drafted and not sent, where its root is in the output, seconds drafting it)
+        rehearsal = None  # (a tree drafted and not sent, its depth, where its root is in the output, seconds drafting)
         try:
             with contextlib.closing(tokens):
                 for result in tokens:
@@ -363,17 +363,17 @@ class Run:
         streamed in. Returns the rehearsal under way (None: none)."""
         drafter, policy = self.drafter, self.policy
         if rehearsal is not None:
-            tree, at, draft_s = rehearsal
-            came = self.out[at + 1 :]
-            if len(came) <= max(depths(tree.parents), default=0):
+            tree, depth, at, draft_s = rehearsal
+            if len(self.out) - (at + 1) <= depth:  # (checked at every chunk: no copy of the output until then)
                 return rehearsal
-            policy.rehearsed(tree, tree.follow(came), draft_s)
+            policy.rehearsed(tree, tree.follow(self.out[at + 1 :]), draft_s)
         if not featured or not policy.rehearse():
             return None
         t0 = time.perf_counter()
         tree = drafter.propose(self.budget(), policy.depth)
         drafter.discard()
-        return tree, len(self.out) - 1, time.perf_counter() - t0  # (an empty tree counts: a round that gains one)
+        depth = max(depths(tree.parents), default=0)  # (an empty tree counts: a round that gains one)
+        return tree, depth, len(self.out) - 1, time.perf_counter() - t0
 
     def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
         """Tell the policy what a stretch of the stream gave and cost."""
