@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="prompt-lookup",
-        help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, independent) "
-        "or a bundle's path",
+        help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, independent, "
+        "medusa) or a bundle's path",
     )
     p.add_argument(
         "--payload",

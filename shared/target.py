@@ -233,6 +233,22 @@ class TargetSession:
 
         return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)))
 
+    def decode_step(self) -> Step:
+        """A plain decoding step whose token is picked afterwards, by ``pick``: a batched generator (self-distillation)
+        multiplies every sequence's state by the LM head in one GEMM instead of streaming the head once per sequence."""
+        if not self.tokens:
+            raise RuntimeError("decode before prefill")
+        if self.cached_len + 2 > self.target.max_context:
+            raise ValueError(f"{self.cached_len + 1} tokens fill the context of {self.target.max_context}")
+        return Step(self._part([self.tokens[-1]], [self.cached_len], None), lambda hidden: hidden)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """Commit the next token, chosen from the logits [1, V] of a ``decode_step``'s state by the session's rule."""
+        _, token = accept_tree([], [], logits, self.sampling, self.generator)
+        self.cached_len += 1
+        self.tokens.append(token)
+        return token
+
     def _features(self, start: int, hidden: torch.Tensor) -> Features | None:
         """Features of the tokens now cached at [start, start + len(hidden)); ``hidden`` are their final states."""
         if not self.features:

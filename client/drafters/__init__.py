@@ -18,7 +18,7 @@ DRAFTERS = {
     "prompt-lookup": PromptLookup,
 }
 ALIASES = {"pld": "prompt-lookup", "plain": "none"}
-TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent")
+TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent", "medusa")
 
 
 def make_drafter(name: str, target=None, width: int | None = None, depth: int | None = None, weights: str = "auto",
@@ -76,6 +76,10 @@ def drafter_for(model, name: str, **tree) -> Drafter:
         from client.drafters.eagle import EagleDrafter
 
         return EagleDrafter(model, name=name, **tree)
+    if model.kind == "medusa":
+        from client.drafters.medusa import MedusaDrafter
+
+        return MedusaDrafter(model, name=name, **tree)
     from client.drafters.independent import IndependentDrafter
 
     return IndependentDrafter(model, name=name, **tree)

@@ -30,9 +30,11 @@ DRAFT_VOCAB = "draft_vocab"  # token ids of a pruned draft vocabulary, kept besi
 def model_classes() -> dict:
     from client.drafters.eagle import Eagle, EagleConfig
     from client.drafters.independent import Independent, IndependentConfig
+    from client.drafters.medusa import Medusa, MedusaConfig
     from client.drafters.moa import MoA, MoAConfig
 
-    return {"moa": (MoA, MoAConfig), "eagle": (Eagle, EagleConfig), "independent": (Independent, IndependentConfig)}
+    return {"moa": (MoA, MoAConfig), "eagle": (Eagle, EagleConfig), "independent": (Independent, IndependentConfig),
+            "medusa": (Medusa, MedusaConfig)}
 
 
 def bundle_name(kind: str, tli: int = 0) -> str:

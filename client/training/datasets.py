@@ -211,7 +211,8 @@ def _render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) ->
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def encode_chat(tokenizer, messages: Sequence[dict], max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+def encode_chat(tokenizer, messages: Sequence[dict], max_tokens: int | None = None,
+                answer_prompt: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
     """Token ids of a conversation in the tokenizer's chat template, and a 0/1 mask of what the assistant says.
 
     The mask is 1 on each assistant message's content and the end-of-turn token that closes it (the
@@ -222,7 +223,8 @@ def encode_chat(tokenizer, messages: Sequence[dict], max_tokens: int | None = No
     messages[:i] with the generation prompt, then messages[:i+1]); each render must extend the one
     before, and only the new text is tokenised. So the ids of an assistant turn are exactly what the
     target sees when it answers the prompt before it. With ``max_tokens`` later turns are not rendered
-    once the budget is spent, and the result is cut to ``max_tokens``.
+    once the budget is spent, and the result is cut to ``max_tokens``. With ``answer_prompt`` the
+    generation prompt follows the last message: the ids a target answers (self-distillation).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise SplitspecError("encode_chat needs a tokenizer with a chat template; this one has none")
@@ -254,6 +256,8 @@ def encode_chat(tokenizer, messages: Sequence[dict], max_tokens: int | None = No
         if message["role"] == "assistant":
             extend(_render(tokenizer, messages[:i], add_generation_prompt=True), trainable=False)
         extend(_render(tokenizer, messages[: i + 1], add_generation_prompt=False), message["role"] == "assistant")
+    if answer_prompt:
+        extend(_render(tokenizer, messages, add_generation_prompt=True), trainable=False)
     return ids[:max_tokens], mask[:max_tokens]
 
 
@@ -302,7 +306,7 @@ class TrainingStream:
         """How many full passes over the conversations are behind the current position."""
         return self.position // len(self.conversations)
 
-    def _conversation_at(self, position: int) -> list[dict]:
+    def conversation_at(self, position: int) -> list[dict]:
         epoch, offset = divmod(position, len(self.conversations))
         if epoch != self._epoch:  # a fresh order every epoch, from the seed alone
             self._order = list(range(len(self.conversations)))
@@ -315,7 +319,7 @@ class TrainingStream:
 
     def __next__(self) -> tuple[list[int], list[int]]:
         for _ in range(len(self.conversations)):
-            messages = self._conversation_at(self.position)
+            messages = self.conversation_at(self.position)
             self.position += 1
             if is_contaminated(messages):
                 continue

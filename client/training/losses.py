@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from client.drafters.eagle import Eagle
 from client.drafters.independent import Independent
+from client.drafters.medusa import TOP_K, Medusa
 from client.drafters.moa import MoA
 from client.training.teacher import TargetBatch
 from shared.tree import causal_mask
@@ -22,6 +23,7 @@ SEGMENT = (6, 15)  # MoA's draft lengths k ∈ [6, 15) for "variable future leng
 LONG_SEGMENT = (32, 65)  # with --long-drafts: the horizon of generating alone after a disconnection
 
 KL_WEIGHT = 0.1  # on the distillation loss; the feature loss has weight 1 (as in EAGLE's and MoA's code)
+HEAD_DECAY = 0.8  # Medusa head k's loss weight is HEAD_DECAY^(k-1): far heads are hard, and wrong more often
 
 
 def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -48,6 +50,8 @@ def loss(model, tb: TargetBatch, generator: torch.Generator | None = None, on_po
         return eagle_loss(model, tb, generator, on_policy)
     if model.kind == "moa":
         return moa_loss(model, tb, generator, staircase, long_drafts)
+    if model.kind == "medusa":
+        return medusa_loss(model, tb)
     return independent_loss(model, tb, generator)
 
 
@@ -116,6 +120,34 @@ def _eagle_terms(model: Eagle, tb: TargetBatch, predicted: torch.Tensor, feature
     logits = model.parts.logits(out)
     kl = distill_kl(teacher, logits)
     return feat + KL_WEIGHT * kl, {"kl": kl.detach(), "feat": feat.detach(), "acc": agreement(teacher, logits)}
+
+
+def medusa_loss(model: Medusa, tb: TargetBatch) -> tuple[torch.Tensor, dict]:
+    """Σ_k 0.8^(k-1)·KL(target ‖ head k): head k at a trained position t learns the target's distribution of token
+    t+1+k, i.e. the teacher's logits at position t+k, wherever that position is trained too.
+
+    Metrics: ``acc`` is head 1's agreement, ``acc<k>`` head k's; ``ranks`` [N, K] (uint8, capped at ``TOP_K``)
+    is the rank of the target's token among each head's logits at the positions where every head has one,
+    scored before this step trains on them — what ``sparse_tree`` builds Medusa's tree from.
+    """
+    B, T = tb.input_ids.shape
+    K = model.cfg.heads
+    index = torch.full((B, T + K), -1, dtype=torch.long, device=tb.rows.device)  # teacher row of each position
+    index[tb.rows, tb.cols] = torch.arange(tb.tokens, device=tb.rows.device)
+    logits = model(tb.hidden[-1][tb.rows, tb.cols])  # [K, M, V]
+    total, metrics, ranks, every = 0.0, {}, [], torch.ones_like(tb.rows, dtype=torch.bool)
+    for k in range(1, K + 1):
+        row = index[tb.rows, tb.cols + k]
+        valid = row >= 0
+        every &= valid
+        teacher, student = tb.teacher_logits[row[valid]], logits[k - 1][valid]
+        total = total + HEAD_DECAY ** (k - 1) * distill_kl(teacher, student)
+        metrics["acc" if k == 1 else f"acc{k}"] = agreement(teacher, student)
+        with torch.no_grad():
+            label = tb.teacher_logits[row.clamp_min(0)].argmax(-1, keepdim=True)
+            ranks.append((logits[k - 1] > logits[k - 1].gather(-1, label)).sum(-1).clamp_max(TOP_K))
+    metrics["ranks"] = torch.stack(ranks, dim=1)[every].to(torch.uint8)
+    return total, metrics
 
 
 def independent_loss(model: Independent, tb: TargetBatch,

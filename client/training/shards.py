@@ -23,21 +23,37 @@ META = "meta.json"
 
 
 def write_shards(stream, folder: Path, sequences: int | None = None, tokens: int | None = None,
-                 progress: bool = True, about: dict | None = None) -> dict:  # fmt: skip
+                 progress: bool = True, about: dict | None = None, per_shard: int | None = None,
+                 resume: bool = False) -> dict:  # fmt: skip
     """Write the next ``sequences`` sequences of ``stream`` (or as many as hold ``tokens`` tokens) to ``folder``.
 
     ``about`` (seq_len, seed, tokenizer fingerprint, ...) goes into the meta file, so a run can tell
-    whether shards fit it. Written to a temporary name and renamed: a folder has shards only if complete.
+    whether shards fit it. Each shard is written to a temporary name and renamed, and the meta file is
+    rewritten after it (with ``complete`` false until the end and the stream's ``position``): a slow stream
+    (self-distillation) loses at most a shard when stopped, and ``resume`` continues such a folder — the
+    caller makes ``stream`` start at the meta's ``position``. ``per_shard`` sequences per file (default
+    ``PER_SHARD``).
     """
     if (sequences is None) == (tokens is None):
         raise ValueError("write_shards needs exactly one of sequences and tokens")
+    per_shard = per_shard or PER_SHARD
     folder.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sequences or tokens, unit="seq" if sequences else "tok", unit_scale=True, disable=not progress,
-               desc="tokenising")  # fmt: skip
-    count, total, files = 0, 0, []
+    old = read_meta(folder) if resume else None
+    files = list(old["files"]) if old else []
+    count, total = (old["sequences"], old["tokens"]) if old else (0, 0)
+    bar = tqdm(total=sequences or tokens, initial=count if sequences else total, unit="seq" if sequences else "tok",
+               unit_scale=True, disable=not progress, desc="writing shards")  # fmt: skip
     ids: list[int] = []
     mask: list[int] = []
     offsets = [0]
+
+    def write_meta(complete: bool) -> dict:
+        meta = {"files": files, "sequences": count, "tokens": total, "complete": complete,
+                "position": getattr(stream, "position", None), **(about or {})}  # fmt: skip
+        tmp = folder / f".{META}.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.rename(folder / META)
+        return meta
 
     def flush() -> None:
         name = f"shard-{len(files):05d}"
@@ -50,6 +66,7 @@ def write_shards(stream, folder: Path, sequences: int | None = None, tokens: int
         ids.clear()
         mask.clear()
         del offsets[1:]
+        write_meta(complete=False)
 
     while (sequences is not None and count < sequences) or (tokens is not None and total < tokens):
         seq, m = next(stream)
@@ -58,14 +75,12 @@ def write_shards(stream, folder: Path, sequences: int | None = None, tokens: int
         offsets.append(len(ids))
         count, total = count + 1, total + len(seq)
         bar.update(1 if sequences else len(seq))
-        if len(offsets) - 1 == PER_SHARD:
+        if len(offsets) - 1 == per_shard:
             flush()
     if len(offsets) > 1:
         flush()
     bar.close()
-    meta = {"files": files, "sequences": count, "tokens": total, **(about or {})}
-    (folder / META).write_text(json.dumps(meta, indent=1))
-    return meta
+    return write_meta(complete=True)
 
 
 def read_meta(folder: Path) -> dict | None:

