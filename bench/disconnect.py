@@ -51,7 +51,7 @@ from shared.models import DEFAULT_MODEL, load_target
 from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_METHODS = ["api", "independent", "eagle", "moa-tli0", "moa-tli1", "moa-tli3"]
+DEFAULT_METHODS = ["api", "independent", "eagle", "medusa", "moa-tli0", "moa-tli1", "moa-tli3"]
 DEFAULT_CUTS = [0, 25, 50, 100]
 SESSION_TTL_S = 20
 TAU_SLACK = STATIC_TREE[1] + 1  # a round may overshoot the cut point by up to depth + 1 tokens

@@ -57,8 +57,8 @@ from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
-DEFAULT_METHODS = ["api", "prompt-lookup", "independent", "eagle", "eagle-auto", "moa-tli0", "moa-tli1", "moa-tli3",
-                   "moa-tli3-paper", "moa-tli3-adaptive", "moa-tli1-auto"]  # fmt: skip
+DEFAULT_METHODS = ["api", "prompt-lookup", "independent", "eagle", "eagle-auto", "medusa", "medusa-auto", "moa-tli0",
+                   "moa-tli1", "moa-tli3", "moa-tli3-paper", "moa-tli3-adaptive", "moa-tli1-auto"]  # fmt: skip
 MODES = {"-adaptive": "draft", "-auto": "auto", "-stream": "stream"}  # method suffix -> the adaptive policy's mode
 REFERENCE = "api"
 STATIC_TREE = (4, 5, 16)

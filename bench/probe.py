@@ -19,7 +19,8 @@ scored once at every step: the steps differ in what the drafter knows, not in wh
 conditions: ``memory`` (as it drafts) and ``no memory`` (CA sees only its learnt null slot; TLI unchanged).
 Scored: top-1 agreement of the drafter's token with the target's greedy token, per step. EAGLE is scored the
 same way, fed the target's features before the root and its own predicted ones from the root on (as in a tree and
-offline); the independent drafter (no memory at all, the same at every step) is the reference.
+offline); Medusa by head j from the state before the root (nothing past its last head); the independent drafter
+(no memory at all, the same at every step) is the reference.
 
 Also recorded: the RMS of the states MoA predicts (entering the target's last N layers, and the normed final
 state) — whether an unscaled SmoothL1 (β = 1) on them would sit in its quadratic or its linear regime.
@@ -49,7 +50,7 @@ from shared.models import DEFAULT_MODEL, DTYPES, load_target
 from shared.tree import causal_mask
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTERS = "moa-tli0,moa-tli1,moa-tli3,independent,eagle"
+DEFAULT_DRAFTERS = "moa-tli0,moa-tli1,moa-tli3,independent,eagle,medusa"
 BANDS = ((1, 1), (1, 4), (5, 8), (9, 16))  # step ranges in the table: the root's own guess, tree depths, offline
 
 
@@ -134,11 +135,26 @@ def eagle_logits(model, tb: TargetBatch, starts: torch.Tensor) -> tuple[torch.Te
     return model.parts.logits(predicted[:, cols - 1]), cols[None, :] - starts[:, cols] + 1
 
 
+@torch.inference_mode()
+def medusa_logits(model, tb: TargetBatch, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa's logits [K, M, V] and steps [K, M]: the j-th token of a draft is head j's guess from the target's
+    state f_{root-1}, the newest it has; past its last head it has none (zero logits: never right)."""
+    cols = tb.cols
+    steps = cols[None, :] - starts[:, cols] + 1
+    heads = model(tb.hidden[-1][0])  # [H, T, V]: every head at every position
+    head = (steps.clamp(max=len(heads)) - 1).clamp_min(0)
+    logits = heads[head, (starts[:, cols] - 1).clamp_min(0)]
+    return torch.where((steps <= len(heads))[..., None], logits, torch.zeros_like(logits)), steps
+
+
 def conditions(model, tb: TargetBatch, starts: torch.Tensor):
-    """(condition, logits, steps) for each way a drafter is scored: EAGLE as it drafts, MoA with and without
-    its memory of the target."""
+    """(condition, logits, steps) for each way a drafter is scored: EAGLE as it drafts, Medusa's heads, MoA with
+    and without its memory of the target."""
     if model.kind == "eagle":
         yield "own features", *eagle_logits(model, tb, starts)
+        return
+    if model.kind == "medusa":
+        yield "heads", *medusa_logits(model, tb, starts)
         return
     for condition in ("memory", "no memory"):
         yield condition, *moa_logits(model, tb, starts, condition == "memory")

@@ -55,7 +55,7 @@ from shared.acceptance import ACCEPTANCE, SamplingParams
 from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTERS = ["none", "prompt-lookup", "eagle", "independent", "moa-tli0", "moa-tli1", "moa-tli3"]
+DEFAULT_DRAFTERS = ["none", "prompt-lookup", "eagle", "medusa", "independent", "moa-tli0", "moa-tli1", "moa-tli3"]
 REFERENCE = "none"  # speedups and greedy ids are measured against plain decoding through the same loop
 DATASETS = ["mt-bench", "humaneval"]
 HUMANEVAL_TEMPLATE = "Complete this Python function:\n\n```python\n{prompt}```"

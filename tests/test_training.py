@@ -18,7 +18,7 @@ from client.verifiers import LocalVerifier
 from shared.cli import main as splitspec
 from shared.errors import SplitspecError
 
-DRAFTERS = [("moa", 0), ("moa", 1), ("eagle", 0), ("independent", 0)]
+DRAFTERS = [("moa", 0), ("moa", 1), ("eagle", 0), ("independent", 0), ("medusa", 0)]
 
 
 def conversations(count: int = 40, seed: int = 0) -> list[list[dict]]:
@@ -248,3 +248,47 @@ def test_a_bundle_loads_with_another_draft_vocabulary(tiny_target, tmp_path):
         drafter.begin(prompt, tiny_target.session(features=drafter.target_features).prefill(prompt[:-1]).features)
         tokens = drafter.propose(8).tokens
         assert tokens and (allowed is None or set(tokens) <= allowed)
+
+
+def test_self_distilled_answers_are_the_targets_own(tiny_target):
+    """Each sequence is a training prompt's opening turn and the target's greedy answer, batched or not."""
+    from client.training.datasets import encode_chat
+    from client.training.self_distill import SelfDistillStream, opening
+    from shared.tree import DraftTree
+
+    chats = conversations()
+    stream = SelfDistillStream(tiny_target, 48, batch=3, conversations=chats)
+    order = TrainingStream(tiny_target.tokenizer, 48, conversations=chats)
+    prompts = [encode_chat(tiny_target.tokenizer, opening(order.conversation_at(i)), answer_prompt=True)[0]
+               for i in range(len(chats))]  # fmt: skip
+    stop = set(tiny_target.eos_token_ids)
+    for _ in range(4):
+        ids, mask = stream.__next__()
+        prompt = next(p for p in prompts if ids[: len(p)] == p and mask[: len(p)] == [0] * len(p))
+        assert mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+        alone = tiny_target.session()
+        alone.prefill(prompt)
+        while alone.tokens[-1] not in stop and len(alone.tokens) < 48:
+            alone.verify(DraftTree())
+        assert ids == alone.tokens
+    assert stream.position > 0 and stream.generated >= 4
+
+
+def test_interrupted_shards_continue_where_they_stopped(tiny_target, tmp_path):
+    from client.training import shards
+
+    whole = shards.write_shards(stream(tiny_target.tokenizer), tmp_path / "whole", sequences=7, progress=False,
+                                per_shard=2)  # fmt: skip
+    first = shards.write_shards(stream(tiny_target.tokenizer), tmp_path / "split", sequences=4, progress=False,
+                                per_shard=2)  # fmt: skip
+    assert first["complete"] and first["position"] > 0
+    rest = shards.write_shards(stream(tiny_target.tokenizer, skip=first["position"]), tmp_path / "split",
+                               sequences=7, progress=False, per_shard=2, resume=True)  # fmt: skip
+    assert rest["sequences"] == 7 and rest["tokens"] == whole["tokens"] and len(rest["files"]) == 4
+    a, b = shards.ShardStream(tmp_path / "whole"), shards.ShardStream(tmp_path / "split")
+    assert [next(a) for _ in range(7)] == [next(b) for _ in range(7)]
+
+
+def test_self_distillation_needs_a_shards_folder(tmp_path, capsys):
+    code = splitspec(["train", "--drafter", "medusa", "--self-distill", "--tokens", "10", "--out", str(tmp_path)])
+    assert code != 0 and "--shards" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def drafter_for(model, name: str, **tree) -> Drafter:
     if model.kind == "medusa":
         from client.drafters.medusa import MedusaDrafter
 
-        return MedusaDrafter(model, name=name, **tree)
+        return MedusaDrafter(model, name=name, depth=tree.get("depth"))  # its tree's shape is measured, not B x D
     from client.drafters.independent import IndependentDrafter
 
     return IndependentDrafter(model, name=name, **tree)

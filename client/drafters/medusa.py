@@ -145,7 +145,8 @@ class MedusaDrafter(Drafter):
     The target sends the features of every committed token but the root (which it has not run), so
     normally the newest is f_{root-1}, whose head k predicts the token k after the root. After tokens
     committed without features (offline) the heads of an older f_q still reach ``K - lag`` tokens ahead.
-    ``width`` caps the ranks used per head and ``depth`` the tree's depth.
+    ``width`` caps the ranks used per head and ``depth`` the tree's depth (EAGLE-2's width does not apply: the
+    tree's shape is the one measured in training).
     """
 
     def __init__(self, model: Medusa, width: int = TOP_K, depth: int | None = None, name: str | None = None):

@@ -114,7 +114,7 @@ def write_data(args: argparse.Namespace, target) -> None:
     from client.training.self_distill import SelfDistillStream
     from shared.models import load_target
 
-    served = load_target(args.model, device=args.device, cache=args.cache_dir)  # as `splitspec serve` serves it
+    served = load_target(args.model, device=args.device, dtype="auto", cache=args.cache_dir)  # as `serve` serves it
     resume = fits and meta.get("position") is not None
     stream = SelfDistillStream(served, args.seq_len, seed=args.seed, skip=meta["position"] if resume else 0,
                                batch=args.distill_batch, temperature=args.distill_temperature)  # fmt: skip
@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
         raise SplitspecError(f"--on-policy is a weight in [0, 1], got {args.on_policy}")
     if not 0 <= args.long_drafts <= 1:
         raise SplitspecError(f"--long-drafts is a share in [0, 1], got {args.long_drafts}")
+    if args.self_distill and not args.shards:
+        raise SplitspecError("--self-distill writes the target's answers to a folder first: pass --shards DIR")
+    if args.distill_tokens is not None and args.distill_tokens < 1:
+        raise SplitspecError(f"--distill-tokens must be >= 1, got {args.distill_tokens}")
     if (args.out / CHECKPOINT).exists() and not args.resume:
         raise SplitspecError(f"{args.out} already holds a checkpoint: pass --resume to continue it, or another --out")
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir, weights="native")
@@ -150,10 +154,6 @@ def run(args: argparse.Namespace) -> int:
         staircase=args.staircase, long_drafts=args.long_drafts,
         data=SELF_DISTILLED.format(args.distill_temperature) if args.self_distill else SHAREGPT_DATA,
     )  # fmt: skip
-    if args.self_distill and not args.shards:
-        raise SplitspecError("--self-distill writes the target's answers to a folder first: pass --shards DIR")
-    if args.distill_tokens is not None and args.distill_tokens < 1:
-        raise SplitspecError(f"--distill-tokens must be >= 1, got {args.distill_tokens}")
     vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None
     if vocab_ids is not None:
         print(f"draft vocabulary: the {len(vocab_ids)} tokens of the bundles in {args.out} (a warm start keeps it)")

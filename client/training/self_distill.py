@@ -14,7 +14,7 @@ prompt at once, so the forward stays full.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from client.training.datasets import MIN_ASSISTANT_TOKENS, TrainingStream, encod
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 
-MIN_ANSWER_ROOM = 64  # a prompt must leave at least this many tokens of seq_len for its answer
+MIN_ANSWER_ROOM = 64  # a prompt must leave this many tokens of seq_len for its answer (a quarter of a short seq_len)
 
 
 def opening(messages: list[dict]) -> list[dict] | None:
@@ -35,9 +35,10 @@ def opening(messages: list[dict]) -> list[dict] | None:
     return None
 
 
-def prompts(tokenizer, seq_len: int, seed: int = 0, skip: int = 0) -> Iterator[tuple[int, list[int]]]:
-    """(stream position, prompt ids) for each usable opening, in ``TrainingStream``'s order for ``seed``."""
-    order = TrainingStream(tokenizer, seq_len, seed=seed, skip=skip)
+def prompts(tokenizer, seq_len: int, seed: int = 0, skip: int = 0,
+            conversations: Sequence[list[dict]] | None = None) -> Iterator[tuple[int, list[int]]]:  # fmt: skip
+    """(stream position after it, prompt ids) for each usable opening, in ``TrainingStream``'s order for ``seed``."""
+    order = TrainingStream(tokenizer, seq_len, seed=seed, skip=skip, conversations=conversations)
     for _ in range(len(order.conversations)):
         position = order.position
         messages = order.conversation_at(position)
@@ -46,7 +47,7 @@ def prompts(tokenizer, seq_len: int, seed: int = 0, skip: int = 0) -> Iterator[t
         if head is None or is_contaminated(messages):
             continue
         ids, _ = encode_chat(tokenizer, head, answer_prompt=True)
-        if len(ids) + MIN_ANSWER_ROOM <= seq_len:
+        if len(ids) + min(MIN_ANSWER_ROOM, seq_len // 4) <= seq_len:
             yield position + 1, ids
     raise SplitspecError(f"no usable prompt in a whole pass over {len(order.conversations)} conversations")
 
@@ -61,11 +62,11 @@ class SelfDistillStream:
     """
 
     def __init__(self, target, seq_len: int, seed: int = 0, skip: int = 0, batch: int = 64,
-                 temperature: float = 0.0):  # fmt: skip
+                 temperature: float = 0.0, conversations: Sequence[list[dict]] | None = None):  # fmt: skip
         if batch < 1:
             raise SplitspecError(f"self-distillation needs a batch of at least one sequence, got {batch}")
         self.target, self.seq_len, self.batch, self.temperature = target, seq_len, batch, temperature
-        self.prompts = prompts(target.tokenizer, seq_len, seed, skip)
+        self.prompts = prompts(target.tokenizer, seq_len, seed, skip, conversations)
         self.position = skip
         self.stop = set(target.eos_token_ids) | set(target.tokenizer.all_special_ids)
         self.live: list[tuple[int, int, object]] = []  # (position, prompt length, session)
