@@ -141,3 +141,45 @@ def test_decode_step_and_pick_equal_a_verification_of_nothing(tiny_target):
             hidden = b.run(step)
             b.pick(tiny_target.engine.logits(hidden[-1:]))
         assert a.tokens == b.tokens and a.cached_len == b.cached_len
+
+
+def test_offline_medusa_spends_its_heads_then_waits_and_settles_losslessly(tiny_target):
+    """Cut off, it commits one token per head from the last state, then offers nothing; verification of that tail
+    against the target ends as an uninterrupted run."""
+    from client.offline import local_token, reconcile_verify
+
+    prompt = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 40).token_ids
+    drafter = MedusaDrafter(make_model(tiny_target, heads=3))
+    verifier = LocalVerifier(tiny_target, drafter)
+    opened = verifier.open(prompt, SamplingParams())
+    drafter.begin(prompt + opened.new_tokens, opened.features)
+    out = list(opened.new_tokens)
+    while len(out) < 6:
+        result = verifier.verify(drafter.propose(8))
+        drafter.absorb(result.new_tokens, result.features)
+        out += result.new_tokens
+    local = [local_token(drafter) for _ in range(5)]
+    assert None not in local[:3] and local[3:] == [None, None]
+    out += reconcile_verify(verifier, drafter, local[:3], max_nodes=2)
+    while len(out) < 34:
+        result = verifier.verify(drafter.propose(8))
+        drafter.absorb(result.new_tokens, result.features)
+        out += result.new_tokens
+    assert out[:34] == plain[:34]
+
+
+def test_the_adaptive_policy_runs_medusa_over_the_network(tiny_server, tiny_target):
+    from client.adaptive import AdaptivePolicy
+
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24).token_ids
+    drafter = MedusaDrafter(make_model(tiny_target))
+    remote = RemoteVerifier(tiny_server[0], drafter=drafter)
+    try:
+        policy = AdaptivePolicy.for_run(remote, remote.usable(drafter.payload_specs()), mode="draft")
+        got = generate(remote, drafter, prompt, 24, policy=policy)
+    finally:
+        remote.shutdown()
+    assert got.token_ids == plain and len(policy.history) == got.stats.rounds
+    assert {spec.mode for spec in policy.specs} == {"hidden"} and got.stats.payload_bytes > 0
