@@ -14,7 +14,7 @@ per training token, never a drafter forward per draft step. The heads read the `
 the server already sends for EAGLE.
 
 Without the server (a link cut), no new f_q arrives: the heads of the last one still give the next
-K - 1 tokens (head k for the k-th token after it), after which the drafter has nothing to offer and the
+K tokens (head k for the k-th token after it), after which the drafter has nothing to offer and the
 loop waits for the link (``client.offline``).
 """
 
@@ -94,9 +94,12 @@ class Medusa(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits [K, ..., V] of tokens q+2..q+1+K from final hidden states f_q [..., E] (head k at index k-1)."""
+        """Logits [K, ..., V] of tokens q+2..q+1+K from final hidden states f_q [..., E] (head k at index k-1).
+
+        One LM-head product for all heads: drafting from one state multiplies K rows by the head, which then
+        streams through memory once, not K times."""
         x = features.to(self.parts.norm.weight.dtype)
-        return torch.stack([self.parts.logits(head(x)) for head in self.heads])
+        return self.parts.logits(torch.stack([head(x) for head in self.heads]))
 
 
 def prior_tree(heads: int, nodes: int = TREE_NODES) -> tuple[list[list[int]], list[float]]:
