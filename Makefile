@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
+.PHONY: setup demo test lint proto bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -73,6 +73,10 @@ bench-single: setup
 bench-typical: setup
 	for t in 0.7 1.0; do $(PY) -m bench.single --drafters eagle,moa-tli1 --temperature $$t --acceptance exact,typical \
 		--limit 3 --max-new-tokens 64 --out bench/results/typical-T$$t || exit 1; done
+
+# Self-distilled data against ShareGPT's answers at an equal budget (issue 24): trains medusa+eagle twice, then τ.
+bench-self-distill: setup
+	$(PY) -m bench.self_distill
 
 bench-vocab: setup
 	$(PY) -m bench.single --drafters eagle,moa-tli1 --draft-vocabs 4k,8k,16k,24k,full --limit 5 --max-new-tokens 96 \

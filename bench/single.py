@@ -232,6 +232,7 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
                 "mean_acceptance_length": round(statistics.fmean(r.acceptance_length for r in mine), 3),
                 "median_speedup": median([r.tokens_per_s / base[r.prompt] for r in mine if r.prompt in base]),
                 "median_draft_share": median([r.draft_s / r.wall_s for r in mine]),
+                "median_draft_ms_per_round": median([1000 * r.draft_s / r.rounds for r in mine if r.rounds]),
                 "mean_new_tokens": round(statistics.fmean(r.tokens for r in mine), 1),
                 "mismatches": sum(r.matches_reference is False for r in mine),
             }
@@ -240,8 +241,8 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     lines = [
-        f"| method | dataset | τ | tok/s | speedup | drafting share | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",  # noqa: E501
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| method | dataset | τ | tok/s | speedup | drafting share | draft ms/round | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",  # noqa: E501
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for m, per in summary.items():
         for d, s in per.items():
@@ -250,6 +251,7 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
                 cell(s["median_tokens_per_s"], ".2f"),
                 cell(s["median_speedup"], ".2f") + ("×" if s["median_speedup"] is not None else ""),
                 "–" if m == REFERENCE else f"{s['median_draft_share']:.0%}",
+                "–" if m == REFERENCE else cell(s.get("median_draft_ms_per_round"), ".1f"),
                 "–" if m == REFERENCE else f"{s['mismatches']}/{s['prompts']}",
             ]
             lines.append(f"| {m} | {d} | " + " | ".join(cells) + " |")
