@@ -71,7 +71,7 @@ bench-single: setup
 	$(PY) -m bench.single
 
 bench-typical: setup
-	for t in 0.7 1.0; do $(PY) -m bench.single --drafters eagle,moa-tli1 --temperature $$t --acceptance exact,typical \
+	for t in 0.7 1.0; do $(PY) -m bench.single --drafters eagle,medusa,moa-tli1 --temperature $$t --acceptance exact,typical \
 		--limit 3 --max-new-tokens 64 --out bench/results/typical-T$$t || exit 1; done
 
 # Self-distilled data against ShareGPT's answers at an equal budget (issue 24): trains medusa+eagle twice, then τ.
@@ -79,7 +79,7 @@ bench-self-distill: setup
 	$(PY) -m bench.self_distill
 
 bench-vocab: setup
-	$(PY) -m bench.single --drafters eagle,moa-tli1 --draft-vocabs 4k,8k,16k,24k,full --limit 5 --max-new-tokens 96 \
+	$(PY) -m bench.single --drafters eagle,medusa,moa-tli1 --draft-vocabs 4k,8k,16k,24k,full --limit 5 --max-new-tokens 96 \
 		--out bench/results/vocab
 
 bench-probe: setup

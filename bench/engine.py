@@ -34,7 +34,7 @@ All in one run, ``--threads`` torch threads (default 2), medians over ``--repeat
             tables say it was not measured. Building llama-bench and the BF16/F32 GGUFs: see the README.
 
 Run:  .venv/bin/python -m bench.engine [--repeats R] [--prompts K] [--max-new-tokens N] [--dtypes fp32,bf16]
-      [--sizes 1,17,33,65] [--drafters prompt-lookup,eagle,moa-tli1] [--llama-bench PATH] [--gguf FILE ...]
+      [--sizes 1,17,33,65] [--drafters prompt-lookup,eagle,medusa,moa-tli1] [--llama-bench PATH] [--gguf FILE ...]
       (defaults take ~5-10 min on a 2-core CPU; ``--repeats 2 --prompts 1 --max-new-tokens 16`` for a smoke test)
 Writes engine.json, engine.md and engine.png under --out (default bench/results).
 """
@@ -546,7 +546,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--branching", type=int, default=4, help="children per node of the timed tree (default 4)")
     p.add_argument("--prompts", type=int, default=4, help="MT-Bench first turns to decode (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
-    p.add_argument("--drafters", default="prompt-lookup,eagle,moa-tli1", help="comma list ('none' always runs)")
+    p.add_argument("--drafters", default="prompt-lookup,eagle,medusa,moa-tli1", help="comma list ('none' always runs)")
     p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
     p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
     p.add_argument("--max-tree-nodes", type=int, default=16,
