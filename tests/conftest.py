@@ -77,7 +77,10 @@ def start_server(target, **limits):
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_target):
-    server, address, service = start_server(tiny_target, max_sessions=4, max_tree_nodes=16, max_context=128)
+    # min_tree_nodes = every node: the shared server never cuts a tree to what its budget learnt from earlier tests
+    # (which would make a test's outcome depend on the ones before it and on the machine's load)
+    server, address, service = start_server(tiny_target, max_sessions=4, max_tree_nodes=16, max_context=128,
+                                            min_tree_nodes=16)  # fmt: skip
     yield address, service
     server.stop(grace=None)
 
