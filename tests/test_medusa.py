@@ -10,12 +10,16 @@ from client.decode import generate
 from client.drafters import NoDrafter
 from client.drafters.medusa import TOP_K, Medusa, MedusaConfig, MedusaDrafter, prior_tree, sparse_tree
 from client.drafters.target_parts import TargetParts
+from client.offline import local_token, reconcile_verify
 from client.training.losses import medusa_loss
 from client.training.teacher import pad_batch, run_teacher
 from client.verifiers import LocalVerifier, RemoteVerifier
 from shared.acceptance import SamplingParams
 from shared.features import Features
 from shared.tree import DraftTree
+from tests.test_eagle_independent import target_features
+from tests.test_offline import PROMPT as OFFLINE_PROMPT
+from tests.test_offline import online_rounds, start
 
 PROMPT = [3, 17, 42, 8, 99, 5]
 
@@ -28,12 +32,6 @@ def make_model(target, seed: int = 0, heads: int = 3) -> Medusa:
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.3)
     return model.eval()
-
-
-def features_of(target, ids: list[int]) -> torch.Tensor:
-    """The target's final (normed) hidden state of each token, [T, E]."""
-    with torch.no_grad():
-        return target.reference_model()(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
 
 
 def test_sparse_tree_counts_whole_paths_and_keeps_parents_first():
@@ -53,8 +51,8 @@ def test_sparse_tree_counts_whole_paths_and_keeps_parents_first():
 def test_a_round_drafts_each_heads_ranked_tokens_along_the_tree(tiny_target):
     model = make_model(tiny_target)
     drafter = MedusaDrafter(model)
-    drafter.begin(PROMPT, Features(0, hidden=features_of(tiny_target, PROMPT[:-1])))
-    heads = model(features_of(tiny_target, PROMPT)[-2])  # f of the token before the root
+    drafter.begin(PROMPT, Features(0, hidden=target_features(tiny_target, PROMPT[:-1])))
+    heads = model(target_features(tiny_target, PROMPT)[-2])  # f of the token before the root
     tree = drafter.propose(12)
     assert len(tree) == 12 and len(tree.scores) == 12
     assert tree.scores == sorted(tree.scores, reverse=True)
@@ -71,8 +69,8 @@ def test_heads_of_an_older_state_reach_as_far_as_they_go(tiny_target):
     """Tokens committed without features (offline) spend heads: the next one is drafted by the head that far ahead."""
     model = make_model(tiny_target, heads=3)
     drafter = MedusaDrafter(model)
-    drafter.begin(PROMPT, Features(0, hidden=features_of(tiny_target, PROMPT[:-1])))
-    heads = model(features_of(tiny_target, PROMPT)[-2])
+    drafter.begin(PROMPT, Features(0, hidden=target_features(tiny_target, PROMPT[:-1])))
+    heads = model(target_features(tiny_target, PROMPT)[-2])
     first = drafter.propose(1, 1).tokens[0]
     assert first == int(heads[0].argmax())
     drafter.absorb([first])
@@ -146,26 +144,14 @@ def test_decode_step_and_pick_equal_a_verification_of_nothing(tiny_target):
 def test_offline_medusa_spends_its_heads_then_waits_and_settles_losslessly(tiny_target):
     """Cut off, it commits one token per head from the last state, then offers nothing; verification of that tail
     against the target ends as an uninterrupted run."""
-    from client.offline import local_token, reconcile_verify
-
-    prompt = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
-    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 40).token_ids
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), OFFLINE_PROMPT, 40).token_ids
     drafter = MedusaDrafter(make_model(tiny_target, heads=3))
-    verifier = LocalVerifier(tiny_target, drafter)
-    opened = verifier.open(prompt, SamplingParams())
-    drafter.begin(prompt + opened.new_tokens, opened.features)
-    out = list(opened.new_tokens)
-    while len(out) < 6:
-        result = verifier.verify(drafter.propose(8))
-        drafter.absorb(result.new_tokens, result.features)
-        out += result.new_tokens
+    verifier, out = start(tiny_target, drafter)
+    online_rounds(verifier, drafter, out, 6)
     local = [local_token(drafter) for _ in range(5)]
     assert None not in local[:3] and local[3:] == [None, None]
     out += reconcile_verify(verifier, drafter, local[:3], max_nodes=2)
-    while len(out) < 34:
-        result = verifier.verify(drafter.propose(8))
-        drafter.absorb(result.new_tokens, result.features)
-        out += result.new_tokens
+    online_rounds(verifier, drafter, out, 34)
     assert out[:34] == plain[:34]
 
 
