@@ -43,7 +43,9 @@ def server(tiny_target, bundles):
     from server.limits import ServerLimits
     from server.service import build_server
 
-    limits = ServerLimits(max_sessions=4, max_tree_nodes=16, max_context=128, max_inline_payload_bytes=2048)
+    # min_tree_nodes = every node: trees are never cut to the load the budget measured, so rounds match in-process
+    limits = ServerLimits(max_sessions=4, max_tree_nodes=16, max_context=128, max_inline_payload_bytes=2048,
+                          min_tree_nodes=16)
     srv, port, service = build_server(tiny_target, "127.0.0.1", 0, limits, bundle_dirs=(bundles,))
     srv.start()
     yield f"127.0.0.1:{port}", service
