@@ -133,6 +133,10 @@ def test_warm_start_from_bundles_alone(tiny_target, tmp_path):
         for key, value in model.trainable_state().items():
             assert torch.allclose(value, again.models[name].trainable_state()[key], atol=2e-3, rtol=1e-3), key
     assert not make_trainer(tiny_target, tmp_path / "empty", 600, drafters=[("eagle", 0)]).resume()
+    elsewhere = make_trainer(tiny_target, tmp_path, 600, drafters=[("moa", 0), ("independent", 0)])
+    elsewhere.cfg.data = "other sequences"  # continued on other data: the stream starts afresh, the bundle says both
+    assert elsewhere.resume() and elsewhere.position == 0
+    assert elsewhere.budget()["data"] == f"{first.seen} tokens of {first.cfg.data}, then other sequences"
 
 
 def test_shards_give_back_the_stream_in_order_and_resume(tiny_target, tmp_path, monkeypatch):

@@ -112,6 +112,7 @@ class Trainer:
         self.steps = 0
         self.wall_s = 0.0
         self.position = 0
+        self.data = cfg.data  # what every token so far came from (a warm start may have begun on other data)
         self.generator = torch.Generator(device=target.device).manual_seed(cfg.seed)  # noise drawn where it is used
         self.ranks: dict[str, list[torch.Tensor]] = {}  # Medusa: the newest positions' head ranks (medusa_loss)
 
@@ -122,7 +123,7 @@ class Trainer:
             "models": {n: m.trainable_state() for n, m in self.models.items()},
             "optims": {n: o.state_dict() for n, o in self.optims.items()},
             "seen": self.seen, "trained": self.trained, "steps": self.steps, "wall_s": self.wall_s,
-            "position": self.position, "generator": self.generator.get_state(),
+            "position": self.position, "data": self.data, "generator": self.generator.get_state(),
             "drafters": self.cfg.drafters, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
             "fingerprint": self.target.fingerprint, "vocab_ids": self.vocab_ids, "ranks": self.ranks,
         }  # fmt: skip
@@ -160,6 +161,7 @@ class Trainer:
         for key in ("seen", "trained", "steps", "wall_s", "position"):
             setattr(self, key, state[key])
         self.ranks = {name: [r.cpu() for r in ranks] for name, ranks in state.get("ranks", {}).items()}
+        self.data = state.get("data", self.cfg.data)
         self.generator.set_state(state["generator"].cpu())  # map_location moved it; a state is a CPU tensor
         return True
 
@@ -185,13 +187,15 @@ class Trainer:
         training = min((c["training"] for c in configs.values()), key=lambda t: t["tokens"])
         self.seen, self.trained, self.steps = training["tokens"], training["trained_positions"], training["steps"]
         self.wall_s, self.position = training["wall_s"], training.get("data_position", 0)
+        if training["data"] != self.cfg.data:  # the bundle says where every one of its tokens came from
+            self.data, self.position = f"{self.seen} tokens of {training['data']}, then {self.cfg.data}", 0
         return True
 
     def budget(self) -> dict:
         return {
             "tokens": self.seen, "trained_positions": self.trained, "steps": self.steps,
             "wall_s": round(self.wall_s, 1), "hardware": hardware(self.target.device),
-            "data": self.cfg.data,
+            "data": self.data,
             "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size, "peak_lr": self.cfg.lr,
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
