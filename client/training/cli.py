@@ -127,7 +127,7 @@ def write_data(args: argparse.Namespace, target) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from client.training.trainer import CHECKPOINT, SHAREGPT_DATA, TrainConfig, Trainer, bundle_vocab
+    from client.training.trainer import CHECKPOINT, SHAREGPT_DATA, TrainConfig, Trainer, bundle_vocab, keep_freed_memory
     from shared.errors import SplitspecError
     from shared.models import load_target
 
@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise SplitspecError(f"--distill-tokens must be >= 1, got {args.distill_tokens}")
     if (args.out / CHECKPOINT).exists() and not args.resume:
         raise SplitspecError(f"{args.out} already holds a checkpoint: pass --resume to continue it, or another --out")
+    keep_freed_memory()  # a step's gigabytes of logits are reused, not faulted in again each step
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir, weights="native")
     cfg = TrainConfig(
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
