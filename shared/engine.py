@@ -26,6 +26,7 @@ from shared.layers import (
     Rotary,
     Span,
     attention_dtype,
+    grown,
     kernel_blocks,
     quantize,
     run_blocks,
@@ -127,16 +128,9 @@ class Cache:
 
     def reserve(self, end: int, limit: int | None = None) -> None:
         """Room for positions [0, end): grown (doubled, at most ``limit``, contents kept) when there is not."""
-        size = self.capacity
-        if end <= size:
-            return
-        grow = max(end, 2 * size)
-        grow = min(grow, limit) if limit is not None else grow
-        shape = (*self.k.shape[:3], grow, self.k.shape[4])
-        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
-        k[:, :, :, :size], v[:, :, :, :size] = self.k, self.v
-        self.k, self.v = k, v
-        self.layers = [KVCache.over(k[i], v[i]) for i in range(k.shape[0])]
+        if end > self.capacity:
+            self.k, self.v = (grown(t, 3, end, limit=limit) for t in (self.k, self.v))
+            self.layers = [KVCache.over(k, v) for k, v in zip(self.k, self.v, strict=True)]
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Copy the entries at positions ``src`` to ``dst`` in every layer (an accepted path into place)."""

@@ -73,6 +73,19 @@ def attention_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dty
     return dtype
 
 
+def grown(t: torch.Tensor, dim: int, end: int, least: int = 0, limit: int | None = None) -> torch.Tensor:
+    """``t`` with room for ``end`` entries along ``dim``, its contents kept: the same tensor when it has the room,
+    else a new one doubled (at least ``end`` and ``least``, at most ``limit``) — amortised O(1) appends."""
+    size = t.shape[dim]
+    if end <= size:
+        return t
+    room = max(end, least, 2 * size)
+    room = min(room, limit) if limit is not None else room
+    new = t.new_zeros(*t.shape[:dim], room, *t.shape[dim + 1 :])
+    new.narrow(dim, 0, size).copy_(t)
+    return new
+
+
 class KVCache:
     """Keys and values of one attention layer, [B, H, capacity, d], written by position.
 
@@ -95,16 +108,10 @@ class KVCache:
         return cache
 
     def _reserve(self, like: torch.Tensor, end: int) -> None:
-        size = 0 if self.k is None else self.k.shape[2]
-        if self.k is not None and size >= end:
-            return
-        grow = max(end, self.capacity or 0, 2 * size, 64)
-        new_k = like.new_zeros(*like.shape[:2], grow, like.shape[3])
-        new_v = like.new_zeros(*like.shape[:2], grow, like.shape[3])
-        if self.k is not None:
-            new_k[:, :, :size] = self.k
-            new_v[:, :, :size] = self.v
-        self.k, self.v = new_k, new_v
+        if self.k is None:
+            self.k, self.v = like[:, :, :0], like[:, :, :0]
+        if self.k.shape[2] < end:
+            self.k, self.v = (grown(t, 2, end, least=max(self.capacity or 0, 64)) for t in (self.k, self.v))
 
     def storage(self, end: int, batch: int, heads: int, head_dim: int, like: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -399,7 +406,8 @@ class Block(nn.Module):
         from shared import kernels
 
         return (x.device.type == "cpu" and x.dtype != torch.float32 and x.shape[0] == 1 and rope is not None
-                and all(s.cache is not None for s in spans) and kernels.available())  # fmt: skip
+                and not x.requires_grad and all(s.cache is not None for s in spans)
+                and kernels.available())  # fmt: skip
 
     def _attend(self, qkv: torch.Tensor, rope: tuple, s: Span) -> torch.Tensor:
         """Span ``s``'s rows of the fused projections qkv [T, W] (fp32) through the attention kernel: [t, H·d]."""
@@ -423,9 +431,11 @@ class Block(nn.Module):
         return super()._apply(fn, recurse)
 
     def _fused(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
-        """Whether the low-bit kernels run this block in one call: fp32 on a CPU, one batch row, every span cached."""
+        """Whether the low-bit kernels run this block in one call: fp32 on a CPU, one batch row, every span cached,
+        nothing to differentiate (the kernels have no backward)."""
         return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == 1 and rope is not None
-                and self.kernel_blocks() is not None and all(s.cache is not None for s in spans))  # fmt: skip
+                and not x.requires_grad and self.kernel_blocks() is not None
+                and all(s.cache is not None for s in spans))  # fmt: skip
 
     def _forward_int8(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
         """``forward_spans`` in the CPU kernels (``shared.kernels``): the same block, no per-op Python overhead."""

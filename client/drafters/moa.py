@@ -136,12 +136,8 @@ class MoA(LayerSelfAttention):
         own = (j[None, None, :] >= seg_start[:, :, None]) & (j[None, None, :] <= j[None, :, None])
         mask = torch.cat([teacher, own], dim=2)  # keys: [teacher KV of T positions, own KV of T positions]
         x = hidden
-        for layer, (tk, tv) in zip(self.parts.layers, tli_kv, strict=True):
-            h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.project(h, rope)
-            k, v = torch.cat([tk.to(k.dtype), k], dim=2), torch.cat([tv.to(v.dtype), v], dim=2)
-            x = x + layer.self_attn.attend(q, k, v, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for layer, (tk, tv) in zip(self.parts.layers, tli_kv, strict=True):  # own KV written after the teacher's
+            x = layer(x, mask, rope, KVCache.over(tk.to(x.dtype), tv.to(x.dtype)), at=T)
         return x
 
 class MoADrafter(TreeDrafter):
