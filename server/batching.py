@@ -15,17 +15,19 @@ so a long prefill delays the others by a piece, not by the whole prompt.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from server.budget import Tree, TreeBudget
-from shared.engine import Part, Transformer
+from shared.engine import Cache, Part, Transformer
 from shared.target import Step, Verdict
 
 log = logging.getLogger(__name__)
@@ -53,13 +55,17 @@ class Batcher:
         (None: every node is verified)."""
         self.engine, self.max_batch, self.max_tokens, self.window_s = engine, max_batch, max_tokens, window_s
         self.budget = budget
-        self._done: dict[int, float] = {}  # cache id -> when its last step finished
-        self._away: dict[int, float] = {}  # cache id -> running average of its time between steps
+        # the state below is keyed by a number each cache gets on its first step, never reused (an id() is, once
+        # its object is gone: a new sequence would inherit a dead one's time away)
+        self._keys: weakref.WeakKeyDictionary[Cache, int] = weakref.WeakKeyDictionary()  # while the cache lives
+        self._next_key = itertools.count()
+        self._done: dict[int, float] = {}  # cache key -> when its last step finished
+        self._away: dict[int, float] = {}  # cache key -> running average of its time between steps
         self.on_batch = on_batch or (lambda steps, tokens, seconds: None)
         self._queue: queue.Queue[Work | None] = queue.Queue()
         self._carry: Work | None = None  # taken from the queue but left for the next batch (over the token cap)
-        self._seen: dict[int, float] = {}  # cache id -> when a step of it last ran: who is active
-        self._ended: list[int] = []  # cache ids of sequences that ended (appended by any thread, read by the worker)
+        self._seen: dict[int, float] = {}  # cache key -> when a step of it last ran: who is active
+        self._ended: list[int] = []  # cache keys of sequences that ended (appended by any thread, read by the worker)
         self._thread = threading.Thread(target=self._work, daemon=True, name="splitspec-batcher")
         self._thread.start()
 
@@ -76,7 +82,9 @@ class Batcher:
     def forget(self, cache) -> None:
         """The sequence of ``cache`` ended (closed, its stream over): it will send no more steps, so no forward should
         wait for one (a lone client's next generation would otherwise wait a window per step for ``ACTIVE_S``)."""
-        self._ended.append(id(cache))
+        key = self._keys.get(cache)
+        if key is not None:  # (None: it never ran a step here, there is nothing to forget)
+            self._ended.append(key)
 
     def run(self, step: Step):
         """Run ``step`` in the next batch; its ``finish`` result, or the exception it raised."""
@@ -86,6 +94,13 @@ class Batcher:
 
     def close(self) -> None:
         self._queue.put(None)
+
+    def _key(self, cache: Cache) -> int:
+        """The cache's key in the batcher's state, given on its first step (worker thread only)."""
+        key = self._keys.get(cache)
+        if key is None:
+            key = self._keys[cache] = next(self._next_key)
+        return key
 
     def _active(self) -> int:
         """Sequences (caches) that had a step run in the last ``ACTIVE_S``."""
@@ -104,7 +119,7 @@ class Batcher:
             return
         others = [w.step.part for w in batch if w.step.cut is None]
         k = self.budget.choose(
-            [Tree(w.step.nodes, w.step.part.at, self._away.get(id(w.step.part.cache), 0.0)) for w in trees],
+            [Tree(w.step.nodes, w.step.part.at, self._away.get(self._key(w.step.part.cache), 0.0)) for w in trees],
             sum(len(p.ids) for p in others), sum(pairs(p) for p in others))  # fmt: skip
         for w in trees:
             if k is not None and w.step.nodes > k:
@@ -112,7 +127,7 @@ class Batcher:
 
     def _arrive(self, work: Work) -> None:
         """Note how long the step's sequence was away since its last step (drafting, the network)."""
-        key = id(work.step.part.cache)
+        key = self._key(work.step.part.cache)
         if key in self._done:
             away = max(0.0, work.arrived - self._done[key])
             before = self._away.get(key, away)
@@ -153,7 +168,7 @@ class Batcher:
                 except Exception:  # a cut only saves time: it never fails a forward
                     log.exception("could not cut the trees of a forward; verifying them whole")
                 start = time.perf_counter()
-                self._seen.update({id(w.step.part.cache): time.monotonic() for w in batch})
+                self._seen.update({self._key(w.step.part.cache): time.monotonic() for w in batch})
                 try:
                     hidden = self.engine.forward_many([w.step.part for w in batch])
                 except Exception as exc:
@@ -173,7 +188,7 @@ class Batcher:
                     except Exception as exc:
                         work.future.set_exception(exc)
                         continue
-                    self._done[id(work.step.part.cache)] = time.monotonic()
+                    self._done[self._key(work.step.part.cache)] = time.monotonic()
                     if self.budget is not None and isinstance(result, Verdict) and work.step.cut is not None:
                         self.budget.observe_path(result.verified, result.accepted)
                     work.future.set_result(result)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -102,49 +104,42 @@ class Abort(Exception):
         context.abort(self.code, str(self)[:MAX_DETAILS])
 
 
-def rpc(method):
-    """Turn Abort into a gRPC status and any unexpected error into INTERNAL, never a dead server."""
+@contextlib.contextmanager
+def statuses(service: SplitSpecService, name: str, context: grpc.ServicerContext) -> Iterator[None]:
+    """End call ``name`` with a status when what runs inside fails: an Abort's own; anything else (a bug, not bad
+    input) INTERNAL, logged — the server keeps serving."""
+    try:
+        yield
+    except Abort as exc:
+        service.metrics.refusals.labels(name, exc.code.name).inc()
+        exc.send(context)
+    except Exception as exc:
+        log.exception("%s failed", name)
+        context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
+
+
+def rpc(method: Callable) -> Callable:
+    """Every RPC's wrapper: Abort becomes its gRPC status and any unexpected error INTERNAL (``statuses``), never a
+    dead server. A server-streaming method returns a generator, which runs after the method has returned: its
+    iteration is wrapped too, so a failure mid-stream ends the call the same way."""
+    name = method.__name__
+
+    def replies(self, stream, context):
+        with statuses(self, name, context):
+            yield from stream
 
     @functools.wraps(method)
     def wrapper(self, request, context):
-        try:
+        with statuses(self, name, context):
             if isinstance(request, Undecodable):
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"the request body ({request.size} bytes) is not a {request.message} message")  # fmt: skip
             if self.target is None:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its model; retry shortly", retry_s=1.0)
-            return method(self, request, context)
-        except Exception as exc:
-            failed(self, method.__name__, exc, context)
+            reply = method(self, request, context)
+            return replies(self, reply, context) if inspect.isgenerator(reply) else reply
 
     return wrapper
-
-
-def streamed(name: str):
-    """``rpc`` for a reply stream's generator, which runs after its method has returned: the same statuses."""
-
-    def wrap(generator):
-        @functools.wraps(generator)
-        def wrapper(self, *args):
-            try:
-                yield from generator(self, *args)
-            except Exception as exc:
-                failed(self, name, exc, args[-1])  # (the context is every generator's last argument)
-
-        return wrapper
-
-    return wrap
-
-
-def failed(service, name: str, exc: Exception, context) -> None:
-    """End call ``name`` with a status: an Abort's own; for anything else (a bug, not bad input) INTERNAL, logged —
-    the server keeps serving."""
-    if isinstance(exc, Abort):
-        service.metrics.refusals.labels(name, exc.code.name).inc()
-        exc.send(context)
-        return
-    log.exception("%s failed", name)
-    context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])
 
 
 class SplitSpecService(pb_grpc.SplitSpecServicer):
@@ -473,7 +468,6 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
         return self._decode(session, request, spec, stop, context)
 
-    @streamed("Decode")
     def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
         """Steps on the session, one token a chunk, the payload of the tokens cached since the last one every
         ``payload_every`` tokens and on the last chunk; holds the session's lock from its first step until the
@@ -563,7 +557,6 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         payload = bytes(request.reply_bytes)
         return pb.ProbeReply(payload=payload, compute_s=time.perf_counter() - start)
 
-    @streamed("FetchPayload")
     def _fetch(self, session, spec: PayloadSpec, start: int, end: int, chunk: int, context):
         for a in range(start, end, chunk):
             if not context.is_active():
@@ -577,7 +570,6 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 msg = payloads.export(session, spec, self.lsas, a, b)
             yield msg
 
-    @streamed("Generate")
     def _stream(self, prompt, sampling, budget, stop, context):
         """One token per chunk, as an API streams; stops early when the client goes away. An open stream holds a
         place in the session store, so streams cannot take every worker from the other calls."""
@@ -597,6 +589,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     self.metrics.tokens_generated.inc()
             finally:
                 self.batcher.forget(engine.cache)
+
 
 def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),
                  bundle_dirs=(SHIPPED,), credentials: grpc.ServerCredentials | None = None,

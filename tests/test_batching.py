@@ -4,11 +4,14 @@ a failing step fails alone; a long prompt's pieces let other sessions' steps in 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
+from server import batching
 from server.batching import Batcher
+from server.budget import TreeBudget
 from shared.acceptance import SamplingParams
 from shared.models import load_target
 from shared.tree import DraftTree
@@ -119,6 +122,31 @@ def test_a_long_prompt_lets_other_steps_in_between_its_pieces(bf16):
     batcher.close()
     assert len(pieces) == 25 + 1  # 200 tokens in pieces of 8, and the other session's step among them
 
+
+def test_a_new_sequence_does_not_inherit_an_ended_ones_state(bf16, monkeypatch):
+    """Before: the batcher kept each sequence's state under id(cache), which Python gives again once a cache is gone,
+    so a new session could take over an ended one's time away (as if away since that one's last step) and the budget
+    would cut its trees as a slow client's. Here every id() is the same, as reuse makes it."""
+    monkeypatch.setattr(batching, "id", lambda obj: 1, raising=False)
+    aways = []
+
+    class Recording(TreeBudget):
+        def choose(self, trees, tokens, pairs):
+            aways.extend(t.away_s for t in trees)
+            return super().choose(trees, tokens, pairs)
+
+    batcher = Batcher(bf16.engine, max_batch=1, window_s=0.0, budget=Recording())
+    old = bf16.session()
+    old.prefill([5, 6, 7])
+    old.verify(DraftTree([9], [-1]), run=batcher.run)
+    batcher.forget(old.cache)
+    del old
+    time.sleep(0.2)
+    new = bf16.session()
+    new.prefill([5, 6, 7])
+    new.verify(DraftTree([9], [-1]), run=batcher.run)  # its first step here: no time away to know of
+    batcher.close()
+    assert aways == [0.0, 0.0], aways
 
 
 def test_a_batched_server_answers_every_session_as_the_serial_one_does(bf16):

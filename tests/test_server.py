@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from server.service import PROTOCOL_VERSION, SplitSpecService
+from server.service import PROTOCOL_VERSION, Abort, SplitSpecService
 from shared.acceptance import SamplingParams
 from shared.target import Target
 from shared.tree import DraftTree
@@ -466,3 +466,34 @@ def test_a_verify_resent_after_a_lost_reply_rolls_the_session_back(stub, service
     seq.mirror.verify(tree)
     seq.step()  # and the session goes on in step with its mirror
     assert seq.tokens == witness_reference[: len(seq.tokens)]
+
+
+@pytest.mark.parametrize(("error", "code", "fragment"), [
+    (RuntimeError("a bug"), Code.INTERNAL, "Decode failed: RuntimeError: a bug"),
+    (Abort(Code.DATA_LOSS, "refused mid-stream"), Code.DATA_LOSS, "refused mid-stream"),
+], ids=["unexpected-error", "abort"])  # fmt: skip
+def test_a_failure_mid_stream_ends_the_call_with_its_status_and_breaks_nothing(
+    stub, service, open_seq, witness_reference, monkeypatch, error: Exception, code: grpc.StatusCode, fragment: str
+):
+    """A reply stream runs after its RPC method has returned: a step failing after the first chunk still ends the
+    call with the status every RPC gets (INTERNAL naming the call for a bug, an Abort's own code), and the other
+    sessions decode on."""
+    witness = open_seq(WITNESS_PROMPT, GREEDY, guide=witness_reference)
+    witness.step()
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(service, "_step", fail)  # a Decode stream's steps after the first token (its prefill's)
+    chunks = []
+    request = pb.DecodeRequest(prompt_ids=VICTIM_PROMPT, max_new_tokens=8)
+    failure = refused(lambda: chunks.extend(stub.Decode(request, timeout=TIMEOUT)))
+    assert failure.code() == code, failure.details()
+    assert fragment in failure.details()
+    assert len(chunks) == 1 and chunks[0].session_id  # the failure came mid-stream
+    if code != Code.INTERNAL:  # an Abort leaves its session open (a bug's half-written session is dropped)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=chunks[0].session_id), timeout=TIMEOUT)
+
+    for _ in range(3):
+        witness.step()
+    assert witness.tokens == witness_reference[: len(witness.tokens)]
