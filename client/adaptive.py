@@ -136,6 +136,12 @@ class Decision:
     expected_round_s: float
 
 
+def verify_request_bytes(nodes: int) -> int:
+    """A Verify request's bytes on the wire for a tree of ``nodes``: ~55 for the session id, length and payload spec
+    and ~3.7 a node (a token id's varint and a parent's), as serialised; rounded up."""
+    return 64 + 4 * nodes
+
+
 @dataclass
 class AdaptivePolicy:
     """Chooses per round how many drafted nodes to verify, how deep to draft, and the payload.
@@ -205,7 +211,7 @@ class AdaptivePolicy:
     def round_s(self, nodes: int, down_bytes: float) -> float:
         verify = self.verify_fit(nodes + 1, default=0.0)
         draft = (self.draft_step_s or 0.0) * self.depth
-        rtt, transfer = self._transfer_s(16 + 6 * nodes, down_bytes)
+        rtt, transfer = self._transfer_s(verify_request_bytes(nodes), down_bytes)
         return draft + verify + rtt + transfer
 
     # --- the choices ---
@@ -265,7 +271,7 @@ class AdaptivePolicy:
         rtt, best = (self.link.srtt_s or 0.0) if self.link is not None else 0.0, 0.0
         for n in range(1, largest + 1):  # a path's nodes come in rank order: those below n are what head(n) keeps
             gain = 1 + sum(sum(i < n for i in path) for _, path, _ in self.rehearsals) / len(self.rehearsals)
-            seconds = draft_s + rtt + self.verify_s(n) + self._transfer_s(16 + 6 * n, 0)[1]
+            seconds = draft_s + rtt + self.verify_s(n) + self._transfer_s(verify_request_bytes(n), 0)[1]
             best = max(best, gain / seconds)
         return best
 

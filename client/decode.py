@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from client import offline
-from client.adaptive import GAIN, AdaptivePolicy
+from client.adaptive import GAIN, AdaptivePolicy, verify_request_bytes
 from client.drafters.base import Drafter
 from client.heartbeat import Heartbeat
-from client.verifiers import LinkDown, SessionLost, Verifier
+from client.verifiers import LinkDown, Round, SessionLost, Verifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 from shared.tree import DraftTree, depths
@@ -160,17 +160,19 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
-    run = Run(verifier, drafter, list(prompt_ids), max_new_tokens, sampling, stop, policy, max_tree_nodes,
-              resilience or Resilience(), on_update, stop_when)  # fmt: skip
+    run = Run(verifier=verifier, drafter=drafter, prompt_ids=list(prompt_ids), limit=max_new_tokens, sampling=sampling,
+              stop=stop, policy=policy, max_nodes=max_tree_nodes, resilience=resilience or Resilience(),
+              on_update=on_update, stop_when=stop_when)  # fmt: skip
     return run.generate()
 
 
 class Run:
     """One generation's state: the output, which of it is verified, the stats, and the link's running estimates."""
 
-    def __init__(self, verifier: Verifier, drafter: Drafter, prompt_ids: list[int], limit: int,
+    def __init__(self, *, verifier: Verifier, drafter: Drafter, prompt_ids: list[int], limit: int,
                  sampling: SamplingParams, stop: set[int], policy: AdaptivePolicy | None, max_nodes: int,
-                 resilience: Resilience, on_update, stop_when=None) -> None:  # fmt: skip
+                 resilience: Resilience, on_update: Callable[[list[int], list[bool]], None] | None = None,
+                 stop_when: Callable[[list[int], list[bool]], bool] | None = None) -> None:  # fmt: skip
         self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
         self.sampling, self.stop, self.policy, self.max_nodes = sampling, stop, policy, max_nodes
         self.resilience, self.on_update, self.stop_when = resilience, on_update, stop_when
@@ -200,7 +202,7 @@ class Run:
             # a first stretch streamed opens the session in the same call; else the prefill is a call of its own
             stretch = self.policy.streaming() if self.policy is not None else 0
             if not stretch:
-                self.verify_s = self.open([])  # the prefill's compute is the first guess at a round's
+                self.verify_s = self.open([]).compute_s  # the prefill's compute is the first guess at a round's
                 self.started(start)
             while not (reason := self.finished()):
                 call = time.perf_counter()
@@ -394,14 +396,15 @@ class Run:
         if link is None or self.resilience.on_reconnect == "fail":
             return None
         rtt = link.timeout_s()
-        transfer = link.transfer_s(8 * nodes + 64, int(2 * self.reply_bytes))
+        transfer = link.transfer_s(verify_request_bytes(nodes), int(2 * self.reply_bytes))
         rtt = UNMEASURED_RTT_S if rtt is None else rtt
         compute = max(self.verify_s, self.policy.verify_fit(nodes + 1, 0.0) if self.policy is not None else 0.0)
         return max(MIN_DEADLINE_S, rtt + 1.5 * compute + transfer + DEADLINE_MARGIN_S)
 
-    def open(self, history: list[int]) -> float:
-        """(Re)open a session after ``prompt + history`` (the last token of ``history`` becomes the root again);
-        ``self.out`` gains the server's next token when ``history`` is all of it. Returns the prefill's compute."""
+    def open(self, history: list[int]) -> Round:
+        """(Re)open a session after ``prompt + history`` (the last token of ``history`` becomes the root again) and
+        return its round: the server's next token in ``new_tokens``, the prefill's compute. ``self.out`` gains that
+        token when ``history`` is empty (the first opening); a reopening's caller decides what the output becomes."""
         verifier = self.verifier
         try:
             verifier.close(timeout_s=2.0)  # the old session, if the server still has it
@@ -409,12 +412,10 @@ class Run:
             pass
         opened = verifier.open(self.prompt_ids + history, self.sampling)
         self.unfeatured = None  # the prefill brings the features of every cached token
-        tokens = history + opened.new_tokens
-        self.drafter.begin(self.prompt_ids + tokens, opened.features)
-        self.opened = tokens
+        self.drafter.begin(self.prompt_ids + history + opened.new_tokens, opened.features)
         if not history:
-            self.commit(tokens, [True] * len(tokens))
-        return opened.compute_s
+            self.commit(opened.new_tokens, [True] * len(opened.new_tokens))
+        return opened
 
     def commit(self, out: list[int], verified: list[bool]) -> None:
         """The output is now ``out``, cut after its first stop token and at the token budget; tell ``on_update``."""

@@ -22,13 +22,19 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from client.drafters.base import Drafter
-from client.verifiers import LinkDown, SessionLost, Verifier
+from client.verifiers import LinkDown, Round, SessionLost, Verifier
 from shared.acceptance import SamplingParams, target_probs
 from shared.tree import DraftTree
+
+if TYPE_CHECKING:  # (the decode loop imports this module)
+    from client.adaptive import AdaptivePolicy
+    from client.decode import GenerationStats, Resilience
+    from client.heartbeat import Heartbeat
 
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
 FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see reconcile_verify)
@@ -72,7 +78,30 @@ class Reconnector(threading.Thread):
                 return
 
 
-def bridge(run) -> None:
+class Bridged(Protocol):
+    """What ``bridge`` uses of a generation under way (``client.decode.Run``)."""
+
+    verifier: Verifier
+    drafter: Drafter
+    policy: AdaptivePolicy | None
+    resilience: Resilience
+    sampling: SamplingParams
+    generator: torch.Generator  # offline draws
+    stats: GenerationStats
+    heartbeat: Heartbeat | None
+    prompt_ids: list[int]
+    out: list[int]
+    verified: list[bool]  # per token of ``out``
+    unfeatured: tuple[int, int] | None  # cached tokens whose features a cut mid-stream kept away
+
+    def finished(self) -> str: ...
+
+    def commit(self, out: list[int], verified: list[bool]) -> None: ...
+
+    def open(self, history: list[int]) -> Round: ...
+
+
+def bridge(run: Bridged) -> None:
     """Generate locally until the server answers again (or the budget ends), then settle the local tail.
 
     ``run`` is the decode loop's ``client.decode.Run``. A settlement the link breaks again leaves the
@@ -118,7 +147,7 @@ def _reachable(verifier: Verifier) -> bool:
     return verifier.reachable(timeout_s=max(MIN_POLL_S, 2 * bound + 0.1) if bound else 1.0)
 
 
-def _catch_up(run) -> None:
+def _catch_up(run: Bridged) -> None:
     """The tokens streamed since the last payload (a cut kept their features away) fed to the drafter again as local
     tokens are — each after a proposal, so the drafter stands in its own features for the target's — so that it can
     generate after them; the target's own features replace those at the settlement."""
@@ -132,14 +161,14 @@ def _catch_up(run) -> None:
         run.drafter.absorb([token])
 
 
-def _keeping(run, began: float) -> bool:
+def _keeping(run: Bridged, began: float) -> bool:
     """Will the local tokens be kept as they are (keep, or a cut past ``keep_after_s``) rather than verified?"""
     resilience = run.resilience
     late = resilience.keep_after_s is not None and time.perf_counter() - began > resilience.keep_after_s
     return resilience.on_reconnect == "keep" or late
 
 
-def _generate_locally(run, reconnector: Reconnector, began: float) -> None:
+def _generate_locally(run: Bridged, reconnector: Reconnector, began: float) -> None:
     t0, survival, capped = time.perf_counter(), 1.0, False
     calibration = min(1.0, run.policy.calibration) if run.policy is not None else 1.0
     try:
@@ -162,15 +191,15 @@ def _generate_locally(run, reconnector: Reconnector, began: float) -> None:
         run.stats.local_s += time.perf_counter() - t0
 
 
-def _settle(run, first_local: int, fresh: bool, keep: bool) -> None:
+def _settle(run: Bridged, first_local: int, fresh: bool, keep: bool) -> None:
     """The history after reconnection: the local tail kept (``keep``) or verified against the target."""
     verifier, drafter, out, verified = run.verifier, run.drafter, run.out, run.verified
     local = out[first_local:]
     chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
     if keep:
-        run.open(out)
+        opened = out + run.open(out).new_tokens
         run.stats.local_kept += len(local)
-        run.commit(run.opened, verified[: len(out)] + [True] * (len(run.opened) - len(out)))
+        run.commit(opened, verified[: len(out)] + [True] * (len(opened) - len(out)))
         return
     if fresh:
         try:
@@ -184,9 +213,9 @@ def _settle(run, first_local: int, fresh: bool, keep: bool) -> None:
         except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
             pass
     history = out[:first_local]
-    run.open(history[:-1])
-    if run.opened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
-        run.commit(run.opened, verified[: len(run.opened) - 1] + [True])
+    opened = history[:-1] + run.open(history[:-1]).new_tokens
+    if opened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
+        run.commit(opened, verified[: len(opened) - 1] + [True])
         return
     for token in local:
         drafter.absorb([token])
