@@ -93,6 +93,6 @@ def log_session(session, reason: str) -> None:
     log.info(json.dumps({
         "event": "session_end", "session": session.id[:8], "owner": session.owner or None, "reason": reason,
         "age_s": round(time.monotonic() - s.opened, 3), "prompt_tokens": s.prompt_tokens,
-        "tokens": len(session.engine.tokens), "rounds": s.rounds, "nodes": s.nodes, "accepted": s.accepted,
+        "tokens": len(session.sequence.tokens), "rounds": s.rounds, "nodes": s.nodes, "accepted": s.accepted,
         "decoded": s.decoded, "verify_s": round(s.verify_s, 4), "payload_bytes": s.payload_bytes,
     }))  # fmt: skip

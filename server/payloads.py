@@ -80,8 +80,7 @@ def export(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int) 
     """Encode the features of cached tokens [start, end) as ``spec`` asks."""
     if not spec:
         return pb.Payload(start=start, count=0)
-    engine = session.engine
-    kv = cache_kv(engine.cache, start, end).float()
+    kv = cache_kv(session.sequence.cache, start, end).float()
     hidden = session.hidden[start:end].float() if session.hidden is not None else None
     tensors = payload.tensors_for(spec, kv, hidden, lsas.get(spec.drafter) if spec.mode == "lsa" else None)
     return payload.encode(start, tensors, spec.precision)  # the codec converts to float32 itself

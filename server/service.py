@@ -186,7 +186,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _ended(self, session, reason: str) -> None:
         log_session(session, reason)
         if self.batcher is not None:
-            self.batcher.forget(session.engine.cache)
+            self.batcher.forget(session.sequence.cache)
 
     def close(self) -> None:
         """Stop the session reaper and the batcher (the gRPC server is stopped by its owner)."""
@@ -337,10 +337,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         spec = self._spec(request.payload)
         session, first = self._open(request.prompt_ids, request.sampling, spec, context)
         with session.lock:
-            payload = self._payload(session, spec, 0, session.engine.cached_len)
-        return pb.OpenSessionReply(session_id=session.id, first_token=first, length=len(session.engine.tokens),
+            payload = self._payload(session, spec, 0, session.sequence.cached_len)
+        return pb.OpenSessionReply(session_id=session.id, first_token=first, length=len(session.sequence.tokens),
                                    compute_s=time.perf_counter() - start, payload=payload,
-                                   load=self._load(len(session.engine.tokens)))  # fmt: skip
+                                   load=self._load(len(session.sequence.tokens)))  # fmt: skip
 
     def _open(self, prompt_ids, sampling_msg: pb.Sampling, spec: PayloadSpec, context) -> tuple[Session, int]:
         """A new session with ``prompt_ids`` prefilled (OpenSession, or a Decode that opens its session): the
@@ -349,9 +349,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         sampling = self._sampling(sampling_msg)
         with self._place(len(prompt)):
             start = time.perf_counter()
-            engine = self.target.session(sampling, features=target_features(spec) & {"hidden"})
-            verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
-            session = self.sessions.add(engine, caller(context, self.auth))
+            sequence = self.target.session(sampling, features=target_features(spec) & {"hidden"})
+            verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
+            session = self.sessions.add(sequence, caller(context, self.auth))
             session.stats.prompt_tokens = len(prompt)
             if "hidden" in target_features(spec):
                 session.hidden = verdict.features.hidden
@@ -372,19 +372,19 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         spec = self._spec(request.payload, session)
         self._lock(session)
         try:
-            engine = session.engine
+            sequence = session.sequence
             self._sequence(session, request.length)
-            if len(engine.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
+            if len(sequence.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
                     grpc.StatusCode.OUT_OF_RANGE,
-                    f"{len(engine.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "
+                    f"{len(sequence.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "
                     f"of {self.limits.max_context}",
                 )
-            start, before = time.perf_counter(), engine.cached_len
+            start, before = time.perf_counter(), sequence.cached_len
             try:
-                verdict = engine.verify(DraftTree(tokens, parents), self._runner(context))
+                verdict = sequence.verify(DraftTree(tokens, parents), self._runner(context))
                 session.keep_hidden(verdict)
-                payload = self._payload(session, spec, before, engine.cached_len)
+                payload = self._payload(session, spec, before, sequence.cached_len)
             except Exception:
                 self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
@@ -399,13 +399,13 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         st.rounds, st.nodes = st.rounds + 1, st.nodes + verdict.verified
         st.accepted += len(verdict.accepted)
         st.verify_s += time.perf_counter() - start
-        return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(engine.tokens),
+        return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(sequence.tokens),
                               compute_s=time.perf_counter() - start, payload=payload, verified=verdict.verified,
-                              load=self._load(len(engine.tokens)))  # fmt: skip
+                              load=self._load(len(sequence.tokens)))  # fmt: skip
 
     def _sequence(self, session, length: int) -> None:
         """The client's committed ``length`` (0: unchecked): fewer than held rolls back what it never received."""
-        held = len(session.engine.tokens)
+        held = len(session.sequence.tokens)
         if length > held:  # a sequencer check: ABORTED, as gRPC says
             raise Abort(grpc.StatusCode.ABORTED,
                         f"client believes the session holds {length} tokens, the server holds {held}")  # fmt: skip
@@ -419,7 +419,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         spec = self._spec(request.spec, session)
         if not spec:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "payload: FetchPayload needs a spec with a mode")
-        cached = session.engine.cached_len
+        cached = session.sequence.cached_len
         if not 0 <= request.start < request.end <= cached:
             raise Abort(
                 grpc.StatusCode.OUT_OF_RANGE,
@@ -433,7 +433,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         session = self.sessions.pop(request.session_id, caller(context, self.auth))
         if session is None:
             raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(request.session_id)}")
-        return pb.CloseSessionReply(length=len(session.engine.tokens))
+        return pb.CloseSessionReply(length=len(session.sequence.tokens))
 
     @rpc
     def Generate(self, request, context):
@@ -478,15 +478,15 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         start, prefilled = time.perf_counter(), None
         if session is None:
             session, prefilled = self._open(request.prompt_ids, request.sampling, spec, context)
-        engine = session.engine
+        sequence = session.sequence
         self._lock(session)
         try:
             self._sequence(session, request.length)
-            if len(engine.tokens) + 1 > self.limits.max_context:
-                raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(engine.tokens)} tokens fill the context "
-                            f"limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
-            drafter = SelfDraft(engine.tokens, request.lookup) if request.lookup else None
-            sent = engine.cached_len if prefilled is None else 0  # payloads sent up to here
+            if len(sequence.tokens) + 1 > self.limits.max_context:
+                raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(sequence.tokens)} tokens fill the "
+                            f"context limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
+            drafter = SelfDraft(sequence.tokens, request.lookup) if request.lookup else None
+            sent = sequence.cached_len if prefilled is None else 0  # payloads sent up to here
             produced = 0
             while True:
                 first = produced == 0 and prefilled is not None
@@ -500,24 +500,24 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     else:
                         tokens, compute_s = self._step(session, drafter, budget - produced, stop, context)
                     produced += len(tokens)
-                    full = len(engine.tokens) + 1 > self.limits.max_context
+                    full = len(sequence.tokens) + 1 > self.limits.max_context
                     reason = ("stop" if tokens[-1] in stop else "length" if produced >= budget
                               else "context" if full else "")  # fmt: skip
                     payload = None
-                    if reason or (engine.cached_len - sent >= every and not first):
-                        payload, sent = self._payload(session, spec, sent, engine.cached_len), engine.cached_len
+                    if reason or (sequence.cached_len - sent >= every and not first):
+                        payload, sent = self._payload(session, spec, sent, sequence.cached_len), sequence.cached_len
                 except Abort:
                     raise
                 except Exception:
                     self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
                     raise
-                length = len(engine.tokens) - len(tokens)
+                length = len(sequence.tokens) - len(tokens)
                 for i, token in enumerate(tokens):  # a step's compute goes with its first token, its payload its last
                     last = i == len(tokens) - 1
                     told = first or (last and (payload is not None or reason))  # the load: now and then is enough
                     yield pb.DecodeChunk(token=token, length=length + i + 1, compute_s=0.0 if i else compute_s,
                                          payload=payload if last else None, finish_reason=reason if last else "",
-                                         load=self._load(len(engine.tokens)) if told else None,
+                                         load=self._load(len(sequence.tokens)) if told else None,
                                          session_id=session.id if first else "")  # fmt: skip
                 if reason:
                     return
@@ -528,15 +528,15 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
               context) -> tuple[list[int], float]:  # fmt: skip
         """One forward of a Decode stream: its new tokens (at most ``budget``, none past a stop token; the session
         keeps only those) and its seconds."""
-        engine, m, start = session.engine, self.metrics, time.perf_counter()
-        room = min(budget, self.limits.max_context - len(engine.tokens)) - 1  # drafted tokens, besides the bonus
+        sequence, m, start = session.sequence, self.metrics, time.perf_counter()
+        room = min(budget, self.limits.max_context - len(sequence.tokens)) - 1  # drafted tokens, besides the bonus
         tree = drafter.propose(room) if drafter is not None and room > 0 else DraftTree()
-        verdict = engine.verify(tree, self._runner(context))
+        verdict = sequence.verify(tree, self._runner(context))
         session.keep_hidden(verdict)
         tokens = verdict.new_tokens
         end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
         if end < len(tokens):  # a stop token inside an accepted draft: what follows it is not the answer
-            session.truncate(len(engine.tokens) - (len(tokens) - end))
+            session.truncate(len(sequence.tokens) - (len(tokens) - end))
             tokens = tokens[:end]
         if drafter is not None:
             drafter.observe(bool(tree), tokens, time.perf_counter() - start)
@@ -563,9 +563,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 return
             b = min(a + chunk, end)
             with session.lock:
-                if b > session.engine.cached_len:  # a Verify resent after a lost reply rolled the session back
+                if b > session.sequence.cached_len:  # a Verify resent after a lost reply rolled the session back
                     raise Abort(grpc.StatusCode.ABORTED,
-                                f"the session now caches {session.engine.cached_len} tokens: payload range "
+                                f"the session now caches {session.sequence.cached_len} tokens: payload range "
                                 f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
                 msg = payloads.export(session, spec, self.lsas, a, b)
             yield msg
@@ -574,9 +574,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         """One token per chunk, as an API streams; stops early when the client goes away. An open stream holds a
         place in the session store, so streams cannot take every worker from the other calls."""
         with self._place(len(prompt)):
-            engine = self.target.session(sampling)
+            sequence = self.target.session(sampling)
             try:
-                verdict = engine.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
+                verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
                 self.metrics.tokens_generated.inc()
                 for produced in range(1, budget + 1):
                     token = verdict.bonus
@@ -585,10 +585,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
                     if done or not context.is_active():
                         return
-                    verdict = engine.verify(DraftTree(), self._runner(context))
+                    verdict = sequence.verify(DraftTree(), self._runner(context))
                     self.metrics.tokens_generated.inc()
             finally:
-                self.batcher.forget(engine.cache)
+                self.batcher.forget(sequence.cache)
 
 
 def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),

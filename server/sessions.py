@@ -49,7 +49,7 @@ class SessionStats:
 @dataclass
 class Session:
     id: str
-    engine: TargetSession
+    sequence: TargetSession  # the target's state of this sequence: its KV cache, tokens and sampling
     owner: str = ""  # who opened it (the authenticated identity; "" without auth)
     stats: SessionStats = field(default_factory=SessionStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -62,14 +62,14 @@ class Session:
 
     def truncate(self, length: int) -> None:
         """Back to ``length`` committed tokens: the client re-sends a round whose reply it never received."""
-        self.engine.truncate(length)
+        self.sequence.truncate(length)
         if self.hidden is not None:
-            self.hidden = self.hidden[: self.engine.cached_len]
+            self.hidden = self.hidden[: self.sequence.cached_len]
 
     @property
     def nbytes(self) -> int:
         hidden = 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
-        return self.engine.cache.nbytes + hidden
+        return self.sequence.cache.nbytes + hidden
 
 
 class SessionStore:
@@ -137,10 +137,10 @@ class SessionStore:
             what = f"the KV memory budget of {self.max_bytes / 2**20:.0f} MiB is in use"
         raise StoreFull(f"{what} and none is idle; retry in {max(retry, 0.05):.2f}s", max(retry, 0.05))
 
-    def add(self, engine: TargetSession, owner: str = "") -> Session:
+    def add(self, sequence: TargetSession, owner: str = "") -> Session:
         """Store a session opened under a ``hold`` (its place then passes to it)."""
         with self._lock:
-            session = Session(secrets.token_hex(16), engine, owner)
+            session = Session(secrets.token_hex(16), sequence, owner)
             self._sessions[session.id] = session
             return session
 

@@ -155,7 +155,7 @@ def test_a_payload_stream_cut_by_a_rollback_fails_instead_of_ending_short(serve,
     for _ in range(3):
         length = stub.Verify(pb.VerifyRequest(session_id=reply.session_id, length=length), timeout=TIMEOUT).length
     session = service.sessions.get(reply.session_id)
-    end = session.engine.cached_len
+    end = session.sequence.cached_len
     export = server.service.payloads.export
 
     def export_then_roll_back(*args):
