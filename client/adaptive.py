@@ -147,7 +147,7 @@ class AdaptivePolicy:
     """Chooses per round how many drafted nodes to verify, how deep to draft, and the payload.
 
     ``specs``: the payload specs the drafter may use, most faithful first (e.g. lsa/fp16, lsa/int8,
-    kv/fp16: the drafter's ``payload_specs()`` the verifier can send); ``bytes_per_token(spec)`` sizes
+    kv/fp16: the drafter's ``payload_specs()`` the verifier can send); ``raw_bytes_per_token(spec)`` sizes
     them. ``pin_nodes``/``pin_depth``/``pin_spec`` fix a choice instead of adapting it.
     """
 
@@ -156,7 +156,7 @@ class AdaptivePolicy:
     max_depth: int = 8
     min_depth: int = 2
     specs: list[PayloadSpec] = field(default_factory=list)
-    bytes_per_token: object = None  # callable(spec) -> raw bytes per token
+    raw_bytes_per_token: object = None  # callable(spec) -> raw bytes per token
     pin_nodes: int | None = None
     pin_depth: int | None = None
     pin_spec: PayloadSpec | None = None
@@ -197,7 +197,7 @@ class AdaptivePolicy:
         if verifier.link is None and pins.get("mode", "auto") == "auto":
             pins["mode"] = "draft"  # in process there is no round trip for the target decoding alone to save
         return cls(verifier.link, specs=specs if verifier.link is not None else [],
-                   bytes_per_token=verifier.payload_bytes_per_token, **pins)  # fmt: skip
+                   raw_bytes_per_token=verifier.payload_bytes_per_token, **pins)  # fmt: skip
 
     # --- estimates ---
 
@@ -240,8 +240,8 @@ class AdaptivePolicy:
         downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make. On a link
         whose rate is not measured yet the smallest (a first stream's payload then measures it, ``observe_gap``)."""
         unmeasured = self.link is not None and self.link.down_rate is None
-        if unmeasured and self.specs and self.pin_spec is None and self.bytes_per_token:
-            return min(self.specs, key=self.bytes_per_token)  # an unmeasured link may be slow: the smallest first
+        if unmeasured and self.specs and self.pin_spec is None and self.raw_bytes_per_token:
+            return min(self.specs, key=self.raw_bytes_per_token)  # an unmeasured link may be slow: the smallest first
         step = self.token_s or self.verify_fit(1, default=UNMEASURED_STEP_S)  # the server's pace: a stream's own
         return self.choose_spec(1.0, STREAM_SHARE * step)  # rate may be bound by its payloads
 
@@ -417,7 +417,7 @@ class AdaptivePolicy:
             expected_tokens = 2.0
         last = self.history[-1].expected_round_s if self.history else float("nan")
         budget = PAYLOAD_SHARE * (last if math.isfinite(last) and last > 0 else 0.1) if budget_s is None else budget_s
-        sized = [(spec, expected_tokens * self.bytes_per_token(spec)) for spec in self.specs]
+        sized = [(spec, expected_tokens * self.raw_bytes_per_token(spec)) for spec in self.specs]
         for spec, size in sized:
             if self._transfer_s(0, size)[1] <= budget:
                 return spec

@@ -178,10 +178,10 @@ def stats_line(gen) -> str:
 
 def _pinned_specs(drafter, args: argparse.Namespace) -> list:
     """The drafter's payload specs within --payload and --precision; an error if none is left."""
-    from client.drafters.base import PRECISIONS
+    from client.drafters.base import DRAFT_PRECISIONS
     from shared.errors import SplitspecError
 
-    specs = drafter.payload_specs((args.precision,) if args.precision else PRECISIONS)
+    specs = drafter.payload_specs((args.precision,) if args.precision else DRAFT_PRECISIONS)
     kept = [s for s in specs if args.payload in (None, s.mode)]
     if args.payload and not kept:
         modes = ", ".join(sorted({s.mode for s in specs})) or "none (it reads only tokens)"

@@ -273,7 +273,7 @@ class Run:
             spec = policy.choose_spec()
             if spec:
                 verifier.spec = spec
-            tree = policy.cut(tree, policy.bytes_per_token(verifier.spec) if policy.bytes_per_token else 0.0)
+            tree = policy.cut(tree, policy.raw_bytes_per_token(verifier.spec) if policy.raw_bytes_per_token else 0.0)
         if self.heartbeat and self.heartbeat.dead.is_set():
             raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
         received = verifier.counters.bytes_received

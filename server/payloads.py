@@ -86,7 +86,7 @@ def export(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int) 
     return payload.encode(start, tensors, spec.precision)  # the codec converts to float32 itself
 
 
-def bytes_per_token(spec: PayloadSpec, target) -> int:
+def raw_bytes_per_token(spec: PayloadSpec, target) -> int:
     """Raw fp32 bytes of one token's payload, however it will be encoded: sizes FetchPayload's chunks."""
     kv_width = 2 * target.num_kv_heads * target.head_dim
     fp32 = PayloadSpec(spec.mode, "fp32", spec.tli_layers, spec.drafter)

@@ -243,7 +243,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         """Inline when it fits ``max_inline_payload_bytes``, else only the range, marked pending."""
         if not spec:
             return pb.Payload(start=start, count=0)
-        per_token = payloads.bytes_per_token(spec, self.target)
+        per_token = payloads.raw_bytes_per_token(spec, self.target)
         if (end - start) * per_token // 2 > self.limits.max_inline_payload_bytes:  # fp16 at the very least
             return pb.Payload(start=start, count=end - start, pending=True)
         msg = payloads.export(session, spec, self.lsas, start, end)
@@ -425,7 +425,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"payload range [{request.start}, {request.end}) is not within the {cached} cached tokens",
             )
-        chunk = max(1, 2 * self.limits.max_inline_payload_bytes // payloads.bytes_per_token(spec, self.target))
+        chunk = max(1, 2 * self.limits.max_inline_payload_bytes // payloads.raw_bytes_per_token(spec, self.target))
         return self._fetch(session, spec, request.start, request.end, chunk, context)
 
     @rpc

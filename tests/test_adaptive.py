@@ -98,7 +98,7 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
 
     def policy(rate: float) -> AdaptivePolicy:
         link = FakeLink(0.05, rate)
-        return AdaptivePolicy(link, specs=options, bytes_per_token=lambda s: size[s.precision])
+        return AdaptivePolicy(link, specs=options, raw_bytes_per_token=lambda s: size[s.precision])
 
     assert policy(5e6).choose_spec(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
     assert policy(3e4).choose_spec(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget -> the smallest
@@ -111,7 +111,7 @@ def test_streams_and_prompts_get_the_payload_their_link_can_carry():
     size = {"fp16": 1920.0, "int8": 960.0, "int4": 480.0}
 
     def policy(rtt_s: float, rate: float) -> AdaptivePolicy:
-        policy = AdaptivePolicy(FakeLink(rtt_s, rate), specs=options, bytes_per_token=lambda s: size[s.precision])
+        policy = AdaptivePolicy(FakeLink(rtt_s, rate), specs=options, raw_bytes_per_token=lambda s: size[s.precision])
         policy.token_s = 0.0125  # the server's compute per streamed token: the pace payloads must keep
         return policy
 

@@ -8,7 +8,8 @@ from shared.features import Features
 from shared.payload import PayloadSpec, target_features
 from shared.tree import DraftTree
 
-PRECISIONS = ("fp16", "int8", "int4")  # payload precisions a drafter accepts by default, most faithful first
+DRAFT_PRECISIONS = ("fp16", "int8", "int4")  # payload precisions a drafter asks for by default, most faithful
+# first (of the codec's PRECISIONS: fp32 only on request)
 
 
 class Drafter(ABC):
@@ -24,7 +25,7 @@ class Drafter(ABC):
     #: the bundle folder a trained drafter was loaded from (payload mode lsa names it to the server)
     bundle = None
 
-    def payload_specs(self, precisions: tuple[str, ...] = PRECISIONS) -> list[PayloadSpec]:
+    def payload_specs(self, precisions: tuple[str, ...] = DRAFT_PRECISIONS) -> list[PayloadSpec]:
         """The payloads this drafter can draft from, most faithful first ([]: it needs nothing from the target).
 
         The one declaration of a drafter's needs: the verifier keeps those it can send, the loop opens

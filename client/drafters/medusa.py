@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client.drafters.base import PRECISIONS, Drafter
+from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.drafters.target_parts import TargetParts
 from shared.features import Features
 from shared.layers import Linear
@@ -162,7 +162,7 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"a Medusa tree needs one probability per path: {len(self.paths)} paths, "
                              f"{len(self.probs)} probabilities")  # fmt: skip
 
-    def payload_specs(self, precisions: tuple[str, ...] = PRECISIONS) -> list[PayloadSpec]:
+    def payload_specs(self, precisions: tuple[str, ...] = DRAFT_PRECISIONS) -> list[PayloadSpec]:
         return [PayloadSpec("hidden", p) for p in precisions]
 
     def begin(self, tokens: list[int], features: Features | None = None) -> None:

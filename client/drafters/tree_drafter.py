@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from client.drafters.base import PRECISIONS, Drafter
+from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.drafters.tree_search import eagle2_tree
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree, depths, node_mask
@@ -27,7 +27,7 @@ class TreeDrafter(Drafter):
         self.name = name or model.kind
         self.tli = model.parts.tli
 
-    def payload_specs(self, precisions: tuple[str, ...] = PRECISIONS) -> list[PayloadSpec]:
+    def payload_specs(self, precisions: tuple[str, ...] = DRAFT_PRECISIONS) -> list[PayloadSpec]:
         """The model's payload modes (``payload_modes``) in each precision; mode lsa only with a bundle the
         server can load (it runs that bundle's LSA), carrying the last ``tli`` layers' KV as well."""
         modes = [m for m in self.model.payload_modes if m != "lsa" or self.bundle is not None]
