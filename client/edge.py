@@ -19,9 +19,15 @@ never sees either (``client.stream.TextDeltas`` makes both); the usage chunk's `
 figures, as always. With the ``openai`` client: ``extra_body={"splitspec": {"provisional": True}}``, and
 ``chunk.model_extra.get("splitspec")``.
 
+``POST /v1/completions`` takes the prompt as text or as token ids (``"prompt": [1, 2, 3]``); a prompt that
+leaves no room in the server's context is OpenAI's ``400 context_length_exceeded``.
+
 Built on Starlette + uvicorn (and sse-starlette for the event streams): well-kept ASGI libraries, the
 same stack as netsim's Toxiproxy API. Generations run in worker threads (torch releases the GIL), so
-several requests proceed at once, each with its own drafter state and server session.
+several requests proceed at once, each with its own drafter state and server session; a worker hands its
+text to the event loop (``call_soon_threadsafe``), so a waiting request holds no thread. Connections to the
+server (a channel that has done its Handshake) are kept for the next request, as drafters are: a request
+on a slow link does not pay a Handshake's round trip.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import queue
 import threading
 import time
 import uuid
@@ -42,6 +47,9 @@ from shared.models import DEFAULT_MODEL, DTYPES
 
 MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_TOKENS = 256
+# an idle connection kept longer is closed, not reused: one silent for long may have died unnoticed (a NAT's
+# timeout, a switch of network), and the first call on it would wait out its whole deadline
+KEEP_IDLE_S = 60.0
 
 
 class Cancelled(Exception):
@@ -60,15 +68,22 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def context_exceeded(prompt_tokens: int, max_context: int, param: str) -> RequestError:
+    """OpenAI's answer to a prompt longer than the model's context (what its SDKs and apps recognise)."""
+    return RequestError(400, f"This model's maximum context length is {max_context} tokens, however your prompt is "
+                        f"{prompt_tokens} tokens (the prompt plus one generated token must fit). Please reduce the "
+                        "length of the prompt.", param, "context_length_exceeded")  # fmt: skip
+
+
 # --- what a request asks for ---
 
 
 @dataclass
 class Ask:
-    """One request, checked: the prompt (text or chat messages) and how to generate."""
+    """One request, checked: the prompt (text, token ids or chat messages) and how to generate."""
 
     chat: bool
-    prompt: str | list[dict]
+    prompt: str | list[int] | list[dict]
     max_tokens: int
     temperature: float
     top_p: float
@@ -109,6 +124,18 @@ def _content(message: dict, i: int) -> str:
                        f"messages[{i}].content")  # fmt: skip
 
 
+def _prompt(prompt: object) -> str | list[int]:
+    """A completion's prompt: text or token ids (OpenAI's ``[1, 2, 3]``); a batch of one of either is that one."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        return prompt
+    raise RequestError(400, "prompt must be a non-empty string or a non-empty list of token ids (integers >= 0), one "
+                       f"prompt per request, got {prompt!r:.80}", "prompt")  # fmt: skip
+
+
 def parse(body: object, chat: bool, model: str) -> Ask:
     """Check a request body against what the endpoint serves; RequestError naming the first bad field."""
     if not isinstance(body, dict):
@@ -133,11 +160,7 @@ def parse(body: object, chat: bool, model: str) -> Ask:
             role = "system" if m["role"] == "developer" else m["role"]
             prompt.append({"role": role, "content": _content(m, i), **({"private": True} if m.get("private") else {})})
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError(400, "prompt must be a non-empty string (one prompt per request)", "prompt")
+        prompt = _prompt(body.get("prompt"))
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -210,7 +233,8 @@ class Counters:
 
 
 class Edge:
-    """The drafter, the way to the server and the tokenizer, shared by every request."""
+    """The drafter, the way to the server and the tokenizer, shared by every request; drafters and connections to
+    the server are pooled (one per concurrent generation, kept for the next)."""
 
     def __init__(self, server: str, drafter: str | Callable[[], object] = "prompt-lookup", model: str = DEFAULT_MODEL,
                  on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
@@ -231,6 +255,7 @@ class Edge:
         self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
         self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target)
         self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
+        self._connections: list[tuple[object, float]] = []  # (RemoteVerifier, time.monotonic() it went idle)
         self._lock = threading.Lock()
         self.counters = Counters()
         first = self.take()  # a bad drafter name fails now, not at the first request
@@ -247,25 +272,66 @@ class Edge:
         with self._lock:
             self._idle.append(drafter)
 
+    def connect(self, drafter):
+        """A connection to the server that has done its Handshake (a ``RemoteVerifier``): an idle one kept from an
+        earlier request, else a new one (connections idle for ``KEEP_IDLE_S`` or more are closed)."""
+        from client.verifiers import RemoteVerifier
+        from shared.payload import PayloadSpec
+        from shared.target import tokenizer_fingerprint
+
+        now = time.monotonic()
+        with self._lock:
+            stale = [v for v, since in self._connections if now - since >= KEEP_IDLE_S]
+            self._connections = [(v, since) for v, since in self._connections if now - since < KEEP_IDLE_S]
+            verifier = self._connections.pop()[0] if self._connections else None
+        for old in stale:
+            old.shutdown()
+        if verifier is not None:
+            verifier.spec = PayloadSpec()  # as on a new connection: the drafter's needs choose it
+            return verifier
+        return RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
+                              connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
+
+    def keep(self, verifier) -> None:
+        """Keep a connection that works for the next request."""
+        with self._lock:
+            self._connections.append((verifier, time.monotonic()))
+
+    def close(self) -> None:
+        """Close the idle connections (generations running keep theirs until they end)."""
+        with self._lock:
+            idle, self._connections = self._connections, []
+        for verifier, _ in idle:
+            verifier.shutdown()
+
     def prompt_ids(self, ask: Ask) -> tuple[list[int], object]:
         """The prompt's token ids, private spans replaced by placeholders (``client.private``), and their secrets."""
-        from client.private import mask, mask_messages
+        from client.private import Secrets, mask, mask_messages
         from shared.models import encode_messages
 
         if ask.chat:
             messages, secrets = mask_messages(ask.prompt)
             return encode_messages(self.tokenizer, messages), secrets
+        if isinstance(ask.prompt, list):  # token ids: no text to mask
+            size = len(self.tokenizer)
+            bad = next((t for t in ask.prompt if t >= size), None)
+            if bad is not None:
+                raise RequestError(400, f"prompt token id {bad} is outside the tokenizer's vocabulary [0, {size})",
+                                   "prompt")  # fmt: skip
+            return list(ask.prompt), Secrets()
         text, secrets = mask(ask.prompt)
         return self.tokenizer(text)["input_ids"], secrets
 
     def generate(self, ask: Ask, prompt_ids: list[int], on_update: Callable[[list[int], list[bool]], None],
-                 stop_when: Callable[[], bool]):  # fmt: skip
-        """One generation through the decode loop, on this thread; returns the ``Generation``."""
+                 stop_when: Callable[[], bool], on_start: Callable[[], None] = lambda: None):  # fmt: skip
+        """One generation through the decode loop, on this thread; returns the ``Generation``. ``on_start()``: the
+        server is reached and the prompt fits its context (else a RequestError), the generation begins.
+
+        The connection goes back to the pool unless the generation failed, was cancelled or lost the link: then it
+        is closed, and the next request opens a new one."""
         from client.adaptive import AdaptivePolicy
         from client.decode import generate
-        from client.verifiers import RemoteVerifier
         from shared.acceptance import SamplingParams
-        from shared.target import tokenizer_fingerprint
 
         sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed,
                                   acceptance=ask.acceptance)  # fmt: skip
@@ -273,17 +339,23 @@ class Edge:
         c = self.counters
         c.active.inc()
         start = time.perf_counter()
-        verifier = None
+        verifier, works = None, False
         try:
-            verifier = RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
-                                      connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
+            verifier = self.connect(drafter)
+            if len(prompt_ids) >= verifier.max_context:
+                works = True  # the prompt is wrong, not the connection
+                raise context_exceeded(len(prompt_ids), verifier.max_context, "messages" if ask.chat else "prompt")
+            on_start()
             specs = verifier.usable(drafter.payload_specs())
             policy = AdaptivePolicy.for_run(verifier, specs, mode=self.mode)
             gen = generate(verifier, drafter, prompt_ids, ask.max_tokens, sampling, max_tree_nodes=self.max_tree_nodes,
                            policy=policy, resilience=self.resilience, on_update=on_update,
                            stop_when=lambda tokens, verified: stop_when())  # fmt: skip
+            works = gen.stats.disconnects == 0
         finally:
-            if verifier is not None:
+            if verifier is not None and works:
+                self.keep(verifier)
+            elif verifier is not None:
                 verifier.shutdown()
             self.release(drafter)
             c.active.dec()
@@ -362,13 +434,18 @@ def app(edge: Edge):
             except ValueError as exc:
                 raise RequestError(400, f"the request body is not JSON: {exc}") from None
             ask = parse(body, chat, edge.model)
-            prompt_ids, secrets = edge.prompt_ids(ask)
         except RequestError as exc:
             return error(exc, route)
-        except ValueError as exc:  # a malformed private span
-            return error(RequestError(400, str(exc), "messages" if chat else "prompt"), route)
-        job = Job(edge, ask, prompt_ids, secrets)
+        job = Job(edge, ask)
         job.start()
+        try:  # the answer's status waits for the prompt's checks (encoded and sized on the worker, not on the loop)
+            begun = await job.started()
+        except BaseException:
+            job.cancel()
+            raise
+        if not begun and isinstance(job.error, RequestError):
+            return error(job.error, route)
+        prompt_tokens = len(job.prompt_ids)
         ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if ask.stream:
@@ -402,7 +479,7 @@ def app(edge: Edge):
                     yield chunk(None if chat else "", finish_reason(gen, job.stopped))
                     if ask.include_usage:
                         yield json.dumps({"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                                          "model": edge.model, "choices": [], "usage": usage(len(prompt_ids), gen),
+                                          "model": edge.model, "choices": [], "usage": usage(prompt_tokens, gen),
                                           "splitspec": extension(gen, edge.drafter_name, ask.acceptance)})  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 - the stream has begun: the error goes in it
                     yield json.dumps(RequestError(502, f"generation failed: {exc}", kind="server_error").body())
@@ -425,7 +502,7 @@ def app(edge: Edge):
                   else {"index": 0, "text": text, "logprobs": None})  # fmt: skip
         choice["finish_reason"] = finish_reason(gen, job.stopped)
         return JSONResponse({"id": ident, "object": kind, "created": created, "model": edge.model,
-                             "choices": [choice], "usage": usage(len(prompt_ids), gen),
+                             "choices": [choice], "usage": usage(prompt_tokens, gen),
                              "splitspec": extension(gen, edge.drafter_name, ask.acceptance)})  # fmt: skip
 
     async def chat(request: Request):
@@ -466,23 +543,31 @@ def server_serving(edge: Edge) -> bool:
 
 
 class Job:
-    """One generation on a worker thread, its text handed to the event loop as ``Delta``s (``client.stream``)."""
+    """One generation on a worker thread of its own, its text handed to the event loop as ``Delta``s
+    (``client.stream``) with ``call_soon_threadsafe``: a request waiting for text holds no thread (a thread of the
+    loop's executor per stream starved every other request, /health included, once streams outnumbered them)."""
 
-    def __init__(self, edge: Edge, ask: Ask, prompt_ids: list[int], secrets):
-        self.edge, self.ask, self.prompt_ids = edge, ask, prompt_ids
-        self.text_deltas = TextDeltas(edge.tokenizer, final_local=edge.resilience.on_reconnect == "keep",
-                                      stop=ask.stop, secrets=secrets)  # fmt: skip
-        self.queue: queue.Queue = queue.Queue()  # deltas that change something, then None at the end
+    def __init__(self, edge: Edge, ask: Ask):
+        self.edge, self.ask = edge, ask
+        self.prompt_ids: list[int] = []  # encoded on the worker: a long prompt takes a while
+        self.text_deltas: TextDeltas | None = None
         self.text = ""  # the settled text so far
         self._provisional = ""
         self._gen = None
         self._error: BaseException | None = None
         self._cancelled = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._deltas: asyncio.Queue = asyncio.Queue()  # deltas that change something, then None at the end
+        self._begun: asyncio.Future = self._loop.create_future()  # True: generating; False: it ended before
         self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-edge-generation")
 
     @property
     def stopped(self) -> bool:
-        return self.text_deltas.stopped
+        return self.text_deltas is not None and self.text_deltas.stopped
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
 
     def start(self) -> None:
         self._thread.start()
@@ -490,11 +575,20 @@ class Job:
     def cancel(self) -> None:
         self._cancelled.set()
 
+    def _send(self, call: Callable, *args) -> None:
+        """Run ``call(*args)`` on the event loop (from the worker thread); nothing once the loop has closed."""
+        with contextlib.suppress(RuntimeError):  # closed: the endpoint stopped, nobody waits
+            self._loop.call_soon_threadsafe(call, *args)
+
+    def _begin(self, begun: bool) -> None:
+        if not self._begun.done():
+            self._begun.set_result(begun)
+
     def _emit(self, delta: Delta) -> None:
         if delta.settled or delta.events or delta.provisional != self._provisional:
             self.text += delta.settled
             self._provisional = delta.provisional
-            self.queue.put(delta)
+            self._send(self._deltas.put_nowait, delta)
 
     def _update(self, tokens: list[int], verified: list[bool]) -> None:
         if self._cancelled.is_set():
@@ -502,25 +596,32 @@ class Job:
         self._emit(self.text_deltas.update(tokens, verified))
 
     def _run(self) -> None:
+        edge, ask = self.edge, self.ask
         try:
-            gen = self.edge.generate(self.ask, self.prompt_ids, self._update,
-                                     stop_when=lambda: self.stopped or self._cancelled.is_set())  # fmt: skip
+            try:
+                self.prompt_ids, secrets = edge.prompt_ids(ask)
+            except ValueError as exc:  # a malformed private span
+                raise RequestError(400, str(exc), "messages" if ask.chat else "prompt") from None
+            self.text_deltas = TextDeltas(edge.tokenizer, final_local=edge.resilience.on_reconnect == "keep",
+                                          stop=ask.stop, secrets=secrets)  # fmt: skip
+            gen = edge.generate(ask, self.prompt_ids, self._update,
+                                stop_when=lambda: self.stopped or self._cancelled.is_set(),
+                                on_start=lambda: self._send(self._begin, True))  # fmt: skip
             self._emit(self.text_deltas.update(gen.token_ids, gen.verified, final=True))
             self._gen = gen
         except BaseException as exc:  # noqa: BLE001 - handed to the request that waits for it
             self._error = exc
         finally:
-            self.queue.put(None)
+            self._send(self._begin, False)
+            self._send(self._deltas.put_nowait, None)
+
+    async def started(self) -> bool:
+        """Wait until the generation begins (True) or ends without beginning (False: see ``error``)."""
+        return await self._begun
 
     async def deltas(self):
-        """The deltas as they come (awaiting the worker thread without blocking the event loop)."""
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                item = await asyncio.to_thread(self.queue.get)
-            if item is None:
-                return
+        """The deltas as they come, awaited on the event loop."""
+        while (item := await self._deltas.get()) is not None:
             yield item
 
     def result(self):
@@ -571,9 +672,9 @@ def run(args: argparse.Namespace) -> int:
                                        args.auth_token_file)  # fmt: skip
         edge = Edge(args.server, args.drafter, args.model, args.on_reconnect, endpoint, args.dtype, args.cache_dir,
                     args.connect_timeout, mode=args.mode)  # fmt: skip
+        stack.callback(edge.close)
         link = f", via netsim {args.via_netsim}" if args.via_netsim else ""
         print(f"splitspec edge: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {edge.model!r}, "
               f"drafter {args.drafter}, server {args.server}{link})", flush=True)  # fmt: skip
         uvicorn.run(app(edge), host=args.host, port=args.port, log_level="warning")
     return 0
-

@@ -21,10 +21,10 @@ from tests.test_moa import make_moa
 PROMPT = "w5 w9 w14 w5 w9 w21 w33 w40 w41 w5 w9"
 
 
-def plain(url: str, method: str = "GET", body: bytes | None = None):
+def plain(url: str, method: str = "GET", body: bytes | None = None, timeout: float = 30):
     """(status, decoded JSON or text) of one plain HTTP request."""
     host, path = url.removeprefix("http://").split("/", 1)
-    conn = http.client.HTTPConnection(host, timeout=30)
+    conn = http.client.HTTPConnection(host, timeout=timeout)
     conn.request(method, "/" + path, body, {"Content-Type": "application/json"} if body else {})
     reply = conn.getresponse()
     data = reply.read().decode()
@@ -304,9 +304,10 @@ class ScriptedEdge:
 
         return [0], Secrets()
 
-    def generate(self, ask, prompt_ids, on_update, stop_when):
+    def generate(self, ask, prompt_ids, on_update, stop_when, on_start=lambda: None):
         from client.decode import Generation, GenerationStats
 
+        on_start()
         for tokens, verified in self.script:
             on_update(tokens, verified)
         return Generation(tokens, verified, "length", GenerationStats())
@@ -336,3 +337,159 @@ def test_provisional_text_streams_only_to_an_app_that_asks_for_it(tiny_model_dir
     assert [x["provisional"] for x in extension] == [" w3", " w3 w4", ""]  # shown, grown, then settled
     assert extension[0]["events"][0].startswith("no answer from the server: generating locally")
     assert extension[2]["events"] == ["server back: it verified the 2 local tokens and kept the first 1"]
+
+
+class HeldEdge(ScriptedEdge):
+    """A ``ScriptedEdge`` whose generations stop after their first update until ``release`` is set: streams held open
+    (its /health asks the real ``server``)."""
+
+    def __init__(self, model_dir, server: str):
+        from client.endpoint import Endpoint
+
+        super().__init__(model_dir)
+        self.server, self.endpoint = server, Endpoint(server)
+        self.release = threading.Event()
+        self.held = threading.Semaphore(0)  # one per generation that reached its hold
+
+    def generate(self, ask, prompt_ids, on_update, stop_when, on_start=lambda: None):
+        on_start()
+        on_update(*self.script[0])
+        self.held.release()
+        self.release.wait(timeout=60)
+        return super().generate(ask, prompt_ids, on_update, stop_when)
+
+
+def test_streams_held_open_hold_no_thread_the_rest_needs(tiny_server, tiny_model_dir):
+    """12 streams waiting for text: /health still answers at once, and the process has one more thread per stream (its
+    generation's) and none more in the event loop's executor (which runs /health's check, and has 6 threads on 2
+    cores: a thread waiting per stream had /health wait for the streams to end)."""
+    streams = 12
+    edge = HeldEdge(tiny_model_dir, tiny_server[0])
+    server, thread, url = serve(edge)
+    root, texts, opened = url.removesuffix("/v1"), {}, threading.Semaphore(0)
+    body = json.dumps({"model": edge.model, "prompt": "w1", "stream": True})
+
+    def stream(i: int) -> None:
+        conn = http.client.HTTPConnection(root.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply, events = conn.getresponse(), []
+        while len(events) < 100 and (line := reply.readline()) and line.strip() != b"data: [DONE]":
+            if line.startswith(b"data: "):
+                events.append(json.loads(line.removeprefix(b"data: ")))
+                if len(events) == 1:
+                    opened.release()
+        conn.close()
+        texts[i] = "".join(e["choices"][0]["text"] for e in events)
+
+    clients = [threading.Thread(target=stream, args=(i,), name=f"test-stream-{i}", daemon=True) for i in range(streams)]
+    try:
+        assert plain(f"{root}/health")[1]["server_serving"] is True  # the executor's thread for /health exists now
+        before = {t.ident for t in threading.enumerate()}
+        for t in clients:
+            t.start()
+        assert all(edge.held.acquire(timeout=30) for _ in range(streams)), "the generations did not all begin"
+        assert all(opened.acquire(timeout=30) for _ in range(streams)), "the streams did not all open"
+        start = time.monotonic()
+        status, health = plain(f"{root}/health", timeout=5)
+        took = time.monotonic() - start
+        new = [t.name for t in threading.enumerate() if t.ident not in before and not t.name.startswith("test-")]
+    finally:
+        edge.release.set()
+        for t in clients:
+            t.join(timeout=30)
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert status == 200 and health["server_serving"] is True
+    assert took < 1.0, f"/health took {took:.2f} s with {streams} streams open"
+    assert new.count("splitspec-edge-generation") == streams
+    assert [name for name in new if name.startswith("asyncio")] == []  # the loop's default executor did not grow
+    assert texts == {i: "w1 w2 w3 w5 w6" for i in range(streams)}
+
+
+def test_requests_in_a_row_share_one_connection_until_it_breaks(tiny_target, tiny_model_dir, monkeypatch):
+    """One Handshake on the server for several requests (streamed or not, chat or not); a connection that fails (the
+    server went away) is closed, and the request after it opens a new one to the server back on the same port."""
+    from server.limits import ServerLimits
+    from server.service import SplitSpecService, build_server
+
+    handshakes, real = [], SplitSpecService.Handshake
+
+    def counted(self, request, context):
+        handshakes.append(request.client)
+        return real(self, request, context)
+
+    monkeypatch.setattr(SplitSpecService, "Handshake", counted)
+    limits = dict(max_sessions=4, max_tree_nodes=16, max_context=256, min_tree_nodes=16)
+    grpc_server, address, _ = start_server(tiny_target, **limits)
+    edge = Edge(address, "prompt-lookup", model=str(tiny_model_dir))
+    server, thread, url = serve(edge)
+    app = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    model, messages = str(tiny_model_dir), [{"role": "user", "content": PROMPT}]
+    try:
+        first = app.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        streamed = app.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == first
+        app.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        list(app.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, stream=True))
+        assert handshakes == ["splitspec"]
+        grpc_server.stop(grace=None).wait(timeout=10)
+        with pytest.raises(openai.APIStatusError) as info:
+            app.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert info.value.status_code == 502 and handshakes == ["splitspec"]
+        port = int(address.rsplit(":", 1)[1])
+        grpc_server, bound, _ = build_server(tiny_target, "127.0.0.1", port, ServerLimits(**limits))
+        assert bound == port
+        grpc_server.start()
+        assert app.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text == first
+        assert handshakes == ["splitspec"] * 2
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        grpc_server.stop(grace=None)
+        edge.close()
+
+
+def test_a_prompt_longer_than_the_context_is_openais_context_length_exceeded(client, edge_url, tiny_model_dir):
+    """The server's context is 256 tokens: a longer prompt is a 400 ``context_length_exceeded`` before any stream
+    begins (a 2 M-character prompt too), not a 502 from the server's refusal."""
+    model = str(tiny_model_dir)
+    long = " ".join(f"w{i % 200}" for i in range(300))
+    asks = [lambda: client.completions.create(model=model, prompt=long, max_tokens=4),
+            lambda: client.completions.create(model=model, prompt=long, max_tokens=4, stream=True),
+            lambda: client.chat.completions.create(model=model, messages=[{"role": "user", "content": long}],
+                                                   max_tokens=4, stream=True)]  # fmt: skip
+    for i, ask in enumerate(asks):
+        with pytest.raises(openai.BadRequestError) as info:
+            ask()
+        error = info.value.body
+        assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+        assert "maximum context length is 256 tokens" in error["message"]
+        assert error["param"] == ("messages" if i == 2 else "prompt")
+        assert "your prompt is 300 tokens" in error["message"] or i == 2  # (the chat's template adds some)
+    huge = json.dumps({"model": model, "prompt": "w1 " * 700_000, "max_tokens": 4}).encode()  # 2.1 M characters
+    status, body = plain(f"{edge_url}/completions", "POST", huge, timeout=120)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "your prompt is 700000 tokens" in body["error"]["message"]
+
+
+def test_a_prompt_of_token_ids_is_the_prompt_they_encode(client, edge_url, tiny_model_dir):
+    """``"prompt": [ids]`` (and a batch of one: ``[[ids]]``) completes as the text those ids encode; other shapes,
+    and ids outside the vocabulary, are 400s naming the prompt."""
+    from shared.models import load_tokenizer
+
+    model = str(tiny_model_dir)
+    ids = load_tokenizer(model)(PROMPT)["input_ids"]
+
+    def ask(prompt):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+
+    want = ask(PROMPT)
+    for prompt in (ids, [ids]):
+        got = ask(prompt)
+        assert got.choices[0].text == want.choices[0].text and got.choices[0].text
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(ids)
+    for bad in ([], [[]], [ids, ids], [1, "w1"], [-1], [1.5], [True], {"ids": ids}, [10**9]):
+        status, body = plain(f"{edge_url}/completions", "POST", json.dumps({"model": model, "prompt": bad}).encode())
+        assert status == 400 and body["error"]["param"] == "prompt", (bad, body)
+        assert body["error"]["type"] == "invalid_request_error"
+    assert "token id 1000000000 is outside the tokenizer's vocabulary" in body["error"]["message"]
