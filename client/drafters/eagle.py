@@ -13,33 +13,18 @@ cope with its own slightly-off inputs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import nn
 
-from client.drafters.target_parts import TargetParts
+from client.drafters.target_parts import BlockShape, TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.features import Features
 from shared.layers import Block, KVCache
 from shared.tree import causal_from, causal_mask
 
 
-@dataclass
-class EagleConfig:
-    hidden_size: int  # E, the target's: features are the target's hidden states
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp_hidden: int
-    eps: float
-
-    @classmethod
-    def for_target(cls, parts: TargetParts) -> EagleConfig:
-        return cls(parts.hidden_size, parts.num_heads, parts.num_kv_heads, parts.head_dim, parts.mlp_hidden, parts.eps)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+class EagleConfig(BlockShape):
+    """One block the target's shape; features are the target's hidden states (E wide)."""
 
 
 class Eagle(nn.Module):

@@ -8,12 +8,12 @@ its few layers must learn the target's distribution on their own.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from client.drafters.target_parts import TargetParts
+from client.drafters.target_parts import BlockShape, TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.features import Features
 from shared.layers import Block, KVCache, RMSNorm
@@ -21,22 +21,14 @@ from shared.tree import causal_from
 
 
 @dataclass
-class IndependentConfig:
-    layers: int
-    hidden_size: int  # E, the target's: the drafter reads the target's embeddings and feeds its LM head
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp_hidden: int
-    eps: float
+class IndependentConfig(BlockShape):
+    """``layers`` blocks the target's shape, reading the target's embeddings and feeding its LM head."""
+
+    layers: int = 2
 
     @classmethod
     def for_target(cls, parts: TargetParts, layers: int = 2) -> IndependentConfig:
-        return cls(layers, parts.hidden_size, parts.num_heads, parts.num_kv_heads, parts.head_dim, parts.mlp_hidden,
-                   parts.eps)  # fmt: skip
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        return super().for_target(parts, layers=layers)
 
 
 class Independent(nn.Module):

@@ -8,11 +8,34 @@ re-extracted from whatever target is loaded, which must match the bundle's finge
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shared.layers import Linear
+
+
+@dataclass
+class BlockShape:
+    """Blocks shaped like the target's (EAGLE's one, the independent drafter's few): the same widths and heads, so
+    the target's features and embeddings go in as they are."""
+
+    hidden_size: int  # E, the target's
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    eps: float
+
+    @classmethod
+    def for_target(cls, parts: TargetParts, **more):
+        return cls(hidden_size=parts.hidden_size, heads=parts.num_heads, kv_heads=parts.num_kv_heads,
+                   head_dim=parts.head_dim, mlp_hidden=parts.mlp_hidden, eps=parts.eps, **more)  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class TargetParts(nn.Module):
