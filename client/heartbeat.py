@@ -19,6 +19,10 @@ silent cut is then noticed within interval + deadline of the last chunk.
 The probes travel on a connection of their own (a local subchannel pool), so they never queue behind
 a large payload on the main connection and cannot delay it; while the link is marked dead no probes
 are sent (the reconnection poll takes over) until ``revive``.
+
+``close`` may come while the thread is reconnecting (waiting for a new connection to come up, seconds on a dead
+link): the wait is cancelled, the thread joined, and a connection swapped in after ``close`` is impossible (the
+swap and every probe happen under the lock, after checking that the heartbeat is not closed).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import grpc
 
 from client.endpoint import Endpoint
 from client.link import LinkMonitor
+from shared.channel import RECONNECT_OPTIONS
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
@@ -38,6 +43,7 @@ MIN_INTERVAL_S = 0.025
 MARGIN_S = 0.05
 UNMEASURED_DEADLINE_S = 1.0  # before the link has an RTT estimate
 READY_WAIT_S = 0.5  # the least time a new heartbeat connection gets to come up
+JOIN_S = 1.0  # how long close waits for the thread to end
 
 
 class Heartbeat:
@@ -61,7 +67,8 @@ class Heartbeat:
         self.reason = ""
         self.probes = 0
         self._callbacks: list[Callable[[str], None]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards channel, stub, generation, the readiness wait and dead/reason
+        self._readying: grpc.Future | None = None  # the wait for a connection to come up, which close cancels
         self._stop = threading.Event()
         self._fresh = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-heartbeat")
@@ -89,38 +96,53 @@ class Heartbeat:
             self.reason = ""
             self._fresh.set()
 
-    def close(self) -> None:
-        self._stop.set()
+    def close(self, timeout_s: float = JOIN_S) -> None:
+        """Stop probing, end the thread (a reconnection under way included; waited for at most ``timeout_s``) and
+        close the connection: nothing of the heartbeat outlives this."""
+        with self._lock:
+            self._stop.set()
+            readying, channel = self._readying, self.channel
+        if readying is not None:
+            readying.cancel()
         if self._thread.ident is not None:  # started
-            self._thread.join(timeout=1.0)
-        self.channel.close()
+            self._thread.join(timeout=timeout_s)
+        channel.close()
 
     def _connect(self) -> grpc.Channel:
-        options = [
-            ("grpc.use_local_subchannel_pool", 1),  # a TCP connection of its own, not the Verify one
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ]
-        return self.endpoint.channel(options)
+        # a TCP connection of its own, not the Verify one
+        return self.endpoint.channel([("grpc.use_local_subchannel_pool", 1), *RECONNECT_OPTIONS])
 
     def _reconnect(self) -> None:
         """A new connection, ready before the first probe: failures of the old one no longer count."""
-        old = self.channel
-        self.generation += 1
-        self.channel = self._connect()
-        self.stub = pb_grpc.SplitSpecStub(self.channel)
+        with self._lock:
+            if self._stop.is_set():
+                return  # closed meanwhile: close() closes the channel it saw, so swap in none after it
+            old = self.channel
+            self.generation += 1
+            self.channel = self._connect()
+            self.stub = pb_grpc.SplitSpecStub(self.channel)
         old.close()
         self._ready("reconnect")
 
     def _ready(self, doing: str) -> None:
         """Wait for the connection to come up (a TCP and HTTP/2 handshake: several round trips on a slow link), so
-        that the first probe is not refused for a connection still opening."""
+        that the first probe is not refused for a connection still opening. ``close`` cancels the wait."""
         wait = max(READY_WAIT_S, 4 * self.deadline_s())
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._readying = ready = grpc.channel_ready_future(self.channel)
+            generation = self.generation
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=wait)
+            ready.result(timeout=wait)
+        except grpc.FutureCancelledError:
+            return  # closing
         except grpc.FutureTimeoutError:
-            self._mark_dead(f"heartbeat could not {doing} within {1000 * wait:.0f} ms", self.generation)
+            ready.cancel()  # (it would go on watching the channel)
+            self._mark_dead(f"heartbeat could not {doing} within {1000 * wait:.0f} ms", generation)
+        finally:
+            with self._lock:
+                self._readying = None
 
     def _run(self) -> None:
         self._ready("connect")
@@ -130,11 +152,19 @@ class Heartbeat:
                 self._reconnect()
             quiet = time.monotonic() - self.heard() >= self.interval_s()  # (a stream's chunks say the link is up)
             if not self.dead.is_set() and self.busy() and quiet:
-                deadline, generation, sent = self.deadline_s(), self.generation, time.monotonic()
-                future = self.stub.Probe.future(pb.ProbeRequest(), timeout=deadline)
-                future.add_done_callback(lambda f, d=deadline, g=generation, t=sent: self._answered(f, d, g, t))
-                self.probes += 1
+                self._probe()
             self._stop.wait(self.interval_s())
+
+    def _probe(self) -> None:
+        """Send one probe; its answer (or its failure) comes to ``_answered`` on a gRPC thread."""
+        deadline, sent = self.deadline_s(), time.monotonic()
+        with self._lock:  # not on a channel close() has closed
+            if self._stop.is_set():
+                return
+            generation = self.generation
+            future = self.stub.Probe.future(pb.ProbeRequest(), timeout=deadline)
+        future.add_done_callback(lambda f, d=deadline, g=generation, t=sent: self._answered(f, d, g, t))
+        self.probes += 1
 
     def _answered(self, future: grpc.Future, deadline: float, generation: int, sent: float) -> None:
         if self._stop.is_set() or future.cancelled():

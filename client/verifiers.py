@@ -9,11 +9,15 @@ time and bandwidth.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import random
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -21,6 +25,7 @@ from client.endpoint import Endpoint
 from client.link import PROBE_MAX_BYTES, LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
+from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS
 from shared.codec import CodecError
 from shared.errors import SplitspecError
 from shared.features import Features
@@ -29,7 +34,7 @@ from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+T = TypeVar("T")
 
 
 @dataclass
@@ -197,14 +202,44 @@ class SessionLost(SplitspecError):
 LINK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 
 
+class ServerFull(SplitspecError):
+    """The server has no place for another session now (RESOURCE_EXHAUSTED) and said when to try again."""
+
+    def __init__(self, message: str, retry_s: float):
+        super().__init__(message)
+        self.retry_s = retry_s
+
+
+def retry_hint_s(exc: grpc.RpcError) -> float | None:
+    """The wait a refusing server asked for (``grpc-retry-pushback-ms`` in the trailing metadata), if it named one."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    value = dict(trailing() or ()).get("grpc-retry-pushback-ms") if trailing else None
+    try:
+        ms = int(value) if value is not None else -1
+    except ValueError:
+        return None
+    return ms / 1000 if ms >= 0 else None  # a negative pushback says: do not retry
+
+
 def rpc_error(address: str, exc: grpc.RpcError) -> SplitspecError:
-    """The SplitspecError (or LinkDown / SessionLost) for a failed call."""
+    """The SplitspecError (or LinkDown / SessionLost / ServerFull) for a failed call."""
+    message = f"server {address}: {exc.code().name}: {exc.details()}"
+    retry_s = retry_hint_s(exc) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if retry_s is not None:
+        return ServerFull(message, retry_s)
     lost = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
     kind = LinkDown if exc.code() in LINK_CODES else SessionLost if exc.code() in lost else None
-    return (kind or SplitspecError)(f"server {address}: {exc.code().name}: {exc.details()}")
+    return (kind or SplitspecError)(message)
 
 
 PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many times before giving up
+ADMISSION_TRIES = 32  # a full server's refusals (with a retry hint) an opening call sits out at most
+ADMISSION_FIRST_S = 0.05  # the first wait after one; doubling, never past the server's hint
+SHUTDOWN_JOIN_S = 2.0  # how long shutdown waits for a reconnection poll's thread to end
+
+
+def _say(message: str) -> None:
+    print(f"splitspec: {message}", file=sys.stderr, flush=True)
 
 
 class RemoteVerifier(Verifier):
@@ -216,6 +251,13 @@ class RemoteVerifier(Verifier):
     compares the weights digest with its own copy and loads the LSA); a server that cannot run it
     leaves mode lsa unusable, with a warning, unless ``spec`` pins lsa: then that is an error. ``bundle``:
     the folder whose weights digest is sent (default: the drafter's).
+
+    A full server refuses a new session with a retry hint; the opening calls wait for a place for up to
+    ``admission_s`` (default: one call's deadline), saying so through ``say`` (default: a line on stderr).
+
+    Threads: the decode loop calls from one thread; the heartbeat's ``abort`` and the reconnection polls
+    (``reachable``) come from others. ``_lock`` guards what they share: the channel and stub (a failed poll
+    replaces them) and the call in flight with its abort reason.
     """
 
     def __init__(
@@ -227,31 +269,29 @@ class RemoteVerifier(Verifier):
         drafter=None,
         spec: PayloadSpec = PayloadSpec(),
         bundle=None,
+        admission_s: float | None = None,
+        say: Callable[[str], None] = _say,
     ):
         self.endpoint = address if isinstance(address, Endpoint) else Endpoint(address)
         self.address = address = self.endpoint.address
         self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
+        self.admission_s = rpc_timeout_s if admission_s is None else admission_s
+        self.say = say
         self.counters = LinkCounters()
         self.link = LinkMonitor()
         self.session_id = ""
         self.length = 0
-        self._inflight: grpc.Future | None = None
-        self._aborted = ""
+        self._lock = threading.Lock()
+        self._inflight: grpc.Future | None = None  # the call abort() cancels and the heartbeat watches over
+        self._aborted = ""  # why abort() cancelled it
+        self._polls: dict[grpc.Future, threading.Thread] = {}  # reconnection polls under way, and their threads
+        self._shut = threading.Event()
         self._heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
         self._backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # gRPC's own reconnection backoff grows to 2 minutes; ours (client.offline) polls on its
-            # own schedule, so the channel must be ready to try again within a fraction of a second
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ]
-        self._options = options
-        self.channel = self.endpoint.channel(options)
+        self._options = MESSAGE_OPTIONS + RECONNECT_OPTIONS
+        self.channel = self.endpoint.channel(self._options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -262,7 +302,7 @@ class RemoteVerifier(Verifier):
             ) from None
         self.stub = pb_grpc.SplitSpecStub(self.channel)
         self.hello = pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
-        self.info = self._call(self.stub.Handshake, self.hello)
+        self.info = self._call("Handshake", self.hello)
         self.lsa_drafter = ""  # whose LSA the server runs for us (mode lsa), if any
         lsa = [s for s in (drafter.payload_specs() if drafter is not None else []) if s.mode == "lsa"]
         if spec.mode == "lsa" or (lsa and not spec):
@@ -285,44 +325,134 @@ class RemoteVerifier(Verifier):
         hello.CopyFrom(self.hello)
         hello.drafter, hello.drafter_digest = name, weights_digest(bundle)
         try:
-            self._call(self.stub.Handshake, hello)
+            self._call("Handshake", hello)
         except LinkDown:
             raise
         except SplitspecError as exc:
             if pinned:
                 raise
-            print(f"splitspec: payload mode lsa unavailable ({exc}); using kv", file=sys.stderr)
+            self.say(f"payload mode lsa unavailable ({exc}); using kv")
             return
         self.hello, self.lsa_drafter = hello, name
 
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
         return [s for s in specs if s.mode != "lsa" or s.drafter == self.lsa_drafter]
 
-    def _timed(self, method, request, timeout_s: float, budget: bool = False):
+    # --- calls: started under the lock, counted once ---
+
+    def _start(self, rpc: str, request, timeout_s: float, stream: bool = False, watched: bool = True):
+        """Start call ``rpc`` (a future, or a reply stream's iterator). ``watched``: it is the call in flight, which
+        ``abort`` cancels and the heartbeat watches over. Under the lock, so that a reconnection poll cannot close
+        the channel between taking its stub and starting the call (a call on a channel closed later fails CANCELLED:
+        a LinkDown)."""
+        with self._lock:
+            if self._shut.is_set():
+                raise SplitspecError(f"server {self.address}: the connection was shut down; {rpc} not sent")
+            method = getattr(self.stub, rpc)
+            call = method(request, timeout=timeout_s) if stream else method.future(request, timeout=timeout_s)
+            if watched:
+                self._inflight, self._aborted = call, ""
+        return call
+
+    def _end(self, call) -> str:
+        """``call`` is over: no longer the call in flight. Returns why ``abort`` abandoned it ('' if it did not)."""
+        with self._lock:
+            if self._inflight is not call:
+                return ""
+            self._inflight = None
+            return self._aborted
+
+    def _failed(self, call, exc: Exception, budget_s: float | None = None) -> Exception:
+        """What a failed ``call`` raises: LinkDown naming why it was abandoned (``abort``); past a measurement's
+        ``budget_s``, a TimeoutError (an answer rather than a failure); else the call's own error (``rpc_error``)."""
+        reason = self._end(call)
+        if reason or not isinstance(exc, grpc.RpcError):
+            return LinkDown(f"server {self.address}: call abandoned: {reason or 'cancelled'}")
+        if budget_s is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(f"probe took longer than {budget_s:.3f}s")
+        return rpc_error(self.address, exc)
+
+    def _count(self, sent=None, received=None) -> int:
+        """Count what crossed the link in ``counters``: a call made with request ``sent``; a message ``received`` (a
+        reply, a stream's chunk) with the server's compute it reports. Returns the received message's size."""
+        c = self.counters
+        if sent is not None:
+            c.server_calls += 1
+            c.bytes_sent += sent.ByteSize()
+        if received is None:
+            return 0
+        size = received.ByteSize()
+        c.bytes_received += size
+        c.server_compute_s += getattr(received, "compute_s", 0.0)
+        return size
+
+    def _timed(self, rpc: str, request, timeout_s: float, budget: bool = False):
         """One unary call: (reply, wall seconds). A failure becomes a SplitspecError naming the server, except
         running past a measurement ``budget``: that is a TimeoutError, an answer rather than a failure."""
         start = time.perf_counter()
-        future = method.future(request, timeout=timeout_s)
-        self._inflight, self._aborted = future, ""
+        future = self._start(rpc, request, timeout_s)
         try:
             reply = future.result()
-        except grpc.FutureCancelledError:
-            raise LinkDown(f"server {self.address}: call abandoned: {self._aborted or 'cancelled'}") from None
-        except grpc.RpcError as exc:
-            if budget and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"probe took longer than {timeout_s:.3f}s") from None
-            raise rpc_error(self.address, exc) from None
-        finally:
-            self._inflight = None
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            raise self._failed(future, exc, timeout_s if budget else None) from None
+        self._end(future)
         return reply, time.perf_counter() - start
+
+    def _call(self, rpc: str, request, timeout_s: float | None = None):
+        """One unary call, timed for the link and counted (once it succeeded)."""
+        reply, wall_s = self._timed(rpc, request, timeout_s or self.rpc_timeout_s)
+        self.link.observe(wall_s, getattr(reply, "compute_s", 0.0), request.ByteSize(), reply.ByteSize())
+        self._count(request, reply)
+        return reply
+
+    def _stream(self, rpc: str, request, timeout_s: float, watched: bool = True, opens: bool = False):
+        """Start reply stream ``rpc`` and wait for its first message (a full server refuses before any): (the call,
+        when it was sent, all its messages). ``opens``: the call takes a place on the server, so a refusal for want
+        of one is waited out (``_admitted``)."""
+
+        def attempt():
+            self._count(request)
+            sent = time.perf_counter()
+            call = self._start(rpc, request, timeout_s, stream=True, watched=watched)
+            try:
+                first = next(call, None)
+            except grpc.RpcError as exc:
+                raise self._failed(call, exc) from None
+            return call, sent, itertools.chain([] if first is None else [first], call)
+
+        return self._admitted(attempt) if opens else attempt()
+
+    def _admitted(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``, a call that takes a place on the server, again while a full server refuses it with a retry
+        hint (``ServerFull``): waits of ADMISSION_FIRST_S doubling, never past the hint, jittered (the refused
+        clients should not all come back at once), within ``admission_s`` and ADMISSION_TRIES; then the refusal is
+        raised. The first refusal is told (``say``): the wait may be long, and it is not the link's fault."""
+        began, delay = time.monotonic(), ADMISSION_FIRST_S
+        for tries in range(1, ADMISSION_TRIES + 1):
+            try:
+                return attempt()
+            except ServerFull as exc:
+                waited = time.monotonic() - began
+                left = self.admission_s - waited
+                if tries == ADMISSION_TRIES or left <= 0:
+                    raise ServerFull(f"{exc}; gave up after {tries} tries in {waited:.2f}s", exc.retry_s) from None
+                if tries == 1:
+                    self.say(f"{exc}; waiting up to {left:.1f}s for a place")
+                self._shut.wait(min(delay, exc.retry_s, left) * random.uniform(0.5, 1.0))
+                delay *= 2
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    # --- what the heartbeat and the reconnection thread call ---
 
     def abort(self, reason: str) -> None:
         """Abandon the call in flight, if any (from another thread: the heartbeat found the link dead);
         the caller sees LinkDown naming ``reason``."""
-        future = self._inflight
-        if future is not None:
+        with self._lock:
+            call = self._inflight
+            if call is None:
+                return
             self._aborted = reason
-            future.cancel()
+        call.cancel()
 
     @property
     def busy(self) -> bool:
@@ -335,32 +465,33 @@ class RemoteVerifier(Verifier):
         """How long the link needs for the reply in flight, as far as it is known (a payload's size)."""
         return self.link.transfer_s(0, self._backlog) if self._inflight is not None else 0.0
 
-    def _call(self, method, request, count_compute: bool = True, timeout_s: float | None = None):
-        reply, wall_s = self._timed(method, request, timeout_s or self.rpc_timeout_s)
-        compute_s = getattr(reply, "compute_s", 0.0)
-        self.link.observe(wall_s, compute_s, request.ByteSize(), reply.ByteSize())
-        c = self.counters
-        c.server_calls += 1
-        c.bytes_sent += request.ByteSize()
-        c.bytes_received += reply.ByteSize()
-        if count_compute:
-            c.server_compute_s += compute_s
-        return reply
-
     def reachable(self, timeout_s: float = 1.0) -> bool:
-        """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this.)
+        """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this, from a thread
+        of its own; the poll is not the call in flight.)
 
-        A failed poll replaces the channel, so the next one starts on a new connection: after a
-        silent cut the old one lost bytes mid-stream and would only fail again once the link is back.
+        A failed poll replaces the channel, so the next one starts on a new connection: after a silent cut the old
+        one lost bytes mid-stream and would only fail again once the link is back. ``shutdown`` cancels a poll under
+        way and waits for its thread; after it, polls fail at once and open nothing.
         """
+        with self._lock:
+            if self._shut.is_set():
+                return False
+            poll = self.stub.Handshake.future(self.hello, timeout=timeout_s)
+            self._polls[poll] = threading.current_thread()
         try:
-            self._timed(self.stub.Handshake, self.hello, timeout_s)
-        except SplitspecError:
-            old, self.channel = self.channel, self.endpoint.channel(self._options)
-            self.stub = pb_grpc.SplitSpecStub(self.channel)
+            poll.result()
+            return True
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            with self._lock:
+                if self._shut.is_set():
+                    return False
+                old, self.channel = self.channel, self.endpoint.channel(self._options)
+                self.stub = pb_grpc.SplitSpecStub(self.channel)
             old.close()
             return False
-        return True
+        finally:
+            with self._lock:
+                del self._polls[poll]
 
     def probe_link(self, budget_s: float = 1.5) -> dict[str, float | None]:
         """Measure the link now with Probe calls (see ``LinkMonitor.probe``); counted apart, in ``counters.probe_*``."""
@@ -368,12 +499,14 @@ class RemoteVerifier(Verifier):
 
         def call(payload_bytes: int, reply_bytes: int, timeout_s: float) -> tuple[float, float]:
             request = pb.ProbeRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes)
-            reply, wall_s = self._timed(self.stub.Probe, request, timeout_s, budget=True)
+            reply, wall_s = self._timed("Probe", request, timeout_s, budget=True)
             self.counters.probe_calls += 1
             self.counters.probe_bytes += request.ByteSize() + reply.ByteSize()
             return wall_s, reply.compute_s
 
         return self.link.probe(call, budget_s, max_bytes)
+
+    # --- the Verifier interface ---
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
         self._closed()
@@ -381,7 +514,7 @@ class RemoteVerifier(Verifier):
                                         payload=self.spec.to_msg())  # fmt: skip
         self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(self.spec))
         try:
-            reply = self._call(self.stub.OpenSession, request)
+            reply = self._admitted(lambda: self._call("OpenSession", request))
         finally:
             self._backlog = 0
         self.session_id, self.length = reply.session_id, reply.length
@@ -394,7 +527,7 @@ class RemoteVerifier(Verifier):
         """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
                                    length=self.length, payload=self.spec.to_msg())  # fmt: skip
-        reply = self._call(self.stub.Verify, request, timeout_s=timeout_s)
+        reply = self._call("Verify", request, timeout_s=timeout_s)
         self.length = reply.length
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
@@ -425,16 +558,14 @@ class RemoteVerifier(Verifier):
     def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None,
                 prompt: int = 0) -> Iterator[Round]:  # fmt: skip
         """A Decode call's chunks as rounds; ``prompt``: the prompt's length when the call opens the session (its
-        features come with the first payload)."""
+        features come with the first payload; a full server's refusal is waited out)."""
         c = self.counters
-        c.server_calls += 1
-        c.bytes_sent += request.ByteSize()
-        start = time.perf_counter()
-        call = self.stub.Decode(request, timeout=timeout_s or self.rpc_timeout_s + request.max_new_tokens)
-        self._inflight, self._aborted = call, ""
+        timeout_s = timeout_s or self.rpc_timeout_s + request.max_new_tokens
         self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(self.spec))
+        call = None
         try:
-            for i, chunk in enumerate(call):
+            call, start, chunks = self._stream("Decode", request, timeout_s, opens=bool(prompt))
+            for i, chunk in enumerate(chunks):
                 size, arrived = chunk.ByteSize(), time.perf_counter()
                 if i == 0:  # the first token is one round trip around a step; later ones are pipelined
                     self.link.observe(arrived - start, chunk.compute_s, request.ByteSize(), size)
@@ -442,8 +573,7 @@ class RemoteVerifier(Verifier):
                 elif i == 1 and prompt:  # the prompt's features, after the small first chunk: the link's rate
                     self.link.observe_gap(arrived - start, chunk.compute_s, size)
                 start = arrived
-                c.bytes_received += size
-                c.server_compute_s += chunk.compute_s
+                self._count(received=chunk)
                 self.length, self._heard = chunk.length, time.monotonic()
                 features = None
                 if chunk.HasField("payload"):
@@ -455,12 +585,12 @@ class RemoteVerifier(Verifier):
                 yield Round([], [chunk.token], features, chunk.compute_s,
                             load=chunk.load if chunk.HasField("load") else None)  # fmt: skip
         except grpc.RpcError as exc:
-            if self._aborted:
-                raise LinkDown(f"server {self.address}: call abandoned: {self._aborted}") from None
-            raise rpc_error(self.address, exc) from None
+            raise self._failed(call, exc) from None
         finally:
-            self._inflight, self._backlog = None, 0
-            call.cancel()  # the consumer stopped early (a stop string, a switch): end the stream (no-op once ended)
+            self._backlog = 0
+            if call is not None:
+                self._end(call)
+                call.cancel()  # the consumer stopped early (a stop string, a switch): end the stream (no-op once ended)
 
     def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
         """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""
@@ -492,15 +622,11 @@ class RemoteVerifier(Verifier):
         """FetchPayload: the features of cached tokens [start, end), streamed in chunks (those a cut kept from
         arriving, or a payload too big to ride inline)."""
         request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.spec.to_msg())
-        c = self.counters
-        c.server_calls += 1
-        c.bytes_sent += request.ByteSize()
+        self._count(request)
         parts = []
         try:  # not a link sample: the stream's time includes server work it does not report
-            for chunk in self.stub.FetchPayload(request, timeout=self.rpc_timeout_s):
-                size = chunk.ByteSize()
-                c.bytes_received += size
-                c.payload_bytes += size
+            for chunk in self._start("FetchPayload", request, self.rpc_timeout_s, stream=True, watched=False):
+                self.counters.payload_bytes += self._count(received=chunk)
                 shapes = payload.expected_shapes(self.spec, chunk.count, *self.dims)
                 parts.append(payload.decode(chunk, shapes))
         except grpc.RpcError as exc:
@@ -517,11 +643,10 @@ class RemoteVerifier(Verifier):
         request = pb.CloseSessionRequest(session_id=self.session_id)
         self.session_id = ""
         if wait:
-            self._call(self.stub.CloseSession, request, timeout_s=timeout_s)
+            self._call("CloseSession", request, timeout_s=timeout_s)
             return
-        self.counters.server_calls += 1
-        self.counters.bytes_sent += request.ByteSize()
-        self._closing = self.stub.CloseSession.future(request, timeout=timeout_s or self.rpc_timeout_s)
+        self._count(request)
+        self._closing = self._start("CloseSession", request, timeout_s or self.rpc_timeout_s, watched=False)
 
     def _closed(self) -> None:
         """Wait for a close sent without waiting, however it ended: the next session should not find the server's
@@ -539,22 +664,29 @@ class RemoteVerifier(Verifier):
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_ids,
         )
-        c = self.counters
-        c.server_calls += 1
-        c.bytes_sent += request.ByteSize()
-        start = time.perf_counter()
+        call = None
         try:
             # the deadline covers the whole stream: allow a generous second per requested token
-            for i, chunk in enumerate(self.stub.Generate(request, timeout=self.rpc_timeout_s + max_new_tokens)):
-                size = chunk.ByteSize()
+            call, start, chunks = self._stream("Generate", request, self.rpc_timeout_s + max_new_tokens,
+                                               watched=False, opens=True)  # fmt: skip
+            for i, chunk in enumerate(chunks):
+                size = self._count(received=chunk)
                 if i == 0:  # the first chunk is one round trip around the prefill; later ones are pipelined
                     self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
-                c.bytes_received += size
-                c.server_compute_s += chunk.compute_s
                 yield list(chunk.tokens)
         except grpc.RpcError as exc:
-            raise SplitspecError(f"server {self.address}: {exc.code().name}: {exc.details()}") from None
+            raise self._failed(call, exc) from None
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = SHUTDOWN_JOIN_S) -> None:
+        """Close the connection for good. A reconnection poll racing it (``client.offline``'s thread) is cancelled and
+        its thread waited for (at most ``timeout_s``): no channel is opened after this, and no poll outlives it."""
         self._closed()
-        self.channel.close()
+        with self._lock:
+            self._shut.set()
+            polls, channel = dict(self._polls), self.channel
+        for poll in polls:
+            poll.cancel()
+        channel.close()
+        deadline = time.monotonic() + timeout_s
+        for thread in set(polls.values()) - {threading.current_thread()}:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,23 @@
+"""gRPC channel settings the server and its clients must agree on, in one place.
+
+A payload (a long prompt's KV) can be tens of MB: far past gRPC's 4 MB default message limit, so both
+ends raise it to the same ``MAX_MESSAGE_BYTES``. A client's channels also reconnect on our schedule.
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# the largest message either end sends or accepts (server and client alike)
+MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+# a client's channels: gRPC's own reconnection backoff grows to 2 minutes; ours (client.offline) polls on its own
+# schedule, so the channel must be ready to try again within a fraction of a second
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]

@@ -1,0 +1,120 @@
+"""The client's other threads racing its end: a reconnection poll (``client.offline``'s thread, through
+``RemoteVerifier.reachable``) and the heartbeat reconnecting, each while the client shuts down.
+
+Before: a poll that failed because shutdown closed the channel swapped in a new one that nobody closed, and a
+call after shutdown raised gRPC's ValueError; the heartbeat's close waited 1 s for a thread that went on waiting
+up to 4 s for its new connection, and left it running.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from client.endpoint import Endpoint
+from client.heartbeat import Heartbeat
+from client.link import LinkMonitor
+from client.offline import Backoff, Reconnector
+from client.verifiers import RemoteVerifier
+from shared.errors import SplitspecError
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+
+
+class Stalling(pb_grpc.SplitSpecServicer):
+    """Answers Handshake at once until ``stall`` is set, then holds each one until ``release`` (a server that went
+    silent with the connection open)."""
+
+    def __init__(self):
+        self.stall, self.stalled, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def Handshake(self, request, context):
+        if self.stall.is_set():
+            self.stalled.set()
+            self.release.wait(10)
+        return pb.HandshakeReply(protocol_version=1, limits=pb.Limits(max_tree_nodes=16, max_context=128))
+
+
+def serve(servicer=None) -> tuple[grpc.Server, str]:
+    """A gRPC server on a free loopback port (no services at all without ``servicer``: connections still open)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    if servicer is not None:
+        pb_grpc.add_SplitSpecServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[grpc.Channel]:
+    """Every channel an Endpoint opens during the test."""
+    channels = []
+    original = Endpoint.channel
+
+    def channel(self, options=None):
+        channels.append(original(self, options))
+        return channels[-1]
+
+    monkeypatch.setattr(Endpoint, "channel", channel)
+    return channels
+
+
+def is_closed(channel: grpc.Channel) -> bool:
+    try:
+        call = pb_grpc.SplitSpecStub(channel).Probe.future(pb.ProbeRequest(), timeout=0.01)
+    except ValueError:  # "Cannot invoke RPC: Channel closed!"
+        return True
+    call.cancel()
+    return False
+
+
+def test_a_reconnection_poll_racing_shutdown_leaves_no_channel_and_no_thread(opened):
+    stalling = Stalling()
+    server, address = serve(stalling)
+    try:
+        verifier = RemoteVerifier(address, connect_timeout_s=5)
+        stalling.stall.set()  # the server goes silent: the next Handshake poll hangs
+        reconnector = Reconnector(lambda: verifier.reachable(timeout_s=5.0), Backoff(seed=0))
+        reconnector.start()
+        assert stalling.stalled.wait(5), "the poll never reached the server"
+        reconnector.stop.set()  # as client.offline.bridge does when it gives up
+        began = time.monotonic()
+        verifier.shutdown()
+        took = time.monotonic() - began
+        alive = reconnector.is_alive()
+        reconnector.join(5)  # (bounded; only so that a failure below is about channels, not timing)
+        assert took < 3 and not alive, (took, alive)
+        assert len(opened) >= 1 and all(is_closed(c) for c in opened), [is_closed(c) for c in opened]
+        assert verifier.reachable(timeout_s=0.1) is False  # after shutdown: no poll, no new channel
+        with pytest.raises(SplitspecError, match="shut down"):  # not gRPC's ValueError
+            verifier.verify(DraftTree())
+        assert all(is_closed(c) for c in opened)
+    finally:
+        stalling.release.set()
+        server.stop(grace=None)
+
+
+def test_closing_the_heartbeat_while_it_reconnects_ends_its_thread_and_closes_its_channels(opened):
+    server, address = serve()
+    try:
+        heartbeat = Heartbeat(Endpoint(address), LinkMonitor(), busy=lambda: False).start()
+        grpc.channel_ready_future(heartbeat.channel).result(timeout=5)
+    finally:
+        server.stop(grace=None)  # the link goes: a new connection cannot come up (the wait is 4.2 s, unmeasured)
+    heartbeat.revive()  # the thread reconnects: a new channel, then it waits for it to come up
+    deadline = time.monotonic() + 5
+    while len(opened) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(opened) == 2, "the heartbeat never reconnected"
+    time.sleep(0.1)  # well inside its wait for the new connection
+    began = time.monotonic()
+    heartbeat.close()
+    took = time.monotonic() - began
+    assert took < 0.9 and not heartbeat._thread.is_alive(), (took, heartbeat._thread.is_alive())
+    assert all(is_closed(c) for c in opened), [is_closed(c) for c in opened]
+    assert not heartbeat.dead.is_set()  # closing is not the link failing
