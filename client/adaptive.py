@@ -192,11 +192,11 @@ class AdaptivePolicy:
 
     @classmethod
     def for_run(cls, verifier, specs: list[PayloadSpec], **pins) -> AdaptivePolicy:
-        """A policy for a run against ``verifier`` that may switch among ``specs`` (those the drafter takes and the
-        verifier can send); ``pins``: pin_nodes, pin_depth, max_nodes, ..."""
+        """A policy for a run against ``verifier`` that may switch among ``specs`` (a drafter's ``payload_specs()``),
+        those the verifier can send; ``pins``: pin_nodes, pin_depth, max_nodes, ..."""
         if verifier.link is None and pins.get("mode", "auto") == "auto":
             pins["mode"] = "draft"  # in process there is no round trip for the target decoding alone to save
-        return cls(verifier.link, specs=specs if verifier.link is not None else [],
+        return cls(verifier.link, specs=verifier.usable(specs) if verifier.link is not None else [],
                    raw_bytes_per_token=verifier.payload_bytes_per_token, **pins)  # fmt: skip
 
     # --- estimates ---

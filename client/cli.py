@@ -199,7 +199,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
     from client.adaptive import AdaptivePolicy
     from client.decode import Resilience, api_generate, generate
-    from client.drafters import ALIASES, DRAFTERS, make_drafter
+    from client.drafters import make_drafter, needs_target
     from client.endpoint import Endpoint
     from client.verifiers import LocalVerifier, RemoteVerifier
     from shared.acceptance import SamplingParams
@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         raise SplitspecError(str(exc)) from None
 
     drafter = None
-    trained = args.baseline is None and args.drafter not in DRAFTERS and args.drafter not in ALIASES
+    trained = args.baseline is None and needs_target(args.drafter)
     if args.local or trained:  # a trained drafter reuses the target's frozen embeddings, last layers and head
         target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
                              weights=args.weights)  # fmt: skip

@@ -161,7 +161,7 @@ def warm_up(remote, drafter, prompt_ids: list[int]) -> None:
     from client.adaptive import AdaptivePolicy
     from client.decode import api_generate, generate
 
-    policy = AdaptivePolicy.for_run(remote, remote.usable(drafter.payload_specs()))
+    policy = AdaptivePolicy.for_run(remote, drafter.payload_specs())
     generate(remote, drafter, prompt_ids, WARM_UP_TOKENS, policy=policy)
     api_generate(remote, prompt_ids, WARM_UP_TOKENS)
 
@@ -179,13 +179,13 @@ def run(args: argparse.Namespace) -> int:
     from client.adaptive import AdaptivePolicy
     from client.cli import TextStream
     from client.decode import Resilience, generate
-    from client.drafters import ALIASES, DRAFTERS, make_drafter
+    from client.drafters import make_drafter, needs_target
     from client.verifiers import RemoteVerifier
     from netsim import Netsim, simulated_link
     from shared.models import encode_prompt, load_target, load_tokenizer
     from shared.target import tokenizer_fingerprint
 
-    trained = args.drafter not in DRAFTERS and args.drafter not in ALIASES
+    trained = needs_target(args.drafter)
     target = load_target(args.model, dtype="auto", cache=args.cache_dir) if trained else None  # converted once
     tokenizer = target.tokenizer if target is not None else load_tokenizer(args.model, args.cache_dir)
     prompt_ids = encode_prompt(tokenizer, args.prompt, True)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             warm_up(remote, drafter, prompt_ids)
             show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
                         remote.eos_token_ids)  # fmt: skip
-            policy = narrated(AdaptivePolicy).for_run(remote, remote.usable(drafter.payload_specs()))
+            policy = narrated(AdaptivePolicy).for_run(remote, drafter.payload_specs())
             resilience = Resilience(keep_after_s=args.keep_after, local_cap=args.local_cap)
             gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show,
                            resilience=resilience)  # fmt: skip

@@ -228,7 +228,7 @@ class Counters:
         self.local_tokens = Counter("splitspec_edge_local_tokens", "tokens generated locally while the link was down",
                                     registry=r)  # fmt: skip
         self.server_calls = Counter("splitspec_edge_server_calls", "calls to the server", registry=r)
-        self.disconnects = Counter("splitspec_edge_link_losses", "times a generation lost the link", registry=r)
+        self.disconnects = Counter("splitspec_edge_disconnects", "times a generation lost the link", registry=r)
         self.seconds = Histogram("splitspec_edge_generation_seconds", "a generation's wall time", registry=r)
 
 
@@ -242,7 +242,7 @@ class Edge:
         """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
         adaptive policy's (``client.adaptive``)."""
         from client.decode import Resilience
-        from client.drafters import ALIASES, DRAFTERS, make_drafter
+        from client.drafters import make_drafter, needs_target
         from client.endpoint import Endpoint
         from shared.models import load_target, load_tokenizer
 
@@ -250,7 +250,7 @@ class Edge:
         self.endpoint = endpoint or Endpoint(server)
         self.connect_timeout_s, self.max_tree_nodes, self.mode = connect_timeout_s, max_tree_nodes, mode
         self.target = None
-        if isinstance(drafter, str) and drafter not in DRAFTERS and drafter not in ALIASES:
+        if isinstance(drafter, str) and needs_target(drafter):
             self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
         self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
         self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target)
@@ -346,8 +346,7 @@ class Edge:
                 works = True  # the prompt is wrong, not the connection
                 raise context_exceeded(len(prompt_ids), verifier.max_context, "messages" if ask.chat else "prompt")
             on_start()
-            specs = verifier.usable(drafter.payload_specs())
-            policy = AdaptivePolicy.for_run(verifier, specs, mode=self.mode)
+            policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode=self.mode)
             gen = generate(verifier, drafter, prompt_ids, ask.max_tokens, sampling, max_tree_nodes=self.max_tree_nodes,
                            policy=policy, resilience=self.resilience, on_update=on_update,
                            stop_when=lambda tokens, verified: stop_when())  # fmt: skip
@@ -385,7 +384,7 @@ def extension(gen, drafter: str, acceptance: str = "exact") -> dict:
         "streamed_tokens": s.streamed_tokens,
         "acceptance_length": round(s.acceptance_length, 3),
         "local_tokens": s.local_tokens,
-        "link_losses": s.disconnects,
+        "disconnects": s.disconnects,
         "unverified_tokens": len(gen.verified) - sum(gen.verified),
         "bytes_sent": s.bytes_sent,
         "bytes_received": s.bytes_received,

@@ -223,7 +223,7 @@ def test_a_cut_during_a_streamed_reply_still_ends_exactly(tiny_target, tiny_serv
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == want
     stats = chunks[-1]["splitspec"]
-    assert stats["link_losses"] >= 1 and stats["local_tokens"] >= 1 and stats["unverified_tokens"] == 0
+    assert stats["disconnects"] >= 1 and stats["local_tokens"] >= 1 and stats["unverified_tokens"] == 0
 
 
 def test_settled_text_holds_back_what_may_change():

@@ -163,7 +163,7 @@ def test_the_adaptive_policy_runs_medusa_over_the_network(tiny_server, tiny_targ
     drafter = MedusaDrafter(make_model(tiny_target))
     remote = RemoteVerifier(tiny_server[0], drafter=drafter)
     try:
-        policy = AdaptivePolicy.for_run(remote, remote.usable(drafter.payload_specs()), mode="draft")
+        policy = AdaptivePolicy.for_run(remote, drafter.payload_specs(), mode="draft")
         got = generate(remote, drafter, prompt, 24, policy=policy)
     finally:
         remote.shutdown()

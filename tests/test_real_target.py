@@ -192,7 +192,7 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
                 verifier = RemoteVerifier(link.address, drafter=drafter)
                 try:
                     verifier.probe_link(budget_s=0.5)
-                    policy = AdaptivePolicy.for_run(verifier, verifier.usable(drafter.payload_specs()))
+                    policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs())
                     gen = generate(verifier, drafter, ids, 40, policy=policy)
                 finally:
                     verifier.shutdown()

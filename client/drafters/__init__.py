@@ -21,6 +21,12 @@ ALIASES = {"pld": "prompt-lookup", "plain": "none"}
 TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent", "medusa")
 
 
+def needs_target(name: str) -> bool:
+    """Whether drafter ``name`` is a trained bundle: it reuses the target's frozen parts (embeddings, LM head, TLI
+    layers), so the target must be loaded beside it, on the client too."""
+    return ALIASES.get(name, name) not in DRAFTERS
+
+
 def make_drafter(name: str, target=None, width: int | None = None, depth: int | None = None, weights: str = "auto",
                  vocab_ids: torch.Tensor | None = None, **options) -> Drafter:  # fmt: skip
     """Build a drafter from its name (see ``DRAFTERS``) or from a bundle (name or path; needs ``target``).
