@@ -127,6 +127,7 @@ def bridge(run: Bridged) -> None:
                     return  # out of budget: the tail stays unverified
             finally:
                 reconnector.stop.set()
+                reconnector.join(timeout=2 * MIN_POLL_S)  # a poll under way ends within its own deadline or is cut
                 stats.reconnect_attempts += reconnector.attempts
             stats.reconnects += 1
             try:

@@ -30,6 +30,7 @@ from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
 from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
+from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, target_features
 from shared.target import INITIAL_CAPACITY, Target
@@ -40,7 +41,6 @@ from shared.wire import splitspec_pb2_grpc as pb_grpc
 PROTOCOL_VERSION = 1
 SPARE_WORKERS = 8
 LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 PREFER = ("auto", "latency", "capacity")
 LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
 log = logging.getLogger("splitspec.server")
@@ -599,10 +599,7 @@ def build_server(target: Target | None, host: str, port: int, limits: ServerLimi
     ``tokens``: {token: identity} a caller must present one of. Returns (server, bound port, service)."""
     service = SplitSpecService(None, limits, bundle_dirs, prefer)
     service.auth = TokenAuth(tokens) if tokens else None
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ]
+    options = MESSAGE_OPTIONS
     # every session or stream may block one worker (waiting for the model); the spare ones keep Handshake,
     # Probe, health checks and OpenSession answering whatever the sessions do
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_sessions + SPARE_WORKERS), options=options,
