@@ -34,6 +34,26 @@ def environment(threads: int) -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads, **machine()}
 
 
+def start(threads: int) -> None:
+    """A model benchmark's first step: tokenizers that do not start threads of their own, torch on ``threads``."""
+    import torch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(threads)
+
+
+def finish(out: Path, stem: str, result: dict, markdown: str, table: str | None = None, notes: list[str] = (),
+           png: bool = True) -> int:  # fmt: skip
+    """The last step: ``stem``.json and .md saved (``save_results``), ``table`` printed (default: the markdown),
+    then ``notes`` (warnings) and which files were written (the PNG is the benchmark's own to draw). Returns 0."""
+    save_results(out, stem, result, markdown)
+    print(markdown if table is None else table)
+    for note in notes:
+        print(f"\n{note}", file=sys.stderr)
+    print(f"\nwrote {out}/{stem}.{{json,md{',png' if png else ''}}}", file=sys.stderr)
+    return 0
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (or the shorter length), None when equal."""
     if a == b:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, median, save_figure, save_results
+from bench.common import cell, environment, finish, median, save_figure, start
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
@@ -310,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     from netsim import Netsim
 
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.client_threads)
+    start(args.client_threads)
     target = load_target(args.model, dtype="auto")
     dtype = str(target.dtype).removeprefix("torch.")
     problems = humaneval_problems()
@@ -369,11 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         f"never restored; agreement over the next {args.window} tokens against the target's own greedy "
         f"continuation; pass@1 at {args.window + TAU_SLACK} + N tokens; medians over problems (agreement: mean).\n\n"
     )
-    save_results(args.out, "disconnect", result, header + table)
     plot(summary, args.out / "disconnect.png", f"{args.model}: the link cut for good after N tokens ({args.profile})")
-    print(table)
-    print(f"\nwrote {args.out}/disconnect.{{json,md,png}}", file=sys.stderr)
-    return 0
+    return finish(args.out, "disconnect", result, header + table, table)
 
 
 if __name__ == "__main__":

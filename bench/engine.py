@@ -57,7 +57,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, first_difference, mark_differences, median, save_figure, save_results
+from bench.common import (
+    cell,
+    environment,
+    finish,
+    first_difference,
+    mark_differences,
+    median,
+    save_figure,
+    start,
+)
 from client.adaptive import AdaptivePolicy
 from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
@@ -589,8 +598,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
+    start(args.threads)
     env = environment(args.threads)  # load average before this process adds its own
     long = {short: str(dtype).removeprefix("torch.") for dtype, short in SHORT.items()}
 
@@ -652,14 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         "llama_cpp": llama, "skipped": skipped, "runs": [asdict(r) for r in runs],
     }  # fmt: skip
     md = markdown(result)
-    save_results(args.out, "engine", result, md)
     plot(result, args.out / "engine.png")
-    print(md)
     mismatches = sum((r["differ_from_plain"] or 0) + (r["differ_from_hf"] or 0) for r in summary.values())
-    if mismatches:
-        print(f"\nWARNING: {mismatches} prompt(s) gave token ids different from their reference", file=sys.stderr)
-    print(f"\nwrote {args.out}/engine.{{json,md,png}}", file=sys.stderr)
-    return 0
+    notes = [f"WARNING: {mismatches} prompt(s) gave token ids different from their reference"] if mismatches else []
+    return finish(args.out, "engine", result, md, notes=notes)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes foundation.json, foundation.md and foundation.png under --out (default be
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, mark_differences, median, save_figure, save_results
+from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
 from client.decode import Generation, api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LinkCounters, LocalVerifier, RemoteVerifier
@@ -296,8 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
+    start(args.threads)
     target = load_target(MODEL)
     chosen = PROMPTS[: args.limit]
     prompts = [(kind, encode_prompt(target.tokenizer, text, chat=True)) for kind, text in chosen]
@@ -345,14 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         f"tok/s and speedups are medians over prompts (each prompt: median over repeats); τ = tokens per "
         f"verification round; ≠ counts runs whose token ids differ from {reference}.\n\n"
     )
-    save_results(args.out, "foundation", result, header + table)
     title = f"{MODEL}, {args.threads} threads, {len(prompts)} prompts, ≤{args.max_new_tokens} new tokens, greedy"
     plot(runs, summary, kinds, args.out / "foundation.png", title)
-    print(table)
-    if mismatches:
-        print(f"\nWARNING: {mismatches} run(s) produced token ids different from {reference}", file=sys.stderr)
-    print(f"\nwrote {args.out}/foundation.{{json,md,png}}", file=sys.stderr)
-    return 0
+    notes = [f"WARNING: {mismatches} run(s) produced token ids different from {reference}"] if mismatches else []
+    return finish(args.out, "foundation", result, header + table, table, notes)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, mark_differences, median, save_figure, save_results
+from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, api_generate, generate
@@ -282,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from netsim import Netsim
 
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.client_threads)
+    start(args.client_threads)
     target = load_target(args.model, dtype=args.dtype, weights=args.weights)
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
@@ -315,11 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
         f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"
     )
-    save_results(args.out, "network", result, header + table)
     plot(summary, args.out / "network.png", f"{args.model}: tokens/s by network profile (client and server on one CPU)")
-    print(table)
-    print(f"\nwrote {args.out}/network.{{json,md,png}}", file=sys.stderr)
-    return 0
+    return finish(args.out, "network", result, header + table, table)
 
 
 if __name__ == "__main__":

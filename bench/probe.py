@@ -32,14 +32,13 @@ Writes probe.json, probe.md and probe.png under --out (default bench/results).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.common import environment, save_figure, save_results
+from bench.common import environment, finish, save_figure, start
 from bench.single import bundle_path, load_prompts
 from client.decode import generate
 from client.drafters import NoDrafter
@@ -282,8 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
+    start(args.threads)
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     drafters, skipped = {}, {}
     for name in args.drafters:
@@ -304,10 +302,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{env['threads']} threads of {env['cpu_count']} CPUs ({env['cpu']}); the target's greedy answers "
               f"(≤{args.max_new_tokens} tokens) to {args.limit} MT-Bench + {args.limit} HumanEval prompts; drafts "
               f"of {args.horizon}, all phases. Top-1 agreement with the target's token by draft step.\n\n")  # fmt: skip
-    save_results(args.out, "probe", result, header + table)
     plot(result, args.horizon, args.out / "probe.png", f"{args.model}: MoA with and without its memory of the target")
-    print(table)
-    return 0
+    return finish(args.out, "probe", result, header + table, table)
 
 
 if __name__ == "__main__":

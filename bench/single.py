@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from collections import Counter
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, mark_differences, median, save_figure, save_results
+from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
 from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
@@ -364,8 +363,7 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
+    start(args.threads)
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     prompts = load_prompts(target.tokenizer, args.limit)
     methods, skipped = make_methods(args.drafters, target, args)
@@ -420,17 +418,12 @@ def main(argv: list[str] | None = None) -> int:
            if coverage else "")
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
-    save_results(args.out, "single", result, header + table)
     title = (f"{args.model}, single device ({args.device}, {args.threads} threads), {sampled(args)}, "
              f"≤{args.max_new_tokens} new tokens, {counts['mt-bench']} + {counts['humaneval']} prompts")  # fmt: skip
     plot(summary, args.out / "single.png", title)
-    print(table)
-    if skipped:
-        print(f"\nskipped (no bundle): {', '.join(skipped)}", file=sys.stderr)
-    if mismatches:
-        print(f"\nWARNING: {mismatches} run(s) produced token ids different from {REFERENCE}", file=sys.stderr)
-    print(f"\nwrote {args.out}/single.{{json,md,png}}", file=sys.stderr)
-    return 0
+    notes = [f"skipped (no bundle): {', '.join(skipped)}"] if skipped else []
+    notes += [f"WARNING: {mismatches} run(s) produced token ids different from {REFERENCE}"] if mismatches else []
+    return finish(args.out, "single", result, header + table, table, notes)
 
 
 if __name__ == "__main__":

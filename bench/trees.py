@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from bench import single
-from bench.common import environment, save_results
+from bench.common import environment, finish, start
 from client.drafters import make_drafter
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
 
@@ -65,8 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
+    start(args.threads)
     target = load_target(args.model, dtype="auto")
     dtype = str(target.dtype).removeprefix("torch.")
     path = single.bundle_path(args.drafter, None) if not Path(args.drafter).is_dir() else Path(args.drafter)
@@ -106,11 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         f"at most m nodes; first {args.limit} MT-Bench + {args.limit} HumanEval prompts, greedy, "
         f"≤{args.max_new_tokens} new tokens. τ mean, tok/s median, speedup median of per-prompt ratios.\n\n"
     )
-    save_results(args.out, "trees", result, header + table)
     single.plot(summary, args.out / "trees.png", f"{args.drafter}: EAGLE-2 tree shapes (B, D, m) on this CPU")
-    print(table)
-    print(f"\nwrote {args.out}/trees.{{json,md,png}}", file=sys.stderr)
-    return 0
+    return finish(args.out, "trees", result, header + table, table)
 
 
 if __name__ == "__main__":

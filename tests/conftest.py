@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -75,14 +76,22 @@ def start_server(target, **limits):
     return server, f"127.0.0.1:{port}", service
 
 
+@contextlib.contextmanager
+def served(target, **limits):
+    """``start_server`` for the length of a ``with``: yields (address, service), then stops the server."""
+    server, address, service = start_server(target, **limits)
+    try:
+        yield address, service
+    finally:
+        server.stop(grace=None)
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_target):
     # min_tree_nodes = every node: the shared server never cuts a tree to what its budget learnt from earlier tests
     # (which would make a test's outcome depend on the ones before it and on the machine's load)
-    server, address, service = start_server(tiny_target, max_sessions=4, max_tree_nodes=16, max_context=128,
-                                            min_tree_nodes=16)  # fmt: skip
-    yield address, service
-    server.stop(grace=None)
+    with served(tiny_target, max_sessions=4, max_tree_nodes=16, max_context=128, min_tree_nodes=16) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

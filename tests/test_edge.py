@@ -14,7 +14,7 @@ import pytest
 from client.drafters.moa import MoADrafter
 from client.edge import Edge, Settled, app
 from netsim import simulated_link
-from tests.conftest import start_server
+from tests.conftest import served, start_server
 from tests.test_cli import splitspec
 from tests.test_moa import make_moa
 
@@ -52,10 +52,8 @@ def serve(edge: Edge):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_target):
-    server, address, service = start_server(tiny_target, max_sessions=16, max_tree_nodes=16, max_context=256,
-                                            session_ttl_s=60.0)  # fmt: skip
-    yield address, service
-    server.stop(grace=None)
+    with served(tiny_target, max_sessions=16, max_tree_nodes=16, max_context=256, session_ttl_s=60.0) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from netsim.harness import Flapper
 from netsim.profiles import Profile
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
-from tests.conftest import start_server
+from tests.conftest import served
 from tests.test_cli import ROOT, splitspec
 from tests.test_moa import make_moa
 
@@ -33,10 +33,8 @@ NEW = 48
 @pytest.fixture(scope="module")
 def tiny_server(tiny_target):
     """A server of its own: a session whose close a cut swallowed stays until its TTL, so allow many."""
-    server, address, service = start_server(tiny_target, max_sessions=64, max_tree_nodes=16, max_context=128,
-                                            session_ttl_s=60.0)  # fmt: skip
-    yield address, service
-    server.stop(grace=None)
+    with served(tiny_target, max_sessions=64, max_tree_nodes=16, max_context=128, session_ttl_s=60.0) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
