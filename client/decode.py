@@ -33,9 +33,10 @@ from client import offline
 from client.adaptive import GAIN, AdaptivePolicy, verify_request_bytes
 from client.drafters.base import Drafter
 from client.heartbeat import Heartbeat
-from client.verifiers import LinkDown, Round, SessionLost, Verifier
+from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
+from shared.target import Verdict
 from shared.tree import DraftTree, depths
 
 ON_RECONNECT = ("verify", "keep", "fail")
@@ -281,8 +282,8 @@ class Run:
         compute = max(result.compute_s, 0.0)
         self.verify_s = max(compute, 0.8 * self.verify_s + 0.2 * compute)  # up at once, down slowly
         self.reply_bytes = 0.8 * self.reply_bytes + 0.2 * (verifier.counters.bytes_received - received)
-        if result.verified is not None:
-            tree = tree.head(result.verified)  # the server verified only these
+        if result.verified_nodes is not None and result.verified_nodes < len(tree):
+            tree = tree.head(result.verified_nodes)  # the server verified only these
         if policy is not None:
             policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
             policy.load = result.load or policy.load
@@ -401,7 +402,7 @@ class Run:
         compute = max(self.verify_s, self.policy.verify_fit(nodes + 1, 0.0) if self.policy is not None else 0.0)
         return max(MIN_DEADLINE_S, rtt + 1.5 * compute + transfer + DEADLINE_MARGIN_S)
 
-    def open(self, history: list[int]) -> Round:
+    def open(self, history: list[int]) -> Verdict:
         """(Re)open a session after ``prompt + history`` (the last token of ``history`` becomes the root again) and
         return its round: the server's next token in ``new_tokens``, the prefill's compute. ``self.out`` gains that
         token when ``history`` is empty (the first opening); a reopening's caller decides what the output becomes."""

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from client.drafters.base import Drafter
-from client.verifiers import LinkDown, Round, SessionLost, Verifier
+from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams, target_probs
+from shared.target import Verdict
 from shared.tree import DraftTree
 
 if TYPE_CHECKING:  # (the decode loop imports this module)
@@ -98,7 +99,7 @@ class Bridged(Protocol):
 
     def commit(self, out: list[int], verified: list[bool]) -> None: ...
 
-    def open(self, history: list[int]) -> Round: ...
+    def open(self, history: list[int]) -> Verdict: ...
 
 
 def bridge(run: Bridged) -> None:

@@ -30,6 +30,7 @@ from shared.codec import CodecError
 from shared.errors import SplitspecError
 from shared.features import Features
 from shared.payload import PayloadSpec
+from shared.target import Verdict
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -59,16 +60,6 @@ class LinkCounters:
         return LinkCounters(*(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__))
 
 
-@dataclass
-class Round:
-    accepted: list[int]
-    new_tokens: list[int]
-    features: Features | None = None  # what the target reported about the tokens it cached this round
-    compute_s: float = 0.0  # the server's (or in-process target's) time on this round
-    verified: int | None = None  # tree nodes verified, the first of those sent (a loaded server may cut); None: all
-    load: pb.Load | None = None  # what the server's compute costs now (None: no server to ask)
-
-
 class Verifier(ABC):
     """Where the decode loop sends drafts. ``spec`` says which features of newly cached tokens come back
     with each round (``shared.payload``); the loop may change it between rounds."""
@@ -83,11 +74,11 @@ class Verifier(ABC):
     spec: PayloadSpec = PayloadSpec()
 
     @abstractmethod
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
         """Prefill a new session: the round that yields the first token (and the prompt's features)."""
 
     @abstractmethod
-    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
         """One round; ``timeout_s`` bounds it (LinkDown past it)."""
 
     @abstractmethod
@@ -96,7 +87,7 @@ class Verifier(ABC):
         end, where it would cost a round trip for nothing; a lost request leaves the session to the server's TTL)."""
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Round]:  # fmt: skip
+               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
         """Server-side continuation: the target decodes by itself, one round per token, until a stop token or
         ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with the last;
         closing the iterator early ends it; ``lookup``: the server may verify its own prompt-lookup drafts of up to
@@ -110,7 +101,7 @@ class Verifier(ABC):
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
                     payload_every: int = 1, timeout_s: float | None = None,
-                    lookup: int = 0) -> Iterator[Round]:  # fmt: skip
+                    lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
         """``open`` then ``decode``, in one call where there is a server (a round trip less): the first round is the
         open's, the rest as ``decode``'s, ``max_new_tokens`` in all. The prompt's features may come with a later
         round than the first (a server sends them after the first token, so they do not hold it up)."""
@@ -170,16 +161,16 @@ class LocalVerifier(Verifier):
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
         return [s for s in specs if s.mode != "lsa"]
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
         self.session = self.target.session(sampling, payload.target_features(self.spec))
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
-        return Round([], verdict.new_tokens, verdict.features, verdict.compute_s)
+        return verdict
 
-    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
         verdict = self.session.verify(tree)
         self.counters.server_compute_s += verdict.compute_s
-        return Round(verdict.accepted, verdict.new_tokens, verdict.features, verdict.compute_s, verdict.verified)
+        return verdict
 
     def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
         self.session = None
@@ -508,7 +499,7 @@ class RemoteVerifier(Verifier):
 
     # --- the Verifier interface ---
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Round:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
         self._closed()
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
                                         payload=self.spec.to_msg())  # fmt: skip
@@ -521,9 +512,9 @@ class RemoteVerifier(Verifier):
         before = self.counters.payload_bytes
         features = self._features(reply.payload)
         self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
-        return Round([], [reply.first_token], features, reply.compute_s, load=reply.load)
+        return Verdict([], [reply.first_token], reply.compute_s, features, load=reply.load)
 
-    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Round:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
         """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
                                    length=self.length, payload=self.spec.to_msg())  # fmt: skip
@@ -531,11 +522,11 @@ class RemoteVerifier(Verifier):
         self.length = reply.length
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
-        verified = reply.verified if 0 < reply.verified < len(tree) else None  # 0: an older server, all
-        return Round(accepted, new, self._features(reply.payload), reply.compute_s, verified, reply.load)
+        verified = reply.verified or len(tree)  # 0: an older server, which verifies every node
+        return Verdict(accepted, new, reply.compute_s, self._features(reply.payload), verified, reply.load)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Round]:  # fmt: skip
+               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
         """The server decodes the session by itself and streams each token with the payload of the token it cached
         (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
         made past what was received are rolled back by the next call's ``length``. ``timeout_s`` bounds the whole
@@ -547,7 +538,7 @@ class RemoteVerifier(Verifier):
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
                     payload_every: int = 1, timeout_s: float | None = None,
-                    lookup: int = 0) -> Iterator[Round]:  # fmt: skip
+                    lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
         request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
                                    max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=self.spec.to_msg(),
                                    payload_every=payload_every, lookup=lookup)  # fmt: skip
@@ -556,7 +547,7 @@ class RemoteVerifier(Verifier):
         return self._decode(request, payload_every, timeout_s, prompt=len(prompt_ids))
 
     def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None,
-                prompt: int = 0) -> Iterator[Round]:  # fmt: skip
+                prompt: int = 0) -> Iterator[Verdict]:  # fmt: skip
         """A Decode call's chunks as rounds; ``prompt``: the prompt's length when the call opens the session (its
         features come with the first payload; a full server's refusal is waited out)."""
         c = self.counters
@@ -582,7 +573,7 @@ class RemoteVerifier(Verifier):
                     if prompt and features is not None and features.start == 0:  # the prompt's, deferred
                         c.prefill_payload_bytes += c.payload_bytes - before
                         self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
-                yield Round([], [chunk.token], features, chunk.compute_s,
+                yield Verdict([], [chunk.token], chunk.compute_s, features,
                             load=chunk.load if chunk.HasField("load") else None)  # fmt: skip
         except grpc.RpcError as exc:
             raise self._failed(call, exc) from None

@@ -190,5 +190,5 @@ class Batcher:
                         continue
                     self._done[self._key(work.step.part.cache)] = time.monotonic()
                     if self.budget is not None and isinstance(result, Verdict) and work.step.cut is not None:
-                        self.budget.observe_path(result.verified, result.accepted)
+                        self.budget.observe_path(result.verified_nodes, result.accepted)
                     work.future.set_result(result)

@@ -391,16 +391,16 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         finally:
             session.lock.release()
         m, st = self.metrics, session.stats
-        m.tokens_verified.inc(verdict.verified)
-        m.tree_nodes_cut.inc(len(tokens) - verdict.verified)
+        m.tokens_verified.inc(verdict.verified_nodes)
+        m.tree_nodes_cut.inc(len(tokens) - verdict.verified_nodes)
         m.tokens_accepted.inc(len(verdict.accepted))
         m.tokens_generated.inc(len(verdict.new_tokens))
         m.verify_seconds.observe(time.perf_counter() - arrived)
-        st.rounds, st.nodes = st.rounds + 1, st.nodes + verdict.verified
+        st.rounds, st.nodes = st.rounds + 1, st.nodes + verdict.verified_nodes
         st.accepted += len(verdict.accepted)
         st.verify_s += time.perf_counter() - start
         return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(sequence.tokens),
-                              compute_s=time.perf_counter() - start, payload=payload, verified=verdict.verified,
+                              compute_s=time.perf_counter() - start, payload=payload, verified=verdict.verified_nodes,
                               load=self._load(len(sequence.tokens)))  # fmt: skip
 
     def _sequence(self, session, length: int) -> None:

@@ -115,14 +115,20 @@ class Target:
 
 @dataclass
 class Verdict:
-    """Outcome of one verification: accepted node indices, the bonus token, and compute time."""
+    """What the target made of one call, in process or across the wire: a verification (the accepted node indices,
+    then the new tokens: their tokens and the bonus), or a prefill or a streamed step (no nodes, one new token)."""
 
     accepted: list[int]
-    bonus: int
     new_tokens: list[int]
-    compute_s: float
+    compute_s: float = 0.0  # the target's time on it (the server's, across the wire)
     features: Features | None = None  # about the tokens this call added to the cache
-    verified: int = 0  # tree nodes verified (a server under load may verify only the first of those sent)
+    verified_nodes: int | None = None  # tree nodes verified: a loaded server may verify only the first of those sent
+    load: object | None = None  # the server's costs now (a ``Load`` message; None in process)
+
+    @property
+    def bonus(self) -> int:
+        """The target's own token after the accepted path (the prefill's first token)."""
+        return self.new_tokens[-1]
 
 
 @dataclass
@@ -190,7 +196,7 @@ class TargetSession:
             logits = self.target.engine.logits(hidden[-1:])
             _, first = accept_tree([], [], logits, self.sampling, self.generator)
             self.tokens = list(prompt_ids) + [first]
-            return Verdict([], first, [first], time.perf_counter() - start, self._features(0, hidden))
+            return Verdict([], [first], time.perf_counter() - start, self._features(0, hidden))
 
     def _filled(self, end: int, hidden: torch.Tensor) -> torch.Tensor:
         self.cached_len = end  # a prompt piece is committed as soon as it is cached: the next goes after it
@@ -229,7 +235,7 @@ class TargetSession:
             new = [tree.tokens[i] for i in accepted] + [bonus]
             self.tokens.extend(new)
             features = self._features(prefix, hidden[[0, *kept]]) if self.features else None
-            return Verdict(accepted, bonus, new, time.perf_counter() - start, features, verified=n)
+            return Verdict(accepted, new, time.perf_counter() - start, features, verified_nodes=n)
 
         return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)))
 

@@ -87,7 +87,7 @@ def test_cut_trees_still_give_exactly_the_targets_tokens(bf16):
     batcher.close()
     for (tokens, verdicts), want in zip(results, alone, strict=True):
         assert tokens == want
-        assert {v.verified for v in verdicts} == {1} and all(v.accepted in ([], [0]) for v in verdicts)
+        assert {v.verified_nodes for v in verdicts} == {1} and all(v.accepted in ([], [0]) for v in verdicts)
     assert budget.accepted(1) is None or budget.accepted(1) >= 0  # it was told of every cut path
     assert len(budget._paths) == sum(len(v) for _, v in results)
 
