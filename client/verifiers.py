@@ -162,7 +162,7 @@ class LocalVerifier(Verifier):
         return [s for s in specs if s.mode != "lsa"]
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
-        self.session = self.target.session(sampling, payload.target_features(self.spec))
+        self.session = self.target.session(sampling, payload.feature_kinds(self.spec))
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
         return verdict

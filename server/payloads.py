@@ -72,7 +72,7 @@ def check_spec(spec: PayloadSpec, target, lsas: LSARegistry, has_hidden: bool) -
         raise ValueError(f"tli_layers {spec.tli_layers} exceeds the target's {target.num_layers} layers")
     if spec.mode == "lsa" and lsas.get(spec.drafter) is None:
         raise Unavailable(f"drafter {spec.drafter!r} was not named at Handshake: the server has not loaded its LSA")
-    if "hidden" in payload.target_features(spec) and not has_hidden:
+    if "hidden" in payload.feature_kinds(spec) and not has_hidden:
         raise Unavailable("this session was opened without payload mode 'hidden'; its hidden states were not kept")
 
 

@@ -32,7 +32,7 @@ from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
 from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS
 from shared.errors import SplitspecError
-from shared.payload import PayloadSpec, target_features
+from shared.payload import PayloadSpec, feature_kinds
 from shared.target import INITIAL_CAPACITY, Target
 from shared.tree import DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
@@ -231,7 +231,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         try:
             spec = PayloadSpec.from_msg(msg)
             if spec:
-                has_hidden = "hidden" in target_features(spec) if session is None else session.hidden is not None
+                has_hidden = "hidden" in feature_kinds(spec) if session is None else session.hidden is not None
                 payloads.check_spec(spec, self.target, self.lsas, has_hidden)
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"payload: {exc}") from None
@@ -349,11 +349,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         sampling = self._sampling(sampling_msg)
         with self._place(len(prompt)):
             start = time.perf_counter()
-            sequence = self.target.session(sampling, features=target_features(spec) & {"hidden"})
+            sequence = self.target.session(sampling, feature_kinds=feature_kinds(spec) & {"hidden"})
             verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
             session = self.sessions.add(sequence, caller(context, self.auth))
             session.stats.prompt_tokens = len(prompt)
-            if "hidden" in target_features(spec):
+            if "hidden" in feature_kinds(spec):
                 session.hidden = verdict.features.hidden
         self.metrics.tokens_generated.inc()
         log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt),

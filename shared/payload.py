@@ -99,7 +99,7 @@ def encode(start: int, tensors: dict[str, torch.Tensor], precision: str) -> pb.P
     return pb.Payload(start=start, count=count, tensors=encoded)
 
 
-def target_features(spec: PayloadSpec) -> frozenset[str]:
+def feature_kinds(spec: PayloadSpec) -> frozenset[str]:
     """What a target session must keep to serve ``spec`` ("kv" and/or "hidden")."""
     return frozenset({MODES[spec.mode].keeps}) if spec else frozenset()
 

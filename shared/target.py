@@ -96,9 +96,9 @@ class Target:
                     f"{kernels.isa()} kernels, {dtype} between")  # fmt: skip
         return f"cpu ({cpu_label()}), {dtype}"
 
-    def session(self, sampling: SamplingParams = SamplingParams(), features=()) -> TargetSession:
-        """A new sequence; ``features`` names what each prefill/verify reports about newly cached tokens."""
-        return TargetSession(self, sampling, features=Features.check_kinds(features))
+    def session(self, sampling: SamplingParams = SamplingParams(), feature_kinds=()) -> TargetSession:
+        """A new sequence; ``feature_kinds`` names what each prefill/verify reports about newly cached tokens."""
+        return TargetSession(self, sampling, feature_kinds=Features.check_kinds(feature_kinds))
 
     def reference_model(self):
         """transformers' own model of the same folder, in the same dtype (loaded once, on first use): the
@@ -149,7 +149,7 @@ class TargetSession:
     target: Target
     sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
-    features: frozenset[str] = frozenset()
+    feature_kinds: frozenset[str] = frozenset()  # what each call reports (Features): "kv", "hidden"
 
     def __post_init__(self) -> None:
         self.cache = self.target.engine.new_cache(INITIAL_CAPACITY)  # grown as the sequence does
@@ -234,7 +234,7 @@ class TargetSession:
             self.cached_len = prefix + 1 + len(kept)
             new = [tree.tokens[i] for i in accepted] + [bonus]
             self.tokens.extend(new)
-            features = self._features(prefix, hidden[[0, *kept]]) if self.features else None
+            features = self._features(prefix, hidden[[0, *kept]]) if self.feature_kinds else None
             return Verdict(accepted, new, time.perf_counter() - start, features, verified_nodes=n)
 
         return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)))
@@ -257,11 +257,11 @@ class TargetSession:
 
     def _features(self, start: int, hidden: torch.Tensor) -> Features | None:
         """Features of the tokens now cached at [start, start + len(hidden)); ``hidden`` are their final states."""
-        if not self.features:
+        if not self.feature_kinds:
             return None
         end = start + hidden.shape[0]
-        kv = cache_kv(self.cache, start, end).clone() if "kv" in self.features else None
-        return Features(start, kv=kv, hidden=hidden.clone() if "hidden" in self.features else None)
+        kv = cache_kv(self.cache, start, end).clone() if "kv" in self.feature_kinds else None
+        return Features(start, kv=kv, hidden=hidden.clone() if "hidden" in self.feature_kinds else None)
 
     def truncate(self, length: int) -> None:
         """Forget committed tokens beyond ``length`` (the last kept one becomes the root)."""

@@ -32,7 +32,7 @@ def trees(guide: list[int], vocab: int):
 
 def decode(target, prompt, sampling, rounds, run=None):
     """Prefill (in pieces of 8) and ``rounds`` verifications; every verdict and the final cache."""
-    session = target.session(sampling, features=("kv",))
+    session = target.session(sampling, feature_kinds=("kv",))
     verdicts = [session.prefill(prompt, chunk=8, run=run)]
     for i in range(rounds):
         tree = trees(session.tokens[-3:], target.vocab_size)[i % 4]

@@ -68,7 +68,7 @@ def test_incremental_tree_drafting_matches_the_training_pass(tiny_target, kind):
     """Root and tree-masked expand log-probs equal the whole-sequence pass over each node's path."""
     model = make_model(tiny_target, kind)
     drafter = make_drafter(model)
-    session = tiny_target.session(features=drafter.target_features)
+    session = tiny_target.session(feature_kinds=drafter.feature_kinds)
     drafter.begin(PROMPT, session.prefill(PROMPT[:-1]).features)
     root = len(PROMPT) - 1
     assert torch.allclose(drafter.root_logprobs(), batch_logprobs(tiny_target, model, PROMPT, root)[root], atol=1e-4)
@@ -103,7 +103,7 @@ def test_state_after_verified_rounds_equals_a_fresh_start(tiny_target, kind):
     drafter.rewind(1)  # the bonus token is dropped: the newest token whose features arrived is the new root
     tokens = tokens[:-1]
     fresh = make_drafter(model)
-    fresh.begin(tokens, tiny_target.session(features=fresh.target_features).prefill(tokens[:-1]).features)
+    fresh.begin(tokens, tiny_target.session(feature_kinds=fresh.feature_kinds).prefill(tokens[:-1]).features)
     got, want = drafter.root_logprobs(), fresh.root_logprobs()
     drafter.end_tree()
     fresh.end_tree()

@@ -98,7 +98,7 @@ def test_incremental_drafting_matches_the_training_pass(tiny_target, tli):
         batch = torch.log_softmax(model.parts.logits(model.head_train(model.forward_train(ids, kv, starts), starts,
                                                                       tli_kv)), -1)[0]  # fmt: skip
     drafter = MoADrafter(model)
-    session = tiny_target.session(features=("kv",))
+    session = tiny_target.session(feature_kinds=("kv",))
     verdict = session.prefill(prompt[:-1])
     drafter.begin(prompt, verdict.features)
     got = [drafter.root_logprobs()]

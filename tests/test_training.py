@@ -93,7 +93,7 @@ def test_bundle_round_trip_gives_the_same_drafts(tiny_target, tmp_path, kind, tl
         drafter = drafter_for(model.eval(), name)
         gen = generate(LocalVerifier(tiny_target), drafter, prompt, 24, max_tree_nodes=8)
         assert gen.token_ids == plain.token_ids  # lossless whatever the drafter
-        drafter.begin(prompt, tiny_target.session(features=drafter.target_features).prefill(prompt[:-1]).features)
+        drafter.begin(prompt, tiny_target.session(feature_kinds=drafter.feature_kinds).prefill(prompt[:-1]).features)
         tree = drafter.propose(8)
         drafts.append((tree.tokens, tree.parents))
     assert drafts[0] == drafts[1]
@@ -249,7 +249,7 @@ def test_a_bundle_loads_with_another_draft_vocabulary(tiny_target, tmp_path):
         assert model.parts.logits(torch.zeros(1, model.cfg.hidden_size)).shape[-1] == expected
         drafter = drafter_for(model, "eagle")
         assert generate(LocalVerifier(tiny_target), drafter, prompt, 16, max_tree_nodes=8).token_ids == plain.token_ids
-        drafter.begin(prompt, tiny_target.session(features=drafter.target_features).prefill(prompt[:-1]).features)
+        drafter.begin(prompt, tiny_target.session(feature_kinds=drafter.feature_kinds).prefill(prompt[:-1]).features)
         tokens = drafter.propose(8).tokens
         assert tokens and (allowed is None or set(tokens) <= allowed)
 

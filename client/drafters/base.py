@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from shared.features import Features
-from shared.payload import PayloadSpec, target_features
+from shared.payload import PayloadSpec, feature_kinds
 from shared.tree import DraftTree
 
 DRAFT_PRECISIONS = ("fp16", "int8", "int4")  # payload precisions a drafter asks for by default, most faithful
@@ -33,9 +33,9 @@ class Drafter(ABC):
         return []
 
     @property
-    def target_features(self) -> frozenset[str]:
+    def feature_kinds(self) -> frozenset[str]:
         """What a target session must keep for this drafter ("kv" and/or "hidden"), from its payload specs."""
-        return frozenset().union(*(target_features(s) for s in self.payload_specs()))
+        return frozenset().union(*(feature_kinds(s) for s in self.payload_specs()))
 
     @abstractmethod
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
