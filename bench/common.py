@@ -104,5 +104,6 @@ def save_figure(fig, path: Path, title: str | None = None) -> None:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)  # drawn before ``finish`` saves the numbers beside it
     fig.savefig(path, dpi=120)
     plt.close(fig)
