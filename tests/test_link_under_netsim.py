@@ -21,10 +21,11 @@ from shared.cli import main as splitspec
 def test_link_monitor_sees_the_profile(tiny_server, netsim_server, profile):
     """The estimates match the profile. They are timings on a shared 2-core machine: a stall during a transfer
     reads as a slower link (once seen in a full suite run: 13 Mbit/s on a 20 Mbit/s link), so a measurement
-    that misses is taken once more, on a fresh link, before the test fails."""
+    that misses is taken again, on a fresh link, up to three times in all, before the test fails (two stalled
+    measurements in a row were seen once too: 12.8 Mbit/s on the same link, in a clean-clone run)."""
     address, _ = tiny_server
     configured = get_profile(profile)
-    for attempt in range(2):
+    for attempt in range(3):
         with simulated_link(address, profile, netsim=netsim_server) as link:
             remote = RemoteVerifier(link.address)
             try:
@@ -37,7 +38,7 @@ def test_link_monitor_sees_the_profile(tiny_server, netsim_server, profile):
         assert stats.server_calls >= 3  # the estimates went on through the generation's own calls
         measured = (stats.rtt_ms, stats.bandwidth_mbps, stats.uplink_mbps)
         expected = (configured.rtt_ms, configured.down_mbps, configured.up_mbps)
-        if measured == pytest.approx(expected, rel=0.25) or attempt == 1:
+        if measured == pytest.approx(expected, rel=0.25) or attempt == 2:
             break
     assert stats.rtt_ms == pytest.approx(configured.rtt_ms, rel=0.25)
     assert stats.bandwidth_mbps == pytest.approx(configured.down_mbps, rel=0.25)
