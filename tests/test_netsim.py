@@ -352,7 +352,9 @@ def test_jitter_spreads_delays_around_the_latency(api, echo):
             s.sendall(b"j")
             recv_exactly(s, 1)
             samples.append((time.perf_counter() - start) * 1000)
-    assert 19 <= min(samples) and max(samples) <= 75 and max(samples) - min(samples) > 10
+    # the jitter's bound (40 + 20 ms) with scheduling slack, for all samples but the slowest: one stall of a shared
+    # 2-core machine made a sample 81 ms in a clean-clone suite run
+    assert 19 <= min(samples) and sorted(samples)[-2] <= 75 and max(samples) - min(samples) > 10
     assert statistics.mean(samples) == pytest.approx(40, abs=10)
 
 
