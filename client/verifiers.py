@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import secrets
 import sys
 import threading
 import time
@@ -25,7 +26,7 @@ from client.endpoint import Endpoint
 from client.link import PROBE_MAX_BYTES, LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
-from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS
+from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY
 from shared.codec import CodecError
 from shared.errors import SplitspecError
 from shared.features import Features
@@ -223,6 +224,8 @@ def rpc_error(address: str, exc: grpc.RpcError) -> SplitspecError:
     return (kind or SplitspecError)(message)
 
 
+# the calls on a session (or opening one): they carry its route key, which a cluster of replicas routes by
+SESSION_CALLS = frozenset({"OpenSession", "Verify", "CloseSession", "FetchPayload", "Decode"})
 PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many times before giving up
 ADMISSION_TRIES = 32  # a full server's refusals (with a retry hint) an opening call sits out at most
 ADMISSION_FIRST_S = 0.05  # the first wait after one; doubling, never past the server's hint
@@ -272,6 +275,7 @@ class RemoteVerifier(Verifier):
         self.counters = LinkCounters()
         self.link = LinkMonitor()
         self.session_id = ""
+        self.route = ""  # the session's route key (``ROUTE_KEY``), drawn anew for each session opened
         self.length = 0
         self._lock = threading.Lock()
         self._inflight: grpc.Future | None = None  # the call abort() cancels and the heartbeat watches over
@@ -340,7 +344,9 @@ class RemoteVerifier(Verifier):
             if self._shut.is_set():
                 raise SplitspecError(f"server {self.address}: the connection was shut down; {rpc} not sent")
             method = getattr(self.stub, rpc)
-            call = method(request, timeout=timeout_s) if stream else method.future(request, timeout=timeout_s)
+            metadata = ((ROUTE_KEY, self.route),) if rpc in SESSION_CALLS and self.route else None
+            call = (method(request, timeout=timeout_s, metadata=metadata) if stream
+                    else method.future(request, timeout=timeout_s, metadata=metadata))  # fmt: skip
             if watched:
                 self._inflight, self._aborted = call, ""
         return call
@@ -504,6 +510,7 @@ class RemoteVerifier(Verifier):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
                                         payload=self.spec.to_msg())  # fmt: skip
         self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(self.spec))
+        self.route = secrets.token_hex(8)
         try:
             reply = self._admitted(lambda: self._call("OpenSession", request))
         finally:
@@ -543,7 +550,7 @@ class RemoteVerifier(Verifier):
                                    max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=self.spec.to_msg(),
                                    payload_every=payload_every, lookup=lookup)  # fmt: skip
         self._closed()
-        self.session_id, self.length = "", 0
+        self.session_id, self.length, self.route = "", 0, secrets.token_hex(8)
         return self._decode(request, payload_every, timeout_s, prompt=len(prompt_ids))
 
     def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None,

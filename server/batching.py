@@ -95,6 +95,11 @@ class Batcher:
     def close(self) -> None:
         self._queue.put(None)
 
+    @property
+    def alive(self) -> bool:
+        """Is the worker thread running (every forward waits on it)?"""
+        return self._thread.is_alive()
+
     def _key(self, cache: Cache) -> int:
         """The cache's key in the batcher's state, given on its first step (worker thread only)."""
         key = self._keys.get(cache)

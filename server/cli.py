@@ -53,9 +53,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics port (default 127.0.0.1)")
     p.add_argument("--ready-file", help="write the bound port here once serving (for scripts)")
+    g = p.add_argument_group("cluster (pip install splitspec[ray])")
+    g.add_argument("--ray", action="store_true", help="serve as a Ray Serve application of --replicas replicas "
+                   "(each one model, one batcher) behind Serve's gRPC proxy on --port; sessions stay on their "
+                   "replica; clients need no change")
+    g.add_argument("--replicas", type=int, default=2, help="replicas with --ray (default 2)")
+    g.add_argument("--ray-address", help="join this Ray cluster (ray://host:10001 or auto) instead of starting one on "
+                   "this machine")
+    g.add_argument("--router", default="session", choices=["session", "serve"],
+                   help="with --ray: session (default; a session's calls go to its replica, strictly) or serve "
+                        "(Serve's own best-effort multiplexing: its misses cost the client a reopen)")
+    g.add_argument("--replica-cpus", type=float, help="CPUs Ray reserves per replica (default: --threads, else this "
+                   "machine's CPUs / --replicas)")
+    g.add_argument("--replica-gpus", type=float, help="GPUs per replica (default 1 with --device cuda, else 0)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        return run_cluster(args)
     import torch
 
     from server.security import server_credentials
@@ -109,4 +124,67 @@ def run(args: argparse.Namespace) -> int:
     stopped.wait()
     server.stop(grace=2).wait()
     service.close()
+    return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """``serve --ray``: deploy the replicas, wait for them, serve until SIGTERM/SIGINT, then take the application down
+    (and the Ray instance, when this command started it)."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("--ray needs Ray Serve: pip install 'splitspec[ray]'") from None
+    from server import cluster
+    from shared.auth import read_tokens
+    from shared.bundles import SHIPPED
+    from shared.models import resolve_model
+
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        raise SystemExit("--ray serves through Ray Serve's gRPC proxy, which has no TLS (Ray 2.60): terminate TLS "
+                         "in front of it (a gRPC-aware load balancer) or use `splitspec serve` without --ray")
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        limits = ServerLimits.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    resolve_model(args.model, args.cache_dir)  # a built-in model is converted once here, not by every replica at once
+    cpus = os.cpu_count() or 1
+    threads = args.threads or max(1, cpus // args.replicas)
+    config = cluster.ReplicaConfig(
+        model=args.model, device=args.device, dtype=args.dtype, weights=args.weights, cache_dir=args.cache_dir,
+        threads=threads, limits=limits.as_dict(), bundle_dirs=tuple(str(d) for d in args.bundle_dir or (SHIPPED,)),
+        prefer=args.prefer, tokens=read_tokens(args.auth_token_file) if args.auth_token_file else None,
+    )  # fmt: skip
+    gpus = args.replica_gpus if args.replica_gpus is not None else 1.0 if args.device.startswith("cuda") else 0.0
+    os.environ.update(cluster.ray_environment())
+    started = args.ray_address is None
+    port = args.port or cluster.free_port(args.host)  # Serve's proxy cannot say which port 0 gave it
+    if args.metrics_port == 0:
+        args.metrics_port = cluster.free_port(args.host)
+    extra = {"_metrics_export_port": args.metrics_port} if started and args.metrics_port else {}
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level="WARNING", **extra)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stopped.set())
+    try:
+        cluster.deploy(config, args.replicas, port, args.host, cpus=args.replica_cpus or 0.0, gpus=gpus,
+                       router=args.router)  # fmt: skip
+        print(f"splitspec: serving {args.model} as {args.replicas} Ray Serve replicas on {args.host}:{port} "
+              f"({threads} threads each, router {args.router})", flush=True)  # fmt: skip
+        if args.metrics_port is not None:
+            where = f"port {args.metrics_port}" if extra else "the cluster's metrics port"
+            print(f"splitspec: metrics (Serve's and each replica's, prefixed ray_) on {where}", flush=True)
+        if args.ready_file:
+            with open(args.ready_file + ".tmp", "w") as f:
+                f.write(f"{port}\n")
+            os.replace(args.ready_file + ".tmp", args.ready_file)
+        stopped.wait()
+    finally:
+        from ray import serve
+
+        serve.delete(cluster.APP)
+        if started:
+            serve.shutdown()
+        ray.shutdown()
     return 0

@@ -70,6 +70,40 @@ class Metrics:
         return start_http_server(port, addr=host, registry=self.registry)
 
 
+class RouteMetrics:
+    """Where a replica of ``splitspec serve --ray`` stands in routing: the session calls that found their session
+    here, and those that did not (their route key was held by no live replica; the client reopens)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.hits = Counter("splitspec_route_hits", "session calls routed to the replica holding the session",
+                            registry=registry)  # fmt: skip
+        self.misses = Counter("splitspec_route_misses", "session calls routed to a replica without the session "
+                              "(answered NOT_FOUND; the client reopens from its history)", registry=registry)
+
+
+class RayMirror:
+    """A registry's current figures copied into Ray's metrics (``ray.serve.metrics``, which tags them with the
+    application, deployment and replica): every sample as a gauge of the same name (Ray prefixes ``ray_``), so
+    Ray's metrics port shows each replica's figures beside Serve's own."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.gauges = {}
+
+    def push(self) -> None:
+        from ray.serve.metrics import Gauge as RayGauge
+
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):  # prometheus_client's creation timestamps: not figures
+                    continue
+                gauge = self.gauges.get(sample.name)
+                if gauge is None:
+                    gauge = self.gauges[sample.name] = RayGauge(sample.name, family.documentation,
+                                                                tag_keys=tuple(sample.labels))  # fmt: skip
+                gauge.set(sample.value, tags=dict(sample.labels) or None)
+
+
 def add_health_and_reflection(server: grpc.Server) -> health.HealthServicer:
     """Register both services; health says NOT_SERVING (overall and for SplitSpec) until ``set_serving``."""
     servicer = health.HealthServicer()

@@ -154,6 +154,11 @@ class SessionStore:
             session.last_used = time.monotonic()
             return session
 
+    def holds(self, session_id: str) -> bool:
+        """Does the store hold session ``session_id`` (whoever owns it)? For routing figures, not for access."""
+        with self._lock:
+            return session_id in self._sessions
+
     def pop(self, session_id: str, owner: str | None = None, reason: str = "closed") -> Session | None:
         """Remove and return the session (only ``owner``'s, when given)."""
         with self._lock:

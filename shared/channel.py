@@ -21,3 +21,8 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
+
+# the call metadata naming a session's route key: a random string the client draws for each session it opens and
+# sends on every call of that session; `splitspec serve --ray` routes by it (Ray Serve's multiplexed model id), one
+# server process ignores it
+ROUTE_KEY = "multiplexed_model_id"
