@@ -228,6 +228,15 @@ class Replica:
 
     # --- for operators and tests -------------------------------------------------------------
 
+    def figures(self) -> dict:
+        """This replica's routing figures and sessions (a deployment handle reaches a chosen replica by sending the
+        route key that hashes to it: ``server.routing.owner``)."""
+        from ray import serve
+
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": self.pid,
+                "sessions": len(self.service.sessions), "hits": self.route.hits._value.get(),
+                "misses": self.route.misses._value.get()}  # fmt: skip
+
     def check_health(self) -> None:
         """Serve's own health check (every few seconds): a replica whose batcher thread died is replaced."""
         if self.service.batcher is None or not self.service.batcher.alive:
@@ -284,12 +293,40 @@ def deploy(config: ReplicaConfig, replicas: int, port: int, host: str = "127.0.0
     serve.run(deployment.bind(config), name=name, route_prefix=f"/{name}")
 
 
-def replica_names(name: str = APP) -> list[str]:
-    """The Ray actor names of the application's live replicas (``ray.get_actor(n, namespace="serve")``)."""
+def replicas(name: str = APP) -> dict[str, str]:
+    """The application's replica actors: {Serve's unique replica id: Ray actor name} (a replica being replaced may
+    still be listed until it is gone)."""
     import ray
 
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{name}#"))  # fmt: skip
+    prefix = f"SERVE_REPLICA::{name}#"
+    return {a["name"].rsplit("#", 1)[1]: a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and a["name"].startswith(prefix)}  # fmt: skip
+
+
+def kill(replica_id: str, name: str = APP) -> None:
+    """Kill a replica's process outright (``ray.kill``: no shutdown code runs), as a crash or a lost node would;
+    Serve starts a replacement."""
+    import ray
+
+    ray.kill(ray.get_actor(replicas(name)[replica_id], namespace="serve"))
+
+
+def running(name: str = APP) -> int:
+    """How many of the application's replicas are up and serving (Serve's own account)."""
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values()) if app else 0
+
+
+def wait_running(count: int, name: str = APP, timeout_s: float = 120.0) -> float:
+    """Wait until ``count`` replicas are RUNNING; returns the seconds waited (TimeoutError past ``timeout_s``)."""
+    start = time.monotonic()
+    while running(name) < count:
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{running(name)} of {count} replicas running after {timeout_s:g}s")
+        time.sleep(0.1)
+    return time.monotonic() - start
 
 
 def ray_environment() -> dict[str, str]:

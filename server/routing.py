@@ -20,9 +20,15 @@ import random
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
-def rank(key: str, replica: RunningReplica) -> bytes:
-    """The replica's draw for ``key``: the highest draw takes it (rendezvous hashing)."""
-    return hashlib.blake2b(f"{key}/{replica.replica_id.unique_id}".encode(), digest_size=8).digest()
+def rank(key: str, replica_id: str) -> bytes:
+    """Replica ``replica_id``'s draw for ``key`` (Serve's unique id of the replica): the highest draw takes the key
+    (rendezvous hashing)."""
+    return hashlib.blake2b(f"{key}/{replica_id}".encode(), digest_size=8).digest()
+
+
+def owner(key: str, replica_ids: list[str]) -> str:
+    """Which of ``replica_ids`` a key no replica holds yet goes to."""
+    return max(replica_ids, key=lambda r: rank(key, r))
 
 
 class SessionRouter(RequestRouter):
@@ -33,5 +39,5 @@ class SessionRouter(RequestRouter):
         key = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if key:
             holders = [r for r in candidate_replicas if key in r.multiplexed_model_ids]
-            return [holders or [max(candidate_replicas, key=lambda r: rank(key, r))]]
+            return [holders or [max(candidate_replicas, key=lambda r: rank(key, r.replica_id.unique_id))]]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]

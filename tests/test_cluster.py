@@ -1,0 +1,186 @@
+"""`serve --ray`: two replicas of the tiny target on Ray Serve (one Ray instance for the module, loopback only).
+
+Sessions must stay on their replica, a replica killed mid-generation must cost no output, and the
+cluster must answer as one server (Handshake, health, tokens) through Serve's gRPC proxy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from client.decode import generate
+from client.drafters.base import NoDrafter
+from client.drafters.moa import MoADrafter
+from client.endpoint import Endpoint
+from client.verifiers import LocalVerifier, RemoteVerifier, SessionLost
+from server import cluster
+from server.limits import ServerLimits
+from server.routing import owner
+from shared.acceptance import SamplingParams
+from shared.channel import ROUTE_KEY
+from shared.errors import SplitspecError
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+from tests.test_moa import make_moa
+
+ray = pytest.importorskip("ray", reason="serve --ray needs Ray Serve (in the dev extras)")
+
+PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
+NEW = 48
+TOKEN = "cluster-test-token"
+KILL_ROUNDS = 3  # replica kills in this module, one per round of 4 generations
+CLIENTS = 4
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model_dir):
+    """Two replicas (fp32, as ``tiny_target``: the outputs must equal its plain decoding) behind the proxy; yields
+    its address."""
+    os.environ.update(cluster.ray_environment())
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    port = cluster.free_port()
+    limits = ServerLimits(max_sessions=32, max_tree_nodes=16, max_context=128, min_tree_nodes=16)
+    config = cluster.ReplicaConfig(model=str(tiny_model_dir), dtype="float32", threads=1, limits=limits.as_dict(),
+                                   tokens={TOKEN: "tester"})  # fmt: skip
+    try:
+        cluster.deploy(config, replicas=2, port=port)
+        yield f"127.0.0.1:{port}"
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW).token_ids
+
+
+def connect(address: str, **kw) -> RemoteVerifier:
+    return RemoteVerifier(Endpoint(address, token=TOKEN), **kw)
+
+
+def test_the_cluster_answers_as_one_server_with_health_and_tokens(app, tiny_target):
+    verifier = connect(app)
+    assert verifier.info.vocab_size == tiny_target.vocab_size and verifier.max_tree_nodes == 16
+    with grpc.insecure_channel(app) as channel:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as denied:  # no token: refused by whichever replica gets it
+            pb_grpc.SplitSpecStub(channel).Handshake(pb.HandshakeRequest(), timeout=10)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(SplitspecError, match="INVALID_ARGUMENT.*vocabulary"):  # the service's own validation
+        verifier.open([tiny_target.vocab_size + 5], SamplingParams())
+    verifier.shutdown()
+
+
+def test_every_session_stays_on_its_replica(app):
+    """The session router keeps all calls of a session on the replica that opened it: no reopen, no miss."""
+    verifier = connect(app)
+    for _ in range(8):
+        verifier.open([5, 6, 7, 8], SamplingParams())
+        for _ in range(6):
+            verifier.verify(DraftTree([9, 10], [-1, 0]))
+        verifier.close()
+    handle = _handle()
+    figures = [handle.options(multiplexed_model_id=_key_for(rid)).figures.remote().result()
+               for rid in cluster.replicas()]  # fmt: skip
+    assert {f["replica"] for f in figures} == set(cluster.replicas())  # each replica asked in turn
+    assert sum(f["misses"] for f in figures) == 0 and sum(f["hits"] for f in figures) >= 8 * 7
+    verifier.shutdown()
+
+
+def test_a_call_routed_away_from_its_session_is_refused_not_found_at_once(app):
+    """What a miss costs: an immediate NOT_FOUND (the client reopens from history), counted by the replica."""
+    with grpc.insecure_channel(app) as channel:
+        stub = pb_grpc.SplitSpecStub(channel)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as lost:
+            stub.Verify(pb.VerifyRequest(session_id="0" * 32, tokens=[9], parents=[-1]), timeout=10,
+                        metadata=(("authorization", f"Bearer {TOKEN}"), (ROUTE_KEY, "no-such-key")))  # fmt: skip
+        assert lost.value.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() - start < 5
+    rid = owner("no-such-key", list(cluster.replicas()))
+    assert _handle().options(multiplexed_model_id=_key_for(rid)).figures.remote().result()["misses"] >= 1
+
+
+def test_replicas_killed_mid_generation_lose_no_output(app, tiny_target, plain):
+    """4 clients generating; on each round one replica (the one client 0's session is on) is killed mid-generation:
+    every output must be complete and equal to plain decoding, and Serve must bring the replica back."""
+    for round_no in range(KILL_ROUNDS):
+        cluster.wait_running(2)
+        results, errors, killed = _round_with_a_kill(app, tiny_target)
+        assert not errors, f"round {round_no}: {errors!r}"
+        assert killed, f"round {round_no}: client 0 finished before the kill"
+        for i, gen in enumerate(results):
+            assert gen is not None and gen.token_ids == plain, f"round {round_no}, client {i}"
+        assert results[0].stats.disconnects >= 1  # client 0 did lose its session's replica
+    assert cluster.wait_running(2) < 120
+
+
+def _round_with_a_kill(address: str, target) -> tuple[list, list, list]:
+    """``CLIENTS`` generations at once, client 0's replica killed before its third Verify: (generations, errors,
+    the replicas killed)."""
+    results, errors, killed = [None] * CLIENTS, [], []
+
+    def client(i: int) -> None:
+        try:
+            verifier = connect(address)
+            if i == 0:
+                _kill_on_round(verifier, 3, killed)
+            drafter = MoADrafter(make_moa(target, 1), width=3, depth=3)
+            results[i] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+            verifier.shutdown()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller's assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results, errors, killed
+
+
+def _kill_on_round(verifier: RemoteVerifier, round_no: int, killed: list) -> None:
+    """Kill the replica holding the verifier's session just before its ``round_no``-th Verify."""
+    original, calls = verifier.verify, []
+
+    def verify(tree, **kw):
+        calls.append(1)
+        if len(calls) == round_no:
+            victim = owner(verifier.route, list(cluster.replicas()))
+            cluster.kill(victim)
+            killed.append(victim)
+        return original(tree, **kw)
+
+    verifier.verify = verify
+
+
+def _handle():
+    from ray import serve
+
+    return serve.get_app_handle(cluster.APP)
+
+
+def _key_for(replica_id: str) -> str:
+    """A route key the session router sends to ``replica_id`` (a key no replica holds goes where it hashes)."""
+    ids = list(cluster.replicas())
+    return next(k for k in (f"probe-{i}" for i in range(1000)) if owner(k, ids) == replica_id)
+
+
+def test_a_replica_answers_not_found_for_an_unknown_session_without_a_route_key(app):
+    """A client that sends no route key (an older one) still gets an answer, never a hang."""
+    verifier = connect(app)
+    verifier.session_id, verifier.route = "f" * 32, ""
+    with pytest.raises(SessionLost):
+        verifier.verify(DraftTree([9], [-1]))
+    verifier.shutdown()
