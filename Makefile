@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-train fuzz clean
+.PHONY: setup demo test lint proto bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -104,6 +104,11 @@ bench-netsim: setup
 # Many clients against one server (issue 14): batched vs serial vs the API, 1..32 clients replaying recorded trees.
 bench-serve: setup
 	$(PY) -m bench.serve
+
+# Past one server (issue 26): `serve --ray` with 1 and 2 replicas beside one `splitspec serve` at 1-16 clients, the
+# router's cost per call, and 17 replica kills mid-generation (every output checked). Needs Ray (in the dev extras).
+bench-scale: setup
+	$(PY) -m bench.scale
 
 # Training throughput: target tokens/s of a training step per drafter and all five together, and the data side.
 bench-train: setup

@@ -132,21 +132,21 @@ def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) ->
     return recordings
 
 
-def replay(stub, rec: Recording, latencies: list[float]) -> tuple[list[int], float]:
+def replay(stub, rec: Recording, latencies: list[float], metadata=None) -> tuple[list[int], float]:
     """Open a session with the recording's prompt and send the drafter's tree at each position it reaches;
-    (tokens generated, seconds)."""
+    (tokens generated, seconds). ``metadata`` goes with every call (a cluster's route key)."""
     start = time.perf_counter()
-    opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt), timeout=TIMEOUT)
+    opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt), timeout=TIMEOUT, metadata=metadata)
     tokens, length = [opened.first_token], opened.length
     while len(tokens) < len(rec.tokens):
         tree = rec.tree(len(tokens))
         t0 = time.perf_counter()
         reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens, parents=tree.parents,
-                                             length=length), timeout=TIMEOUT)  # fmt: skip
+                                             length=length), timeout=TIMEOUT, metadata=metadata)  # fmt: skip
         latencies.append(time.perf_counter() - t0)
         tokens += [tree.tokens[i] for i in reply.accepted] + [reply.bonus_token]
         length = reply.length
-    stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT)
+    stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT, metadata=metadata)
     return tokens, time.perf_counter() - start
 
 

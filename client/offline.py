@@ -29,6 +29,7 @@ import torch
 from client.drafters.base import Drafter
 from client.verifiers import LinkDown, SessionLost, Verifier
 from shared.acceptance import SamplingParams, target_probs
+from shared.errors import SplitspecError
 from shared.target import Verdict
 from shared.tree import DraftTree
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # (the decode loop imports this module)
     from client.heartbeat import Heartbeat
 
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
+SETTLE_LOSSES = 8  # settlements in a row the server answers but loses the session of, before giving up
 FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see reconcile_verify)
 
 
@@ -110,7 +112,7 @@ def bridge(run: Bridged) -> None:
     more local tokens are made meanwhile.
     """
     stats, resilience = run.stats, run.resilience
-    began, first_local, fresh = time.perf_counter(), len(run.out), True
+    began, first_local, fresh, losses = time.perf_counter(), len(run.out), True, 0
     stats.switched_at.append(began)
     try:
         while True:
@@ -136,9 +138,13 @@ def bridge(run: Bridged) -> None:
                 if run.heartbeat:
                     run.heartbeat.revive()
                 return
-            except (LinkDown, SessionLost):
+            except (LinkDown, SessionLost) as exc:
                 stats.disconnects += 1
                 fresh = False
+                losses = losses + 1 if isinstance(exc, SessionLost) else 0
+                if losses >= SETTLE_LOSSES:  # it answers, and fails every session: not a link to wait out
+                    raise SplitspecError(f"the server lost the session {losses} times in a row while settling "
+                                         f"({exc}); giving up") from None  # fmt: skip
     finally:
         stats.offline_s += time.perf_counter() - began
 

@@ -311,6 +311,18 @@ def kill(replica_id: str, name: str = APP) -> None:
     ray.kill(ray.get_actor(replicas(name)[replica_id], namespace="serve"))
 
 
+def figures(name: str = APP) -> list[dict]:
+    """Every live replica's ``Replica.figures``, each asked through a deployment handle with a route key the session
+    router sends to that replica."""
+    from ray import serve
+
+    from server.routing import owner
+
+    handle, ids = serve.get_app_handle(name), list(replicas(name))
+    keys = [next(k for k in (f"figures-{i}" for i in range(100 * len(ids))) if owner(k, ids) == rid) for rid in ids]
+    return [handle.options(multiplexed_model_id=k).figures.remote().result() for k in keys]
+
+
 def running(name: str = APP) -> int:
     """How many of the application's replicas are up and serving (Serve's own account)."""
     from ray import serve

@@ -314,3 +314,47 @@ def test_a_server_child_and_this_process_get_disjoint_cpus():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_server_that_loses_every_session_is_given_up_on_not_retried_forever(tiny_target, tiny_server):
+    """A server that answers but fails every session (INTERNAL, as Ray Serve's proxy reports a dead replica, is a
+    lost session): the client reopens a bounded number of times, then ends with an error saying so."""
+    import grpc
+
+    from client.offline import SETTLE_LOSSES
+    from client.verifiers import SessionLost, rpc_error
+
+    class Internal(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INTERNAL
+
+        def details(self):
+            return "The actor died unexpectedly before finishing this task."
+
+    assert isinstance(rpc_error("a:1", Internal()), SessionLost)
+    verifier = RemoteVerifier(tiny_server[0])
+    opened, calls = verifier.open, []
+
+    def open_and_lose(prompt_ids, sampling):
+        calls.append(1)
+        if len(calls) > 1:  # every reopen fails
+            raise rpc_error(verifier.address, Internal())
+        return opened(prompt_ids, sampling)
+
+    verifier.open = open_and_lose
+    try:
+        drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
+        original, rounds = verifier.verify, []
+
+        def verify(tree, **kw):  # the session is lost on the third round, and every Verify after
+            rounds.append(1)
+            if len(rounds) >= 3:
+                raise rpc_error(verifier.address, Internal())
+            return original(tree, **kw)
+
+        verifier.verify = verify
+        with pytest.raises(SplitspecError, match=f"lost the session {SETTLE_LOSSES} times in a row"):
+            generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, resilience=Resilience(heartbeat=False))
+        assert len(calls) - 1 == SETTLE_LOSSES  # one reopen per settlement, then no more
+    finally:
+        verifier.shutdown()

@@ -1,0 +1,332 @@
+"""Past one server (issue 26): `serve --ray` with 1 and 2 replicas beside one `splitspec serve`, and replicas killed.
+
+The clients replay draft trees recorded from a real drafter (as ``bench.serve``: 16 drafters would
+otherwise fight the servers for this machine's cores), each sending its session's route key as the
+split client does. Per setup — ``serve`` (one process, ``--threads`` all the CPUs), ``ray×R`` (R
+replicas, the CPUs shared out) — and N in ``--clients``: aggregate tokens/s, Verify p50/p99 as the
+clients saw it, route misses (calls that found no session on their replica) and whether every output
+equals the recording (the same target, greedy).
+
+The router's cost: one client's sequential Verify of a one-node tree (the session rolled back each
+time, so every call does the same work) through Serve's proxy against the same call on one server,
+and Probe calls per second through each with 16 threads (the proxy's ceiling on this machine).
+
+Kills: ``--kills`` rounds of 4 clients running the real decode loop (replaying, default resilience)
+on 2 replicas; in each, the replica holding client 0's session is killed before its third Verify.
+Every output must equal the recording; reported per round: client 0's time off its server (local
+generation until the reopened session settled) and Serve's time to bring the replica back.
+
+Run:  .venv/bin/python -m bench.scale [--clients 1,2,4,8,16] [--replicas 1,2] [--kills 17] [--prompts 4]
+      [--max-new-tokens 48] [--drafter eagle]
+Writes scale.json, scale.md and scale.png under --out (default bench/results/scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from bench.common import cell, environment, median, save_figure, save_results
+from bench.serve import Recording, Replay, record, replay
+from client.decode import generate
+from client.training.datasets import mtbench_questions
+from client.verifiers import RemoteVerifier
+from server.limits import ServerLimits
+from shared.channel import ROUTE_KEY
+from shared.models import DEFAULT_MODEL, encode_prompt, load_target, resolve_model
+from shared.server_process import ServerChild
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+OVERHEAD_CALLS = 200
+PROBE_THREADS, PROBE_CALLS = 16, 40  # Probe calls per thread
+KILL_CLIENTS = 4
+
+
+@dataclass
+class Point:
+    setup: str
+    clients: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    verify_p50_ms: float | None
+    verify_p99_ms: float | None
+    misses: int | None  # session calls routed to a replica without the session (None: one server)
+    exact: bool
+
+
+@dataclass
+class Overhead:
+    setup: str
+    verify_p50_ms: float
+    verify_p99_ms: float
+    probe_calls_per_s: float
+
+
+@dataclass
+class Kill:
+    round: int
+    replica: str
+    exact: bool
+    disconnects: int  # client 0's
+    off_server_s: float  # client 0: from the failed call to its reopened session settling (local generation between)
+    replaced_s: float  # from the kill until Serve reports both replicas running again
+    wall_s: float  # the round's, all 4 clients
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else None
+
+
+def load_point(address: str, setup: str, n: int, recordings: list[Recording], misses) -> Point:
+    """N replaying clients at once; ``misses()``: the route misses so far (None for one server)."""
+    channels = [grpc.insecure_channel(address) for _ in range(n)]
+    results, latencies, barrier = [None] * n, [], threading.Barrier(n)
+    before = misses()
+
+    def client(i: int) -> None:
+        barrier.wait()
+        route = ((ROUTE_KEY, secrets.token_hex(8)),)
+        results[i] = replay(pb_grpc.SplitSpecStub(channels[i]), recordings[i % len(recordings)], latencies, route)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    for c in channels:
+        c.close()
+    wanted = [recordings[i % len(recordings)].tokens for i in range(n)]
+    tokens = sum(len(w) for w in wanted)
+    exact = all(r[0][: len(w)] == w for r, w in zip(results, wanted, strict=True))
+    after = misses()
+    return Point(setup, n, tokens, round(wall, 3), round(tokens / wall, 2), percentile(latencies, 0.5),
+                 percentile(latencies, 0.99), None if after is None else after - before, exact)  # fmt: skip
+
+
+def overhead(address: str, setup: str, rec: Recording) -> Overhead:
+    """One client's sequential one-node Verify (rolled back each time: the same work every call), then Probe calls
+    per second from ``PROBE_THREADS`` threads."""
+    route = ((ROUTE_KEY, secrets.token_hex(8)),)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.SplitSpecStub(channel)
+        opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt), timeout=60, metadata=route)
+        tree = rec.tree(1).head(1)
+        request = pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens, parents=tree.parents,
+                                   length=opened.length)  # fmt: skip
+        latencies = []
+        for _ in range(OVERHEAD_CALLS):
+            t0 = time.perf_counter()
+            stub.Verify(request, timeout=60, metadata=route)
+            latencies.append(time.perf_counter() - t0)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=60, metadata=route)
+
+        def probes() -> None:
+            for _ in range(PROBE_CALLS):
+                stub.Probe(pb.ProbeRequest(), timeout=60)
+
+        threads = [threading.Thread(target=probes) for _ in range(PROBE_THREADS)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rate = PROBE_THREADS * PROBE_CALLS / (time.perf_counter() - start)
+    return Overhead(setup, percentile(latencies, 0.5), percentile(latencies, 0.99), round(rate, 1))
+
+
+def route_misses() -> int:
+    """Every live replica's count of session calls that found no session there."""
+    from server import cluster
+
+    return sum(f["misses"] for f in cluster.figures())
+
+
+def kill_round(address: str, round_no: int, recordings: list[Recording]) -> Kill:
+    """``KILL_CLIENTS`` decode loops replaying; the replica of client 0's session killed before its third Verify."""
+    from server import cluster
+    from server.routing import owner
+
+    results, errors, killed = [None] * KILL_CLIENTS, [], []
+
+    def client(i: int) -> None:
+        rec = recordings[i % len(recordings)]
+        try:
+            verifier = RemoteVerifier(address)
+            if i == 0:
+                verify, calls = verifier.verify, []
+
+                def verify_and_kill(tree, **kw):
+                    calls.append(1)
+                    if len(calls) == 3:
+                        victim = owner(verifier.route, list(cluster.replicas()))
+                        cluster.kill(victim)
+                        killed.append((victim, time.monotonic()))
+                    return verify(tree, **kw)
+
+                verifier.verify = verify_and_kill
+            results[i] = generate(verifier, Replay(rec), rec.prompt, len(rec.tokens), stop_ids=[], max_tree_nodes=16)
+            verifier.shutdown()
+        except Exception as exc:  # noqa: BLE001 - a round with an error is reported as not exact
+            errors.append(exc)
+            tqdm.write(f"round {round_no}, client {i}: {exc!r}", file=sys.stderr)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(KILL_CLIENTS)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    victim, at = killed[0] if killed else ("", time.monotonic())
+    replaced = cluster.wait_running(2, timeout_s=300) + (time.monotonic() - at if killed else 0.0)
+    exact = not errors and all(r is not None and r.token_ids == recordings[i % len(recordings)].tokens
+                               for i, r in enumerate(results))  # fmt: skip
+    first = results[0].stats if results[0] is not None else None
+    return Kill(round_no, victim, exact and bool(killed), first.disconnects if first else 0,
+                round(first.offline_s, 3) if first else 0.0, round(replaced, 2), round(wall, 2))  # fmt: skip
+
+
+def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args, cpu: str) -> str:
+    lines = [f"{cpu}. Replayed {args.drafter} trees on {args.prompts} MT-Bench prompts, {args.max_new_tokens} tokens "
+             "per client, greedy; `serve`: one process on every CPU; `ray×R`: R replicas sharing them.", "",
+             "| setup | clients | tok/s (all clients) | Verify p50 ms | Verify p99 ms | route misses | exact |",
+             "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for p in points:
+        lines.append(f"| {p.setup} | {p.clients} | {p.tokens_per_s:.1f} | {cell(p.verify_p50_ms, '.1f')} | "
+                     f"{cell(p.verify_p99_ms, '.1f')} | {'' if p.misses is None else p.misses} | "
+                     f"{'yes' if p.exact else 'NO'} |")  # fmt: skip
+    lines += ["", f"One client, {OVERHEAD_CALLS} sequential one-node Verify calls; Probe: {PROBE_THREADS} threads × "
+              f"{PROBE_CALLS} calls.", "", "| setup | Verify p50 ms | Verify p99 ms | Probe calls/s |",
+              "|---|---:|---:|---:|"]  # fmt: skip
+    lines += [f"| {c.setup} | {c.verify_p50_ms:.2f} | {c.verify_p99_ms:.2f} | {c.probe_calls_per_s:.0f} |"
+              for c in costs]
+    base = next((c for c in costs if c.setup == "serve"), None)
+    for c in costs:
+        if base is not None and c is not base:
+            lines.append(f"\nRouter cost per Verify ({c.setup}): {c.verify_p50_ms - base.verify_p50_ms:+.2f} ms p50.")
+    if kills:
+        off = [k.off_server_s for k in kills]
+        back = [k.replaced_s for k in kills]
+        lines += ["", f"Replica kills: {len(kills)} rounds of {KILL_CLIENTS} clients on ray×2, "
+                  f"{sum(k.exact for k in kills)}/{len(kills)} rounds with every output equal to the recording; "
+                  f"client 0 off its server median {median(off):.2f} s (max {max(off):.2f}); "
+                  f"replica back in median {median(back):.1f} s (max {max(back):.1f}).", "",
+                  "| round | replica killed | exact | disconnects | off server s | replaced s | round wall s |",
+                  "|---:|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {k.round} | {k.replica} | {'yes' if k.exact else 'NO'} | {k.disconnects} | {k.off_server_s:.2f} "
+                  f"| {k.replaced_s:.1f} | {k.wall_s:.1f} |" for k in kills]  # fmt: skip
+    return "\n".join(lines)
+
+
+def figure(points: list[Point], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for setup in dict.fromkeys(p.setup for p in points):
+        ps = [p for p in points if p.setup == setup]
+        a.plot([p.clients for p in ps], [p.tokens_per_s for p in ps], marker="o", label=setup)
+        b.plot([p.clients for p in ps], [p.verify_p99_ms for p in ps], marker="o", label=setup)
+    for ax, label in ((a, "tokens/s, all clients"), (b, "Verify p99 latency, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    save_figure(fig, out / "scale.png", "one server vs Ray Serve replicas")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,2,4,8,16", help="comma list of concurrent client counts")
+    p.add_argument("--replicas", default="1,2", help="comma list of replica counts")
+    p.add_argument("--kills", type=int, default=17, help="replica-kill rounds on 2 replicas (default 17; 0: none)")
+    p.add_argument("--prompts", type=int, default=4, help="MT-Bench prompts to record trees on (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per client (default 48)")
+    p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale")
+    args = p.parse_args(argv)
+    counts = [int(c) for c in args.clients.split(",")]
+    replica_counts = [int(r) for r in args.replicas.split(",")]
+    cpus = os.cpu_count() or 1
+
+    target = load_target(args.model, dtype="auto")
+    questions = mtbench_questions()[: args.prompts]
+    prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
+    recordings = record(target, args.drafter, prompts, args.max_new_tokens)
+    cpu = environment(cpus)["cpu"]
+    del target
+    limits = ["--max-sessions", str(2 * max(counts + [KILL_CLIENTS]))]
+    points, costs, kills = [], [], []
+
+    with tempfile.TemporaryDirectory(prefix="splitspec-scale-") as workdir:  # one server, Ray not started yet
+        child = ServerChild(["--model", args.model, "--threads", str(cpus), *limits], Path(workdir))
+        child.start()
+        try:
+            costs.append(overhead(child.address, "serve", recordings[0]))
+            for n in tqdm(counts, desc="serve", unit="N", file=sys.stderr):
+                points.append(load_point(child.address, "serve", n, recordings, lambda: None))
+                tqdm.write(str(points[-1]), file=sys.stderr)
+        finally:
+            child.stop()
+
+    import ray
+    from ray import serve
+
+    from server import cluster
+
+    os.environ.update(cluster.ray_environment())
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    port = cluster.free_port()
+    try:
+        resolve_model(args.model)
+        for r in replica_counts:
+            config = cluster.ReplicaConfig(model=args.model, threads=max(1, cpus // r),
+                                           limits=ServerLimits(max_sessions=int(limits[1])).as_dict())  # fmt: skip
+            cluster.deploy(config, r, port)
+            setup, address = f"ray×{r}", f"127.0.0.1:{port}"
+            costs.append(overhead(address, setup, recordings[0]))
+            for n in tqdm(counts, desc=setup, unit="N", file=sys.stderr):
+                points.append(load_point(address, setup, n, recordings, route_misses))
+                tqdm.write(str(points[-1]), file=sys.stderr)
+            if r == 2:
+                for k in tqdm(range(args.kills), desc="replica kills", unit="kill", file=sys.stderr):
+                    kills.append(kill_round(address, k, recordings))
+                    tqdm.write(str(kills[-1]), file=sys.stderr)
+            serve.delete(cluster.APP)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    md = markdown(points, costs, kills, args, cpu)
+    print(md)
+    result = {"environment": environment(cpus), "args": vars(args) | {"out": str(args.out)},
+              "points": [asdict(p) for p in points], "overhead": [asdict(c) for c in costs],
+              "kills": [asdict(k) for k in kills]}  # fmt: skip
+    save_results(args.out, "scale", result, md)
+    figure(points, args.out)
+    print(f"\nwrote {args.out}/scale.{{json,md,png}}", file=sys.stderr)
+    return 0 if all(p.exact for p in points) and all(k.exact for k in kills) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
