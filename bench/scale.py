@@ -202,7 +202,26 @@ def kill_round(address: str, round_no: int, recordings: list[Recording]) -> Kill
                 round(first.offline_s, 3) if first else 0.0, round(replaced, 2), round(wall, 2))  # fmt: skip
 
 
-def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args, cpu: str) -> str:
+def arithmetic(costs: list[Overhead], tau: float) -> list[str]:
+    """How far replicas scale, from what was measured here: each node's proxy caps the calls, hence the tokens."""
+    base = next((c for c in costs if c.setup == "serve"), None)
+    ray = [c for c in costs if c.setup.startswith("ray")]
+    if base is None or not ray:
+        return []
+    proxy = max(c.probe_calls_per_s for c in ray)
+    cost = median([c.verify_p50_ms - base.verify_p50_ms for c in ray])
+    return ["", f"Scaling arithmetic. Aggregate tokens/s ≈ min(R × T, P × C × τ): R replicas of batched throughput T "
+            f"each (`make bench-serve` measures T; on a GPU a batched forward of a few hundred tokens costs about what "
+            f"one does, so T grows with the batch), P proxies (Serve runs one per node), C Verify calls/s one proxy "
+            f"passes, τ tokens per call (here {tau:.2f}). Measured here: C ≤ {proxy:.0f} calls/s through Serve's proxy "
+            f"(Probe, the cheapest call) against {base.probe_calls_per_s:.0f} for one server's own gRPC, so one node's "
+            f"proxy caps the cluster near {proxy * tau:.0f} tok/s on this CPU, and the router adds {cost:+.1f} ms p50 "
+            f"to each Verify. On 2 cores the replicas and the proxy share the same CPUs, so the aggregate is flat: "
+            f"more replicas only split the cores. On GPUs it scales with replicas until C × τ per node: then add "
+            f"nodes (a proxy each) or fewer, larger calls (deeper trees, server-side Decode streams)."]
+
+
+def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args, cpu: str, tau: float) -> str:
     lines = [f"{cpu}. Replayed {args.drafter} trees on {args.prompts} MT-Bench prompts, {args.max_new_tokens} tokens "
              "per client, greedy; `serve`: one process on every CPU; `ray×R`: R replicas sharing them.", "",
              "| setup | clients | tok/s (all clients) | Verify p50 ms | Verify p99 ms | route misses | exact |",
@@ -220,6 +239,7 @@ def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args
     for c in costs:
         if base is not None and c is not base:
             lines.append(f"\nRouter cost per Verify ({c.setup}): {c.verify_p50_ms - base.verify_p50_ms:+.2f} ms p50.")
+    lines += arithmetic(costs, tau)
     if kills:
         off = [k.off_server_s for k in kills]
         back = [k.replaced_s for k in kills]
@@ -262,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=4, help="MT-Bench prompts to record trees on (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per client (default 48)")
     p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")
+    p.add_argument("--router", default="session", choices=["session", "serve"],
+                   help="how the replicas are routed to (default session: strict affinity; serve: Serve's own)")
+    p.add_argument("--no-serve", action="store_true", help="skip the one-server rows")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale")
     args = p.parse_args(argv)
@@ -278,16 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     limits = ["--max-sessions", str(2 * max(counts + [KILL_CLIENTS]))]
     points, costs, kills = [], [], []
 
-    with tempfile.TemporaryDirectory(prefix="splitspec-scale-") as workdir:  # one server, Ray not started yet
-        child = ServerChild(["--model", args.model, "--threads", str(cpus), *limits], Path(workdir))
-        child.start()
-        try:
-            costs.append(overhead(child.address, "serve", recordings[0]))
-            for n in tqdm(counts, desc="serve", unit="N", file=sys.stderr):
-                points.append(load_point(child.address, "serve", n, recordings, lambda: None))
-                tqdm.write(str(points[-1]), file=sys.stderr)
-        finally:
-            child.stop()
+    if not args.no_serve:
+        with tempfile.TemporaryDirectory(prefix="splitspec-scale-") as workdir:  # one server, Ray not started yet
+            child = ServerChild(["--model", args.model, "--threads", str(cpus), *limits], Path(workdir))
+            child.start()
+            try:
+                costs.append(overhead(child.address, "serve", recordings[0]))
+                for n in tqdm(counts, desc="serve", unit="N", file=sys.stderr):
+                    points.append(load_point(child.address, "serve", n, recordings, lambda: None))
+                    tqdm.write(str(points[-1]), file=sys.stderr)
+            finally:
+                child.stop()
 
     import ray
     from ray import serve
@@ -302,13 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in replica_counts:
             config = cluster.ReplicaConfig(model=args.model, threads=max(1, cpus // r),
                                            limits=ServerLimits(max_sessions=int(limits[1])).as_dict())  # fmt: skip
-            cluster.deploy(config, r, port)
-            setup, address = f"ray×{r}", f"127.0.0.1:{port}"
+            cluster.deploy(config, r, port, router=args.router)
+            setup, address = f"ray×{r}" + ("" if args.router == "session" else f" ({args.router} router)"), \
+                f"127.0.0.1:{port}"
             costs.append(overhead(address, setup, recordings[0]))
             for n in tqdm(counts, desc=setup, unit="N", file=sys.stderr):
                 points.append(load_point(address, setup, n, recordings, route_misses))
                 tqdm.write(str(points[-1]), file=sys.stderr)
-            if r == 2:
+            if r == 2 and args.kills:
                 for k in tqdm(range(args.kills), desc="replica kills", unit="kill", file=sys.stderr):
                     kills.append(kill_round(address, k, recordings))
                     tqdm.write(str(kills[-1]), file=sys.stderr)
@@ -317,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
 
-    md = markdown(points, costs, kills, args, cpu)
+    tau = sum(len(r.tokens) - 1 for r in recordings) / max(1, sum(r.rounds() for r in recordings))
+    md = markdown(points, costs, kills, args, cpu, tau)
     print(md)
     result = {"environment": environment(cpus), "args": vars(args) | {"out": str(args.out)},
               "points": [asdict(p) for p in points], "overhead": [asdict(c) for c in costs],

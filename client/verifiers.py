@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import re
 import secrets
 import sys
 import threading
@@ -26,7 +27,7 @@ from client.endpoint import Endpoint
 from client.link import PROBE_MAX_BYTES, LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
-from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY
+from shared.channel import MESSAGE_OPTIONS, PUSHBACK, RECONNECT_OPTIONS, ROUTE_KEY
 from shared.codec import CodecError
 from shared.errors import SplitspecError
 from shared.features import Features
@@ -203,9 +204,13 @@ class ServerFull(SplitspecError):
 
 
 def retry_hint_s(exc: grpc.RpcError) -> float | None:
-    """The wait a refusing server asked for (``grpc-retry-pushback-ms`` in the trailing metadata), if it named one."""
+    """The wait a refusing server asked for (``grpc-retry-pushback-ms`` in the trailing metadata, or at the end of the
+    message as ``[grpc-retry-pushback-ms=N]`` where a proxy passes no trailing metadata: Ray Serve's), if it named
+    one."""
     trailing = getattr(exc, "trailing_metadata", None)
-    value = dict(trailing() or ()).get("grpc-retry-pushback-ms") if trailing else None
+    value = dict(trailing() or ()).get(PUSHBACK) if trailing else None
+    if value is None and (found := re.search(rf"\[{PUSHBACK}=(-?\d+)\]$", exc.details() or "")):
+        value = found.group(1)
     try:
         ms = int(value) if value is not None else -1
     except ValueError:

@@ -170,8 +170,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         cluster.deploy(config, args.replicas, port, args.host, cpus=args.replica_cpus or 0.0, gpus=gpus,
                        router=args.router)  # fmt: skip
-        print(f"splitspec: serving {args.model} as {args.replicas} Ray Serve replicas on {args.host}:{port} "
+        print(f"splitspec: serving {args.model} as {args.replicas} Ray Serve replicas on port {port} "
               f"({threads} threads each, router {args.router})", flush=True)  # fmt: skip
+        if not config.tokens:
+            print(f"splitspec: note: Serve's gRPC proxy listens on every interface ([::]:{port}), whatever --host "
+                  "says; without --auth-token-file anyone who reaches the port may call it", flush=True)
         if args.metrics_port is not None:
             where = f"port {args.metrics_port}" if extra else "the cluster's metrics port"
             print(f"splitspec: metrics (Serve's and each replica's, prefixed ray_) on {where}", flush=True)
@@ -183,8 +186,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     finally:
         from ray import serve
 
-        serve.delete(cluster.APP)
-        if started:
-            serve.shutdown()
-        ray.shutdown()
+        try:  # a Ctrl-C reaches Ray's own processes too: whatever is left of the cluster, still shut it down
+            serve.shutdown() if started else serve.delete(cluster.APP)
+        except Exception as exc:  # noqa: BLE001 - reported, and Ray is shut down all the same
+            print(f"splitspec: taking the application down: {exc.__class__.__name__}: {exc}", flush=True)
+        finally:
+            ray.shutdown()
     return 0

@@ -32,7 +32,7 @@ import grpc
 from server.limits import ServerLimits
 from server.service import MAX_DETAILS, SPARE_WORKERS, SplitSpecService
 from shared.bundles import SHIPPED
-from shared.channel import MAX_MESSAGE_BYTES
+from shared.channel import MAX_MESSAGE_BYTES, PUSHBACK
 
 APP = "splitspec"
 SERVICER = "shared.wire.splitspec_pb2_grpc.add_SplitSpecServicer_to_server"
@@ -52,6 +52,7 @@ class CallContext:
     def __init__(self, context) -> None:
         self.context = context
         self.cancelled = False
+        self.trailing: list = []
 
     def invocation_metadata(self):
         return self.context.invocation_metadata()
@@ -63,9 +64,13 @@ class CallContext:
         return not self.cancelled
 
     def set_trailing_metadata(self, metadata) -> None:
-        self.context.set_trailing_metadata(list(metadata))
+        self.trailing = list(metadata)
+        self.context.set_trailing_metadata(self.trailing)
 
     def abort(self, code: grpc.StatusCode, details: str):
+        pushback = dict(self.trailing).get(PUSHBACK)
+        if pushback is not None:  # Serve's proxy sends an error without trailing metadata: the hint goes in the message
+            details = f"{details[: MAX_DETAILS - 40]} [{PUSHBACK}={pushback}]"
         self.context.set_code(code)
         self.context.set_details(details[:MAX_DETAILS])
         raise Refused(details)
@@ -105,6 +110,7 @@ class Replica:
         limits = ServerLimits(**config.limits)
         self.service = SplitSpecService(target, limits, config.bundle_dirs, config.prefer)
         self.service.auth = TokenAuth(config.tokens) if config.tokens else None
+        self.service.lsas.preload()  # a session in payload mode lsa may open on a replica the Handshake did not reach
         self.route = RouteMetrics(self.service.metrics.registry)
         # every session or stream may wait on the batcher in a thread of its own; the spare ones keep the rest going
         self.pool = ThreadPoolExecutor(limits.max_sessions + SPARE_WORKERS, thread_name_prefix="splitspec-call")
@@ -148,9 +154,12 @@ class Replica:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           f"{METADATA_KEY} metadata with a valid bearer token is required (the server runs with auth)")
 
-    async def _unary(self, name: str, request, grpc_context):
+    async def _unary(self, name: str, request, grpc_context, session_id: str | None = None):
+        """The service's ``name`` on a pool thread; ``session_id``: a call on that session (routing figures)."""
         context = CallContext(grpc_context)
         self._check(context)
+        if session_id is not None:
+            await self._affine(session_id, grpc_context)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.pool, getattr(self.service, name), request, context)
@@ -158,11 +167,13 @@ class Replica:
             context.cancelled = True
             raise
 
-    async def _stream(self, name: str, request, grpc_context):
+    async def _stream(self, name: str, request, grpc_context, session_id: str | None = None):
         """The service's reply stream, iterated on one pool thread (a Decode holds its session's lock from its first
-        chunk to its last) and handed over through a queue."""
+        chunk to its last) and handed over through a queue; ``session_id`` as for ``_unary``."""
         context = CallContext(grpc_context)
         self._check(context)
+        if session_id is not None:
+            await self._affine(session_id, grpc_context)
         loop, queue, end = asyncio.get_running_loop(), asyncio.Queue(), object()
 
         def pump():
@@ -196,22 +207,17 @@ class Replica:
         return reply
 
     async def Verify(self, request, grpc_context):
-        await self._affine(request.session_id, grpc_context)
-        return await self._unary("Verify", request, grpc_context)
+        return await self._unary("Verify", request, grpc_context, request.session_id)
 
     async def CloseSession(self, request, grpc_context):
-        await self._affine(request.session_id, grpc_context)
-        return await self._unary("CloseSession", request, grpc_context)
+        return await self._unary("CloseSession", request, grpc_context, request.session_id)
 
     async def FetchPayload(self, request, grpc_context):
-        await self._affine(request.session_id, grpc_context)
-        async for message in self._stream("FetchPayload", request, grpc_context):
+        async for message in self._stream("FetchPayload", request, grpc_context, request.session_id):
             yield message
 
     async def Decode(self, request, grpc_context):
-        if request.session_id:
-            await self._affine(request.session_id, grpc_context)
-        async for chunk in self._stream("Decode", request, grpc_context):
+        async for chunk in self._stream("Decode", request, grpc_context, request.session_id or None):
             if chunk.session_id:  # the stream opened its session here
                 await self._opened(grpc_context)
             yield chunk

@@ -56,6 +56,20 @@ class LSARegistry:
             )
         return lsa
 
+    def preload(self) -> list[str]:
+        """Load the LSA of every MoA bundle in the bundle folders that fits the target (the others are skipped): where
+        replicas share the sessions (``serve --ray``), the one that answers a Handshake naming a drafter may not be
+        the one its sessions open on. Returns the names loaded."""
+        names = sorted({p.name for d in self.bundle_dirs if d.is_dir() for p in d.iterdir() if p.is_dir()})
+        loaded = []
+        for name in names:
+            try:
+                self.load(name)
+                loaded.append(name)
+            except (SplitspecError, ValueError):
+                pass  # not a MoA bundle, or not one for this target
+        return loaded
+
     def get(self, name: str) -> LayerSelfAttention | None:
         with self._lock:
             entry = self._loaded.get(name)

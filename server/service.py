@@ -30,7 +30,7 @@ from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
 from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
-from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS
+from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS, PUSHBACK
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, feature_kinds
 from shared.target import INITIAL_CAPACITY, Target
@@ -100,7 +100,7 @@ class Abort(Exception):
 
     def send(self, context) -> None:
         if self.retry_s is not None:
-            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(1000 * self.retry_s))),))
+            context.set_trailing_metadata(((PUSHBACK, str(int(1000 * self.retry_s))),))
         context.abort(self.code, str(self)[:MAX_DETAILS])
 
 

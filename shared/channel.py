@@ -22,6 +22,10 @@ RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
+# where a refusing server says how long to wait before retrying (gRPC's own name for it): trailing metadata, and
+# at the end of the message where a proxy passes no trailing metadata with an error (Ray Serve's)
+PUSHBACK = "grpc-retry-pushback-ms"
+
 # the call metadata naming a session's route key: a random string the client draws for each session it opens and
 # sends on every call of that session; `splitspec serve --ray` routes by it (Ray Serve's multiplexed model id), one
 # server process ignores it

@@ -39,7 +39,19 @@ CLIENTS = 4
 
 
 @pytest.fixture(scope="module")
-def app(tiny_model_dir):
+def bundles(tiny_target, tmp_path_factory):
+    """A random MoA bundle for the tiny target, in a folder the replicas read (payload mode lsa)."""
+    import torch
+
+    from client.drafters.bundle import save_bundle
+
+    root = tmp_path_factory.mktemp("cluster-bundles")
+    save_bundle(make_moa(tiny_target, 1, seed=1), root / "moa-tli1", tiny_target, {}, torch.float32)
+    return root
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model_dir, bundles):
     """Two replicas (fp32, as ``tiny_target``: the outputs must equal its plain decoding) behind the proxy; yields
     its address."""
     os.environ.update(cluster.ray_environment())
@@ -47,7 +59,7 @@ def app(tiny_model_dir):
     port = cluster.free_port()
     limits = ServerLimits(max_sessions=32, max_tree_nodes=16, max_context=128, min_tree_nodes=16)
     config = cluster.ReplicaConfig(model=str(tiny_model_dir), dtype="float32", threads=1, limits=limits.as_dict(),
-                                   tokens={TOKEN: "tester"})  # fmt: skip
+                                   tokens={TOKEN: "tester"}, bundle_dirs=(str(bundles),))  # fmt: skip
     try:
         cluster.deploy(config, replicas=2, port=port)
         yield f"127.0.0.1:{port}"
@@ -81,6 +93,23 @@ def test_the_cluster_answers_as_one_server_with_health_and_tokens(app, tiny_targ
     with pytest.raises(SplitspecError, match="INVALID_ARGUMENT.*vocabulary"):  # the service's own validation
         verifier.open([tiny_target.vocab_size + 5], SamplingParams())
     verifier.shutdown()
+
+
+def test_payload_mode_lsa_works_whichever_replica_a_session_opens_on(app, tiny_target, bundles, plain):
+    """Only one replica answers the Handshake that names the drafter, but every replica loaded the LSAs of its bundles
+    at start: 8 generations (their sessions on either replica) all equal plain decoding."""
+    from client.drafters import drafter_for
+    from client.drafters.bundle import load_bundle
+
+    for _ in range(8):
+        model, config = load_bundle(bundles / "moa-tli1", tiny_target)
+        drafter = drafter_for(model, name=config["name"], width=3, depth=3)
+        drafter.bundle = bundles / "moa-tli1"
+        spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == "lsa")
+        verifier = connect(app, drafter=drafter, spec=spec)
+        gen = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        assert gen.token_ids == plain and verifier.spec.mode == "lsa"
+        verifier.shutdown()
 
 
 def test_every_session_stays_on_its_replica(app):
@@ -169,3 +198,51 @@ def test_a_replica_answers_not_found_for_an_unknown_session_without_a_route_key(
     with pytest.raises(SessionLost):
         verifier.verify(DraftTree([9], [-1]))
     verifier.shutdown()
+
+
+def test_serve_ray_refuses_what_serves_proxy_cannot_do():
+    """Checked before Ray starts: TLS (Serve's gRPC proxy has none) and a replica count below one."""
+    from tests.test_cli import splitspec
+
+    tls = splitspec("serve", "--ray", "--tls-cert", "c.pem", "--tls-key", "k.pem")
+    assert tls.returncode != 0 and "no TLS" in tls.stderr
+    none = splitspec("serve", "--ray", "--replicas", "0")
+    assert none.returncode != 0 and "--replicas must be >= 1, got 0" in none.stderr
+
+
+def test_a_full_replicas_retry_hint_reaches_the_client_without_trailing_metadata():
+    """Serve's proxy sends an error's code and message but not its trailing metadata: the replica puts the server's
+    retry hint at the end of the message, and the client reads it there (``ServerFull`` waits it out)."""
+    from client.verifiers import ServerFull, rpc_error
+    from server.cluster import CallContext, Refused
+    from server.service import Abort
+
+    class ServeContext:  # what a replica may set on Serve's gRPC context for an error: the code and the message
+        code = details = None
+
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, details):
+            self.details = details
+
+        def set_trailing_metadata(self, metadata):
+            pass  # kept by Serve, never sent with an error
+
+    context = CallContext(ServeContext())
+    with pytest.raises(Refused):
+        full = Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "all 4 sessions are in use; retry in 0.50s", retry_s=0.5)
+        full.send(context)
+
+    class Refusal(grpc.RpcError):
+        def code(self):
+            return context.context.code
+
+        def details(self):
+            return context.context.details
+
+        def trailing_metadata(self):
+            return ()
+
+    error = rpc_error("127.0.0.1:1", Refusal())
+    assert isinstance(error, ServerFull) and error.retry_s == 0.5
