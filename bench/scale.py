@@ -65,14 +65,17 @@ class Point:
     verify_p99_ms: float | None
     misses: int | None  # session calls routed to a replica without the session (None: one server)
     exact: bool
+    reopens: int | None = None  # sessions the clients reopened (the decode loop's clients, --router serve)
 
 
 @dataclass
 class Overhead:
     setup: str
-    verify_p50_ms: float
+    probe_p50_ms: float  # one client's sequential Probe (no compute: the call's transport and routing alone)
+    probe_p99_ms: float
+    verify_p50_ms: float  # one client's sequential one-node Verify (the same forward every call)
     verify_p99_ms: float
-    probe_calls_per_s: float
+    probe_calls_per_s: float  # PROBE_THREADS threads at once
 
 
 @dataclass
@@ -91,16 +94,26 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else None
 
 
-def load_point(address: str, setup: str, n: int, recordings: list[Recording], misses) -> Point:
-    """N replaying clients at once; ``misses()``: the route misses so far (None for one server)."""
+def load_point(address: str, setup: str, n: int, recordings: list[Recording], misses, loop: bool = False) -> Point:
+    """N replaying clients at once; ``misses()``: the route misses so far (None for one server). ``loop``: each client
+    is the decode loop (replaying, default resilience), which survives a miss by reopening its session, instead of
+    bare calls (the Verify latencies are then not collected)."""
     channels = [grpc.insecure_channel(address) for _ in range(n)]
-    results, latencies, barrier = [None] * n, [], threading.Barrier(n)
+    results, latencies, barrier, reopens = [None] * n, [], threading.Barrier(n), []
     before = misses()
 
     def client(i: int) -> None:
         barrier.wait()
+        rec = recordings[i % len(recordings)]
+        if loop:
+            verifier, start = RemoteVerifier(address), time.perf_counter()
+            gen = generate(verifier, Replay(rec), rec.prompt, len(rec.tokens), stop_ids=[], max_tree_nodes=16)
+            verifier.shutdown()
+            results[i] = gen.token_ids, time.perf_counter() - start
+            reopens.append(gen.stats.disconnects)
+            return
         route = ((ROUTE_KEY, secrets.token_hex(8)),)
-        results[i] = replay(pb_grpc.SplitSpecStub(channels[i]), recordings[i % len(recordings)], latencies, route)
+        results[i] = replay(pb_grpc.SplitSpecStub(channels[i]), rec, latencies, route)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     start = time.perf_counter()
@@ -116,12 +129,14 @@ def load_point(address: str, setup: str, n: int, recordings: list[Recording], mi
     exact = all(r[0][: len(w)] == w for r, w in zip(results, wanted, strict=True))
     after = misses()
     return Point(setup, n, tokens, round(wall, 3), round(tokens / wall, 2), percentile(latencies, 0.5),
-                 percentile(latencies, 0.99), None if after is None else after - before, exact)  # fmt: skip
+                 percentile(latencies, 0.99), None if after is None else after - before, exact,
+                 sum(reopens) if loop else None)  # fmt: skip
 
 
 def overhead(address: str, setup: str, rec: Recording) -> Overhead:
-    """One client's sequential one-node Verify (rolled back each time: the same work every call), then Probe calls
-    per second from ``PROBE_THREADS`` threads."""
+    """One client's sequential Probe calls (nothing computed: what the path itself costs a call) and one-node Verify
+    calls (rolled back each time: the same work every call), then Probe calls per second from ``PROBE_THREADS``
+    threads."""
     route = ((ROUTE_KEY, secrets.token_hex(8)),)
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.SplitSpecStub(channel)
@@ -129,11 +144,14 @@ def overhead(address: str, setup: str, rec: Recording) -> Overhead:
         tree = rec.tree(1).head(1)
         request = pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens, parents=tree.parents,
                                    length=opened.length)  # fmt: skip
-        latencies = []
+        latencies, probe_latencies = [], []
         for _ in range(OVERHEAD_CALLS):
             t0 = time.perf_counter()
             stub.Verify(request, timeout=60, metadata=route)
-            latencies.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            stub.Probe(pb.ProbeRequest(), timeout=60)
+            latencies.append(t1 - t0)
+            probe_latencies.append(time.perf_counter() - t1)
         stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=60, metadata=route)
 
         def probes() -> None:
@@ -147,7 +165,8 @@ def overhead(address: str, setup: str, rec: Recording) -> Overhead:
         for t in threads:
             t.join()
         rate = PROBE_THREADS * PROBE_CALLS / (time.perf_counter() - start)
-    return Overhead(setup, percentile(latencies, 0.5), percentile(latencies, 0.99), round(rate, 1))
+    return Overhead(setup, percentile(probe_latencies, 0.5), percentile(probe_latencies, 0.99),
+                    percentile(latencies, 0.5), percentile(latencies, 0.99), round(rate, 1))  # fmt: skip
 
 
 def route_misses() -> int:
@@ -209,36 +228,45 @@ def arithmetic(costs: list[Overhead], tau: float) -> list[str]:
     if base is None or not ray:
         return []
     proxy = max(c.probe_calls_per_s for c in ray)
-    cost = median([c.verify_p50_ms - base.verify_p50_ms for c in ray])
+    cost = median([c.probe_p50_ms - base.probe_p50_ms for c in ray])
     return ["", f"Scaling arithmetic. Aggregate tokens/s ≈ min(R × T, P × C × τ): R replicas of batched throughput T "
             f"each (`make bench-serve` measures T; on a GPU a batched forward of a few hundred tokens costs about what "
             f"one does, so T grows with the batch), P proxies (Serve runs one per node), C Verify calls/s one proxy "
             f"passes, τ tokens per call (here {tau:.2f}). Measured here: C ≤ {proxy:.0f} calls/s through Serve's proxy "
             f"(Probe, the cheapest call) against {base.probe_calls_per_s:.0f} for one server's own gRPC, so one node's "
             f"proxy caps the cluster near {proxy * tau:.0f} tok/s on this CPU, and the router adds {cost:+.1f} ms p50 "
-            f"to each Verify. On 2 cores the replicas and the proxy share the same CPUs, so the aggregate is flat: "
-            f"more replicas only split the cores. On GPUs it scales with replicas until C × τ per node: then add "
-            f"nodes (a proxy each) or fewer, larger calls (deeper trees, server-side Decode streams)."]
+            f"to each call (Probe: no compute). On 2 cores the replicas and the proxy share the same CPUs, so the "
+            f"aggregate is flat: more replicas only split the cores. On GPUs it scales with replicas until C × τ per "
+            f"node: then add nodes (a proxy each) or make fewer, larger calls (deeper trees, server-side Decode "
+            f"streams)."]
 
 
 def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args, cpu: str, tau: float) -> str:
     lines = [f"{cpu}. Replayed {args.drafter} trees on {args.prompts} MT-Bench prompts, {args.max_new_tokens} tokens "
              "per client, greedy; `serve`: one process on every CPU; `ray×R`: R replicas sharing them.", "",
-             "| setup | clients | tok/s (all clients) | Verify p50 ms | Verify p99 ms | route misses | exact |",
-             "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "| setup | clients | tok/s (all clients) | Verify p50 ms | Verify p99 ms | route misses | reopens "
+             "| exact |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for p in points:
         lines.append(f"| {p.setup} | {p.clients} | {p.tokens_per_s:.1f} | {cell(p.verify_p50_ms, '.1f')} | "
                      f"{cell(p.verify_p99_ms, '.1f')} | {'' if p.misses is None else p.misses} | "
-                     f"{'yes' if p.exact else 'NO'} |")  # fmt: skip
-    lines += ["", f"One client, {OVERHEAD_CALLS} sequential one-node Verify calls; Probe: {PROBE_THREADS} threads × "
-              f"{PROBE_CALLS} calls.", "", "| setup | Verify p50 ms | Verify p99 ms | Probe calls/s |",
-              "|---|---:|---:|---:|"]  # fmt: skip
-    lines += [f"| {c.setup} | {c.verify_p50_ms:.2f} | {c.verify_p99_ms:.2f} | {c.probe_calls_per_s:.0f} |"
-              for c in costs]
+                     f"{'' if p.reopens is None else p.reopens} | {'yes' if p.exact else 'NO'} |")  # fmt: skip
+    lines += ["", f"One client, {OVERHEAD_CALLS} sequential Probe calls (nothing computed) and one-node Verify calls "
+              f"(the same forward each time) in turn; Probe calls/s: {PROBE_THREADS} threads × {PROBE_CALLS} calls.",
+              "",
+              "| setup | Probe p50 ms | Probe p99 ms | Verify p50 ms | Verify p99 ms | Probe calls/s |",
+              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [f"| {c.setup} | {c.probe_p50_ms:.2f} | {c.probe_p99_ms:.2f} | {c.verify_p50_ms:.2f} | "
+              f"{c.verify_p99_ms:.2f} | {c.probe_calls_per_s:.0f} |" for c in costs]  # fmt: skip
     base = next((c for c in costs if c.setup == "serve"), None)
     for c in costs:
         if base is not None and c is not base:
-            lines.append(f"\nRouter cost per Verify ({c.setup}): {c.verify_p50_ms - base.verify_p50_ms:+.2f} ms p50.")
+            lines.append(f"\nRouter cost per call ({c.setup}, Probe p50 against one server's): "
+                         f"{c.probe_p50_ms - base.probe_p50_ms:+.2f} ms.")
+    if any(p.reopens is not None for p in points):
+        lines += ["", "Clients of the `serve` router are the decode loop (replaying, default resilience): a miss costs "
+                  "them a reopen of the session (a new prefill), counted in `reopens`; Verify latencies are not "
+                  "collected for them."]
     lines += arithmetic(costs, tau)
     if kills:
         off = [k.off_server_s for k in kills]
@@ -329,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
             cluster.deploy(config, r, port, router=args.router)
             setup, address = f"ray×{r}" + ("" if args.router == "session" else f" ({args.router} router)"), \
                 f"127.0.0.1:{port}"
-            costs.append(overhead(address, setup, recordings[0]))
+            loop = args.router != "session"  # bare calls cannot survive the misses of Serve's own router
+            if not loop:
+                costs.append(overhead(address, setup, recordings[0]))
             for n in tqdm(counts, desc=setup, unit="N", file=sys.stderr):
-                points.append(load_point(address, setup, n, recordings, route_misses))
+                points.append(load_point(address, setup, n, recordings, route_misses, loop))
                 tqdm.write(str(points[-1]), file=sys.stderr)
             if r == 2 and args.kills:
                 for k in tqdm(range(args.kills), desc="replica kills", unit="kill", file=sys.stderr):

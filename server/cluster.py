@@ -240,8 +240,8 @@ class Replica:
         from ray import serve
 
         return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": self.pid,
-                "sessions": len(self.service.sessions), "hits": self.route.hits._value.get(),
-                "misses": self.route.misses._value.get()}  # fmt: skip
+                "sessions": len(self.service.sessions), "hits": int(self.route.hits._value.get()),
+                "misses": int(self.route.misses._value.get())}  # fmt: skip
 
     def check_health(self) -> None:
         """Serve's own health check (every few seconds): a replica whose batcher thread died is replaced."""
