@@ -65,7 +65,7 @@ class Point:
     verify_p99_ms: float | None
     misses: int | None  # session calls routed to a replica without the session (None: one server)
     exact: bool
-    reopens: int | None = None  # sessions the clients reopened (the decode loop's clients, --router serve)
+    reopens: int | None = None  # sessions the clients reopened (None: one server)
 
 
 @dataclass
@@ -113,7 +113,7 @@ def load_point(address: str, setup: str, n: int, recordings: list[Recording], mi
             reopens.append(gen.stats.disconnects)
             return
         route = ((ROUTE_KEY, secrets.token_hex(8)),)
-        results[i] = replay(pb_grpc.SplitSpecStub(channels[i]), rec, latencies, route)
+        results[i] = replay(pb_grpc.SplitSpecStub(channels[i]), rec, latencies, route, reopens)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     start = time.perf_counter()
@@ -130,7 +130,7 @@ def load_point(address: str, setup: str, n: int, recordings: list[Recording], mi
     after = misses()
     return Point(setup, n, tokens, round(wall, 3), round(tokens / wall, 2), percentile(latencies, 0.5),
                  percentile(latencies, 0.99), None if after is None else after - before, exact,
-                 sum(reopens) if loop else None)  # fmt: skip
+                 sum(reopens) if after is not None else None)  # fmt: skip
 
 
 def overhead(address: str, setup: str, rec: Recording) -> Overhead:
@@ -251,11 +251,12 @@ def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args
         lines.append(f"| {p.setup} | {p.clients} | {p.tokens_per_s:.1f} | {cell(p.verify_p50_ms, '.1f')} | "
                      f"{cell(p.verify_p99_ms, '.1f')} | {'' if p.misses is None else p.misses} | "
                      f"{'' if p.reopens is None else p.reopens} | {'yes' if p.exact else 'NO'} |")  # fmt: skip
-    lines += ["", f"One client, {OVERHEAD_CALLS} sequential Probe calls (nothing computed) and one-node Verify calls "
-              f"(the same forward each time) in turn; Probe calls/s: {PROBE_THREADS} threads × {PROBE_CALLS} calls.",
-              "",
-              "| setup | Probe p50 ms | Probe p99 ms | Verify p50 ms | Verify p99 ms | Probe calls/s |",
-              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    if costs:
+        lines += ["", f"One client, {OVERHEAD_CALLS} sequential Probe calls (nothing computed) and one-node Verify "
+                  f"calls (the same forward each time) in turn; Probe calls/s: {PROBE_THREADS} threads × "
+                  f"{PROBE_CALLS} calls.", "",
+                  "| setup | Probe p50 ms | Probe p99 ms | Verify p50 ms | Verify p99 ms | Probe calls/s |",
+                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     lines += [f"| {c.setup} | {c.probe_p50_ms:.2f} | {c.probe_p99_ms:.2f} | {c.verify_p50_ms:.2f} | "
               f"{c.verify_p99_ms:.2f} | {c.probe_calls_per_s:.0f} |" for c in costs]  # fmt: skip
     base = next((c for c in costs if c.setup == "serve"), None)
@@ -264,9 +265,12 @@ def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args
             lines.append(f"\nRouter cost per call ({c.setup}, Probe p50 against one server's): "
                          f"{c.probe_p50_ms - base.probe_p50_ms:+.2f} ms.")
     if any(p.reopens is not None for p in points):
-        lines += ["", "Clients of the `serve` router are the decode loop (replaying, default resilience): a miss costs "
-                  "them a reopen of the session (a new prefill), counted in `reopens`; Verify latencies are not "
-                  "collected for them."]
+        lines += ["", "`reopens`: bare-call clients reopen a session the server answers NOT_FOUND for from the prompt "
+                  "and the tokens so far, as the split client does; decode-loop clients (replaying, default "
+                  "resilience) "
+                  "count every disconnect, including calls the heartbeat abandoned as overdue (Serve's own router "
+                  "holds a call back for up to 1-2 s while it waits to learn which replica holds its key). Verify "
+                  "latencies are not collected for decode-loop clients."]
     lines += arithmetic(costs, tau)
     if kills:
         off = [k.off_server_s for k in kills]
@@ -313,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router", default="session", choices=["session", "serve"],
                    help="how the replicas are routed to (default session: strict affinity; serve: Serve's own)")
     p.add_argument("--no-serve", action="store_true", help="skip the one-server rows")
+    p.add_argument("--decode-loop", action="store_true", help="the replicas' clients run the decode loop (replaying, "
+                   "default resilience, heartbeat) instead of bare calls")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale")
     args = p.parse_args(argv)
@@ -355,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             config = cluster.ReplicaConfig(model=args.model, threads=max(1, cpus // r),
                                            limits=ServerLimits(max_sessions=int(limits[1])).as_dict())  # fmt: skip
             cluster.deploy(config, r, port, router=args.router)
-            setup, address = f"ray×{r}" + ("" if args.router == "session" else f" ({args.router} router)"), \
-                f"127.0.0.1:{port}"
-            loop = args.router != "session"  # bare calls cannot survive the misses of Serve's own router
-            if not loop:
+            loop = args.decode_loop
+            setup = f"ray×{r}" + ("" if args.router == "session" else f", {args.router} router") + (
+                ", decode loop" if loop else "")
+            address = f"127.0.0.1:{port}"
+            if not loop and args.router == "session":  # sequential calls that a miss would end
                 costs.append(overhead(address, setup, recordings[0]))
             for n in tqdm(counts, desc=setup, unit="N", file=sys.stderr):
                 points.append(load_point(address, setup, n, recordings, route_misses, loop))

@@ -28,6 +28,7 @@ Writes serve.json, serve.md and serve.png under --out (default bench/results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import threading
@@ -132,21 +133,39 @@ def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) ->
     return recordings
 
 
-def replay(stub, rec: Recording, latencies: list[float], metadata=None) -> tuple[list[int], float]:
+def replay(stub, rec: Recording, latencies: list[float], metadata=None,
+           reopens: list[int] | None = None) -> tuple[list[int], float]:  # fmt: skip
     """Open a session with the recording's prompt and send the drafter's tree at each position it reaches;
-    (tokens generated, seconds). ``metadata`` goes with every call (a cluster's route key)."""
+    (tokens generated, seconds). ``metadata`` goes with every call (a cluster's route key). With ``reopens``, a
+    session the server does not know (NOT_FOUND: a cluster routed the call to another replica) is reopened from the
+    prompt and the tokens so far, as the split client does, and counted there."""
+
+    def open_(tokens: list[int]):
+        return stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt + tokens), timeout=TIMEOUT,
+                                metadata=metadata)  # fmt: skip
+
     start = time.perf_counter()
-    opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=rec.prompt), timeout=TIMEOUT, metadata=metadata)
+    opened = open_([])
     tokens, length = [opened.first_token], opened.length
     while len(tokens) < len(rec.tokens):
         tree = rec.tree(len(tokens))
         t0 = time.perf_counter()
-        reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens, parents=tree.parents,
-                                             length=length), timeout=TIMEOUT, metadata=metadata)  # fmt: skip
+        try:
+            reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, tokens=tree.tokens,
+                                                 parents=tree.parents, length=length), timeout=TIMEOUT,
+                                metadata=metadata)  # fmt: skip
+        except grpc.RpcError as exc:
+            if reopens is None or exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            reopens.append(1)
+            opened = open_(tokens[:-1])  # its first token is the last one received again (greedy)
+            length = opened.length
+            continue
         latencies.append(time.perf_counter() - t0)
         tokens += [tree.tokens[i] for i in reply.accepted] + [reply.bonus_token]
         length = reply.length
-    stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT, metadata=metadata)
+    with contextlib.suppress(grpc.RpcError):  # a close routed away from its session changes nothing
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT, metadata=metadata)
     return tokens, time.perf_counter() - start
 
 
