@@ -20,6 +20,7 @@ runs on a thread pool so that one call waiting for the batcher never holds up th
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -103,6 +104,8 @@ class Replica:
         from server.security import TokenAuth
         from shared.models import load_target
 
+        # the session log lines and the service's warnings, in the replica's log file (Ray's logs/serve/ folder)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         if config.threads:
             torch.set_num_threads(config.threads)
         target = load_target(config.model, device=config.device, dtype=config.dtype, cache=config.cache_dir,
