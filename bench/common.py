@@ -107,3 +107,41 @@ def save_figure(fig, path: Path, title: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)  # drawn before ``finish`` saves the numbers beside it
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_clients(client, n: int) -> float:
+    """``client(i)`` for i in 0..n-1, each on a thread of its own, all at once; returns the wall seconds until the
+    last one ended."""
+    import threading
+    import time
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def clients_figure(series: dict[str, tuple[list, list, list | None]], left: str, right: str, path: Path,
+                   title: str) -> None:  # fmt: skip
+    """Two panels against the number of concurrent clients (log 2): ``series`` {label: (clients, left values, right
+    values or None to leave it out of the right panel)}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, (xs, ys, zs) in series.items():
+        a.plot(xs, ys, marker="o", label=label)
+        if zs is not None:
+            b.plot(xs, zs, marker="o", label=label)
+    for ax, name in ((a, left), (b, right)):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(name)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    save_figure(fig, path, title)

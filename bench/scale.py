@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from bench.common import cell, environment, median, save_figure, save_results
+from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from bench.serve import Recording, Replay, record, replay
 from client.decode import generate
 from client.training.datasets import mtbench_questions
@@ -115,13 +115,7 @@ def load_point(address: str, setup: str, n: int, recordings: list[Recording], mi
         route = ((ROUTE_KEY, secrets.token_hex(8)),)
         results[i] = replay(pb_grpc.SplitSpecStub(channels[i]), rec, latencies, route, reopens)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(client, n)
     for c in channels:
         c.close()
     wanted = [recordings[i % len(recordings)].tokens for i in range(n)]
@@ -158,13 +152,7 @@ def overhead(address: str, setup: str, rec: Recording) -> Overhead:
             for _ in range(PROBE_CALLS):
                 stub.Probe(pb.ProbeRequest(), timeout=60)
 
-        threads = [threading.Thread(target=probes) for _ in range(PROBE_THREADS)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        rate = PROBE_THREADS * PROBE_CALLS / (time.perf_counter() - start)
+        rate = PROBE_THREADS * PROBE_CALLS / run_clients(lambda i: probes(), PROBE_THREADS)
     return Overhead(setup, percentile(probe_latencies, 0.5), percentile(probe_latencies, 0.99),
                     percentile(latencies, 0.5), percentile(latencies, 0.99), round(rate, 1))  # fmt: skip
 
@@ -205,13 +193,7 @@ def kill_round(address: str, round_no: int, recordings: list[Recording]) -> Kill
             errors.append(exc)
             tqdm.write(f"round {round_no}, client {i}: {exc!r}", file=sys.stderr)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(KILL_CLIENTS)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(client, KILL_CLIENTS)
     victim, at = killed[0] if killed else ("", time.monotonic())
     replaced = cluster.wait_running(2, timeout_s=300) + (time.monotonic() - at if killed else 0.0)
     exact = not errors and all(r is not None and r.token_ids == recordings[i % len(recordings)].tokens
@@ -287,23 +269,12 @@ def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args
 
 
 def figure(points: list[Point], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {}
     for setup in dict.fromkeys(p.setup for p in points):
         ps = [p for p in points if p.setup == setup]
-        a.plot([p.clients for p in ps], [p.tokens_per_s for p in ps], marker="o", label=setup)
-        b.plot([p.clients for p in ps], [p.verify_p99_ms for p in ps], marker="o", label=setup)
-    for ax, label in ((a, "tokens/s, all clients"), (b, "Verify p99 latency, ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.legend()
-        ax.grid(alpha=0.3)
-    save_figure(fig, out / "scale.png", "one server vs Ray Serve replicas")
+        series[setup] = ([p.clients for p in ps], [p.tokens_per_s for p in ps], [p.verify_p99_ms for p in ps])
+    clients_figure(series, "tokens/s, all clients", "Verify p99 latency, ms", out / "scale.png",
+                   "one server vs Ray Serve replicas")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from bench.common import cell, environment, median, save_figure, save_results
+from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, generate
 from client.drafters import make_drafter
@@ -249,13 +249,7 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
         else:
             results[i] = stream(stubs[i], rec) if mode == "api" else replay(stubs[i], rec, latencies)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(client, n)
     for c in channels:
         c.close()
     after = scrape(metrics_port)
@@ -304,24 +298,12 @@ def markdown(points: list[Point], args, recordings: list[Recording], cpus: str) 
 
 
 def figure(points: list[Point], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {}
     for mode in dict.fromkeys(p.mode for p in points):
         ps = [p for p in points if p.mode == mode]
-        a.plot([p.clients for p in ps], [p.server_tokens_per_s for p in ps], marker="o", label=mode)
-        if mode != "api":
-            b.plot([p.clients for p in ps], [p.verify_p99_ms for p in ps], marker="o", label=mode)
-    for ax, label in ((a, "server tokens/s"), (b, "Verify p99 latency, ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.legend()
-        ax.grid(alpha=0.3)
-    save_figure(fig, out / "serve.png", "splitspec serve under load")
+        series[mode] = ([p.clients for p in ps], [p.server_tokens_per_s for p in ps],
+                        None if mode == "api" else [p.verify_p99_ms for p in ps])  # fmt: skip
+    clients_figure(series, "server tokens/s", "Verify p99 latency, ms", out / "serve.png", "splitspec serve under load")
 
 
 def main(argv: list[str] | None = None) -> int:
