@@ -203,12 +203,19 @@ def test_a_replica_answers_not_found_for_an_unknown_session_without_a_route_key(
 
 def test_serve_ray_refuses_what_serves_proxy_cannot_do():
     """Checked before Ray starts: TLS (Serve's gRPC proxy has none) and a replica count below one."""
-    from tests.test_cli import splitspec
+    import argparse
 
-    tls = splitspec("serve", "--ray", "--tls-cert", "c.pem", "--tls-key", "k.pem")
-    assert tls.returncode != 0 and "no TLS" in tls.stderr
-    none = splitspec("serve", "--ray", "--replicas", "0")
-    assert none.returncode != 0 and "--replicas must be >= 1, got 0" in none.stderr
+    from server.cli import add_arguments, run
+
+    def refusal(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        with pytest.raises(SystemExit) as refused:
+            run(parser.parse_args(["--ray", *argv]))
+        return str(refused.value)
+
+    assert "no TLS" in refusal("--tls-cert", "c.pem", "--tls-key", "k.pem")
+    assert "--replicas must be >= 1, got 0" in refusal("--replicas", "0")
 
 
 def test_a_full_replicas_retry_hint_reaches_the_client_without_trailing_metadata():
