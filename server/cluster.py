@@ -150,12 +150,11 @@ class Replica:
     # --- calls -------------------------------------------------------------------------------
 
     def _check(self, context: CallContext) -> None:
+        from server.security import UNAUTHENTICATED
+
         auth = self.service.auth
         if auth is not None and auth.identity(context.invocation_metadata()) is None:
-            from shared.auth import METADATA_KEY
-
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{METADATA_KEY} metadata with a valid bearer token is required (the server runs with auth)")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
 
     async def _unary(self, name: str, request, grpc_context, session_id: str | None = None):
         """The service's ``name`` on a pool thread; ``session_id``: a call on that session (routing figures)."""
@@ -242,9 +241,10 @@ class Replica:
         route key that hashes to it: ``server.routing.owner``)."""
         from ray import serve
 
+        count = self.service.metrics.registry.get_sample_value
         return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": self.pid,
-                "sessions": len(self.service.sessions), "hits": int(self.route.hits._value.get()),
-                "misses": int(self.route.misses._value.get())}  # fmt: skip
+                "sessions": len(self.service.sessions), "hits": int(count("splitspec_route_hits_total")),
+                "misses": int(count("splitspec_route_misses_total"))}  # fmt: skip
 
     def check_health(self) -> None:
         """Serve's own health check (every few seconds): a replica whose batcher thread died is replaced."""

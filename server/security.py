@@ -19,6 +19,7 @@ from shared.auth import METADATA_KEY
 from shared.errors import SplitspecError
 
 STREAMING = {"FetchPayload", "Generate"}  # the SplitSpec methods that answer with a stream
+UNAUTHENTICATED = f"{METADATA_KEY} metadata with a valid bearer token is required (the server runs with auth)"
 
 
 def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path | None = None):
@@ -54,10 +55,8 @@ class TokenAuth(grpc.ServerInterceptor):
         prefix = f"/{SERVICE}/"
         if not details.method.startswith(prefix) or self.identity(details.invocation_metadata) is not None:
             return continuation(details)
-        message = f"{METADATA_KEY} metadata with a valid bearer token is required (the server runs with auth)"
-
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
 
         if details.method.removeprefix(prefix) in STREAMING:
             return grpc.unary_stream_rpc_method_handler(deny)
