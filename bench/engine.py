@@ -74,7 +74,7 @@ from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
-from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, native_bf16, resolve_model
+from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, resolve_model
 from shared.tree import DraftTree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -582,7 +582,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.sizes or args.sizes[0] < 1:
         p.error("--sizes must be positive integers")
     if args.dtypes is None:
-        args.dtypes = "fp32," + ("bf16," if native_bf16() else "") + "fp32+int8,fp32+int4"
+        args.dtypes = "fp32,bf16,fp32+int8,fp32+int4"
     entries = [d.strip().split("+") for d in args.dtypes.split(",") if d.strip()]
     unknown = ["+".join(e) for e in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"], ["int4"])]
     if unknown:

@@ -80,7 +80,7 @@ class SplitspecInt8(Candidate):
         self.packed = [(w.shape[1], *pack_int8(w)) for w in ws]
 
     def run(self, xs):
-        return [torch.ops.splitspec.linear(xs[k], q, s, None, None) for k, q, s in self.packed]
+        return [kernels.ops().linear(xs[k], q, s, None, None) for k, q, s in self.packed]
 
 
 class SplitspecInt4(SplitspecInt8):

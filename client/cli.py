@@ -104,13 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="--local only: cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="the in-process target's (--local, or a trained drafter's frozen parts) and the drafter's: "
-                        "auto = float32 with int8 weights on a CPU without native bf16, bf16 where the hardware "
-                        "computes it (AMX/AVX512-BF16 CPUs, CUDA); float32 + native weights gives transformers' own "
-                        "greedy output")  # fmt: skip
+                        "auto (default, with --weights auto) = the path measured fastest on this machine (`splitspec "
+                        "kernels`); float32 + native weights gives transformers' own greedy output")  # fmt: skip
     p.add_argument("--weights", default="auto", choices=["auto", "native", "int8", "int4"],
-                   help="the in-process target's projections: auto (with --dtype auto: int8 on a CPU without native "
-                        "bf16), native, or int8 with per-token int8 activations on splitspec's CPU kernels (--local: "
-                        "a different served target, lossless relative to itself; remote: the TLI layers)")  # fmt: skip
+                   help="the in-process target's projections: auto (measured with --dtype auto), native, or int8/int4 "
+                        "with per-token int8 activations on splitspec's CPU kernels (--local: a different served "
+                        "target, lossless relative to itself; remote: the TLI layers)")  # fmt: skip
     p.add_argument("--drafter-weights", default="auto", choices=["auto", "native", "int8"],
                    help="a trained drafter's own projections and draft head: auto (default) = int8 on a CPU when the "
                         "target is int8 or bf16, where it makes a draft step cheaper; drafts change, outputs "
@@ -232,8 +231,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     drafter = None
     trained = args.baseline is None and needs_target(args.drafter)
     if args.local or trained:  # a trained drafter reuses the target's frozen embeddings, last layers and head
+        job = "verify" if args.local and args.baseline is None and args.drafter != "none" else "decode"
         target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                             weights=args.weights)  # fmt: skip
+                             weights=args.weights, job=job)  # fmt: skip
         tokenizer = target.tokenizer
         if args.local and not args.json:
             print(f"splitspec: {target.name} on {target.describe()}", file=sys.stderr)

@@ -24,14 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-        help="activations (and native weights): auto (default) = float32 with int8 weights on a CPU without native "
-             "bf16, bf16 where the hardware computes it (AMX/AVX512-BF16 CPUs, CUDA); float32 + native weights "
-             "gives transformers' own greedy output"
+        help="activations (and native weights): auto (default, with --weights auto) = the path measured fastest "
+             "for verification on this machine (`splitspec kernels`); float32 + native weights gives transformers' "
+             "own greedy output"
     )
     p.add_argument("--weights", default="auto", choices=["auto", "native", "int8", "int4"],
-                   help="auto (default; with --dtype auto: int8 on a CPU without native bf16), native, or int8: every "
-                        "projection int8 with per-token int8 activations on splitspec's CPU kernels, a different "
-                        "served target, lossless relative to itself, several times faster than fp32 here")  # fmt: skip
+                   help="auto (default: measured with --dtype auto; native with a pinned dtype), native, or int8/int4 "
+                        "on splitspec's CPU kernels with per-token int8 activations: a different served target, "
+                        "lossless relative to itself")  # fmt: skip
     p.add_argument("--prefer", default="auto", choices=["auto", "latency", "capacity"],
                    help="what replies ask clients to spend: latency (the server decodes for them when that is "
                         "faster), capacity (they draft at the edge to spare its compute), auto: capacity while "
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_server, _ = service.metrics.serve(args.metrics_host, args.metrics_port)
         print(f"splitspec: metrics on http://{args.metrics_host}:{metrics_server.server_port}/metrics", flush=True)
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                         weights=args.weights)  # fmt: skip
+                         weights=args.weights, job="verify")  # fmt: skip
     service.attach(target)
     print(
         f"splitspec: serving {target.name} on {args.host}:{port} ({target.describe()}, "

@@ -308,6 +308,13 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
                          f"unexpected {unexpected[:5]}")  # fmt: skip
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    return prepare(model, dtype, device, exact, weights), hf
+
+
+def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device = "cpu", exact: bool = True,
+            weights: str = "native") -> Transformer:  # fmt: skip
+    """A loaded model made ready to serve: moved, cast, its projections made low-bit (``load_engine``'s
+    ``weights``); the calibration (``shared.calibration``) prepares its timed slices the same way."""
     model = model.to(device=device, dtype=dtype)
     model.exact = exact
     if weights not in WEIGHTS:
@@ -317,4 +324,4 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
             raise ValueError(f"low-bit weights are a CPU path; on {model.device} serve native weights")
         model.lm_head.quantize("int8", keep_weight=True)  # its float weight stays: embeddings, drafters' heads
         quantize(model.layers, weights)
-    return model.eval().requires_grad_(False), hf
+    return model.eval().requires_grad_(False)

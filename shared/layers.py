@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.kernels import ops as kernels_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -237,7 +239,7 @@ class Linear(nn.Linear):
                 raise RuntimeError(f"a low-bit layer computes on the CPU; its input is on {x.device}")
             if x.shape[-1] != self.in_features:  # the kernel sees only the padded width
                 raise ValueError(f"input of width {x.shape[-1]} for a layer of {self.in_features} inputs")
-            out = torch.ops.splitspec.linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
+            out = kernels_ops().linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
             return out.to(x.dtype)
         single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])
@@ -417,7 +419,7 @@ class Block(nn.Module):
         cos, sin = rope[0][0, a:b], rope[1][0, a:b]
         if cos.dtype != torch.float32:
             cos, sin = cos.float(), sin.float()
-        return torch.ops.splitspec.attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, heads, kv_heads,
+        return kernels_ops().attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, heads, kv_heads,
                                           head_dim**-0.5)  # fmt: skip
 
     def kernel_blocks(self):
@@ -449,7 +451,7 @@ _NO_BIAS = torch.empty(0)
 
 
 def kernel_blocks(blocks: list[Block]):
-    """``blocks`` (consecutive, the same shape) as one ``torch.classes.splitspec.Blocks``: a forward through all of
+    """``blocks`` (consecutive, the same shape) as one ``shared.kernels.Blocks``: a forward through all of
     them crosses into C++ once. None unless every projection of every block is low-bit and the kernels are here."""
     from shared import kernels
 
@@ -464,7 +466,7 @@ def kernel_blocks(blocks: list[Block]):
         tensors += [ln1.weight.detach(), *qkv, *o, ln2.weight.detach(), *gate_up, *down]
         eps += [ln1.eps, ln2.eps]
     heads, kv_heads, head_dim = blocks[0]._shape
-    return torch.classes.splitspec.Blocks(tensors, eps, heads, kv_heads, head_dim**-0.5)
+    return kernels.Blocks(tensors, eps, heads, kv_heads, head_dim**-0.5)
 
 
 def run_blocks(stack, x: torch.Tensor, rope: tuple, caches: list[tuple[torch.Tensor, torch.Tensor]],

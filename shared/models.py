@@ -92,48 +92,65 @@ def _provision_builtin(name: str, root: Path) -> Path:
     return final
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), where oneDNN's bf16 GEMMs are fast."""
-    from shared.kernels import cpu_flags
+def on_q4_grid(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint's projections already lie on a Q4_1 grid (it was dequantised from a 4-bit GGUF), judged
+    on its first layer's down projection: int4 then serves its own values, with no second rounding."""
+    from safetensors import safe_open
 
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    from shared.layers import dequantize_int4, pack_int4
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names = [n for n in st.keys() if n.endswith("layers.0.mlp.down_proj.weight")]
+            if names:
+                w = st.get_tensor(names[0]).float()
+                if w.shape[0] % 16 or w.shape[1] % 32:
+                    return False
+                return torch.equal(dequantize_int4(*pack_int4(w)), w)
+    return False
 
 
-def default_weights(device: str = "cpu") -> str:
-    """``lowbit`` on a CPU without native bf16 where splitspec's kernels build (measured on an AVX2 EPYC: plain
-    decoding 5x fp32): int4 where that is lossless for the checkpoint, else int8 (``shared.engine.load_engine``);
-    native on CUDA and on AMX CPUs, whose bf16 path was measured and the low-bit one not yet there (``--weights
-    int4`` or ``int8`` is one flag away)."""
-    from shared import kernels
+def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "auto", path: str | None = None,
+                      job: str = "decode", cache: str | os.PathLike | None = None) -> tuple[str, str]:  # fmt: skip
+    """(dtype, weights) for the ``auto`` settings: what the CLIs serve by default.
 
-    if str(device).startswith("cuda") or native_bf16():
-        return "native"
-    return "lowbit" if kernels.available() else "native"
-
-
-def default_dtype(device: str = "cpu", weights: str = "native") -> str:
-    """bf16 where the hardware computes it natively (CUDA; CPUs with AVX512-BF16 or AMX), else fp32.
-
-    On such a CPU oneDNN's bf16 GEMMs make a 17-token verification cost ~1.2x one token (fp32: ~2x),
-    which is what makes tree verification nearly free; without them bf16 is emulated and slower.
-    int8 weights on a CPU take fp32 activations (the kernels' input and what their blocks compute in).
+    On CUDA: bf16 where supported (else fp16), native weights. On a CPU, with both ``auto``, the path measured
+    fastest for ``job`` on the model at ``path`` (``shared.calibration``; int4 only for a checkpoint already on its
+    grid, so auto never rounds a model twice); a pinned dtype means native weights; pinned low-bit weights take
+    fp32 activations (the kernels' input); native weights with ``auto`` dtype take the faster of bf16 and fp32.
     """
+    from shared.engine import WEIGHTS
+
+    if weights not in ("auto", *WEIGHTS):
+        raise SplitspecError(f"unknown weights {weights!r}; expected auto, {', '.join(WEIGHTS)}")
     if str(device).startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+        return dtype, "native" if weights == "auto" else weights
+    if weights == "auto" and dtype != "auto":
+        return dtype, "native"
     if weights in ("int8", "int4", "lowbit"):
-        return "float32"
-    return "bfloat16" if native_bf16() else "float32"
+        return ("float32" if dtype == "auto" else dtype), weights
+    if path is None:
+        raise SplitspecError("choosing a path by measurement needs the model's folder")
+    from shared.calibration import PATHS, runnable_paths, table_for
+
+    allowed = runnable_paths() if weights == "auto" else ["bf16", "fp32"]
+    if "int4" in allowed and not on_q4_grid(path):
+        allowed.remove("int4")
+    table = table_for(_config(path), cache)
+    chosen = table.choose(job, allowed)
+    print(table.line(chosen, job), file=sys.stderr)
+    dtype, weights = PATHS[chosen]
+    return dtype, ("lowbit" if chosen == "int4" else weights)  # lowbit: int4 wherever it changes nothing
 
 
-def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "auto") -> tuple[str, str]:
-    """(dtype, weights) for the ``auto`` settings on this device: what the CLIs serve by default."""
-    if weights == "auto":
-        weights = default_weights(device) if dtype == "auto" else "native"  # a pinned dtype means native weights
-    if weights not in ("native", "int8", "int4", "lowbit"):
-        raise SplitspecError(f"unknown weights {weights!r}; expected auto, native, int8, int4 or lowbit")
-    if dtype == "auto":
-        dtype = default_dtype(device, weights)
-    return dtype, weights
+def _config(path: str | os.PathLike):
+    from transformers import AutoConfig
+
+    from shared.engine import ModelConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
 
 
 def load_target(
@@ -143,11 +160,13 @@ def load_target(
     cache: str | os.PathLike | None = None,
     max_context: int | None = None,
     weights: str = "auto",
+    job: str = "decode",
 ):
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
-    ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8`` (see
-    ``shared.engine.load_engine``) or ``auto`` (``resolve_precision``: what the CLIs use).
+    ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8``, ``int4`` (see
+    ``shared.engine.load_engine``) or ``auto``: ``resolve_precision`` chooses by measuring this machine for
+    ``job`` (``decode``: plain decoding; ``verify``: trees).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -158,13 +177,13 @@ def load_target(
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SplitspecError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     path = resolve_model(spec, cache)
-    dtype, weights = resolve_precision(device, dtype, weights)
-    if dtype not in DTYPES:
-        raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
-    hf_logging.set_verbosity_error()
     if not (Path(path) / "config.json").is_file():
         raise SplitspecError(f"model {spec!r}: no local folder with config.json (no model hub is reachable); "
                              f"pass a local Hugging Face folder or the built-in {DEFAULT_MODEL!r}")  # fmt: skip
+    dtype, weights = resolve_precision(device, dtype, weights, path, job, cache)
+    if dtype not in DTYPES:
+        raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
+    hf_logging.set_verbosity_error()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         engine, hf_config = load_engine(path, DTYPES[dtype], device, weights=weights)

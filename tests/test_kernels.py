@@ -13,7 +13,7 @@ from shared.layers import dequantize_int4, pack_int4, pack_int8
 from shared.tree import path_to, tree_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")
-ops = torch.ops.splitspec
+ops = kernels.ops() if kernels.available() else None
 
 
 def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,25 @@
-"""splitspec's compiled CPU kernels (``cpu.cpp``): int8 linear layers and a fixed-order attention.
+"""splitspec's compiled CPU kernels (``cpu.cpp``): low-bit linear layers and a fixed-order attention.
 
-They are built from source on the machine that runs them, once per CPU kind and torch version, with
-the instruction sets that CPU reports (AVX2+FMA where present, a portable build elsewhere; never
-``-march=native``, which some VMs advertise wrongly). ``make setup`` builds them; otherwise the first
-use does (~1 min). The ops land in ``torch.ops.splitspec``; ``available()`` says whether they could
-be built here and ``unavailable_reason()`` why not.
+One source, several builds, each for an instruction set: ``avx512-vnni`` (512-bit ``vpdpbusd`` for the integer
+dot products; Zen 4/5, Ice Lake and later Xeons), ``avx2`` (AVX2+FMA+F16C), ``portable`` (plain C++). They are
+built from source on the machine that runs them, once per CPU kind and torch version, never with
+``-march=native`` (some VMs advertise it wrongly). Every build computes the same bits: integer sums are exact and
+the float steps are written once, in one order, so a build is a matter of speed only.
+
+Which builds *can* run here is a CPU flag question (an instruction the CPU lacks kills the process); which one
+*is used* is measured: ``active()`` times the runnable builds on a typical projection and takes the fastest,
+cached per CPU, torch version and source (``SPLITSPEC_ISA`` pins one). A build registers its ops as
+``torch.ops.splitspec_<isa>``; ``ops()`` is the active build's, ``Blocks()`` its fused decoder stack.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -22,6 +29,15 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 # -fopenmp: at::parallel_for is OpenMP in torch's headers (the same libgomp torch loaded); -ffp-contract=off: no
 # fused multiply-adds the source did not write, so float results are what the source says
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+# widest first: (the CPU flags a build needs to run at all, its compiler flags)
+BUILDS: dict[str, tuple[frozenset[str], list[str]]] = {
+    "avx512-vnni": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                               "avx512vbmi"}),
+                    [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi"]),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), _AVX2),
+    "portable": (frozenset(), []),
+}  # fmt: skip
 
 
 def cpu_flags() -> set[str]:
@@ -46,40 +62,58 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isas() -> list[str]:
+    """The vector ISAs that decide which path is fast on this CPU, as names a reader knows."""
+    flags = cpu_flags()
+    named = (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AVX512-VNNI", "avx512_vnni"),
+             ("AVX-VNNI", "avx_vnni"), ("AMX", "amx_bf16"))  # fmt: skip
+    return [name for name, flag in named if flag in flags]
+
+
 def cpu_label() -> str:
-    """The CPU's model and the vector ISAs that decide which path is fast on it, e.g. ``AMD EPYC (AVX2)``: what
-    every measurement is labelled with, since the machines this project runs on alternate."""
+    """The CPU's model and its vector ISAs, e.g. ``AMD EPYC (AVX2)``: what every measurement is labelled with,
+    since the machines this project runs on alternate."""
+    return f"{cpu_name()} ({', '.join(cpu_isas()) or 'no AVX2'})"
+
+
+def runnable() -> list[str]:
+    """The builds this CPU can execute, widest first (``portable`` always)."""
     flags = cpu_flags()
-    isas = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"),
-                                    ("AVX512-VNNI", "avx512_vnni"), ("AMX", "amx_bf16")) if flag in flags]  # fmt: skip
-    return f"{cpu_name()} ({', '.join(isas) or 'no AVX2'})"
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return [tag for tag, (needs, _) in BUILDS.items() if not needs or (x86 and needs <= flags)]
 
 
-def isa_flags() -> tuple[str, list[str]]:
-    """(tag, compiler flags) for the widest instruction set the kernels have a path for on this CPU."""
-    flags = cpu_flags()
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "portable", []
+def namespace(tag: str) -> str:
+    return "splitspec_" + tag.replace("-", "_")
 
 
-def build_directory() -> Path:
+def build_directory(tag: str) -> Path:
     """Beside the source when that is writable (a checkout: every process finds the build whatever its model
     cache), else in the user's cache; one folder per ISA, flags, source and torch version."""
-    tag, flags = isa_flags()
+    flags = BUILDS[tag][1]
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + flags).encode()).hexdigest()[:12]
     version = torch.__version__.replace("+", "_")
     root = SOURCE.parent / "build" if os.access(SOURCE.parent, os.W_OK) else Path.home() / ".cache" / "splitspec"
     return root / f"{tag}-torch{version}-{digest}"
 
 
-@cache
-def _load() -> str | None:
-    """Build (if needed) and load the kernels; None on success, else why they are not here."""
+def _disabled() -> str | None:
     if os.environ.get("SPLITSPEC_KERNELS", "").lower() in ("0", "off", "no"):
         return "turned off by SPLITSPEC_KERNELS"
+    return None
+
+
+@cache
+def load(tag: str) -> str | None:
+    """Build (if needed) and load one build; None on success, else why it is not here."""
+    if tag not in BUILDS:
+        return f"unknown kernel build {tag!r}; expected one of {', '.join(BUILDS)}"
+    if reason := _disabled():
+        return reason
+    if tag not in runnable():
+        return f"this CPU lacks {', '.join(sorted(BUILDS[tag][0] - cpu_flags()))} for the {tag} build"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import load as build
     except ImportError as e:  # pragma: no cover - every torch wheel has it
         return f"torch has no extension builder: {e}"
     try:  # torch's builder runs `ninja` from PATH: the ninja package's binary, where a venv is not on PATH
@@ -88,42 +122,123 @@ def _load() -> str | None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except (ImportError, AttributeError):
         pass
-    tag, flags = isa_flags()
-    out = build_directory()
+    out = build_directory(tag)
     out.mkdir(parents=True, exist_ok=True)
-    built = any(out.glob("*.so"))
-    if not built:
+    if not any(out.glob("*.so")):
         print(f"splitspec: building the CPU kernels for {tag} in {out} (once, ~1 min)", file=sys.stderr)
     try:
-        load(name=f"splitspec_cpu_{tag}", sources=[str(SOURCE)], build_directory=str(out),
-             extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)  # fmt: skip
+        build(name=namespace(tag), sources=[str(SOURCE)], build_directory=str(out),
+              extra_cflags=[*CFLAGS, *BUILDS[tag][1], f"-DSPLITSPEC_NS={namespace(tag)}"],
+              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)  # fmt: skip
     except Exception as e:  # a compiler or header missing: the engine says so and serves without them
-        return f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+        return f"building {SOURCE.name} for {tag} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
     return None
 
 
+def builds() -> list[str]:
+    """The builds loaded here (building each runnable one on first call), widest first."""
+    return [tag for tag in runnable() if load(tag) is None]
+
+
+def _timing_key() -> str:
+    return hashlib.sha256(f"{cpu_name()}|{sorted(cpu_flags())}|{torch.__version__}|{torch.get_num_threads()}|"
+                          f"{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}"
+                          .encode()).hexdigest()[:16]  # fmt: skip
+
+
+def time_builds(tags: list[str], repeats: int = 7, clock=time.perf_counter) -> dict[str, float]:
+    """Median seconds of one int4 and one int8 projection (K 2048, N 4096) at 1 and 16 rows, per build: what a
+    decode step and a tree spend most of their time in. Builds alternate, so drift hits them alike."""
+    from shared.layers import pack_int4, pack_int8
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 2048, generator=gen) * 0.02
+    q4, q8 = pack_int4(w), pack_int8(w)
+    xs = [torch.randn(m, 2048, generator=gen) for m in (1, 16)]
+    samples: dict[str, list[float]] = {t: [] for t in tags}
+    for i in range(repeats + 1):
+        for tag in tags:
+            linear = ops(tag).linear
+            start = clock()
+            for x in xs:
+                linear(x, *q4, None, None)
+                linear(x, *q8, None, None)
+            if i:  # the first round warms up
+                samples[tag].append(clock() - start)
+    return {t: sorted(s)[len(s) // 2] for t, s in samples.items()}
+
+
+@cache
+def active() -> str | None:
+    """The build the engine uses: ``SPLITSPEC_ISA`` if set, else the fastest loaded build as measured here (cached
+    in the model cache's ``calibration/`` per CPU, torch version, thread count and source); None when none loaded."""
+    pinned = os.environ.get("SPLITSPEC_ISA")
+    if pinned:
+        if reason := load(pinned):
+            raise RuntimeError(f"SPLITSPEC_ISA={pinned}: {reason}")
+        return pinned
+    loaded = builds()
+    if len(loaded) <= 1:
+        return loaded[0] if loaded else None
+    from shared.models import cache_dir
+
+    path = cache_dir() / "calibration" / f"kernels-{_timing_key()}.json"
+    try:
+        record = json.loads(path.read_text())
+        if set(record["seconds"]) == set(loaded):
+            return record["chosen"]
+    except (OSError, ValueError, KeyError):
+        pass
+    seconds = time_builds([t for t in loaded if t != "portable"] or loaded)
+    chosen = min(seconds, key=seconds.get)
+    record = {"cpu": cpu_label(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "seconds": seconds, "chosen": chosen, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return chosen
+
+
 def available() -> bool:
-    """Whether the kernels are built and loaded here (building them on first call)."""
-    return _load() is None
+    """Whether a build is loaded here (building on first call)."""
+    return active() is not None
 
 
 def unavailable_reason() -> str | None:
-    return _load()
+    if available():
+        return None
+    return "; ".join(f"{t}: {load(t)}" for t in BUILDS if load(t)) or "no build"
+
+
+def ops(tag: str | None = None):
+    """The ops of a build (default: the active one): ``linear``, ``norm_linear``, ``mlp``, ``attend``, ``isa``."""
+    tag = tag or active()
+    if tag is None or (reason := load(tag)):
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason() if tag is None else reason}")
+    return getattr(torch.ops, namespace(tag))
+
+
+def Blocks(*args, tag: str | None = None):  # noqa: N802 - a class, as torch names it
+    """A fused stack of low-bit decoder blocks on a build (default: the active one)."""
+    ops(tag)  # loaded, or a clear error
+    return getattr(torch.classes, namespace(tag or active())).Blocks(*args)
 
 
 def isa() -> str:
-    """What the loaded kernels compute with: ``avx2`` or ``portable``."""
-    if not available():
-        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-    return torch.ops.splitspec.isa()
+    """What the active build computes with: ``avx512-vnni``, ``avx2`` or ``portable``."""
+    return ops().isa()
 
 
 def main() -> None:
-    """``python -m shared.kernels``: build now (``make setup``) and say what was built."""
-    if not available():
+    """``python -m shared.kernels``: build every runnable ISA now (``make setup``), time them, say which is used."""
+    loaded = builds()
+    if not loaded:
         sys.exit(f"splitspec: {unavailable_reason()}")
-    print(f"splitspec kernels: {isa()} on {cpu_name()} ({build_directory()})")
+    for tag in runnable():
+        print(f"splitspec kernels: {tag:12s} {'built' if tag in loaded else load(tag)} ({build_directory(tag)})")
+    print(f"splitspec kernels: using {active()} on {cpu_label()}")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,24 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPLITSPEC_AVX2 1
 #endif
+#if defined(SPLITSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__)
+#define SPLITSPEC_AVX512 1  // the integer dot products in 512-bit VNNI (vpdpbusd); everything else as AVX2
+#endif
+
+// Each build registers its ops under its own name (torch.ops.splitspec_avx2, ...), so that one process can load
+// several builds (the tests compare them); shared/kernels/__init__.py passes the name.
+#ifndef SPLITSPEC_NS
+#define SPLITSPEC_NS splitspec
+#endif
+#define SPLITSPEC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 namespace {
 
@@ -42,6 +54,7 @@ int64_t padded(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 struct Rows {
   std::vector<int8_t> q;    // [M, Kp] signed values
   std::vector<uint8_t> a;   // [M, Kp] their magnitudes (AVX2 multiplies unsigned by signed bytes)
+  std::vector<uint8_t> u;   // [M, Kp] the values + 128 (VNNI's unsigned operand; see dot_tile)
   std::vector<float> scale; // [M] per row, or [M, Kp / 32] per block
   std::vector<float> bsum;  // [M, Kp / 32] each block's sum of q, times its scale in block mode
   int64_t M = 0, Kp = 0;
@@ -100,13 +113,21 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = 
   r.blocks = blocks;
   const int64_t Kb = r.Kp / KSTEP;
   r.q.assign(M * r.Kp, 0);
+#ifdef SPLITSPEC_AVX512
+  if (!blocks) r.u.assign(M * r.Kp, 128);  // the int8 kernel's offset values; 4-bit weights need none
+#else
   if (!blocks) r.a.assign(M * r.Kp, 0);  // the int8 kernel's magnitudes (sign trick); 4-bit weights need none
+#endif
   r.scale.assign(blocks ? M * Kb : M, 0.f);
   r.bsum.assign(M * Kb, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     int8_t* q = r.q.data() + m * r.Kp;
+#ifdef SPLITSPEC_AVX512
+    uint8_t* a = nullptr;
+#else
     uint8_t* a = blocks ? nullptr : r.a.data() + m * r.Kp;
+#endif
     const float row_amax = blocks ? 0.f : amax_of(xr, K);
     for (int64_t b = 0; b < Kb; ++b) {
       const int64_t k0 = b * KSTEP, k1 = std::min(K, k0 + KSTEP), n = std::max<int64_t>(0, k1 - k0);
@@ -121,17 +142,75 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = 
       }
     }
     if (!blocks) r.scale[m] = row_amax / 127.f;
+#ifdef SPLITSPEC_AVX512
+    if (!blocks)
+      for (int64_t k = 0; k < r.Kp; ++k) r.u[m * r.Kp + k] = static_cast<uint8_t>(q[k] + 128);
+#endif
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Integer dot products of R activation rows with C = 4 weight rows: out[r * 4 + c] (int32, exact).
 
+// f(std::integral_constant<int, rows>{}) for 1 <= rows <= R: a tile's row count as a template argument
+template <int R, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R > 1) {
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    return with_rows<R - 1>(rows, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
 constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's reduction over a short K
 constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight stream to ask for: one thread alone cannot
                                     // keep enough reads in flight to stream DRAM at full speed
 
-#ifdef SPLITSPEC_AVX2
+#if defined(SPLITSPEC_AVX512)
+// VNNI multiplies unsigned by signed bytes: x·w = (x + 128)·w − 128·w, so a row's magnitudes are not needed,
+// only its values offset by 128 (Rows.u), and each column's sum of weights (one more vpdpbusd a K step, shared
+// by every row of the tile). All sums are exact int32s: the same result as the AVX2 and portable paths.
+template <int R>
+void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* out) {
+  __m512i acc[R][2], wsum[2];  // acc[r][h]: columns 2h, 2h + 1 in lanes 0-7, 8-15
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  wsum[0] = wsum[1] = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t k = 0; k < Kp; k += KSTEP) {
+    const int8_t* chunk = w + k * C;  // C rows of 32 values: two 64-byte loads of two rows each
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH + 64), _MM_HINT_T0);
+    const __m512i w01 = _mm512_loadu_si512(chunk), w23 = _mm512_loadu_si512(chunk + 64);
+    wsum[0] = _mm512_dpbusd_epi32(wsum[0], ones, w01);
+    wsum[1] = _mm512_dpbusd_epi32(wsum[1], ones, w23);
+    for (int r = 0; r < R; ++r) {
+      const __m512i u = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.u.data() + (r0 + r) * Kp + k)));
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], u, w01);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], u, w23);
+    }
+  }
+  alignas(64) int32_t ws[2][16];
+  _mm512_store_si512(ws[0], wsum[0]);
+  _mm512_store_si512(ws[1], wsum[1]);
+  int32_t col_sum[C];
+  for (int c = 0; c < C; ++c) {
+    col_sum[c] = 0;
+    for (int i = 0; i < 8; ++i) col_sum[c] += ws[c / 2][(c % 2) * 8 + i];
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) int32_t a[2][16];
+    _mm512_store_si512(a[0], acc[r][0]);
+    _mm512_store_si512(a[1], acc[r][1]);
+    for (int c = 0; c < C; ++c) {
+      int32_t s = 0;
+      for (int i = 0; i < 8; ++i) s += a[c / 2][(c % 2) * 8 + i];
+      out[r * C + c] = s - 128 * col_sum[c];
+    }
+  }
+}
+#elif defined(SPLITSPEC_AVX2)
 // the four lane-sums of a[0..3] as one vector
 inline __m128i hsum4(const __m256i* a) {
   const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
@@ -183,7 +262,11 @@ void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* o
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
           int64_t N, float* y) {
   const int64_t M = x.M, Kp = x.Kp;
+#ifdef SPLITSPEC_AVX512
+  constexpr int64_t R = 4;  // rows a tile's weights meet while in registers: more where a step is one instruction
+#else
   constexpr int64_t R = 2;
+#endif
   const int64_t tiles = (N + C - 1) / C;
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     int32_t acc[R * C];
@@ -191,8 +274,7 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
       const int64_t n = t * C, cols = std::min<int64_t>(C, N - n);
       for (int64_t r0 = 0; r0 < M; r0 += R) {
         const int64_t rows = std::min<int64_t>(R, M - r0);
-        if (rows == 2) dot_tile<2>(x, r0, w + n * Kp, Kp, acc);
-        else dot_tile<1>(x, r0, w + n * Kp, Kp, acc);
+        with_rows<R>(rows, [&](auto tile) { dot_tile<decltype(tile)::value>(x, r0, w + n * Kp, Kp, acc); });
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
           const float sx = x.scale[r0 + r];
@@ -224,7 +306,56 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
 
 constexpr int64_t Q4 = 16;  // columns per 4-bit tile
 
-#ifdef SPLITSPEC_AVX2
+#if defined(SPLITSPEC_AVX512)
+// VNNI: a 32-bit lane multiplies 4 unsigned weights by 4 signed activations and adds them (vpdpbusd), so a
+// lane is one column and a block's 32 values are 8 such steps. A byte permutation (vpermb) of two groups
+// (64 bytes) gives each lane its column's values 2g..2g+3 (low nibbles) and 2g+16..2g+19 (high nibbles), in
+// the column order of the scales ({0-3, 8-11, 4-7, 12-15}), once for all the rows. A block's int32 sum is
+// exact and the float steps per column are those of the AVX2 path: the same bits.
+template <int R>
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+  // lane j holds column col[j]; its bytes: (group g, col, e = 0), (g, col, 1), (g + 1, col, 0), (g + 1, col, 1)
+  static const __m512i pick = [] {
+    alignas(64) uint8_t idx[64];
+    static constexpr int col[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    for (int j = 0; j < Q4; ++j)
+      for (int i = 0; i < 4; ++i) idx[4 * j + i] = static_cast<uint8_t>((i / 2) * 32 + 2 * col[j] + i % 2);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
+  for (int64_t b = 0; b < Kb; ++b) {
+    const uint8_t* qb = w + b * 8 * 32;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g += 2) {
+      const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(qb + 32 * g));
+      const __m512i wl = _mm512_and_si512(raw, low), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      for (int r = 0; r < R; ++r) {
+        int32_t lo4, hi4;  // activations 2g..2g+3 and 2g+16..2g+19
+        std::memcpy(&lo4, xq[r] + b * KSTEP + 2 * g, 4);
+        std::memcpy(&hi4, xq[r] + b * KSTEP + 16 + 2 * g, 4);
+        isum[r] = _mm512_dpbusd_epi32(isum[r], wl, _mm512_set1_epi32(lo4));
+        isum[r] = _mm512_dpbusd_epi32(isum[r], wh, _mm512_set1_epi32(hi4));
+      }
+    }
+    const uint16_t* sb = dm + b * 2 * Q4;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm512_set1_ps(x.bsum[(r0 + r) * Kb + b]);
+      acc[r] = _mm512_fmadd_ps(m, bs, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), d), sx, acc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // lanes {0-3, 8-11, 4-7, 12-15} back to column order: swap the middle quarters
+    _mm512_storeu_ps(out + r * Q4, _mm512_shuffle_f32x4(acc[r], acc[r], _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+}
+#elif defined(SPLITSPEC_AVX2)
 template <int R>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
   __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
@@ -302,7 +433,11 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
              int64_t N, float* y) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
+#ifdef SPLITSPEC_AVX512
+  constexpr int64_t R = 8;
+#else
   constexpr int64_t R = 4;
+#endif
   at::parallel_for(0, N / Q4, 2, [&](int64_t t0, int64_t t1) {
     float acc[R * Q4];
     for (int64_t t = t0; t < t1; ++t) {
@@ -311,10 +446,7 @@ void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* b
       const uint16_t* dt = dm + t * Kb * 2 * Q4;
       for (int64_t r0 = 0; r0 < M; r0 += R) {
         const int64_t rows = std::min<int64_t>(R, M - r0);
-        if (rows == 4) q4_tile<4>(x, r0, wt, dt, Kb, acc);
-        else if (rows == 3) q4_tile<3>(x, r0, wt, dt, Kb, acc);
-        else if (rows == 2) q4_tile<2>(x, r0, wt, dt, Kb, acc);
-        else q4_tile<1>(x, r0, wt, dt, Kb, acc);
+        with_rows<R>(rows, [&](auto tile) { q4_tile<decltype(tile)::value>(x, r0, wt, dt, Kb, acc); });
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
           for (int64_t c = 0; c < Q4; ++c) {
@@ -410,22 +542,33 @@ void rms_norm_rows(const float* x, const float* w, double eps, int64_t M, int64_
 // ---------------------------------------------------------------------------------------------
 // One query's attention over the keys it may see, in slot order.
 
-// A KV cache holds fp32, or fp16 (half the bytes a token's attention streams; stored as raw bits).
+// A KV cache holds fp32, fp16 (half the bytes a token's attention streams) or bf16 (what a bf16 model's own
+// layers write: a drafter's Target Layer Inference over the target's KV). Narrowing rounds to nearest even.
 inline float widen(float x) { return x; }
-inline float widen(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+inline float widen(c10::Half h) { return static_cast<float>(h); }
+inline float widen(c10::BFloat16 b) { return static_cast<float>(b); }
 inline void narrow(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void narrow(const float* src, uint16_t* dst, int64_t n) {
+inline void narrow(const float* src, c10::Half* dst, int64_t n) {
   int64_t i = 0;
 #ifdef SPLITSPEC_AVX2
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
-  for (; i < n; ++i) dst[i] = c10::Half(src[i]).x;  // round to nearest even, as the vector path
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);  // round to nearest even, as the vector path
+}
+inline void narrow(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even (NaN kept)
 }
 #ifdef SPLITSPEC_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is fp32's upper half: widening is a shift
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
 #endif
 
 template <typename T>
@@ -665,8 +808,10 @@ struct CacheLayer {
   void* k;
   void* v;
   int64_t k_head, k_slot, v_head, v_slot;  // strides
-  bool half;
+  at::ScalarType type;  // kFloat, kHalf or kBFloat16
 };
+
+bool cache_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 // out[T, H d] = attention of T new tokens from their fused projections qkv [T, (H + 2 KV) d] (see ``attend``).
 template <typename E>
@@ -722,7 +867,8 @@ void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, 
 
 void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, const CacheLayer& c, int64_t at,
                  const bool* allow, int64_t heads, int64_t kv_heads, int64_t d, float sc, float* o) {
-  if (c.half) attend_rows<uint16_t>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
+  if (c.type == at::kHalf) attend_rows<c10::Half>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
+  else if (c.type == at::kBFloat16) attend_rows<c10::BFloat16>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
   else attend_rows<float>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
 }
 
@@ -741,10 +887,9 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const int64_t T = x.size(0), d = k_cache.size(-1), width = (heads + 2 * kv_heads) * d;
   TORCH_CHECK(x.size(1) == width, "attend qkv: expected ", width, " values a token, got ", x.size(1));
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kHalf) &&
-                    c->scalar_type() == k_cache.scalar_type() && c->dim() == 3 && c->size(0) == kv_heads &&
+    TORCH_CHECK(cache_type(c->scalar_type()) && c->scalar_type() == k_cache.scalar_type() && c->dim() == 3 && c->size(0) == kv_heads &&
                     c->stride(2) == 1 && c->size(1) >= at + T,
-                "attend cache: expected fp32 or fp16 [", kv_heads, ", >= ", at + T, ", ", d,
+                "attend cache: expected fp32, fp16 or bf16 [", kv_heads, ", >= ", at + T, ", ", d,
                 "] (inner dim contiguous, keys and values alike), got ", c->scalar_type(), " ", c->sizes());
   at::Tensor cs = cos.reshape({-1, d}).contiguous(), sn = sin.reshape({-1, d}).contiguous();
   TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.size(0) == T && sn.size(0) == T, "attend rope: expected fp32 [",
@@ -758,7 +903,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
     allow = m2.data_ptr<bool>();
   }
   const CacheLayer c{k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-                     v_cache.stride(1), k_cache.scalar_type() == at::kHalf};
+                     v_cache.stride(1), k_cache.scalar_type()};
   at::Tensor out = at::empty({T, heads * d}, x.options());
   attend_rows(x.data_ptr<float>(), T, cs.data_ptr<float>(), sn.data_ptr<float>(), c, at, allow, heads, kv_heads, d,
               static_cast<float>(scale), out.data_ptr<float>());
@@ -841,10 +986,9 @@ struct Blocks : torch::CustomClassHolder {
       const int64_t a = s ? ends[s - 1] : 0, n = ends[s] - a;
       TORCH_CHECK(n > 0 && ats[s] >= 0, "Blocks.forward: sequence ", s, " has ", n, " rows from slot ", ats[s]);
       for (const at::Tensor* c : {&k[s], &v[s]})
-        TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kHalf) &&
-                        c->scalar_type() == k[s].scalar_type() && c->dim() == 5 && c->size(0) == size() &&
+        TORCH_CHECK(cache_type(c->scalar_type()) && c->scalar_type() == k[s].scalar_type() && c->dim() == 5 && c->size(0) == size() &&
                         c->size(2) == kv_heads && c->size(3) >= ats[s] + n && c->size(4) == d && c->stride(4) == 1,
-                    "Blocks.forward cache: expected fp32 or fp16 [", size(), ", 1, ", kv_heads, ", >= ", ats[s] + n,
+                    "Blocks.forward cache: expected fp32, fp16 or bf16 [", size(), ", 1, ", kv_heads, ", >= ", ats[s] + n,
                     ", ", d, "] (keys and values alike), got ", c->scalar_type(), " ", c->sizes());
       if (masks[s].numel()) {
         allow[s] = masks[s].reshape({-1, masks[s].size(-1)}).to(at::kBool).contiguous();
@@ -863,11 +1007,11 @@ struct Blocks : torch::CustomClassHolder {
       project(h.data(), T, L.qkv, nullptr, qkv.data(), rows);
       for (size_t s = 0; s < S; ++s) {
         const int64_t a = s ? ends[s - 1] : 0;
-        const bool half = k[s].scalar_type() == at::kHalf;
-        const int64_t bytes = half ? 2 : 4;
+        const at::ScalarType type = k[s].scalar_type();
+        const int64_t bytes = type == at::kFloat ? 4 : 2;
         const CacheLayer c{static_cast<char*>(k[s].data_ptr()) + l * k[s].stride(0) * bytes,
                            static_cast<char*>(v[s].data_ptr()) + l * v[s].stride(0) * bytes,
-                           k[s].stride(2), k[s].stride(3), v[s].stride(2), v[s].stride(3), half};
+                           k[s].stride(2), k[s].stride(3), v[s].stride(2), v[s].stride(3), type};
         attend_rows(qkv.data() + a * width, ends[s] - a, cs.data_ptr<float>() + a * d, sn.data_ptr<float>() + a * d,
                     c, ats[s], allow[s].defined() ? allow[s].data_ptr<bool>() : nullptr, heads, kv_heads, d, sc,
                     att.data() + a * heads * d);
@@ -884,7 +1028,9 @@ struct Blocks : torch::CustomClassHolder {
 
 // The ISA this build computes with: what the engine reports at start-up.
 std::string isa() {
-#ifdef SPLITSPEC_AVX2
+#if defined(SPLITSPEC_AVX512)
+  return "avx512-vnni";
+#elif defined(SPLITSPEC_AVX2)
   return "avx2";
 #else
   return "portable";
@@ -893,7 +1039,7 @@ std::string isa() {
 
 }  // namespace
 
-TORCH_LIBRARY(splitspec, m) {
+SPLITSPEC_LIBRARY(SPLITSPEC_NS, m) {
   m.def("linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("norm_linear(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
   m.def("mlp(Tensor x, Tensor norm_weight, float eps, Tensor w_gate_up, Tensor s_gate_up, Tensor? b_gate_up, "

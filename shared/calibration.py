@@ -1,0 +1,241 @@
+"""Which exact path serves a model on this machine, chosen by timing each one: ``--dtype auto --weights auto``.
+
+A CPU flag says what a CPU can execute, not what is fast on it: AVX512-BF16 without AMX streams bf16 weights
+at bandwidth (5x slower than int4 on a Zen 5), while on AMX bf16 trees are nearly free. So ``auto`` measures.
+Each path the engine has — ``int4`` and ``int8`` on splitspec's kernels (fp32 activations), ``bf16`` and
+``fp32`` on torch — is timed on the served model's own shapes (random weights: a matmul's speed does not
+depend on its values) at one token and at tree sizes, after a cached prefix. Enough layers are built to
+overflow the caches; the whole model's cost is extrapolated from them (layers scale with their count, the
+head with its rows). A few seconds, once: the table is cached per CPU, torch version, thread count, kernel build
+and model shape in the model cache's ``calibration/``.
+
+A job picks from the table: plain decoding by the one-token cost, verification (the server, a drafter's
+rounds) by its trees'. Every path is exact relative to itself (a tree verified in one forward equals the
+same tokens decoded one by one), so the choice changes speed, never the rule that makes output lossless.
+``splitspec kernels`` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# path -> (dtype, weights) as load_target takes them
+PATHS: dict[str, tuple[str, str]] = {
+    "int4": ("float32", "int4"),
+    "int8": ("float32", "int8"),
+    "bf16": ("bfloat16", "native"),
+    "fp32": ("float32", "native"),
+}
+SIZES = (1, 5, 17)  # tokens a timed forward verifies: plain decoding, a small tree, a full one
+JOBS = {"decode": (1,), "verify": (5, 17)}  # the sizes whose summed cost a job minimises
+PREFIX = 128  # cached tokens every timed forward attends to
+SPILL_BYTES = 96 << 20  # built layers (and head rows) hold at least this much weight: past any L3 cache
+REPEATS = 5
+VERSION = 1  # bump when what is measured changes: old tables are then measured anew
+
+
+@dataclasses.dataclass
+class Table:
+    """Milliseconds of one forward of the whole model (blocks and LM head) per path and size; what was chosen."""
+
+    ms: dict[str, dict[int, float]]
+    cpu: str
+    isa: str | None
+    threads: int
+    measured: str
+
+    def cost(self, path: str, job: str) -> float:
+        return sum(self.ms[path][n] for n in JOBS[job])
+
+    def choose(self, job: str, allowed: list[str] | None = None) -> str:
+        """The fastest path for ``job`` among ``allowed`` (default: every path measured)."""
+        if job not in JOBS:
+            raise ValueError(f"unknown job {job!r}; expected one of {', '.join(JOBS)}")
+        candidates = [p for p in (allowed or self.ms) if p in self.ms]
+        if not candidates:
+            raise ValueError(f"none of the paths {allowed} was measured; measured: {', '.join(self.ms)}")
+        return min(candidates, key=lambda p: self.cost(p, job))
+
+    def line(self, chosen: str, job: str) -> str:
+        """The start-up line: the choice and the figures behind it."""
+        figures = ", ".join(f"{p} {self.ms[p][1]:.1f}" for p in sorted(self.ms, key=lambda p: self.ms[p][1]))
+        trees = ", ".join(f"{p} {self.ms[p][17] / self.ms[p][1]:.1f}x" for p in self.ms)
+        return (f"splitspec: {job} path {chosen}, measured on {self.cpu} ({self.threads} threads): ms a token "
+                f"{figures}; 17 tokens {trees} (`splitspec kernels` for the table)")  # fmt: skip
+
+    def markdown(self) -> str:
+        head = "| path | " + " | ".join(f"{n} token{'s' * (n > 1)} ms" for n in SIZES)
+        head += " | " + " | ".join(f"{n} / 1" for n in SIZES[1:]) + " |"
+        rows = [head, "|---" * (1 + 2 * len(SIZES) - 1) + "|"]
+        for p, ms in sorted(self.ms.items(), key=lambda kv: kv[1][1]):
+            rows.append(f"| {p} | " + " | ".join(f"{ms[n]:.2f}" for n in SIZES) + " | "
+                        + " | ".join(f"{ms[n] / ms[1]:.2f}x" for n in SIZES[1:]) + " |")  # fmt: skip
+        return "\n".join(rows)
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, "ms": {p: {str(n): v for n, v in d.items()} for p, d in self.ms.items()},
+                "cpu": self.cpu, "isa": self.isa, "threads": self.threads, "measured": self.measured}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> Table:
+        if d.get("version") != VERSION:
+            raise ValueError(f"calibration version {d.get('version')}, expected {VERSION}")
+        ms = {p: {int(n): float(v) for n, v in sizes.items()} for p, sizes in d["ms"].items()}
+        return cls(ms, d["cpu"], d["isa"], int(d["threads"]), d["measured"])
+
+
+def runnable_paths() -> list[str]:
+    """The paths this machine has: the low-bit ones need the kernels."""
+    from shared import kernels
+
+    return list(PATHS) if kernels.available() else ["bf16", "fp32"]
+
+
+def _key(cfg) -> str:
+    from shared import kernels
+
+    blob = json.dumps([VERSION, kernels.cpu_name(), sorted(kernels.cpu_flags()), torch.__version__,
+                       torch.get_num_threads(), kernels.active(),
+                       kernels.SOURCE.stat().st_size if kernels.SOURCE.exists() else 0,
+                       dataclasses.asdict(cfg), SIZES, PREFIX])  # fmt: skip
+    if kernels.SOURCE.exists():
+        blob += hashlib.sha256(kernels.SOURCE.read_bytes()).hexdigest()
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _layer_params(cfg) -> int:
+    E, d, F = cfg.hidden_size, cfg.head_dim, cfg.mlp_hidden
+    return E * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * E + 3 * E * F
+
+
+BYTES_PER_PARAM = {"int4": 0.5625, "int8": 1.0, "bf16": 2.0, "fp32": 4.0}
+
+
+def _model(cfg, path: str, layers: int, rows: int):
+    """A ``Transformer`` of ``cfg``'s shapes with ``layers`` blocks and ``rows`` vocabulary rows, random weights,
+    made ready for ``path`` exactly as ``shared.engine.load_engine`` makes a checkpoint."""
+    from shared.engine import Transformer, prepare
+    from shared.layers import Rotary
+    from shared.models import DTYPES
+
+    small = dataclasses.replace(cfg, num_layers=layers, vocab_size=rows, max_positions=PREFIX + max(SIZES) + 1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+    torch.manual_seed(0)
+    model = Transformer(small, Rotary(inv_freq, 1.0, small.max_positions))
+    dtype, weights = PATHS[path]
+    return prepare(model, DTYPES[dtype], "cpu", exact=True, weights=weights)
+
+
+def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int) -> dict[int, float]:
+    """ms of the whole model's forward per size for one path, extrapolated from a slice of it."""
+    per_layer = _layer_params(cfg) * BYTES_PER_PARAM[path]
+    layers = max(1, min(cfg.num_layers, math.ceil(SPILL_BYTES / per_layer)))
+    head_bytes = {"int4": 1.0, "int8": 1.0}.get(path, BYTES_PER_PARAM[path])  # the head stays int8 when low-bit
+    rows = max(1, min(cfg.vocab_size, math.ceil(SPILL_BYTES / (head_bytes * cfg.hidden_size))))
+    model = _model(cfg, path, layers, rows)
+    cache = model.new_cache(PREFIX + max(SIZES))
+    out: dict[int, float] = {}
+    with torch.inference_mode():
+        for n in SIZES:
+            ids = torch.zeros(1, n, dtype=torch.long)
+            positions = torch.arange(PREFIX, PREFIX + n)[None]
+            blocks, head = [], []
+            for i in range(repeats + 1):
+                t0 = clock()
+                h = model(ids, positions, None, cache, PREFIX)
+                t1 = clock()
+                model.logits(h)
+                t2 = clock()
+                if i:
+                    blocks.append(t1 - t0)
+                    head.append(t2 - t1)
+            med = lambda s: sorted(s)[len(s) // 2]  # noqa: E731
+            out[n] = 1e3 * (med(blocks) * cfg.num_layers / layers + med(head) * cfg.vocab_size / rows)
+    return out
+
+
+def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = time.perf_counter,
+            repeats: int = REPEATS, progress=None) -> Table:  # fmt: skip
+    """Time every path (default: every one this machine has) on ``cfg``'s shapes."""
+    from shared import kernels
+
+    ms = {}
+    for path in paths or runnable_paths():
+        if progress:
+            progress(path)
+        ms[path] = _time_path(cfg, path, clock, repeats)
+    return Table(ms, kernels.cpu_label(), kernels.active() if kernels.available() else None,
+                 torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+
+
+def cache_file(cfg, cache: str | Path | None = None) -> Path:
+    from shared.models import cache_dir
+
+    return cache_dir(cache) / "calibration" / f"paths-{_key(cfg)}.json"
+
+
+def table_for(cfg, cache: str | Path | None = None, refresh: bool = False) -> Table:
+    """The cached table for ``cfg`` on this machine, measured (and saved) when there is none."""
+    path = cache_file(cfg, cache)
+    if not refresh:
+        try:
+            return Table.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError):
+            pass
+    print(f"splitspec: timing this CPU's paths on the model's shapes (once, a few seconds): {path}", file=sys.stderr)
+    table = measure(cfg)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table.to_json(), indent=1))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return table
+
+
+# --- `splitspec kernels` ---
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="the model whose shapes are timed (default: the built-in target)")
+    p.add_argument("--cache-dir", help="where converted models and calibrations are kept")
+    p.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached table")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from shared import kernels
+    from shared.engine import ModelConfig
+    from shared.models import DEFAULT_MODEL, resolve_model
+
+    spec = args.model or DEFAULT_MODEL
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model(spec, args.cache_dir)))
+    loaded = kernels.builds()
+    seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
+    table = table_for(cfg, args.cache_dir, refresh=args.refresh)
+    choice = {job: table.choose(job) for job in JOBS}
+    if args.json:
+        print(json.dumps({**table.to_json(), "model": spec, "chosen": choice,
+                          "builds": {t: 1e3 * s for t, s in seconds.items()}}, indent=1))  # fmt: skip
+        return 0
+    print(f"# {spec} on {table.cpu}, {table.threads} threads (measured {table.measured})\n")
+    print("Kernel builds (ms for an int4 and an int8 projection, 2048 x 4096, at 1 and 16 rows):\n")
+    for t in kernels.BUILDS:
+        state = f"{1e3 * seconds[t]:.2f} ms" if t in seconds else (load_reason if (load_reason := kernels.load(t))
+                                                                   else "built (not timed: slow)")  # fmt: skip
+        print(f"  {t:12s} {state}{'   <- used' if t == kernels.active() else ''}")
+    print("\nPaths (one forward of the whole model after a 128-token prefix, extrapolated from a slice):\n")
+    print(table.markdown())
+    print("\n" + "\n".join(f"{job}: {path}" for job, path in choice.items()))
+    return 0
