@@ -127,10 +127,10 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
         return dtype, "native" if weights == "auto" else weights
-    if weights == "auto" and dtype != "auto":
-        return dtype, "native"
+    if dtype != "auto":
+        return dtype, ("native" if weights == "auto" else weights)
     if weights in ("int8", "int4", "lowbit"):
-        return ("float32" if dtype == "auto" else dtype), weights
+        return "float32", weights
     if path is None:
         raise SplitspecError("choosing a path by measurement needs the model's folder")
     from shared.calibration import PATHS, runnable_paths, table_for

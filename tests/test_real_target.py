@@ -204,7 +204,8 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
                 verifier = RemoteVerifier(link.address, drafter=drafter)
                 try:
                     verifier.probe_link(budget_s=0.5)
-                    policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs())
+                    # draft: on a fast served path auto may stream the whole run, and this is about drafted trees
+                    policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode="draft")
                     gen = generate(verifier, drafter, ids, 40, policy=policy)
                 finally:
                     verifier.shutdown()

@@ -48,6 +48,17 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
     if target is None:
         raise SplitspecError(f"drafter {name!r} is a trained bundle: it needs the target model loaded beside it")
     model, config = load_bundle(path, target, vocab_ids=vocab_ids)
+    prepare_drafter(model, target, weights)
+    tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
+    drafter = drafter_for(model, name=config["name"], **tree)
+    drafter.bundle = path
+    return drafter
+
+
+def prepare_drafter(model, target, weights: str = "auto") -> None:
+    """A trained drafter's model made ready to draft beside ``target``: in its device and dtype, and its own layers
+    int8 where that pays (``auto``: on a CPU when the target is served low-bit or in bf16)."""
+    model.to(target.device, target.dtype)
     if weights == "auto":  # a draft step multiplies a few rows: int8 streams a quarter of fp32's bytes
         served_int8 = target.engine.lm_head.qweight is not None
         cheap = served_int8 or target.dtype == torch.bfloat16
@@ -56,10 +67,6 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         quantize_drafter(model)
     elif weights != "native":
         raise SplitspecError(f"unknown drafter weights {weights!r}; expected auto, native or int8")
-    tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
-    drafter = drafter_for(model, name=config["name"], **tree)
-    drafter.bundle = path
-    return drafter
 
 
 def quantize_drafter(model) -> None:
