@@ -130,16 +130,27 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] as the CPU kernels take it: int8 with one fp32 scale per row (max |w| / 127), rows
-    padded to a multiple of 4 and columns to 32 with zeros, in tiles of 4 rows whose 32-value steps lie together
-    (the order the kernel streams them in)."""
+def pack_int8(weight: torch.Tensor, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as the CPU kernels take it: int8 with one fp32 scale per row (max |w| / 127), columns
+    padded to 32 with zeros, laid out in the order a kernel build streams it (``layout``; default: the active
+    build's). ``rows4`` (AVX2, portable): tiles of 4 rows whose 32-value steps lie together, as a matrix
+    [out padded to 4, in]; ``cols16`` (AVX-512 VNNI): tiles of 16 rows, each 4 values of a row together and the
+    16 rows side by side, [out / 16, in / 4, 16, 4] (a 32-bit lane is one output)."""
+    from shared import kernels
+
+    layout = layout or kernels.ops().int8_layout()
+    if layout not in ("rows4", "cols16"):
+        raise ValueError(f"unknown int8 layout {layout!r}; expected rows4 or cols16")
     w = weight.detach().float().cpu()
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-    rows, cols = -(-w.shape[0] // 4) * 4, -(-w.shape[1] // 32) * 32
+    tile = 4 if layout == "rows4" else 16
+    rows, cols = -(-w.shape[0] // tile) * tile, -(-w.shape[1] // 32) * 32
     q = torch.zeros(rows, cols, dtype=torch.int8)
     q[: w.shape[0], : w.shape[1]] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    q = q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
+    if layout == "rows4":
+        q = q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
+    else:
+        q = q.view(rows // 16, 16, cols // 4, 4).transpose(1, 2).contiguous()
     return q, scale.contiguous()
 
 

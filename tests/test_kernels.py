@@ -113,12 +113,13 @@ def reference_attention(qkv, cos, sin, k_past, v_past, mask, heads, kv_heads, d)
     return out.transpose(0, 1).reshape(T, heads * d).float()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [16, 64])
 def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
     """A tree of queries attends in one call; each query's output equals the same query alone (seeing the same
-    keys), and both equal fp64 attention within rounding (fp16 caches: of the keys and values stored). d=64 is
-    the vector path, 16 the generic one."""
+    keys), and both equal fp64 attention within rounding (fp16/bf16 caches: of the keys and values stored: a bf16
+    model's own layers write bf16, as a MoA drafter's TLI over the target's KV does). d=64 is the vector path, 16
+    the generic one."""
     torch.manual_seed(d)
     heads, kv_heads, past = 6, 2, 40
     parents = [-1, 0, 0, 1, 3, 2, -1]
@@ -132,7 +133,8 @@ def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
     mask = tree_mask(parents, past)[0]
     got = ops.attend(qkv, cos, sin, k_cache, v_cache, past, mask, heads, kv_heads, d**-0.5)
     want = reference_attention(qkv, cos, sin, k_cache[:, :past], v_cache[:, :past], mask, heads, kv_heads, d)
-    tolerance = 1e-5 if cache_dtype == torch.float32 else 5e-3  # the new keys and values are stored in fp16
+    # the new keys and values are stored in the cache's dtype
+    tolerance = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}[cache_dtype]
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
     for node in range(-1, len(parents)):  # each path again, one token per call, at consecutive slots
         path = [0] + [1 + i for i in (path_to(parents, node) if node >= 0 else [])]
@@ -141,6 +143,38 @@ def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
             alone = ops.attend(qkv[row : row + 1], cos[row : row + 1], sin[row : row + 1], k2, v2, past + j, None,
                                heads, kv_heads, d**-0.5)  # fmt: skip
         assert torch.equal(alone[0], got[path[-1]]), node
+
+
+def test_every_build_computes_the_same_bits():
+    """The vector builds (avx512-vnni, avx2: those this CPU runs) differ in speed only: linear layers (int8 in each
+    build's own layout, int4), the fused MLP and attention over fp32, fp16 and bf16 caches give identical bits, so a
+    client on one CPU and a server on another serve the same target. (The portable build's norms and exp sum in
+    another order: a target of its own, for CPUs without AVX2.)"""
+    builds = [b for b in kernels.builds() if b != "portable"]
+    if len(builds) < 2:
+        pytest.skip(f"one kernel build here ({builds}): nothing to compare")
+    torch.manual_seed(5)
+    E, Fh, T = 96, 160, 17
+    w, x, bias, res = torch.randn(Fh, E) * 0.05, torch.randn(T, E), torch.randn(Fh), torch.randn(T, Fh)
+    gate_up, down, norm = torch.randn(2 * Fh, E) * 0.05, torch.randn(E, Fh) * 0.05, torch.rand(E) + 0.5
+    results = {}
+    for tag in builds:
+        o = kernels.ops(tag)
+        i8 = lambda t, layout=o.int8_layout(): pack_int8(t, layout)  # noqa: E731
+        got = [o.linear(x, *i8(w), bias, res), o.linear(x, *pack_int4(w), bias, res),
+               o.mlp(x, norm, 1e-5, *i8(gate_up), None, *i8(down), None),
+               o.mlp(x, norm, 1e-5, *pack_int4(gate_up), None, *pack_int4(down), None)]  # fmt: skip
+        for cache_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            torch.manual_seed(6)
+            qkv, cos, sin = torch.randn(5, 8 * 64), torch.rand(5, 64), torch.rand(5, 64)
+            k, v = (torch.randn(2, 32, 64).to(cache_dtype) for _ in range(2))
+            got.append(o.attend(qkv, cos, sin, k, v, 20, tree_mask([-1, 0, 0, 1], 20)[0], 4, 2, 0.125))
+            got += [k, v]  # the keys and values it wrote
+        results[tag] = got
+    first = builds[0]
+    for tag in builds[1:]:
+        for i, (a, b) in enumerate(zip(results[first], results[tag], strict=True)):
+            assert torch.equal(a, b), (first, tag, i)
 
 
 def test_bad_arguments_are_named():

@@ -3,8 +3,9 @@
 One source, several builds, each for an instruction set: ``avx512-vnni`` (512-bit ``vpdpbusd`` for the integer
 dot products; Zen 4/5, Ice Lake and later Xeons), ``avx2`` (AVX2+FMA+F16C), ``portable`` (plain C++). They are
 built from source on the machine that runs them, once per CPU kind and torch version, never with
-``-march=native`` (some VMs advertise it wrongly). Every build computes the same bits: integer sums are exact and
-the float steps are written once, in one order, so a build is a matter of speed only.
+``-march=native`` (some VMs advertise it wrongly). The vector builds compute the same bits: integer sums are exact
+and the float steps are written once, in one order, so between them a build is a matter of speed only (the portable
+build's norms and exp sum in plain loops: a target of its own).
 
 Which builds *can* run here is a CPU flag question (an instruction the CPU lacks kills the process); which one
 *is used* is measured: ``active()`` times the runnable builds on a typical projection and takes the fastest,
@@ -153,7 +154,8 @@ def time_builds(tags: list[str], repeats: int = 7, clock=time.perf_counter) -> d
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 2048, generator=gen) * 0.02
-    q4, q8 = pack_int4(w), pack_int8(w)
+    q4 = pack_int4(w)
+    q8 = {tag: pack_int8(w, ops(tag).int8_layout()) for tag in tags}
     xs = [torch.randn(m, 2048, generator=gen) for m in (1, 16)]
     samples: dict[str, list[float]] = {t: [] for t in tags}
     for i in range(repeats + 1):
@@ -162,7 +164,7 @@ def time_builds(tags: list[str], repeats: int = 7, clock=time.perf_counter) -> d
             start = clock()
             for x in xs:
                 linear(x, *q4, None, None)
-                linear(x, *q8, None, None)
+                linear(x, *q8[tag], None, None)
             if i:  # the first round warms up
                 samples[tag].append(clock() - start)
     return {t: sorted(s)[len(s) // 2] for t, s in samples.items()}
@@ -182,14 +184,15 @@ def active() -> str | None:
         return loaded[0] if loaded else None
     from shared.models import cache_dir
 
+    timed = [t for t in loaded if t != "portable"] or loaded  # portable is for CPUs without AVX2: never faster
     path = cache_dir() / "calibration" / f"kernels-{_timing_key()}.json"
     try:
         record = json.loads(path.read_text())
-        if set(record["seconds"]) == set(loaded):
+        if set(record["seconds"]) == set(timed):
             return record["chosen"]
     except (OSError, ValueError, KeyError):
         pass
-    seconds = time_builds([t for t in loaded if t != "portable"] or loaded)
+    seconds = time_builds(timed)
     chosen = min(seconds, key=seconds.get)
     record = {"cpu": cpu_label(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "seconds": seconds, "chosen": chosen, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip

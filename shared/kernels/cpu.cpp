@@ -163,54 +163,116 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
+// rows a pass of a tile takes, at most R, the passes as even as can be: 17 rows at 8 are passes of 6, 6, 5 (a pass
+// of one row would cost nearly what one of eight does)
+inline int64_t balanced(int64_t M, int64_t R) {
+  const int64_t passes = (M + R - 1) / R;
+  return (M + passes - 1) / passes;
+}
+
+// The next tile's bytes, prefetched a share per step over every pass of the current tile. A tile's first pass
+// streams its weights from memory; the passes after it read them from L1, and without this the memory would idle
+// while they run (at 17 rows a 1.5B model's layer took compute + memory time instead of the larger of the two).
+struct Ahead {
+  const char* begin[2] = {nullptr, nullptr};  // the next tile's weights and scales (nullptr: no next tile)
+  int64_t lines[2] = {0, 0};
+  int64_t first = 0, steps = 1;  // this pass's first step of all the tile's steps (passes x blocks)
+
+  void fetch(int64_t i) const {
+#ifdef SPLITSPEC_AVX2
+    const int64_t s = first + i;
+    for (int k = 0; k < 2; ++k)
+      for (int64_t l = s * lines[k] / steps, e = (s + 1) * lines[k] / steps; l < e; ++l)
+        _mm_prefetch(begin[k] + 64 * l, _MM_HINT_T1);
+#else
+    (void)i;
+#endif
+  }
+};
+
 constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's reduction over a short K
 constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight stream to ask for: one thread alone cannot
                                     // keep enough reads in flight to stream DRAM at full speed
 
 #if defined(SPLITSPEC_AVX512)
-// VNNI multiplies unsigned by signed bytes: x·w = (x + 128)·w − 128·w, so a row's magnitudes are not needed,
-// only its values offset by 128 (Rows.u), and each column's sum of weights (one more vpdpbusd a K step, shared
-// by every row of the tile). All sums are exact int32s: the same result as the AVX2 and portable paths.
+// The VNNI build lays int8 weights out by columns (pack_int8's "cols16"): tiles of W8 = 16 weight rows, each K
+// group of 4 values as 64 bytes, column after column ([N / 16, Kp / 4, 16, 4]): a 32-bit lane is one column, and
+// one vpdpbusd adds its 4 products with 4 activations broadcast. VNNI multiplies unsigned by signed bytes:
+// x·w = (x + 128)·w − 128·w, so the activations go in offset by 128 (Rows.u) and each column's sum of weights
+// comes from one more vpdpbusd a group, shared by every row of the tile. All sums are exact int32s: the same
+// result as the AVX2 and portable builds' layout.
+constexpr int64_t W8 = 16;
+
 template <int R>
-void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* out) {
-  __m512i acc[R][2], wsum[2];  // acc[r][h]: columns 2h, 2h + 1 in lanes 0-7, 8-15
+void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead& ahead, int32_t* out) {
+  __m512i acc[R][2], wsum[2];  // two chains (even and odd K groups): a vpdpbusd waits for the one before it
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
   wsum[0] = wsum[1] = _mm512_setzero_si512();
   const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t k = 0; k < Kp; k += KSTEP) {
-    const int8_t* chunk = w + k * C;  // C rows of 32 values: two 64-byte loads of two rows each
+  const uint8_t* xu[R];
+  for (int r = 0; r < R; ++r) xu[r] = x.u.data() + (r0 + r) * Kp;
+  for (int64_t j = 0; j < Kp / 4; j += 2) {  // Kp is a multiple of 32: the groups come in pairs
+    const int8_t* chunk = w + j * 64;
     _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH + 64), _MM_HINT_T0);
-    const __m512i w01 = _mm512_loadu_si512(chunk), w23 = _mm512_loadu_si512(chunk + 64);
-    wsum[0] = _mm512_dpbusd_epi32(wsum[0], ones, w01);
-    wsum[1] = _mm512_dpbusd_epi32(wsum[1], ones, w23);
+    ahead.fetch(j / 2);
+    const __m512i w0 = _mm512_loadu_si512(chunk), w1 = _mm512_loadu_si512(chunk + 64);
+    wsum[0] = _mm512_dpbusd_epi32(wsum[0], ones, w0);
+    wsum[1] = _mm512_dpbusd_epi32(wsum[1], ones, w1);
     for (int r = 0; r < R; ++r) {
-      const __m512i u = _mm512_broadcast_i64x4(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.u.data() + (r0 + r) * Kp + k)));
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], u, w01);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], u, w23);
+      int32_t u0, u1;
+      std::memcpy(&u0, xu[r] + 4 * j, 4);
+      std::memcpy(&u1, xu[r] + 4 * j + 4, 4);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], _mm512_set1_epi32(u0), w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], _mm512_set1_epi32(u1), w1);
     }
   }
-  alignas(64) int32_t ws[2][16];
-  _mm512_store_si512(ws[0], wsum[0]);
-  _mm512_store_si512(ws[1], wsum[1]);
-  int32_t col_sum[C];
-  for (int c = 0; c < C; ++c) {
-    col_sum[c] = 0;
-    for (int i = 0; i < 8; ++i) col_sum[c] += ws[c / 2][(c % 2) * 8 + i];
-  }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) int32_t a[2][16];
-    _mm512_store_si512(a[0], acc[r][0]);
-    _mm512_store_si512(a[1], acc[r][1]);
-    for (int c = 0; c < C; ++c) {
-      int32_t s = 0;
-      for (int i = 0; i < 8; ++i) s += a[c / 2][(c % 2) * 8 + i];
-      out[r * C + c] = s - 128 * col_sum[c];
-    }
-  }
+  const __m512i correction = _mm512_slli_epi32(_mm512_add_epi32(wsum[0], wsum[1]), 7);  // 128 x a column's sum
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_si512(out + r * W8, _mm512_sub_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), correction));
 }
-#elif defined(SPLITSPEC_AVX2)
+
+// y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual) for "cols16" weights: threads split the tiles; a tile's weights
+// (Kp · 16 bytes) stay in L1 while every pass of up to 8 activation rows goes over them.
+void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
+          int64_t N, float* y) {
+  const int64_t M = x.M, Kp = x.Kp;
+  constexpr int64_t R = 8;
+  const int64_t tiles = (N + W8 - 1) / W8, step = balanced(M, R);
+  at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
+    alignas(64) int32_t acc[R * W8];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * W8, cols = std::min<int64_t>(W8, N - n);
+      const int64_t passes = (M + step - 1) / step, pairs = Kp / 8;
+      Ahead ahead;
+      if (passes > 1 && t + 1 < tiles) {
+        ahead.begin[0] = reinterpret_cast<const char*>(w + (n + W8) * Kp);
+        ahead.lines[0] = Kp * W8 / 64;
+        ahead.steps = passes * pairs;
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += step) {
+        const int64_t rows = std::min<int64_t>(step, M - r0);
+        ahead.first = r0 / step * pairs;
+        with_rows<R>(rows, [&](auto tile) { i8_tile<decltype(tile)::value>(x, r0, w + n * Kp, Kp, ahead, acc); });
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = y + (r0 + r) * N + n;
+          const float sx = x.scale[r0 + r];
+          for (int64_t c = 0; c < cols; ++c) {  // the float steps of every build, in the same order
+            float v = static_cast<float>(acc[r * W8 + c]) * (sx * w_scale[n + c]);
+            if (bias) v += bias[n + c];
+            if (residual) v += residual[(r0 + r) * N + n + c];
+            yr[c] = v;
+          }
+        }
+      }
+    }
+  });
+}
+
+// The int8 weight layout this build reads (pack_int8's ``layout``).
+std::string int8_layout() { return "cols16"; }
+#else
+#if defined(SPLITSPEC_AVX2)
 // the four lane-sums of a[0..3] as one vector
 inline __m128i hsum4(const __m256i* a) {
   const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
@@ -262,11 +324,7 @@ void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* o
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
           int64_t N, float* y) {
   const int64_t M = x.M, Kp = x.Kp;
-#ifdef SPLITSPEC_AVX512
-  constexpr int64_t R = 4;  // rows a tile's weights meet while in registers: more where a step is one instruction
-#else
   constexpr int64_t R = 2;
-#endif
   const int64_t tiles = (N + C - 1) / C;
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     int32_t acc[R * C];
@@ -289,6 +347,10 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
     }
   });
 }
+
+// The int8 weight layout this build reads (pack_int8's ``layout``).
+std::string int8_layout() { return "rows4"; }
+#endif  // the int8 kernels of the AVX2 and portable builds
 
 // ---------------------------------------------------------------------------------------------
 // 4-bit weights (Q4_1: blocks of 32 values along K, w = d·q + m with q in 0..15 and fp16 d, m per block) times
@@ -313,7 +375,8 @@ constexpr int64_t Q4 = 16;  // columns per 4-bit tile
 // the column order of the scales ({0-3, 8-11, 4-7, 12-15}), once for all the rows. A block's int32 sum is
 // exact and the float steps per column are those of the AVX2 path: the same bits.
 template <int R>
-void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
+             float* out) {
   // lane j holds column col[j]; its bytes: (group g, col, e = 0), (g, col, 1), (g + 1, col, 0), (g + 1, col, 1)
   static const __m512i pick = [] {
     alignas(64) uint8_t idx[64];
@@ -330,6 +393,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* qb = w + b * 8 * 32;
     for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
+    ahead.fetch(b);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int g = 0; g < 8; g += 2) {
@@ -357,7 +421,8 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 }
 #elif defined(SPLITSPEC_AVX2)
 template <int R>
-void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
+             float* out) {
   __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
   for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -405,7 +470,8 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 template <int R>
-void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, float* out) {
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
+             float* out) {
   static constexpr int slot[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};  // column -> scale slot
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < Q4; ++c) {
@@ -438,15 +504,26 @@ void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* b
 #else
   constexpr int64_t R = 4;
 #endif
+  const int64_t step = balanced(M, R);
   at::parallel_for(0, N / Q4, 2, [&](int64_t t0, int64_t t1) {
     float acc[R * Q4];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * Q4;
       const uint8_t* wt = w + t * Kb * 8 * 32;
       const uint16_t* dt = dm + t * Kb * 2 * Q4;
-      for (int64_t r0 = 0; r0 < M; r0 += R) {
-        const int64_t rows = std::min<int64_t>(R, M - r0);
-        with_rows<R>(rows, [&](auto tile) { q4_tile<decltype(tile)::value>(x, r0, wt, dt, Kb, acc); });
+      const int64_t passes = (M + step - 1) / step;
+      Ahead ahead;
+      if (passes > 1 && t + 1 < N / Q4) {  // one pass: the stream's own prefetch runs ahead into the next tile
+        ahead.begin[0] = reinterpret_cast<const char*>(wt + Kb * 8 * 32);
+        ahead.begin[1] = reinterpret_cast<const char*>(dt + Kb * 2 * Q4);
+        ahead.lines[0] = Kb * 8 * 32 / 64;
+        ahead.lines[1] = Kb * 2 * Q4 * 2 / 64;
+        ahead.steps = passes * Kb;
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += step) {
+        const int64_t rows = std::min<int64_t>(step, M - r0);
+        ahead.first = r0 / step * Kb;
+        with_rows<R>(rows, [&](auto tile) { q4_tile<decltype(tile)::value>(x, r0, wt, dt, Kb, ahead, acc); });
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
           for (int64_t c = 0; c < Q4; ++c) {
@@ -671,16 +748,28 @@ int64_t check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, co
                 scale.scalar_type(), " ", scale.sizes());
     return w.size(0) * Q4;
   }
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
-              what, ": expected a contiguous CPU int8 matrix [N, K padded to 32], got ", w.scalar_type(), " ",
-              w.sizes());
-  TORCH_CHECK(w.size(1) == padded(K), what, ": weight rows hold ", w.size(1), " values; input has K = ", K,
-              ", expected ", padded(K));
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), what,
               ": expected fp32 row scales, got ", scale.scalar_type(), " ", scale.sizes());
+#ifdef SPLITSPEC_AVX512
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 4 && w.size(2) == W8 &&
+                  w.size(3) == 4 && w.is_contiguous(),
+              what, ": this build reads int8 weights by columns, [N / 16, K / 4, 16, 4] (pack_int8's layout "
+              "'cols16'), got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.size(1) * 4 == padded(K), what, ": weight rows hold ", w.size(1) * 4, " values; input has K = ", K,
+              ", expected ", padded(K));
+  const int64_t tiles = (scale.numel() + W8 - 1) / W8;
+  TORCH_CHECK(w.size(0) == tiles, what, ": ", scale.numel(), " outputs need ", tiles, " tiles of ", W8,
+              " rows (zeros past the last), got ", w.size(0));
+#else
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+              what, ": this build reads a contiguous CPU int8 matrix [N, K padded to 32] (pack_int8's layout "
+              "'rows4'), got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.size(1) == padded(K), what, ": weight rows hold ", w.size(1), " values; input has K = ", K,
+              ", expected ", padded(K));
   const int64_t rows = (scale.numel() + C - 1) / C * C;
   TORCH_CHECK(w.size(0) == rows, what, ": ", scale.numel(), " outputs need ", rows,
               " weight rows (a multiple of ", C, ", zeros past the last), got ", w.size(0));
+#endif
   return scale.numel();
 }
 
@@ -1047,6 +1136,7 @@ SPLITSPEC_LIBRARY(SPLITSPEC_NS, m) {
   m.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int at, Tensor? mask, "
         "int heads, int kv_heads, float scale) -> Tensor");
   m.def("isa() -> str", &isa);
+  m.def("int8_layout() -> str", &int8_layout);
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("norm_linear", c10::DispatchKey::CPU, &norm_linear);
   m.impl("mlp", c10::DispatchKey::CPU, &mlp);

@@ -1,0 +1,115 @@
+"""``auto`` chooses by measurement: the choice rule on injected tables (an AMX-like machine, a Zen 5, an AVX2 one),
+the extrapolation from a timed slice on an injected clock, the cache, and the kernel build chosen by timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shared import calibration, kernels
+from shared.calibration import PATHS, Table
+from shared.engine import ModelConfig
+from shared.models import on_q4_grid, resolve_precision
+
+
+def table(ms: dict[str, tuple[float, float, float]]) -> Table:
+    return Table({p: dict(zip(calibration.SIZES, v, strict=True)) for p, v in ms.items()}, "test CPU", "avx2", 2, "now")
+
+
+# measured shapes of the three kinds of machine (ms for 1, 5, 17 tokens), rounded
+AMX = table({"int4": (9, 14, 30), "int8": (11, 15, 32), "bf16": (14, 15, 17), "fp32": (30, 40, 60)})
+ZEN5 = table({"int4": (3.3, 4.3, 9.1), "int8": (4.4, 5.5, 11.3), "bf16": (17, 18, 23), "fp32": (40, 56, 77)})
+AVX2 = table({"int4": (7, 12, 30), "int8": (10, 15, 40), "bf16": (50, 60, 142), "fp32": (80, 120, 176)})
+
+
+def test_each_job_takes_the_path_measured_fastest_for_it():
+    assert (AMX.choose("decode"), AMX.choose("verify")) == ("int4", "bf16")  # a flag would have said bf16 for both
+    assert (ZEN5.choose("decode"), ZEN5.choose("verify")) == ("int4", "int4")  # avx512_bf16 without AMX: slow
+    assert AVX2.choose("verify", ["int8", "bf16", "fp32"]) == "int8"
+    with pytest.raises(ValueError, match="unknown job"):
+        ZEN5.choose("train")
+    with pytest.raises(ValueError, match="none of the paths"):
+        ZEN5.choose("decode", ["fp16"])
+
+
+def test_the_start_up_line_names_the_choice_and_its_figures():
+    line = ZEN5.line("int4", "decode")
+    assert "decode path int4" in line and "int4 3.3" in line and "bf16 17.0" in line and "splitspec kernels" in line
+
+
+def test_a_table_survives_its_json_and_an_old_version_is_measured_anew():
+    again = Table.from_json(json.loads(json.dumps(ZEN5.to_json())))
+    assert again == ZEN5
+    with pytest.raises(ValueError, match="version"):
+        Table.from_json({**ZEN5.to_json(), "version": 0})
+
+
+def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir):
+    """With both auto the measured path is served; a pinned dtype is served as pinned; int4 only for a checkpoint
+    already on the Q4_1 grid (the tiny random model is not: its int4 would be a second rounding)."""
+    monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: AMX)
+    path = str(tiny_model_dir)
+    assert not on_q4_grid(path)
+    assert resolve_precision("cpu", "auto", "auto", path, "verify") == PATHS["bf16"]
+    if kernels.available():
+        assert resolve_precision("cpu", "auto", "auto", path, "decode") == PATHS["int8"]  # int4 ruled out
+    assert resolve_precision("cpu", "bfloat16", "auto", path) == ("bfloat16", "native")
+    assert resolve_precision("cpu", "float32", "native", path) == ("float32", "native")
+    assert resolve_precision("cpu", "auto", "int4", path) == ("float32", "int4")
+    assert resolve_precision("cpu", "auto", "native", path, "decode") == ("bfloat16", "native")  # bf16 14 < fp32 30
+    monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: ZEN5)
+    assert resolve_precision("cpu", "auto", "native", path, "verify") == ("bfloat16", "native")
+
+
+def test_a_slice_is_timed_and_extrapolated_to_the_whole_model(monkeypatch, tiny_model_dir):
+    """On an injected clock that advances 1 ms a reading, each forward and each head call 'takes' 1 ms: the table
+    then says exactly how the slice was scaled (layers by L / built, head by vocabulary / rows built)."""
+    from transformers import AutoConfig
+
+    cfg = dataclasses.replace(ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir)), num_layers=40,
+                              vocab_size=100_000)  # fmt: skip
+    monkeypatch.setattr(calibration, "SPILL_BYTES", 100_000)  # a slice of 1 layer and 391 vocabulary rows
+    ticks = iter(range(10**6))
+    got = calibration.measure(cfg, ["fp32"], clock=lambda: next(ticks) / 1000, repeats=3)
+    per_layer = calibration._layer_params(cfg) * 4
+    layers = min(cfg.num_layers, -(-calibration.SPILL_BYTES // per_layer))
+    rows = min(cfg.vocab_size, -(-calibration.SPILL_BYTES // (4 * cfg.hidden_size)))
+    assert (layers, rows) == (1, 391)
+    want = cfg.num_layers / layers + cfg.vocab_size / rows
+    for n in calibration.SIZES:
+        assert got.ms["fp32"][n] == pytest.approx(want)
+
+
+def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_model_dir):
+    from transformers import AutoConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    calls = []
+    monkeypatch.setattr(calibration, "measure", lambda c: calls.append(c) or ZEN5)
+    assert calibration.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1
+    assert calibration.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1  # read back, not measured again
+    other = dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size)
+    assert calibration.cache_file(other, tmp_path) != calibration.cache_file(cfg, tmp_path)
+    calibration.table_for(cfg, tmp_path, refresh=True)
+    assert len(calls) == 2
+
+
+def test_the_kernel_build_is_chosen_by_timing_not_by_flags(monkeypatch, tmp_path):
+    """Of two builds the CPU runs, the one timed faster is used, even the narrower one; ``SPLITSPEC_ISA`` pins one."""
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPLITSPEC_ISA", raising=False)
+    monkeypatch.setattr(kernels, "builds", lambda: ["avx512-vnni", "avx2", "portable"])
+    monkeypatch.setattr(kernels, "time_builds", lambda tags: {"avx512-vnni": 0.002, "avx2": 0.001})
+    kernels.active.cache_clear()
+    try:
+        assert kernels.active() == "avx2"
+        monkeypatch.setattr(kernels, "time_builds", lambda tags: pytest.fail("measured again"))
+        kernels.active.cache_clear()
+        assert kernels.active() == "avx2"  # from the cache
+        monkeypatch.setenv("SPLITSPEC_ISA", "portable")
+        kernels.active.cache_clear()
+        assert kernels.active() == "portable"
+    finally:
+        kernels.active.cache_clear()
