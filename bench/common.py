@@ -31,7 +31,11 @@ def environment(threads: int) -> dict:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads, **machine()}
+    from shared import kernels
+
+    build = kernels.active() if kernels.available() else None  # the kernel build that ran (chosen by timing)
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
+            "kernels": build, **machine()}  # fmt: skip
 
 
 def start(threads: int) -> None:

@@ -3,7 +3,7 @@
 All in one run, ``--threads`` torch threads (default 2), medians over ``--repeats`` (15) after ``--warmup`` (3):
 
 * forward   one forward of n tokens for each n in ``--sizes`` (default 1,17,33,65) after a ``--prefix``-token
-            prefix (300), per dtype in ``--dtypes`` (default fp32, bf16 where the CPU computes it natively,
+            prefix (300), per dtype in ``--dtypes`` (default fp32, bf16,
             fp32+int8 and fp32+int4: our engine on its CPU kernels with int8 or Q4_1 weights and per-token int8
             activations, each a different served target, no transformers row):
             ``transformers``      ``AutoModelForCausalLM`` (sdpa) with a ``DynamicCache`` holding the prefix: one
@@ -547,7 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--dtypes", default=None,
                    help="comma list of target dtypes, each optionally +int8 or +int4 (low-bit weights on splitspec's "
-                        "CPU kernels; default fp32,fp32+int8,fp32+int4, and bf16 on CPUs that compute it natively)")
+                        "CPU kernels; default fp32,bf16,fp32+int8,fp32+int4)")
     p.add_argument("--sizes", default="1,17,33,65", help="tokens per forward, comma list (default 1,17,33,65)")
     p.add_argument("--prefix", type=int, default=300, help="tokens cached before each forward (default 300)")
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per size and engine (default 15)")

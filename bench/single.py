@@ -97,6 +97,7 @@ class Method:
     bundle: dict | None = None  # a trained drafter's bundle config (its "training" budget among it)
     vocabulary: tuple[str, float] | None = None  # --draft-vocabs: (size label, share of assistant tokens covered)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --temperature, --acceptance (seed per prompt)
+    adaptive: bool = False  # --adaptive: under the adaptive policy, as `generate --local` runs by default
 
 
 def load_prompts(tokenizer, limit: int | None) -> list[Prompt]:
@@ -187,8 +188,14 @@ def draft_vocabularies(sizes: list[int], target, config: dict, counts: dict
 
 
 def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int, seed: int = 0):
-    return generate(LocalVerifier(target), method.drafter, prompt_ids, max_new_tokens,
-                    replace(method.sampling, seed=seed), max_tree_nodes=method.max_tree_nodes)  # fmt: skip
+    verifier = LocalVerifier(target)
+    policy = None
+    if method.adaptive and method.name != REFERENCE:
+        from client.adaptive import AdaptivePolicy
+
+        policy = AdaptivePolicy.for_run(verifier, method.drafter.payload_specs())
+    return generate(verifier, method.drafter, prompt_ids, max_new_tokens, replace(method.sampling, seed=seed),
+                    max_tree_nodes=64 if policy else method.max_tree_nodes, policy=policy)  # fmt: skip
 
 
 def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_tokens: int) -> list[Run]:
@@ -314,12 +321,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--acceptance", default="exact",
                    help=f"comma list of rules sampled drafts are judged by ({', '.join(ACCEPTANCE)}): one method "
                         "per rule; typical is not lossless (default exact)")  # fmt: skip
+    p.add_argument("--adaptive", action="store_true",
+                   help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
+                        "it loses), as `splitspec generate --local` does by default; else static trees")
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="target (and drafter) device (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: bf16 here)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: measured)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     names = [ALIASES.get(m.strip(), m.strip()) for m in args.drafters.split(",") if m.strip()]
@@ -367,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     prompts = load_prompts(target.tokenizer, args.limit)
     methods, skipped = make_methods(args.drafters, target, args)
+    for m in methods:
+        m.adaptive = args.adaptive
     names = [m.name for m in methods]
     coverage = dict(m.vocabulary for m in methods if m.vocabulary and m.vocabulary[0] != "full")
 
@@ -389,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "reference": REFERENCE,
         "tree": {"width": args.tree_width, "depth": args.tree_depth, "max_tree_nodes": args.max_tree_nodes},
+        "adaptive": args.adaptive,
         "untrained_max_tree_nodes": UNTRAINED_MAX_TREE_NODES,
         "humaneval_template": HUMANEVAL_TEMPLATE,
         "prompts": counts,
