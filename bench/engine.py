@@ -42,6 +42,7 @@ Writes engine.json, engine.md and engine.png under --out (default bench/results)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -583,17 +584,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--sizes must be positive integers")
     if args.dtypes is None:
         args.dtypes = "fp32,bf16,fp32+int8,fp32+int4"
-    entries = [d.strip().split("+") for d in args.dtypes.split(",") if d.strip()]
-    unknown = ["+".join(e) for e in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"], ["int4"])]
+    from shared import kernels
+
+    specs = [d.strip().partition("@") for d in args.dtypes.split(",") if d.strip()]
+    entries = [(d.split("+"), build) for d, _, build in specs]
+    unknown = ["+".join(e) for e, build in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"], ["int4"])
+               or (build and (build not in kernels.BUILDS or not e[1:]))]  # fmt: skip
     if unknown:
         p.error(f"unknown dtype(s) {', '.join(unknown)}; expected some of {', '.join(DTYPES)}, each optionally "
-                "+int8 or +int4 (low-bit weights)")  # fmt: skip
-    args.dtypes = list(dict.fromkeys("+".join([SHORT[DTYPES[e[0]]], *e[1:]]) for e in entries))
+                f"+int8 or +int4 (low-bit weights), then optionally @BUILD ({', '.join(kernels.BUILDS)})")  # fmt: skip
+    args.dtypes = list(dict.fromkeys("+".join([SHORT[DTYPES[e[0]]], *e[1:]]) + (f"@{b}" if b else "")
+                                     for e, b in entries))  # fmt: skip
     names = [ALIASES.get(d.strip(), d.strip()) for d in args.drafters.split(",") if d.strip()]
     args.drafters = list(dict.fromkeys([PLAIN, *names]))
     if args.llama_bench and not (Path(args.llama_bench).is_file() or shutil.which(args.llama_bench)):
         p.error(f"--llama-bench {args.llama_bench}: no such executable")
     return args
+
+
+def load_dtype(model: str, spec: str, long: dict[str, str]):
+    """The target a ``--dtypes`` entry names: "fp32+int8" is fp32 activations with int8 weights, "fp32+int4@avx2" the
+    same on the avx2 kernel build (to time builds side by side in one run; default: the build chosen by timing)."""
+    from shared import kernels
+
+    spec, _, build = spec.partition("@")
+    base, _, weights = spec.partition("+")
+    with kernels.use(build) if build else contextlib.nullcontext():
+        return load_target(model, dtype=long[base], weights=weights or "native")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -602,9 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.threads)  # load average before this process adds its own
     long = {short: str(dtype).removeprefix("torch.") for dtype, short in SHORT.items()}
 
-    base = {d: d.split("+")[0] for d in args.dtypes}  # "fp32+int8": fp32 activations, int8 weights
-    targets = {d: load_target(args.model, dtype=long[base[d]], weights=(d.split("+") + ["native"])[1])
-               for d in args.dtypes}  # fmt: skip
+    targets = {d: load_dtype(args.model, d, long) for d in args.dtypes}
     env["served"] = {d: t.describe() for d, t in targets.items()}
     tokenizer = next(iter(targets.values())).tokenizer
     prefix_ids = prefix_tokens(tokenizer, args.prefix)

@@ -207,7 +207,8 @@ class Linear(nn.Linear):
     and a row's result is the same whatever rows share the call.
     """
 
-    qweight: torch.Tensor | None = None  # int8 [out padded to 4, in padded to 32], or int4 quants (pack_int4)
+    qweight: torch.Tensor | None = None  # int8 in its kernel build's layout (pack_int8), or int4 quants (pack_int4)
+    kernel_build: str | None = None  # the kernel build that packed it (``shared.kernels``)
     qscale: torch.Tensor | None = None  # fp32 [out], or int4 block scales
 
     def quantize(self, kind: str = "int8", keep_weight: bool = False) -> None:
@@ -225,6 +226,7 @@ class Linear(nn.Linear):
         if kind == "lowbit" and packed is not None and not torch.equal(dequantize_int4(*packed), self.weight.float()):
             packed = None  # not on a Q4_1 grid: int4 would change the weights, int8 changes them least
         self.qweight, self.qscale = packed or pack_int8(self.weight)
+        self.kernel_build = kernels.active()  # the build whose layout it is packed in, and that runs it
         if not keep_weight:
             self.weight = None  # the int8 copy is the weight now
 
@@ -250,7 +252,7 @@ class Linear(nn.Linear):
                 raise RuntimeError(f"a low-bit layer computes on the CPU; its input is on {x.device}")
             if x.shape[-1] != self.in_features:  # the kernel sees only the padded width
                 raise ValueError(f"input of width {x.shape[-1]} for a layer of {self.in_features} inputs")
-            out = kernels_ops().linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
+            out = kernels_ops(self.kernel_build).linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
             return out.to(x.dtype)
         single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])
@@ -477,7 +479,8 @@ def kernel_blocks(blocks: list[Block]):
         tensors += [ln1.weight.detach(), *qkv, *o, ln2.weight.detach(), *gate_up, *down]
         eps += [ln1.eps, ln2.eps]
     heads, kv_heads, head_dim = blocks[0]._shape
-    return kernels.Blocks(tensors, eps, heads, kv_heads, head_dim**-0.5)
+    build = blocks[0].mlp.down_proj.kernel_build
+    return kernels.Blocks(tensors, eps, heads, kv_heads, head_dim**-0.5, tag=build)
 
 
 def run_blocks(stack, x: torch.Tensor, rope: tuple, caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -90,10 +90,9 @@ class Target:
         if self.device.type != "cpu":
             return f"{self.device}, {dtype}"
         if self.weights != "native":
-            from shared import kernels
-
+            build = self.engine.lm_head.kernel_build
             return (f"cpu ({cpu_label()}), {self.weights} weights (LM head int8) and int8 activations on "
-                    f"{kernels.isa()} kernels, {dtype} between")  # fmt: skip
+                    f"{build} kernels, {dtype} between")  # fmt: skip
         return f"cpu ({cpu_label()}), {dtype}"
 
     def session(self, sampling: SamplingParams = SamplingParams(), feature_kinds=()) -> TargetSession:

@@ -15,6 +15,7 @@ cached per CPU, torch version and source (``SPLITSPEC_ISA`` pins one). A build r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -202,6 +203,25 @@ def active() -> str | None:
     except OSError:
         pass  # a read-only cache: measured again next time
     return chosen
+
+
+@contextlib.contextmanager
+def use(tag: str):
+    """Within the block, ``tag`` is the active build: what a model quantised there is packed for and runs on (a
+    quantised layer keeps its build), so one process can hold a model on each build and time them side by side."""
+    if reason := load(tag):
+        raise RuntimeError(f"kernel build {tag}: {reason}")
+    before = os.environ.get("SPLITSPEC_ISA")
+    os.environ["SPLITSPEC_ISA"] = tag
+    active.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPLITSPEC_ISA", None)
+        else:
+            os.environ["SPLITSPEC_ISA"] = before
+        active.cache_clear()
 
 
 def available() -> bool:
