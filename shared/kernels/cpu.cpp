@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -107,7 +108,27 @@ inline int32_t quantize_span(const float* x, int64_t n, float inv, int8_t* q, ui
   return sum;
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = false) {
+// A thread's share of work in a region that already runs on every thread (Blocks.forward: one parallel region a
+// forward, barriers between its steps, instead of a fork and join per step). threads == 0: not in such a region.
+struct Split {
+  int64_t tid = 0, threads = 0;
+  std::pair<int64_t, int64_t> share(int64_t n) const { return {n * tid / threads, n * (tid + 1) / threads}; }
+};
+
+// f(begin, end) over [0, n): across torch's threads (at least ``grain`` each), or this thread's share of a Split.
+// Which thread computes an item never changes what it computes.
+template <typename F>
+void for_range(int64_t n, int64_t grain, const Split& split, const F& f) {
+  if (split.threads == 0) {
+    at::parallel_for(0, n, grain, f);
+    return;
+  }
+  const auto [b, e] = split.share(n);
+  if (b < e) f(b, e);
+}
+
+// Room for M rows of K values in ``r`` (zeros in the padding): before quantize_rows_range fills rows.
+void prepare_rows(int64_t M, int64_t K, Rows& r, bool blocks) {
   r.M = M;
   r.Kp = padded(K);
   r.blocks = blocks;
@@ -120,7 +141,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = 
 #endif
   r.scale.assign(blocks ? M * Kb : M, 0.f);
   r.bsum.assign(M * Kb, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
+}
+
+// Rows [m0, m1) of x [M, K] quantised into r (prepared for M rows)
+void quantize_rows_range(const float* x, int64_t m0, int64_t m1, int64_t K, Rows& r) {
+  const bool blocks = r.blocks;
+  const int64_t Kb = r.Kp / KSTEP;
+  for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * K;
     int8_t* q = r.q.data() + m * r.Kp;
 #ifdef SPLITSPEC_AVX512
@@ -147,6 +174,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = 
       for (int64_t k = 0; k < r.Kp; ++k) r.u[m * r.Kp + k] = static_cast<uint8_t>(q[k] + 128);
 #endif
   }
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = false) {
+  prepare_rows(M, K, r, blocks);
+  quantize_rows_range(x, 0, M, K, r);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,11 +267,11 @@ void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead
 // y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual) for "cols16" weights: threads split the tiles; a tile's weights
 // (Kp · 16 bytes) stay in L1 while every pass of up to 8 activation rows goes over them.
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
-          int64_t N, float* y) {
+          int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kp = x.Kp;
   constexpr int64_t R = 8;
   const int64_t tiles = (N + W8 - 1) / W8, step = balanced(M, R);
-  at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
+  for_range(tiles, 2, split, [&](int64_t t0, int64_t t1) {
     alignas(64) int32_t acc[R * W8];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * W8, cols = std::min<int64_t>(W8, N - n);
@@ -322,11 +354,11 @@ void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* o
 // row passes over it. w holds N rows rounded up to a multiple of C (zeros past N), tiled: tile t's K
 // step k is its C rows' 32 values each, contiguous ([N / C, Kp / 32, C, 32]), one sequential stream.
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
-          int64_t N, float* y) {
+          int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kp = x.Kp;
   constexpr int64_t R = 2;
   const int64_t tiles = (N + C - 1) / C;
-  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+  for_range(tiles, 8, split, [&](int64_t t0, int64_t t1) {
     int32_t acc[R * C];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * C, cols = std::min<int64_t>(C, N - n);
@@ -497,7 +529,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 
 // y[M, N] = x · (d·q + m)ᵀ (+ bias) (+ residual) for 4-bit weights of N rows (a multiple of Q4).
 void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
-             int64_t N, float* y) {
+             int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
 #ifdef SPLITSPEC_AVX512
   constexpr int64_t R = 8;
@@ -505,7 +537,7 @@ void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* b
   constexpr int64_t R = 4;
 #endif
   const int64_t step = balanced(M, R);
-  at::parallel_for(0, N / Q4, 2, [&](int64_t t0, int64_t t1) {
+  for_range(N / Q4, 2, split, [&](int64_t t0, int64_t t1) {
     float acc[R * Q4];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * Q4;
@@ -808,12 +840,18 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::option
 }
 
 // y[M, N] = x[M, K] · Wᵀ (+ bias) (+ residual [M, N]; y may be the residual itself: each output reads only its own)
+// y = rows · Wᵀ (+ bias) (+ residual) for quantised rows, over every thread or a Split's share of the columns
+void multiply(const Rows& rows, const Weight& w, const float* residual, float* y, const Split& split = {}) {
+  if (w.q4)
+    gemm_q4(rows, static_cast<const uint8_t*>(w.w), static_cast<const uint16_t*>(w.scale), w.bias, residual, w.N, y,
+            split);
+  else
+    gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, y, split);
+}
+
 void project(const float* x, int64_t M, const Weight& w, const float* residual, float* y, Rows& rows) {
   quantize_rows(x, M, w.K, rows, w.q4);
-  if (w.q4)
-    gemm_q4(rows, static_cast<const uint8_t*>(w.w), static_cast<const uint16_t*>(w.scale), w.bias, residual, w.N, y);
-  else
-    gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, y);
+  multiply(rows, w, residual, y);
 }
 
 at::Tensor run_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& scale,
@@ -902,51 +940,72 @@ struct CacheLayer {
 
 bool cache_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
-// out[T, H d] = attention of T new tokens from their fused projections qkv [T, (H + 2 KV) d] (see ``attend``).
+// One sequence's new queries, rotated, and each one's visible cache slots (ascending): what its attention reads.
+struct Queries {
+  std::vector<float> q;  // [T, H, d]
+  std::vector<int64_t> keys, counts;  // [T, S] (the first counts[t] of row t), [T]
+  int64_t T = 0, S = 0;
+};
+
+// The T new tokens' queries and keys rotated by cos, sin [T, d], their keys and values written into the cache from
+// slot ``at``, and the slots each query may see (mask [T, at + T]; none: all).
 template <typename E>
-void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, const CacheLayer& c, int64_t at,
-                 const bool* allow, int64_t heads, int64_t kv_heads, int64_t d, float sc, float* o) {
+void attend_prepare(const float* src, int64_t T, const float* cs, const float* sn, const CacheLayer& c, int64_t at,
+                    const bool* allow, int64_t heads, int64_t kv_heads, int64_t d, Queries& out) {
   E* kc = static_cast<E*>(c.k);
   E* vc = static_cast<E*>(c.v);
-  const int64_t width = (heads + 2 * kv_heads) * d, S = at + T, half = d / 2, group = heads / kv_heads;
-  auto rotate = [&](const float* in, const float* cr, const float* sr, float* out) {
+  const int64_t width = (heads + 2 * kv_heads) * d, S = at + T, half = d / 2;
+  auto rotate = [&](const float* in, const float* cr, const float* sr, float* o) {
     for (int64_t i = 0; i < half; ++i) {
-      out[i] = in[i] * cr[i] - in[i + half] * sr[i];
-      out[i + half] = in[i + half] * cr[i + half] + in[i] * sr[i + half];
+      o[i] = in[i] * cr[i] - in[i + half] * sr[i];
+      o[i + half] = in[i + half] * cr[i + half] + in[i] * sr[i + half];
     }
   };
-  std::vector<float> q(T * heads * d), key(d);
+  out.T = T;
+  out.S = S;
+  out.q.resize(T * heads * d);
+  std::vector<float> key(d);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * width;
     const float* cr = cs + t * d;
     const float* sr = sn + t * d;
-    for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, cr, sr, q.data() + (t * heads + h) * d);
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, cr, sr, out.q.data() + (t * heads + h) * d);
     for (int64_t h = 0; h < kv_heads; ++h) {
       rotate(row + (heads + h) * d, cr, sr, key.data());
       narrow(key.data(), kc + h * c.k_head + (at + t) * c.k_slot, d);
       narrow(row + (heads + kv_heads + h) * d, vc + h * c.v_head + (at + t) * c.v_slot, d);
     }
   }
-  std::vector<int64_t> keys(T * S), counts(T);  // each query's visible slots, ascending
+  out.keys.resize(T * S);
+  out.counts.resize(T);
   for (int64_t t = 0; t < T; ++t) {
     int64_t n = 0;
     for (int64_t j = 0; j < S; ++j)
-      if (!allow || allow[t * S + j]) keys[t * S + n++] = j;
-    counts[t] = n;
+      if (!allow || allow[t * S + j]) out.keys[t * S + n++] = j;
+    out.counts[t] = n;
   }
+}
+
+// out[T, H d]: each prepared query attends to its visible slots, over every thread or a Split's share of the queries
+template <typename E>
+void attend_compute(const Queries& qs, const CacheLayer& c, int64_t heads, int64_t kv_heads, int64_t d, float sc,
+                    float* o, const Split& split) {
+  const E* kc = static_cast<const E*>(c.k);
+  const E* vc = static_cast<const E*>(c.v);
+  const int64_t T = qs.T, S = qs.S, group = heads / kv_heads;
   // a query's whole attention runs on one thread; small work stays on the calling thread (no wake-up to pay)
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, S * d));
-  at::parallel_for(0, T * heads, grain, [&](int64_t i0, int64_t i1) {
+  for_range(T * heads, grain, split, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(S);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / heads, h = i % heads, g = h / group, n = counts[t];
+      const int64_t t = i / heads, h = i % heads, g = h / group, n = qs.counts[t];
       float* out_row = o + t * heads * d + h * d;
       if (n == 0) {  // a fully masked query: zeros, not NaNs
         std::fill(out_row, out_row + d, 0.f);
         continue;
       }
-      const Keys<E> kv{kc + g * c.k_head, c.k_slot, vc + g * c.v_head, c.v_slot, keys.data() + t * S, n};
-      const float* qi = q.data() + (t * heads + h) * d;
+      const Keys<E> kv{kc + g * c.k_head, c.k_slot, vc + g * c.v_head, c.v_slot, qs.keys.data() + t * S, n};
+      const float* qi = qs.q.data() + (t * heads + h) * d;
       if (d == 64) attend_query<64>(qi, kv, sc, p.data(), out_row);
       else if (d == 128) attend_query<128>(qi, kv, sc, p.data(), out_row);
       else attend_query_any(qi, d, kv, sc, p.data(), out_row);
@@ -954,11 +1013,23 @@ void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, 
   });
 }
 
+// f<E>() for the cache's element type
+template <typename F>
+void with_cache_type(const CacheLayer& c, const F& f) {
+  if (c.type == at::kHalf) f(c10::Half{});
+  else if (c.type == at::kBFloat16) f(c10::BFloat16{});
+  else f(float{});
+}
+
+// out[T, H d] = attention of T new tokens from their fused projections qkv [T, (H + 2 KV) d] (see ``attend``).
 void attend_rows(const float* src, int64_t T, const float* cs, const float* sn, const CacheLayer& c, int64_t at,
                  const bool* allow, int64_t heads, int64_t kv_heads, int64_t d, float sc, float* o) {
-  if (c.type == at::kHalf) attend_rows<c10::Half>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
-  else if (c.type == at::kBFloat16) attend_rows<c10::BFloat16>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
-  else attend_rows<float>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, sc, o);
+  Queries qs;
+  with_cache_type(c, [&](auto e) {
+    using E = decltype(e);
+    attend_prepare<E>(src, T, cs, sn, c, at, allow, heads, kv_heads, d, qs);
+    attend_compute<E>(qs, c, heads, kv_heads, d, sc, o, Split{});
+  });
 }
 
 // Self-attention of one sequence's T new tokens, from their fused projections qkv [T, (H + 2 KV) d]:
@@ -1089,27 +1160,73 @@ struct Blocks : torch::CustomClassHolder {
     const float sc = static_cast<float>(scale);
     float* xs = out.data_ptr<float>();
     std::vector<float> h(T * E), qkv(T * width), att(T * heads * d), gu(T * 2 * F), act(T * F);
-    Rows rows;
-    for (int64_t l = 0; l < size(); ++l) {
-      const Layer& L = layers[l];
-      rms_norm_rows(xs, L.norm1, L.eps1, T, E, h.data());
-      project(h.data(), T, L.qkv, nullptr, qkv.data(), rows);
-      for (size_t s = 0; s < S; ++s) {
-        const int64_t a = s ? ends[s - 1] : 0;
-        const at::ScalarType type = k[s].scalar_type();
-        const int64_t bytes = type == at::kFloat ? 4 : 2;
-        const CacheLayer c{static_cast<char*>(k[s].data_ptr()) + l * k[s].stride(0) * bytes,
-                           static_cast<char*>(v[s].data_ptr()) + l * v[s].stride(0) * bytes,
-                           k[s].stride(2), k[s].stride(3), v[s].stride(2), v[s].stride(3), type};
-        attend_rows(qkv.data() + a * width, ends[s] - a, cs.data_ptr<float>() + a * d, sn.data_ptr<float>() + a * d,
-                    c, ats[s], allow[s].defined() ? allow[s].data_ptr<bool>() : nullptr, heads, kv_heads, d, sc,
-                    att.data() + a * heads * d);
+    std::vector<CacheLayer> caches(S);
+    std::vector<Queries> queries(S);
+    Rows r_qkv, r_o, r_gu, r_down;  // each projection's input, quantised
+    auto ready = [&](Rows& r, int64_t K, bool q4) {
+      if (r.M != T || r.Kp != padded(K) || r.blocks != q4 || r.scale.empty()) prepare_rows(T, K, r, q4);
+    };
+    // One parallel region for the whole stack, its steps apart by barriers: each thread takes its share of the rows
+    // (norms, quantisation, SwiGLU), of the output columns (projections) and of the queries (attention), so no step
+    // runs on one thread while the other waits, and no step pays a fork and a join. Who computes what never
+    // changes what it computes: the same bits as the single ops.
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+    {
+      const Split sp{omp_get_thread_num(), omp_get_num_threads()};
+      const auto [m0, m1] = sp.share(T);
+      for (int64_t l = 0; l < size(); ++l) {
+        const Layer& L = layers[l];
+#pragma omp single
+        {
+          ready(r_qkv, E, L.qkv.q4);
+          ready(r_o, heads * d, L.o.q4);
+          ready(r_gu, E, L.gate_up.q4);
+          ready(r_down, F, L.down.q4);
+          for (size_t s = 0; s < S; ++s) {
+            const at::ScalarType type = k[s].scalar_type();
+            const int64_t bytes = type == at::kFloat ? 4 : 2;
+            caches[s] = CacheLayer{static_cast<char*>(k[s].data_ptr()) + l * k[s].stride(0) * bytes,
+                                   static_cast<char*>(v[s].data_ptr()) + l * v[s].stride(0) * bytes,
+                                   k[s].stride(2), k[s].stride(3), v[s].stride(2), v[s].stride(3), type};
+          }
+        }
+        rms_norm_rows(xs + m0 * E, L.norm1, L.eps1, m1 - m0, E, h.data() + m0 * E);
+        quantize_rows_range(h.data(), m0, m1, E, r_qkv);
+#pragma omp barrier
+        multiply(r_qkv, L.qkv, nullptr, qkv.data(), sp);
+#pragma omp barrier
+#pragma omp single
+        for (size_t s = 0; s < S; ++s) {
+          const int64_t a = s ? ends[s - 1] : 0;
+          with_cache_type(caches[s], [&](auto e) {
+            attend_prepare<decltype(e)>(qkv.data() + a * width, ends[s] - a, cs.data_ptr<float>() + a * d,
+                                        sn.data_ptr<float>() + a * d, caches[s], ats[s],
+                                        allow[s].defined() ? allow[s].data_ptr<bool>() : nullptr, heads, kv_heads, d,
+                                        queries[s]);  // fmt: skip
+          });
+        }
+        for (size_t s = 0; s < S; ++s) {
+          const int64_t a = s ? ends[s - 1] : 0;
+          with_cache_type(caches[s], [&](auto e) {
+            attend_compute<decltype(e)>(queries[s], caches[s], heads, kv_heads, d, sc, att.data() + a * heads * d, sp);
+          });
+        }
+#pragma omp barrier
+        quantize_rows_range(att.data(), m0, m1, heads * d, r_o);
+#pragma omp barrier
+        multiply(r_o, L.o, xs, xs, sp);
+#pragma omp barrier
+        rms_norm_rows(xs + m0 * E, L.norm2, L.eps2, m1 - m0, E, h.data() + m0 * E);
+        quantize_rows_range(h.data(), m0, m1, E, r_gu);
+#pragma omp barrier
+        multiply(r_gu, L.gate_up, nullptr, gu.data(), sp);
+#pragma omp barrier
+        swiglu(gu.data() + m0 * 2 * F, m1 - m0, F, act.data() + m0 * F);
+        quantize_rows_range(act.data(), m0, m1, F, r_down);
+#pragma omp barrier
+        multiply(r_down, L.down, xs, xs, sp);
+#pragma omp barrier
       }
-      project(att.data(), T, L.o, xs, xs, rows);
-      rms_norm_rows(xs, L.norm2, L.eps2, T, E, h.data());
-      project(h.data(), T, L.gate_up, nullptr, gu.data(), rows);
-      swiglu(gu.data(), T, F, act.data());
-      project(act.data(), T, L.down, xs, xs, rows);
     }
     return out;
   }
