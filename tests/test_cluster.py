@@ -56,7 +56,14 @@ def app(tiny_model_dir, bundles):
     """Two replicas (fp32, as ``tiny_target``: the outputs must equal its plain decoding) behind the proxy; yields
     its address."""
     os.environ.update(cluster.ray_environment())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s to register: once in a loaded run it did not (no raylet
+        try:                # log at all); one more start, bounded, before the module errors
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
     port = cluster.free_port()
     limits = ServerLimits(max_sessions=32, max_tree_nodes=16, max_context=128, min_tree_nodes=16)
     config = cluster.ReplicaConfig(model=str(tiny_model_dir), dtype="float32", threads=1, limits=limits.as_dict(),
