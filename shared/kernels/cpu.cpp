@@ -406,7 +406,8 @@ constexpr int64_t Q4 = 16;  // columns per 4-bit tile
 // (64 bytes) gives each lane its column's values 2g..2g+3 (low nibbles) and 2g+16..2g+19 (high nibbles), in
 // the column order of the scales ({0-3, 8-11, 4-7, 12-15}), once for all the rows. A block's int32 sum is
 // exact and the float steps per column are those of the AVX2 path: the same bits.
-template <int R>
+// TN tiles side by side (TN x 16 columns): a row's activation broadcasts and block scalars serve them all
+template <int R, int TN = 1>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
   // lane j holds column col[j]; its bytes: (group g, col, e = 0), (g, col, 1), (g + 1, col, 0), (g + 1, col, 1)
@@ -418,43 +419,60 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     return _mm512_load_si512(idx);
   }();
   const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t tile_bytes = Kb * 8 * 32, scale_halves = Kb * 2 * Q4;
+  __m512 acc[R][TN];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < TN; ++u) acc[r][u] = _mm512_setzero_ps();
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   for (int64_t b = 0; b < Kb; ++b) {
-    const uint8_t* qb = w + b * 8 * 32;
-    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
+    for (int u = 0; u < TN; ++u)
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * 256 + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    __m512i isum[R][TN];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < TN; ++u) isum[r][u] = _mm512_setzero_si512();
     for (int g = 0; g < 8; g += 2) {
-      const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(qb + 32 * g));
-      const __m512i wl = _mm512_and_si512(raw, low), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      __m512i wl[TN], wh[TN];
+      for (int u = 0; u < TN; ++u) {
+        const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(w + u * tile_bytes + b * 256 + 32 * g));
+        wl[u] = _mm512_and_si512(raw, low);
+        wh[u] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
       for (int r = 0; r < R; ++r) {
         int32_t lo4, hi4;  // activations 2g..2g+3 and 2g+16..2g+19
         std::memcpy(&lo4, xq[r] + b * KSTEP + 2 * g, 4);
         std::memcpy(&hi4, xq[r] + b * KSTEP + 16 + 2 * g, 4);
-        isum[r] = _mm512_dpbusd_epi32(isum[r], wl, _mm512_set1_epi32(lo4));
-        isum[r] = _mm512_dpbusd_epi32(isum[r], wh, _mm512_set1_epi32(hi4));
+        const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+        for (int u = 0; u < TN; ++u) {
+          isum[r][u] = _mm512_dpbusd_epi32(isum[r][u], wl[u], xl);
+          isum[r][u] = _mm512_dpbusd_epi32(isum[r][u], wh[u], xh);
+        }
       }
     }
-    const uint16_t* sb = dm + b * 2 * Q4;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+    __m512 d[TN], m[TN];
+    for (int u = 0; u < TN; ++u) {
+      const uint16_t* sb = dm + u * scale_halves + b * 2 * Q4;
+      d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+      m[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm512_set1_ps(x.bsum[(r0 + r) * Kb + b]);
-      acc[r] = _mm512_fmadd_ps(m, bs, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), d), sx, acc[r]));
+      for (int u = 0; u < TN; ++u)
+        acc[r][u] = _mm512_fmadd_ps(m[u], bs, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][u]), d[u]), sx,
+                                                              acc[r][u]));  // fmt: skip
     }
   }
-  for (int r = 0; r < R; ++r) {  // lanes {0-3, 8-11, 4-7, 12-15} back to column order: swap the middle quarters
-    _mm512_storeu_ps(out + r * Q4, _mm512_shuffle_f32x4(acc[r], acc[r], _MM_SHUFFLE(3, 1, 2, 0)));
-  }
+  for (int r = 0; r < R; ++r)  // lanes {0-3, 8-11, 4-7, 12-15} back to column order: swap the middle quarters
+    for (int u = 0; u < TN; ++u)
+      _mm512_storeu_ps(out + (r * TN + u) * Q4, _mm512_shuffle_f32x4(acc[r][u], acc[r][u], _MM_SHUFFLE(3, 1, 2, 0)));
 }
 #elif defined(SPLITSPEC_AVX2)
-template <int R>
+template <int R, int TN = 1>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
+  static_assert(TN == 1, "the AVX2 build runs one tile at a time");
   __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
   for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -501,9 +519,10 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 #else
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-template <int R>
+template <int R, int TN = 1>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
+  static_assert(TN == 1, "the portable build runs one tile at a time");
   static constexpr int slot[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};  // column -> scale slot
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < Q4; ++c) {
@@ -532,34 +551,37 @@ void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* b
              int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
 #ifdef SPLITSPEC_AVX512
-  constexpr int64_t R = 8;
+  constexpr int64_t R = 6, TN = 2;  // measured best on Zen 5 (8 x 1: 5-10 % slower at 9-17 rows; 4 x 2 too)
 #else
-  constexpr int64_t R = 4;
+  constexpr int64_t R = 4, TN = 1;
 #endif
-  const int64_t step = balanced(M, R);
-  for_range(N / Q4, 2, split, [&](int64_t t0, int64_t t1) {
-    float acc[R * Q4];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t * Q4;
+  const int64_t step = balanced(M, R), tiles = N / Q4, units = (tiles + TN - 1) / TN;
+  for_range(units, 1, split, [&](int64_t u0, int64_t u1) {
+    float acc[R * TN * Q4];
+    for (int64_t unit = u0; unit < u1; ++unit) {
+      const int64_t t = unit * TN, tn = std::min<int64_t>(TN, tiles - t), n = t * Q4, cols = tn * Q4;
       const uint8_t* wt = w + t * Kb * 8 * 32;
       const uint16_t* dt = dm + t * Kb * 2 * Q4;
       const int64_t passes = (M + step - 1) / step;
       Ahead ahead;
-      if (passes > 1 && t + 1 < N / Q4) {  // one pass: the stream's own prefetch runs ahead into the next tile
-        ahead.begin[0] = reinterpret_cast<const char*>(wt + Kb * 8 * 32);
-        ahead.begin[1] = reinterpret_cast<const char*>(dt + Kb * 2 * Q4);
-        ahead.lines[0] = Kb * 8 * 32 / 64;
-        ahead.lines[1] = Kb * 2 * Q4 * 2 / 64;
+      if (passes > 1 && t + tn < tiles) {  // one pass: the stream's own prefetch runs ahead into the next tile
+        ahead.begin[0] = reinterpret_cast<const char*>(wt + tn * Kb * 8 * 32);
+        ahead.begin[1] = reinterpret_cast<const char*>(dt + tn * Kb * 2 * Q4);
+        ahead.lines[0] = std::min<int64_t>(TN, tiles - t - tn) * Kb * 8 * 32 / 64;
+        ahead.lines[1] = std::min<int64_t>(TN, tiles - t - tn) * Kb * 2 * Q4 * 2 / 64;
         ahead.steps = passes * Kb;
       }
       for (int64_t r0 = 0; r0 < M; r0 += step) {
         const int64_t rows = std::min<int64_t>(step, M - r0);
         ahead.first = r0 / step * Kb;
-        with_rows<R>(rows, [&](auto tile) { q4_tile<decltype(tile)::value>(x, r0, wt, dt, Kb, ahead, acc); });
+        with_rows<R>(rows, [&](auto tile) {
+          if (tn == TN) q4_tile<decltype(tile)::value, TN>(x, r0, wt, dt, Kb, ahead, acc);
+          else q4_tile<decltype(tile)::value, 1>(x, r0, wt, dt, Kb, ahead, acc);
+        });
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
-          for (int64_t c = 0; c < Q4; ++c) {
-            float v = acc[r * Q4 + c];  // the activations' block scales are inside
+          for (int64_t c = 0; c < cols; ++c) {
+            float v = acc[r * tn * Q4 + c];  // the activations' block scales are inside
             if (bias) v += bias[n + c];
             if (residual) v += residual[(r0 + r) * N + n + c];
             yr[c] = v;
