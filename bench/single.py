@@ -98,6 +98,7 @@ class Method:
     vocabulary: tuple[str, float] | None = None  # --draft-vocabs: (size label, share of assistant tokens covered)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --temperature, --acceptance (seed per prompt)
     adaptive: bool = False  # --adaptive: under the adaptive policy, as `generate --local` runs by default
+    policy: object = None  # --adaptive: the policy of this method's latest run, which the next one starts from
 
 
 def load_prompts(tokenizer, limit: int | None) -> list[Prompt]:
@@ -193,7 +194,9 @@ def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: in
     if method.adaptive and method.name != REFERENCE:
         from client.adaptive import AdaptivePolicy
 
-        policy = AdaptivePolicy.for_run(verifier, method.drafter.payload_specs())
+        # each prompt starts from what the previous ones taught the policy, as a serving process's would
+        policy = AdaptivePolicy.for_run(verifier, method.drafter.payload_specs(), previous=method.policy)
+        method.policy = policy
     return generate(verifier, method.drafter, prompt_ids, max_new_tokens, replace(method.sampling, seed=seed),
                     max_tree_nodes=64 if policy else method.max_tree_nodes, policy=policy)  # fmt: skip
 
@@ -323,7 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "per rule; typical is not lossless (default exact)")  # fmt: skip
     p.add_argument("--adaptive", action="store_true",
                    help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
-                        "it loses), as `splitspec generate --local` does by default; else static trees")
+                        "it loses), as `splitspec generate --local` does by default, each prompt's policy starting "
+                        "from the previous one's (as in a serving process); else static trees")
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")

@@ -32,6 +32,7 @@ decoding would, by the costs the server reports.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections import deque
@@ -190,14 +191,29 @@ class AdaptivePolicy:
         if self.mode == "auto" and self.pin_nodes is None:
             self.paused = PAUSE  # an idle server decodes with no round trip per token: stream first, then try drafting
 
+    # what a policy has learnt about the machine, the link and the drafter, which a later run of the same pair may
+    # start from (``for_run(previous=...)``): the costs, the rates, the calibration, and where its pauses stand
+    LEARNT = ("verify_fit", "draft_step_s", "calibration", "depth", "rounds", "drafted_rate", "plain_seen",
+              "drafted_rounds", "paused", "pause", "drafted_nodes", "drafted_gain", "token_s", "rehearsals")
+
     @classmethod
-    def for_run(cls, verifier, specs: list[PayloadSpec], **pins) -> AdaptivePolicy:
+    def for_run(cls, verifier, specs: list[PayloadSpec], previous: AdaptivePolicy | None = None,
+                **pins) -> AdaptivePolicy:  # fmt: skip
         """A policy for a run against ``verifier`` that may switch among ``specs`` (a drafter's ``payload_specs()``),
-        those the verifier can send; ``pins``: pin_nodes, pin_depth, max_nodes, ..."""
+        those the verifier can send; ``pins``: pin_nodes, pin_depth, max_nodes, ... ``previous``: the policy of an
+        earlier run with the same target and drafter, whose learning this one starts from instead of exploring
+        again (a process answering many prompts: the edge, the benchmarks); a trial it was in is judged anew."""
         if verifier.link is None and pins.get("mode", "auto") == "auto":
             pins["mode"] = "draft"  # in process there is no round trip for the target decoding alone to save
-        return cls(verifier.link, specs=verifier.usable(specs) if verifier.link is not None else [],
-                   raw_bytes_per_token=verifier.payload_bytes_per_token, **pins)  # fmt: skip
+        policy = cls(verifier.link, specs=verifier.usable(specs) if verifier.link is not None else [],
+                     raw_bytes_per_token=verifier.payload_bytes_per_token, **pins)  # fmt: skip
+        if previous is not None:
+            for name in cls.LEARNT:
+                value = getattr(previous, name)
+                setattr(policy, name, copy.deepcopy(value) if name in ("verify_fit", "rehearsals") else value)
+            if previous.probing:  # its plain rounds were measuring a trial that ended with its run
+                policy.paused, policy.drafted_rate, policy.drafted_rounds = 0, None, 0
+        return policy
 
     # --- estimates ---
 

@@ -266,3 +266,32 @@ def test_rehearsals_predict_drafting_from_trees_never_sent():
     assert not right.hopeless()
     wrong = policy([])
     assert wrong.rehearsed_rate() < 100 and wrong.hopeless()
+
+
+def test_a_run_starts_from_what_the_previous_run_learnt():
+    """``for_run(previous=...)``: a second run of the same pair keeps the first one's costs, calibration and pause,
+    so where drafting lost it does not pay for the first run's trials again; one that was still measuring a trial
+    judges anew."""
+    from client.adaptive import PAUSE, PROBE, TRIAL
+
+    class Local:  # what for_run reads of a verifier
+        link = None
+        payload_bytes_per_token = None
+
+    first = trained(AdaptivePolicy.for_run(Local(), []), verify_base=0.010, per_node=0.002)
+    assert first.mode == "draft"  # in process: drafted or plain rounds, never streams
+    for _ in range(TRIAL + PROBE + 3):  # a losing trial, its probe, then 3 rounds into the pause
+        if first.drafting():
+            first.observe(TREE, 2, compute_s=0.044, draft_s=0.030, depth=3)
+            first.record(True, 3, 0.074)
+        else:
+            first.observe(DraftTree(), 0, compute_s=0.012, draft_s=0.0, depth=0)
+            first.record(False, 1, 0.012)
+    assert first.paused == PAUSE - 3 and not first.probing
+    second = AdaptivePolicy.for_run(Local(), [], previous=first)
+    assert [second.drafting() for _ in range(PAUSE - 3)] == [False] * (PAUSE - 3)  # the pause goes on
+    assert second.drafting()  # then a trial, as the first run would have made
+    assert second.verify_fit(5, 0.0) == first.verify_fit(5, 0.0) and second.plain_seen == first.plain_seen
+    assert second.verify_fit is not first.verify_fit  # learning on in the second does not change the first
+    fresh = AdaptivePolicy.for_run(Local(), [])
+    assert fresh.drafting() and fresh.plain_seen is None
