@@ -255,6 +255,7 @@ class Edge:
         self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
         self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target)
         self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
+        self._learnt: dict[int, object] = {}  # id(drafter) -> its latest generation's policy: where the next starts
         self._connections: list[tuple[object, float]] = []  # (RemoteVerifier, time.monotonic() it went idle)
         self._lock = threading.Lock()
         self.counters = Counters()
@@ -346,7 +347,9 @@ class Edge:
                 works = True  # the prompt is wrong, not the connection
                 raise context_exceeded(len(prompt_ids), verifier.max_context, "messages" if ask.chat else "prompt")
             on_start()
-            policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode=self.mode)
+            policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode=self.mode,
+                                            previous=self._learnt.get(id(drafter)))  # fmt: skip
+            self._learnt[id(drafter)] = policy  # a pooled drafter is used by one generation at a time
             gen = generate(verifier, drafter, prompt_ids, ask.max_tokens, sampling, max_tree_nodes=self.max_tree_nodes,
                            policy=policy, resilience=self.resilience, on_update=on_update,
                            stop_when=lambda tokens, verified: stop_when())  # fmt: skip
