@@ -105,11 +105,8 @@ def _key(cfg) -> str:
     from shared import kernels
 
     blob = json.dumps([VERSION, kernels.cpu_name(), sorted(kernels.cpu_flags()), torch.__version__,
-                       torch.get_num_threads(), kernels.active(),
-                       kernels.SOURCE.stat().st_size if kernels.SOURCE.exists() else 0,
+                       torch.get_num_threads(), kernels.active(), kernels.source_digest(),
                        dataclasses.asdict(cfg), SIZES, PREFIX])  # fmt: skip
-    if kernels.SOURCE.exists():
-        blob += hashlib.sha256(kernels.SOURCE.read_bytes()).hexdigest()
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -213,14 +210,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
     from shared import kernels
-    from shared.engine import ModelConfig
-    from shared.models import DEFAULT_MODEL, resolve_model
+    from shared.models import DEFAULT_MODEL, model_config, resolve_model
 
     spec = args.model or DEFAULT_MODEL
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model(spec, args.cache_dir)))
+    cfg = model_config(resolve_model(spec, args.cache_dir))
     loaded = kernels.builds()
     seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
     table = table_for(cfg, args.cache_dir, refresh=args.refresh)

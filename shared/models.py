@@ -138,14 +138,15 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     allowed = runnable_paths() if weights == "auto" else ["bf16", "fp32"]
     if "int4" in allowed and not on_q4_grid(path):
         allowed.remove("int4")
-    table = table_for(_config(path), cache)
+    table = table_for(model_config(path), cache)
     chosen = table.choose(job, allowed)
     print(table.line(chosen, job), file=sys.stderr)
     dtype, weights = PATHS[chosen]
     return dtype, ("lowbit" if chosen == "int4" else weights)  # lowbit: int4 wherever it changes nothing
 
 
-def _config(path: str | os.PathLike):
+def model_config(path: str | os.PathLike):
+    """The engine's ``ModelConfig`` of a model folder (its config.json: no weights read)."""
     from transformers import AutoConfig
 
     from shared.engine import ModelConfig

@@ -155,10 +155,10 @@ def bf16_is_cheap() -> bool:
     """Whether bf16 trees cost little here (native bf16 compute), by this machine's calibration of the target: in
     emulation (AVX2 only) a tree takes seconds and these tests minutes; the paths matrix covers bf16 everywhere."""
     from shared.calibration import table_for
-    from shared.models import _config, resolve_model
+    from shared.models import model_config, resolve_model
 
     try:
-        return table_for(_config(resolve_model("smollm2-135m"))).ms.get("bf16", {}).get(17, 1e9) < 100
+        return table_for(model_config(resolve_model("smollm2-135m"))).ms.get("bf16", {}).get(17, 1e9) < 100
     except Exception:  # no target here: its tests skip anyway
         return False
 

@@ -85,6 +85,12 @@ def runnable() -> list[str]:
     return [tag for tag, (needs, _) in BUILDS.items() if not needs or (x86 and needs <= flags)]
 
 
+@cache
+def source_digest() -> str:
+    """The kernels' source, hashed: what every build folder and every timing cached for them is keyed by."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
 def namespace(tag: str) -> str:
     return "splitspec_" + tag.replace("-", "_")
 
@@ -93,7 +99,7 @@ def build_directory(tag: str) -> Path:
     """Beside the source when that is writable (a checkout: every process finds the build whatever its model
     cache), else in the user's cache; one folder per ISA, flags, source and torch version."""
     flags = BUILDS[tag][1]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256((source_digest() + " ".join(CFLAGS + flags)).encode()).hexdigest()[:12]
     version = torch.__version__.replace("+", "_")
     root = SOURCE.parent / "build" if os.access(SOURCE.parent, os.W_OK) else Path.home() / ".cache" / "splitspec"
     return root / f"{tag}-torch{version}-{digest}"
@@ -143,9 +149,8 @@ def builds() -> list[str]:
 
 
 def _timing_key() -> str:
-    return hashlib.sha256(f"{cpu_name()}|{sorted(cpu_flags())}|{torch.__version__}|{torch.get_num_threads()}|"
-                          f"{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}"
-                          .encode()).hexdigest()[:16]  # fmt: skip
+    key = f"{cpu_name()}|{sorted(cpu_flags())}|{torch.__version__}|{torch.get_num_threads()}|{source_digest()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def time_builds(tags: list[str], repeats: int = 7, clock=time.perf_counter) -> dict[str, float]:

@@ -212,6 +212,7 @@ struct Ahead {
 
   void fetch(int64_t i) const {
 #ifdef SPLITSPEC_AVX2
+    if (!begin[0]) return;  // one pass or the last tile: nothing to fetch (and no divisions on the hot path)
     const int64_t s = first + i;
     for (int k = 0; k < 2; ++k)
       for (int64_t l = s * lines[k] / steps, e = (s + 1) * lines[k] / steps; l < e; ++l)
