@@ -146,10 +146,10 @@ def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
 
 
 def test_every_build_computes_the_same_bits():
-    """The vector builds (avx512-vnni, avx2: those this CPU runs) differ in speed only: linear layers (int8 in each
-    build's own layout, int4), the fused MLP and attention over fp32, fp16 and bf16 caches give identical bits, so a
-    client on one CPU and a server on another serve the same target. (The portable build's norms and exp sum in
-    another order: a target of its own, for CPUs without AVX2.)"""
+    """The vector builds (avx512-vnni, avx-vnni, avx2: those this CPU runs) differ in speed only: linear layers (int8
+    in each build's own layout, int4), the fused MLP and attention over fp32, fp16 and bf16 caches give identical
+    bits, so a client on one CPU and a server on another serve the same target. (The portable build's norms and exp
+    sum in another order: a target of its own, for CPUs without AVX2.)"""
     builds = [b for b in kernels.builds() if b != "portable"]
     if len(builds) < 2:
         pytest.skip(f"one kernel build here ({builds}): nothing to compare")

@@ -1,7 +1,8 @@
 """splitspec's compiled CPU kernels (``cpu.cpp``): low-bit linear layers and a fixed-order attention.
 
 One source, several builds, each for an instruction set: ``avx512-vnni`` (512-bit ``vpdpbusd`` for the integer
-dot products; Zen 4/5, Ice Lake and later Xeons), ``avx2`` (AVX2+FMA+F16C), ``portable`` (plain C++). They are
+dot products; Zen 4/5, Ice Lake and later Xeons), ``avx-vnni`` (the AVX2 kernels with 256-bit ``vpdpbusd``; Alder
+Lake and later client CPUs, Zen 5), ``avx2`` (AVX2+FMA+F16C), ``portable`` (plain C++). They are
 built from source on the machine that runs them, once per CPU kind and torch version, never with
 ``-march=native`` (some VMs advertise it wrongly). The vector builds compute the same bits: integer sums are exact
 and the float steps are written once, in one order, so between them a build is a matter of speed only (the portable
@@ -37,6 +38,7 @@ BUILDS: dict[str, tuple[frozenset[str], list[str]]] = {
     "avx512-vnni": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                                "avx512vbmi"}),
                     [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi"]),
+    "avx-vnni": (frozenset({"avx2", "fma", "f16c", "avx_vnni"}), [*_AVX2, "-mavxvnni"]),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), _AVX2),
     "portable": (frozenset(), []),
 }  # fmt: skip
@@ -255,7 +257,7 @@ def Blocks(*args, tag: str | None = None):  # noqa: N802 - a class, as torch nam
 
 
 def isa() -> str:
-    """What the active build computes with: ``avx512-vnni``, ``avx2`` or ``portable``."""
+    """What the active build computes with: ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``portable``."""
     return ops().isa()
 
 

@@ -32,6 +32,8 @@
 #if defined(SPLITSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VBMI__)
 #define SPLITSPEC_AVX512 1  // the integer dot products in 512-bit VNNI (vpdpbusd); everything else as AVX2
+#elif defined(SPLITSPEC_AVX2) && defined(__AVXVNNI__)
+#define SPLITSPEC_AVXVNNI 1  // the AVX2 kernels with 256-bit VNNI (vpdpbusd) for their integer dot products
 #endif
 
 // Each build registers its ops under its own name (torch.ops.splitspec_avx2, ...), so that one process can load
@@ -319,7 +321,7 @@ void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* o
   __m256i acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t k = 0; k < Kp; k += KSTEP) {
     const int8_t* chunk = w + k * C;  // the tile's C rows of this K step, contiguous (see gemm)
     _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
@@ -330,8 +332,12 @@ void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* o
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + (r0 + r) * Kp + k));
       const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * Kp + k));
       for (int c = 0; c < C; ++c) {
+#ifdef SPLITSPEC_AVXVNNI  // one instruction for the same exact sum
+        acc[r][c] = _mm256_dpbusd_avx_epi32(acc[r][c], a, _mm256_sign_epi8(wv[c], s));
+#else
         const __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(wv[c], s));
         acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(p, ones));
+#endif
       }
     }
   }
@@ -476,12 +482,34 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
   static_assert(TN == 1, "the AVX2 build runs one tile at a time");
   __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
   for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* qb = w + b * 8 * 32;
     for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
+#ifdef SPLITSPEC_AVXVNNI
+    // Two steps' 16-bit pairs interleaved give each column's 4 values in a 32-bit lane (columns {0-3, 8-11} from
+    // unpacklo, {4-7, 12-15} from unpackhi), and one vpdpbusd multiplies them by 4 broadcast activations: the same
+    // exact int32 sums the AVX2 path reaches in int16 steps.
+    __m256i isum_lo[R], isum_hi[R];
+    for (int r = 0; r < R; ++r) isum_lo[r] = isum_hi[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g += 2) {
+      const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
+      const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g + 32));
+      const __m256i lo4 = _mm256_unpacklo_epi16(ra, rb), hi4 = _mm256_unpackhi_epi16(ra, rb);
+      const __m256i lo_a = _mm256_and_si256(lo4, low), lo_b = _mm256_and_si256(_mm256_srli_epi16(lo4, 4), low);
+      const __m256i hi_a = _mm256_and_si256(hi4, low), hi_b = _mm256_and_si256(_mm256_srli_epi16(hi4, 4), low);
+      for (int r = 0; r < R; ++r) {  // values 2g..2g+3 (low nibbles) and 16+2g..16+2g+3 (high nibbles)
+        int32_t va, vb;
+        std::memcpy(&va, xq[r] + b * KSTEP + 2 * g, 4);
+        std::memcpy(&vb, xq[r] + b * KSTEP + 16 + 2 * g, 4);
+        const __m256i xa = _mm256_set1_epi32(va), xb = _mm256_set1_epi32(vb);
+        isum_lo[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(isum_lo[r], lo_a, xa), lo_b, xb);
+        isum_hi[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(isum_hi[r], hi_a, xa), hi_b, xb);
+      }
+    }
+#else
     __m256i first[R], second[R];  // int16 sums over pairs 0-7 and 8-15, a lane per column
     for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
     __m256i xl[R], xh[R];  // a row's block values 0-15 and 16-31, each in both 128-bit lanes (for vpshufb)
@@ -498,15 +526,20 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
         second[r] = _mm256_add_epi16(second[r], _mm256_maddubs_epi16(wh, _mm256_shuffle_epi8(xh[r], pick)));
       }
     }
+#endif
     const uint16_t* sb = dm + b * 2 * Q4;
     const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
     const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
     const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
     const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 24)));
     for (int r = 0; r < R; ++r) {
+#ifdef SPLITSPEC_AVXVNNI
+      const __m256 lo = _mm256_cvtepi32_ps(isum_lo[r]), hi = _mm256_cvtepi32_ps(isum_hi[r]);
+#else
       // interleaving the two halves' sums and adding neighbours widens them to int32: columns {0-3, 8-11}, {4-7, 12-15}
       const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(first[r], second[r]), ones));
       const __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(first[r], second[r]), ones));
+#endif
       const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm256_set1_ps(x.bsum[(r0 + r) * Kb + b]);
       lo_acc[r] = _mm256_fmadd_ps(m_lo, bs, _mm256_fmadd_ps(_mm256_mul_ps(lo, d_lo), sx, lo_acc[r]));
       hi_acc[r] = _mm256_fmadd_ps(m_hi, bs, _mm256_fmadd_ps(_mm256_mul_ps(hi, d_hi), sx, hi_acc[r]));
@@ -1259,6 +1292,8 @@ struct Blocks : torch::CustomClassHolder {
 std::string isa() {
 #if defined(SPLITSPEC_AVX512)
   return "avx512-vnni";
+#elif defined(SPLITSPEC_AVXVNNI)
+  return "avx-vnni";
 #elif defined(SPLITSPEC_AVX2)
   return "avx2";
 #else
