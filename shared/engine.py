@@ -280,10 +280,18 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from shared import gguf
+
     path = Path(path)
     hf = AutoConfig.from_pretrained(path)
     cfg = ModelConfig.from_hf(hf)
     inv_freq, scale = rope_frequencies(hf)
+    rotary = Rotary(inv_freq, scale, cfg.max_positions)
+    if gguf.source_of(path) is not None:  # a GGUF's folder: the weights come from the file, a tensor at a time
+        with torch.device("meta"):
+            model = Transformer(cfg, rotary)
+        gguf.load(path, model, weights)
+        return prepare(model, dtype, device, exact, weights), hf
     index = path / "model.safetensors.index.json"
     files = ["model.safetensors"]
     if index.is_file():
@@ -297,7 +305,6 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     state = {k.removeprefix("model."): v for k, v in state.items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    rotary = Rotary(inv_freq, scale, cfg.max_positions)
     with torch.device("meta"):  # no random init of weights about to be replaced
         model = Transformer(cfg, rotary)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -322,6 +329,7 @@ def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device =
     if weights in ("int8", "int4", "lowbit"):
         if model.device.type != "cpu":
             raise ValueError(f"low-bit weights are a CPU path; on {model.device} serve native weights")
-        model.lm_head.quantize("int8", keep_weight=True)  # its float weight stays: embeddings, drafters' heads
+        if model.lm_head.qweight is None:  # (a GGUF's untied head comes packed, with no float copy)
+            model.lm_head.quantize("int8", keep_weight=True)  # its float weight stays: embeddings, drafters' heads
         quantize(model.layers, weights)
     return model.eval().requires_grad_(False)

@@ -173,6 +173,17 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     low, high = blocks.amin(-1), blocks.amax(-1)
     d, m = ((high - low) / 15).half(), low.half()
     q = ((blocks - m.float()[..., None]) / d.float().clamp_min(1e-30)[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return pack_int4_blocks(q.view(n, k), d, m)
+
+
+def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit values q [out, in] (0..15) with each 32-value block's step d and minimum m [out, in / 32] (value =
+    d·q + m; d and m are stored in fp16) in ``pack_int4``'s layout: how a GGUF's own 4-bit blocks are served."""
+    n, k = q.shape
+    if n % 16 or k % 32 or d.shape != (n, k // 32) or m.shape != d.shape:
+        raise ValueError(f"4-bit blocks: values {tuple(q.shape)} (rows in multiples of 16, columns of 32) with "
+                         f"scales and minimums [{n}, {k // 32}], got {tuple(d.shape)} and {tuple(m.shape)}")  # fmt: skip
+    d, m = d.half(), m.half()
     pairs = q.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
     quants = (pairs[:, :, :8] | (pairs[:, :, 8:] << 4)).reshape(n // 16, k // 32, 256).contiguous()
     dm = torch.stack([d, m], dim=-1).view(n // 16, 16, k // 32, 2).permute(0, 2, 3, 1)

