@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="prompt-lookup",
-        help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, independent, "
-        "medusa) or a bundle's path",
+        help="none, prompt-lookup (default), a model sharing the target's tokenizer (a built-in name such as "
+        "qwen2.5-coder-0.5b, a GGUF file or a Hugging Face folder), a trained bundle (moa-tli0, moa-tli1, moa-tli3, "
+        "eagle, independent, medusa) or a bundle's path",
     )
     p.add_argument(
         "--payload",
@@ -110,10 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the in-process target's projections: auto (measured with --dtype auto), native, or int8/int4 "
                         "with per-token int8 activations on splitspec's CPU kernels (--local: a different served "
                         "target, lossless relative to itself; remote: the TLI layers)")  # fmt: skip
-    p.add_argument("--drafter-weights", default="auto", choices=["auto", "native", "int8"],
+    p.add_argument("--drafter-weights", default="auto", choices=["auto", "native", "int8", "int4"],
                    help="a trained drafter's own projections and draft head: auto (default) = int8 on a CPU when the "
-                        "target is int8 or bf16, where it makes a draft step cheaper; drafts change, outputs "
-                        "never")  # fmt: skip
+                        "target is int8 or bf16, where it makes a draft step cheaper; a model drafter: auto = the "
+                        "path measured fastest for it; drafts change, outputs never")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
@@ -244,7 +245,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         if args.drafter in ("prompt-lookup", "pld"):
             options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
         drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth,
-                               weights=args.drafter_weights, **options)  # fmt: skip
+                               weights=args.drafter_weights, tokenizer=tokenizer, device=args.device,
+                               **options)  # fmt: skip
     if args.local and args.on_reconnect:
         raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
     if args.keep_after is not None and (args.keep_after < 0 or (args.on_reconnect or "verify") != "verify"):

@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         Netsim.start_own() as sim,
         simulated_link(address, args.network, netsim=sim) as link,
     ):
-        drafter = make_drafter(args.drafter, target=target)
+        drafter = make_drafter(args.drafter, target=target, tokenizer=tokenizer)
         print(f"splitspec demo: server at {address}, reached through {link.address} ({args.network}); "
               f"drafter {drafter.name} on this device\nprompt: {args.prompt}\n",
               file=sys.stderr, flush=True)  # fmt: skip

