@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
 from client.decode import generate
-from client.drafters import ALIASES, DRAFTERS, make_drafter
+from client.drafters import ALIASES, DRAFTERS, is_model, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.acceptance import ACCEPTANCE, SamplingParams
@@ -131,6 +131,10 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
     for name in names:
         if ALIASES.get(name, name) in DRAFTERS:
             methods.append(Method(name, make_drafter(name), UNTRAINED_MAX_TREE_NODES))
+            continue
+        if is_model(name):  # a whole model sharing the target's tokenizer
+            drafter = make_drafter(name, target=target, width=args.tree_width, depth=args.tree_depth)
+            methods.append(Method(name, drafter, args.max_tree_nodes))
             continue
         path = bundle_path(name, args.bundle_dir)
         if path is None:

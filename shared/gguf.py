@@ -31,7 +31,7 @@ import torch
 from shared.errors import SplitspecError
 
 POINTER = "gguf.json"
-FORMAT = 1  # of the cached weights: bump when the conversion changes
+FORMAT = 2  # of the cached weights: bump when the conversion changes
 
 # the engine's projections and the GGUF tensors they are made of (blk.N.<name>.weight / .bias)
 PROJECTIONS = {
@@ -268,8 +268,8 @@ def _converted(ckpt: Checkpoint, cfg, weights: str):
         yield state
     _progress(cfg.num_layers, cfg.num_layers, started)
     yield {"norm.weight": ckpt.floats("output_norm.weight"), "embed_tokens.weight": ckpt.floats("token_embd.weight")}
-    if not cfg.tie_embeddings and lowbit:  # int8 at once: a float copy of a 150k-token head would double the memory
-        qweight, qscale = _int8_rows(ckpt, "output.weight")
+    if not cfg.tie_embeddings and lowbit:  # packed at once: a float copy of a 150k-token head would double the memory
+        qweight, qscale = _head_rows(ckpt, "output.weight", "int4" if weights == "int4" else "int8")
         yield {"lm_head.qweight": qweight, "lm_head.qscale": qscale}
     elif not cfg.tie_embeddings:
         yield {"lm_head.weight": ckpt.floats("output.weight")}
@@ -285,13 +285,15 @@ def _release() -> None:
         pass
 
 
-def _int8_rows(ckpt: Checkpoint, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack_int8`` of a large tensor a slice of rows at a time (its rows are independent): no fp32 copy of it."""
-    from shared.layers import pack_int8
+def _head_rows(ckpt: Checkpoint, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head packed ``int8`` (a scale per row) or ``int4`` (pinned int4: a drafter's head, where rounding it
+    again costs nothing but drafts), a slice of rows at a time (rows are independent): no fp32 copy of it."""
+    from shared.layers import pack_int4, pack_int8
 
     t = ckpt.tensors[name]
     rows, step = int(t.shape[1]), 8192  # a multiple of every layout's tile
-    parts = [pack_int8(ckpt.floats(name, rows=(r, min(rows, r + step)))) for r in range(0, rows, step)]
+    pack = pack_int4 if kind == "int4" and rows % 16 == 0 and int(t.shape[0]) % 32 == 0 else pack_int8
+    parts = [pack(ckpt.floats(name, rows=(r, min(rows, r + step)))) for r in range(0, rows, step)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 

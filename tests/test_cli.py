@@ -54,7 +54,8 @@ def test_errors_are_one_clear_line(tmp_path, tiny_model_dir):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"splitspec: error: model folder {tmp_path / 'missing'} is unreadable or has no config.json; "
-        "pass a Hugging Face model folder or the built-in name 'smollm2-135m'"
+        "pass a GGUF file, a Hugging Face model folder or a built-in name (smollm2-135m, qwen2.5-coder-1.5b, "
+        "qwen2.5-coder-0.5b)"
     ]
     proc = splitspec(
         "generate",
