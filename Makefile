@@ -43,7 +43,7 @@ pair: setup
 
 # Plain decoding, prompt lookup and the 0.5B drafter on the 1.5B target, --local under the adaptive policy
 bench-pair: pair
-	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b --adaptive --limit 8 --out bench/results/pair
+	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --out bench/results/pair
 
 bench-engine: setup
 	$(PY) -m bench.engine

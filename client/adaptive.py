@@ -202,7 +202,8 @@ class AdaptivePolicy:
         """A policy for a run against ``verifier`` that may switch among ``specs`` (a drafter's ``payload_specs()``),
         those the verifier can send; ``pins``: pin_nodes, pin_depth, max_nodes, ... ``previous``: the policy of an
         earlier run with the same target and drafter, whose learning this one starts from instead of exploring
-        again (a process answering many prompts: the edge, the benchmarks); a trial it was in is judged anew."""
+        again (a process answering many prompts: the edge, the benchmarks); a trial it was in is judged anew, and a
+        pause it was in lasts at most ``PAUSE`` more tokens."""
         if verifier.link is None and pins.get("mode", "auto") == "auto":
             pins["mode"] = "draft"  # in process there is no round trip for the target decoding alone to save
         policy = cls(verifier.link, specs=verifier.usable(specs) if verifier.link is not None else [],
@@ -213,6 +214,9 @@ class AdaptivePolicy:
                 setattr(policy, name, copy.deepcopy(value) if name in ("verify_fit", "rehearsals") else value)
             if previous.probing:  # its plain rounds were measuring a trial that ended with its run
                 policy.paused, policy.drafted_rate, policy.drafted_rounds = 0, None, 0
+            # a new prompt may be another kind of text (code after chat): its first trial comes within PAUSE tokens,
+            # however long the last run's losses had made the pause (a losing trial still lengthens the next one)
+            policy.paused = min(policy.paused, PAUSE)
         return policy
 
     # --- estimates ---

@@ -295,3 +295,6 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
     assert second.verify_fit is not first.verify_fit  # learning on in the second does not change the first
     fresh = AdaptivePolicy.for_run(Local(), [])
     assert fresh.drafting() and fresh.plain_seen is None
+    first.paused, first.pause = 300, 384  # losses on chat text: a long pause ...
+    third = AdaptivePolicy.for_run(Local(), [], previous=first)
+    assert third.paused == PAUSE and third.pause == 384  # ... a new prompt (code?) is tried within PAUSE tokens
