@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 from client.drafters.target_parts import BlockShape, TargetParts
-from client.drafters.tree_drafter import DraftNodes, TreeDrafter
+from client.drafters.tree_drafter import TokenCache, TreeDrafter
 from shared.features import Features
 from shared.layers import Block, KVCache, RMSNorm
-from shared.tree import causal_from
 
 
 @dataclass
@@ -66,53 +65,19 @@ class Independent(nn.Module):
             x = layer(x, mask, rope, None if caches is None else caches[i], at)
         return self.norm(x)
 
-class IndependentDrafter(TreeDrafter):
-    """Incremental drafting with one KV cache per layer: committed tokens are fed once, trees after the root.
 
-    Cache slots are positions. Committed tokens are fed lazily when a tree starts; a tree's draft
-    nodes take the slots after the root and are simply overwritten by the next tree, so tokens
-    accepted from a tree are fed again as committed ones.
-    """
+class IndependentDrafter(TokenCache, TreeDrafter):
+    """Incremental drafting with one KV cache per layer, slots by position (``TokenCache``)."""
 
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
-        self.tokens: list[int] = []
-        self.fed = 0  # committed tokens already in the caches
+        self.clear_tokens()
         self.caches = [KVCache() for _ in self.model.layers]
-        self.nodes = DraftNodes(0, 0)
         self.absorb(tokens, features)
-
-    def absorb(self, tokens: list[int], features: Features | None = None) -> None:
-        self.tokens += tokens  # the target's features are of no use here
-
-    def rewind(self, n: int) -> None:
-        if n > 0:
-            self.tokens = self.tokens[:-n]
-            self.fed = min(self.fed, len(self.tokens))
-
-    # --- TreeScorer ---
 
     def _logprobs(self, tokens: list[int], positions: list[int], mask: torch.Tensor, at: int) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self._device)
         hidden = self.model(ids, torch.tensor([positions], device=self._device), mask, self.caches, at)
         return torch.log_softmax(self.model.parts.logits(hidden[0]).float(), dim=-1)
-
-    @torch.inference_mode()
-    def root_logprobs(self) -> torch.Tensor:
-        root = len(self.tokens) - 1
-        start = min(self.fed, root)  # the root is always fed (again): its output is what drafts
-        n = root + 1 - start
-        self.fed = root + 1
-        self.nodes = DraftNodes(root, root + 1)
-        return self._logprobs(self.tokens[start:], list(range(start, root + 1)), causal_from(start, n, self._device),
-                              start)[-1]  # fmt: skip
-
-    @torch.inference_mode()
-    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        positions, at, mask = self.nodes.add(parents, self._device)
-        return self._logprobs(tokens, positions, mask, at)
-
-    def end_tree(self) -> None:
-        self.nodes = DraftNodes(0, 0)
 
     def can_draft(self) -> bool:
         return bool(self.tokens)

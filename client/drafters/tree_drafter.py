@@ -1,7 +1,7 @@
 """What every trained drafter shares: drafting its own EAGLE-2 trees over cached, tree-masked nodes.
 
 ``TreeDrafter`` is a drafter that is its own ``TreeScorer``; ``DraftNodes`` keeps a tree's node
-positions, cache slots and masks; ``causal_from`` masks committed tokens fed after a cache prefix.
+positions, cache slots and masks; ``TokenCache`` is the cache bookkeeping of a drafter that reads only tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.drafters.tree_search import eagle2_tree
 from shared.payload import PayloadSpec
-from shared.tree import DraftTree, depths, node_mask
+from shared.tree import DraftTree, causal_from, depths, node_mask
 
 
 class TreeDrafter(Drafter):
@@ -75,3 +75,47 @@ class DraftNodes:
         slots = list(range(self.first_slot, at + len(parents)))
         mask = node_mask(self.parents, len(parents), self.first_slot, slots, at + len(parents), device)
         return [self.root + d for d in depths(self.parents)[first:]], at, mask
+
+
+class TokenCache:
+    """What a drafter reading only tokens does with its KV cache (the independent drafter, a whole model): committed
+    tokens are fed once, lazily, when a tree starts; the root is fed again each tree (its output is what drafts); a
+    tree's nodes take the slots after the root and the next tree overwrites them, so accepted drafts are fed again as
+    committed tokens. The drafter supplies ``_logprobs`` and ``_device``; ``clear_tokens`` starts a sequence."""
+
+    tokens: list[int]
+
+    def clear_tokens(self) -> None:
+        self.tokens = []
+        self.fed = 0  # committed tokens already in the cache
+        self.nodes = DraftNodes(0, 0)
+
+    def absorb(self, tokens: list[int], features=None) -> None:
+        self.tokens += tokens  # the target's features are of no use here
+
+    def rewind(self, n: int) -> None:
+        if n > 0:
+            self.tokens = self.tokens[:-n]
+            self.fed = min(self.fed, len(self.tokens))
+
+    @abstractmethod
+    def _logprobs(self, tokens: list[int], positions: list[int], mask: torch.Tensor | None, at: int) -> torch.Tensor:
+        """Log-probabilities [n, V] after feeding ``tokens`` at ``positions`` into cache slots from ``at``."""
+
+    @torch.inference_mode()
+    def root_logprobs(self) -> torch.Tensor:
+        root = len(self.tokens) - 1
+        start = min(self.fed, root)
+        n = root + 1 - start
+        self.fed = root + 1
+        self.nodes = DraftNodes(root, root + 1)
+        return self._logprobs(self.tokens[start:], list(range(start, root + 1)), causal_from(start, n, self._device),
+                              start)[-1]  # fmt: skip
+
+    @torch.inference_mode()
+    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        positions, at, mask = self.nodes.add(parents, self._device)
+        return self._logprobs(tokens, positions, mask, at)
+
+    def end_tree(self) -> None:
+        self.nodes = DraftNodes(0, 0)
