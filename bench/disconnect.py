@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         # every run leaves a session behind the dead link: a short TTL frees it while the next runs go on
-        serve = ["--threads", str(args.server_threads), "--session-ttl", str(SESSION_TTL_S), "--max-sessions", "32"]
+        serve = ["--model", args.model, "--threads", str(args.server_threads), "--session-ttl", str(SESSION_TTL_S),
+                 "--max-sessions", "32"]  # fmt: skip
         upstream = stack.enter_context(server_child(serve, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own())
         bar = tqdm(total=len(prompts) * len(args.cuts) * len(args.methods), desc="disconnect", unit="run",

@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = two_machines(args.server_threads, args.client_threads)  # after plain-local, which runs on both shares
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        serve_args = ["--threads", str(args.server_threads), "--dtype", args.dtype, "--weights", args.weights]
+        serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--dtype", args.dtype,
+                      "--weights", args.weights]  # fmt: skip
         upstream = stack.enter_context(server_child(serve_args, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
         for profile in args.profiles:
