@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint proto pair bench-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
+.PHONY: setup demo demo-pair test lint proto pair bench-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -23,6 +23,10 @@ $(VENV)/.ready: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/splitspec demo
+
+# The same demo on the realistic pair: Qwen2.5-Coder-1.5B served, its 0.5B sibling drafting at the edge
+demo-pair: pair
+	$(VENV)/bin/splitspec demo --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b+lookup --prompt "Write a Python function that checks whether a string is a palindrome."
 
 test: setup
 	$(PY) -m ruff check .
