@@ -156,7 +156,9 @@ def one_run(name, drafter, upstream, netsim, target, prompt, problem, n, referen
             cutter = CutAfter(verifier, link, n)
             gen = generate(
                 verifier, drafter, prompt.ids, limit, max_tree_nodes=STATIC_TREE[2],
-                resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n)),
+                # the link never returns: every token after the cut is local (no cap waiting for a server to verify)
+                resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n),
+                                      local_cap=0.0),
             )  # fmt: skip
         finally:
             verifier.shutdown()

@@ -188,6 +188,9 @@ def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypat
     gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
     assert gen.token_ids == _plain(target, 24)
     assert gen.stats.acceptance_length > 2  # the same model on the same path: its own argmax always leads the tree
+    both = make_drafter(f"{tiny_gguf}+lookup", target=target, width=2, depth=3, weights="int8")
+    assert both.name.endswith("+lookup") and both.engine is drafter.engine  # one model loaded, two drafters
+    assert generate(LocalVerifier(target), both, ids, 24, max_tree_nodes=6).token_ids == gen.token_ids
 
     class Other:
         def get_vocab(self):
