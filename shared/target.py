@@ -91,7 +91,8 @@ class Target:
             return f"{self.device}, {dtype}"
         if self.weights != "native":
             build = self.engine.lm_head.kernel_build
-            return (f"cpu ({cpu_label()}), {self.weights} weights (LM head int8) and int8 activations on "
+            head = self.engine.lm_head.weights_kind()
+            return (f"cpu ({cpu_label()}), {self.weights} weights (LM head {head}) and int8 activations on "
                     f"{build} kernels, {dtype} between")  # fmt: skip
         return f"cpu ({cpu_label()}), {dtype}"
 
