@@ -644,8 +644,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_connection_arguments(p)
     add_mode_argument(p)
     p.add_argument("--drafter", default="prompt-lookup",
-                   help="none, prompt-lookup (default), a trained bundle (moa-tli0, moa-tli1, moa-tli3, eagle, "
-                        "independent) or a bundle's path")  # fmt: skip
+                   help="none, prompt-lookup (default), a model sharing the target's tokenizer (qwen2.5-coder-0.5b, "
+                        "with +lookup for prompt lookup first; a GGUF or Hugging Face folder), a trained bundle "
+                        "(moa-tli0, moa-tli1, moa-tli3, eagle, independent) or a bundle's path")  # fmt: skip
     p.add_argument("--on-reconnect", default="verify", choices=["verify", "keep"],
                    help="when the link fails, generate locally, then have the server verify the local tokens (verify, "
                         "the default: streams wait for it) or take them as they are (keep)")  # fmt: skip
