@@ -2,7 +2,8 @@
 
 A GGUF file stands for a model folder: its config and tokenizer (parsed by transformers from the metadata, no
 tensors read) go into a small folder in the cache with ``gguf.json`` pointing back at the file, so every path that
-takes a Hugging Face folder takes a GGUF too. Its weights are read a tensor at a time from the file's memory map:
+takes a Hugging Face folder takes a GGUF too. Its weights are read from the file a tensor (or a slice of rows) at a
+time:
 
 * 4-bit blocks (Q4_0, Q4_1, Q4_K) are served as they are on the CPU kernels' int4 path: a block's 4-bit values are
   kept and its scale and minimum become the kernel's fp16 pair (Q4_K's 6-bit sub-block scales times the super-block
@@ -20,6 +21,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -99,14 +101,12 @@ def folder_for(path: str | os.PathLike, cache: Path, name: str | None = None) ->
             if not (folder / POINTER).is_file():
                 raise
     finally:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
 class Checkpoint:
-    """A GGUF file's tensors by name, read from its memory map on demand."""
+    """A GGUF file's tensors by name (the reader parses the header; tensors are read on demand)."""
 
     def __init__(self, path: str | os.PathLike):
         gguf = _gguf()
@@ -121,9 +121,6 @@ class Checkpoint:
         self.four_bit = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                          gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
 
-    def kind(self, name: str) -> str:
-        return self._tensor(name).tensor_type.name
-
     def is_four_bit(self, name: str) -> bool:
         return self._tensor(name).tensor_type in self.four_bit
 
@@ -132,13 +129,13 @@ class Checkpoint:
             raise SplitspecError(f"{self.path}: no tensor {name!r} (a {self.arch} decoder has it)")
         return self.tensors[name]
 
-    def _rows(self, name: str, rows: tuple[int, int] | None = None) -> tuple[np.ndarray, int]:
-        """The tensor's raw rows [rows, bytes a row] (all, or [begin, end)) and its columns (GGUF lists dimensions
-        innermost first). Read, not mapped: a mapped file's pages would count as the process's memory."""
+    def _rows(self, name: str, span: tuple[int, int] | None = None) -> tuple[np.ndarray, int]:
+        """The tensor's raw rows [rows, bytes a row] (all, or ``span`` [begin, end)) and its columns (GGUF lists
+        dimensions innermost first). Read, not mapped: a mapped file's pages would count as the process's memory."""
         t = self._tensor(name)
         n = int(np.prod(t.shape[1:], dtype=np.int64))
         width = int(t.n_bytes) // n
-        begin, end = rows or (0, n)
+        begin, end = span or (0, n)
         offset = int(t.data_offset) + begin * width
         data = np.fromfile(self.path, dtype=np.uint8, count=(end - begin) * width, offset=offset)
         return data.reshape(end - begin, width), int(t.shape[0])
@@ -151,12 +148,12 @@ class Checkpoint:
         n = t.shape[0]
         return t.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(t.shape).contiguous()
 
-    def floats(self, name: str, heads: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor (or its ``rows`` [begin, end)) dequantised to fp32, [rows, cols] or [cols]: exact, every GGUF
-        kind's values being fp32 products."""
+    def floats(self, name: str, heads: int | None = None, span: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor (or its rows ``span`` [begin, end)) dequantised to fp32, [rows, cols] or [cols]: exact, every
+        GGUF kind's values being fp32 products."""
         gguf = _gguf()
         t = self._tensor(name)
-        rows, cols = self._rows(name, rows)
+        rows, cols = self._rows(name, span)
         values = torch.empty(rows.shape[0], cols)
         step = max(1, (1 << 22) // cols)  # rows a slice: numpy's dequantisers make several copies of what they read
         for r in range(0, rows.shape[0], step):
@@ -237,8 +234,6 @@ def load(folder: Path, model, weights: str) -> None:
         try:
             tmp.rename(cached)
         except OSError:  # another process finished first
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     state = {}
     for f in sorted(cached.glob("part-*.pt")):  # memory-mapped: a load reads only what it touches
@@ -293,7 +288,7 @@ def _head_rows(ckpt: Checkpoint, name: str, kind: str) -> tuple[torch.Tensor, to
     t = ckpt.tensors[name]
     rows, step = int(t.shape[1]), 8192  # a multiple of every layout's tile
     pack = pack_int4 if kind == "int4" and rows % 16 == 0 and int(t.shape[0]) % 32 == 0 else pack_int8
-    parts = [pack(ckpt.floats(name, rows=(r, min(rows, r + step)))) for r in range(0, rows, step)]
+    parts = [pack(ckpt.floats(name, span=(r, min(rows, r + step)))) for r in range(0, rows, step)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 
