@@ -26,16 +26,19 @@ def machine() -> dict:
     }
 
 
-def environment(threads: int) -> dict:
-    """The machine plus the library versions and torch threads a model benchmark ran with."""
+def environment(threads: int, device: str = "cpu") -> dict:
+    """The machine plus the library versions and torch threads a model benchmark ran with; on a GPU its name, and
+    no CPU kernel build (asking for one would build them all: minutes, for a run that never used them)."""
     import torch
     import transformers
 
     from shared import kernels
 
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads}
+    if str(device).startswith("cuda"):
+        return {**env, "gpu": torch.cuda.get_device_name(torch.device(device)), **machine()}
     build = kernels.active() if kernels.available() else None  # the kernel build that ran (chosen by timing)
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
-            "kernels": build, **machine()}  # fmt: skip
+    return {**env, "kernels": build, **machine()}
 
 
 def start(threads: int) -> None:

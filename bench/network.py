@@ -101,7 +101,7 @@ class Method:
         if name != "api":
             tree = PAPER_TREE if "-paper" in name else STATIC_TREE
             trained = base not in ("prompt-lookup", "none")
-            self.drafter = make_drafter(base, target=target if trained else None,
+            self.drafter = make_drafter(base, target=target if trained else None, device=str(target.device),
                                         **({"width": tree[0], "depth": tree[1]} if trained else {}))  # fmt: skip
             self.nodes = tree[2] if trained else 64
         self.verifier = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=self.drafter)
@@ -262,9 +262,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=1, help="torch threads of the server child (default 1)")
     p.add_argument("--client-threads", type=int, default=1, help="torch threads here (default 1)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    p.add_argument(
+        "--device", default="cpu", help="the target's device, served and here; model drafters' too (default cpu)"
+    )
     p.add_argument("--dtype", default="auto", help="the target's dtype, served and here (default auto, as `serve`)")
-    p.add_argument("--weights", default="auto", help="the target's weights, served and here (default auto: low-bit "
-                   "where lossless; native with --dtype float32 for the check against transformers)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        help="the target's weights, served and here (default auto: low-bit "
+        "where lossless; native with --dtype float32 for the check against transformers)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     args.profiles = [x.strip() for x in args.profiles.split(",") if x.strip()]
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     start(args.client_threads)
-    target = load_target(args.model, dtype=args.dtype, weights=args.weights)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
     runs = plain_local(target, prompts, args)
@@ -290,13 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--dtype", args.dtype,
-                      "--weights", args.weights]  # fmt: skip
+                      "--weights", args.weights, "--device", args.device]  # fmt: skip
         upstream = stack.enter_context(server_child(serve_args, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
         for profile in args.profiles:
             runs += run_profile(profile, upstream, netsim, target, args.methods, prompts, args)
     summary = summarize(runs)
-    env = {**environment(args.client_threads), "server_threads": args.server_threads, "cpus": cpus_label(cpus)}
+    env = {
+        **environment(args.client_threads, args.device),
+        "server_threads": args.server_threads,
+        "cpus": cpus_label(cpus),
+    }
     table = markdown(summary)
     counts = {d: sum(p.dataset == d for p in prompts) for d in ("mt-bench", "humaneval")}
     settings = {
@@ -307,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
-        f"{args.model} ({dtype}, weights {args.weights}, cpu): server child {args.server_threads} thread(s), "
+        f"{args.model} ({dtype}, weights {args.weights}, {args.device}): server child {args.server_threads} thread(s), "
         f"client {args.client_threads}, "
         f"on {env['cpu_count']} CPUs ({env['cpu']}; {env['cpus']}); {counts['mt-bench']} MT-Bench + "
         f"{counts['humaneval']} HumanEval "

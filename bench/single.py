@@ -133,7 +133,8 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
             methods.append(Method(name, make_drafter(name), UNTRAINED_MAX_TREE_NODES))
             continue
         if is_model(name):  # a whole model sharing the target's tokenizer
-            drafter = make_drafter(name, target=target, width=args.tree_width, depth=args.tree_depth)
+            drafter = make_drafter(name, target=target, width=args.tree_width, depth=args.tree_depth,
+                                   device=args.device)  # fmt: skip
             methods.append(Method(name, drafter, args.max_tree_nodes))
             continue
         path = bundle_path(name, args.bundle_dir)
@@ -320,18 +321,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
     p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
     p.add_argument("--max-tree-nodes", type=int, default=16, help="trained drafters: tree nodes per round (default 16)")
-    p.add_argument("--draft-vocabs", default="",
-                   help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
-                        "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample at this temperature, seed = the prompt's index (default 0: greedy)")
+    p.add_argument(
+        "--draft-vocabs",
+        default="",
+        help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
+        "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature, seed = the prompt's index (default 0: greedy)",
+    )
     p.add_argument("--acceptance", default="exact",
                    help=f"comma list of rules sampled drafts are judged by ({', '.join(ACCEPTANCE)}): one method "
                         "per rule; typical is not lossless (default exact)")  # fmt: skip
-    p.add_argument("--adaptive", action="store_true",
-                   help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
-                        "it loses), as `splitspec generate --local` does by default, each prompt's policy starting "
-                        "from the previous one's (as in a serving process); else static trees")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
+        "it loses), as `splitspec generate --local` does by default, each prompt's policy starting "
+        "from the previous one's (as in a serving process); else static trees",
+    )
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -395,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         run_method(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
     runs = benchmark(target, methods, prompts, args.max_new_tokens)
 
-    env = {**environment(args.threads), "device": args.device, "dtype": str(target.dtype).removeprefix("torch.")}
+    env = {
+        **environment(args.threads, args.device),
+        "device": args.device,
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
     summary = summarize(runs, names)
     table = markdown(summary)
     counts = {d: sum(p.dataset == d for p in prompts) for d in DATASETS}
@@ -434,9 +449,13 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; ≠ plain counts prompts whose token ids differ "
         f"from plain decoding's.\n\n"
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
-        + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
-           + ", ".join(f"{k} {v:.2%}" for k, v in coverage.items()) + ", full 100%.\n\n"
-           if coverage else "")
+        + (
+            "Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
+            + ", ".join(f"{k} {v:.2%}" for k, v in coverage.items())
+            + ", full 100%.\n\n"
+            if coverage
+            else ""
+        )
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
     )
     title = (f"{args.model}, single device ({args.device}, {args.threads} threads), {sampled(args)}, "
