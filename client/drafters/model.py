@@ -30,10 +30,11 @@ class ModelDrafter(TokenCache, Drafter):
     step of a whole model costs a third of the target's here, so a narrow tree (measured: 1.37x plain on HumanEval at
     2 x 5, 8 nodes; 1.25x as a chain of 4) pays more than a wide one."""
 
-    def __init__(self, lm, width: int = 2, depth: int = 5, name: str | None = None, lookup: bool = False):
+    def __init__(self, lm, width: int = 2, depth: int = 5, name: str | None = None, lookup: bool = False,
+                 floor: float = 0.0):  # fmt: skip
         self.lm = lm  # a shared.target.Target: engine and tokenizer
         self.engine = lm.engine
-        self.width, self.depth = width, depth
+        self.width, self.depth, self.floor = width, depth, floor
         self.name = name or lm.name + ("+lookup" if lookup else "")
         self.lookup = PromptLookup() if lookup else None
         self.cache = self.engine.new_cache(256)
@@ -76,7 +77,8 @@ class ModelDrafter(TokenCache, Drafter):
             return DraftTree()
         if self.lookup is not None and len(copied := self.lookup.propose(max_nodes, depth)):
             return copied
-        tree, scores = eagle2_tree(self, self.width, self.depth if depth is None else depth, max_nodes)
+        tree, scores = eagle2_tree(self, self.width, self.depth if depth is None else depth, max_nodes,
+                                   floor=self.floor)  # fmt: skip
         tree.scores = scores
         return tree
 

@@ -70,8 +70,12 @@ def eagle2_tree(
     max_nodes: int,
     vocab_mask: torch.Tensor | None = None,
     vocab_ids: torch.Tensor | None = None,
+    floor: float = 0.0,
 ) -> tuple[DraftTree, list[float]]:
     """Build an EAGLE-2 draft tree; return it with each node's cumulative log-probability, in rank order.
+
+    ``floor``: stop going deeper once the best path of the frontier is less likely than this (a probability):
+    a drafter step whose best outcome is that unlikely costs more than it can gain (0: always ``depth`` deep).
 
     ``vocab_mask`` (bool [V], True = may be drafted) keeps tokens out of the tree without renormalising the
     drafter's probabilities. Tokens of probability zero are never drafted, so the tree may be smaller than
@@ -83,7 +87,7 @@ def eagle2_tree(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     try:
-        return _search(scorer, width, depth, max_nodes, vocab_mask, vocab_ids)
+        return _search(scorer, width, depth, max_nodes, vocab_mask, vocab_ids, floor)
     finally:
         scorer.end_tree()
 
@@ -103,7 +107,9 @@ def _search(
     max_nodes: int,
     vocab_mask: torch.Tensor | None,
     vocab_ids: torch.Tensor | None,
+    floor: float = 0.0,
 ) -> tuple[DraftTree, list[float]]:
+    lowest = math.log(floor) if floor > 0 else -math.inf
     # Every candidate ever scored, as parallel lists indexed by candidate number (parents come first).
     tokens: list[int] = []
     parents: list[int] = []  # candidate number of the parent, or ROOT
@@ -136,7 +142,7 @@ def _search(
 
     frontier = add_children(scorer.root_logprobs().reshape(1, -1), [ROOT])[:width]
     for _ in range(2, depth + 1):
-        if not frontier or _settled(scores, scores[frontier[0]], max_nodes):
+        if not frontier or scores[frontier[0]] < lowest or _settled(scores, scores[frontier[0]], max_nodes):
             break
         feed_parents = [ROOT if parents[i] == ROOT else fed[parents[i]] for i in frontier]
         for i in frontier:
