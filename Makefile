@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test lint proto pair bench-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
+.PHONY: setup demo demo-pair test lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -51,6 +51,23 @@ pair: setup
 bench-pair: pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --out bench/results/pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --temperature 0.7 --llama-bench= --llama-speculative= --out bench/results/pair-sampled
+
+# The pair's other tables: split vs the API over each link, server capacity at 1/4/16 clients, the link cut for good
+# (HumanEval pass@1), quality of the served weights against the GGUF dequantised to fp32, training throughput.
+bench-pair-network: pair
+	$(PY) -m bench.network --model qwen2.5-coder-1.5b --profiles none,wifi,5g,4g,lte,3g --methods api,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup-auto --limit 4 --out bench/results/pair-network
+
+bench-pair-serve: pair
+	$(PY) -m bench.serve --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --dataset humaneval --prompts 4 --clients 1,4,16 --modes batched,api,auto --max-new-tokens 64 --out bench/results/pair-serve
+
+bench-pair-disconnect: pair
+	$(PY) -m bench.disconnect --model qwen2.5-coder-1.5b --methods api,qwen2.5-coder-0.5b --cuts 0,50 --limit 40 --window 192 --profile 4g --out bench/results/pair-disconnect
+
+bench-pair-quality: pair
+	$(PY) -m bench.quality --model qwen2.5-coder-1.5b --weights lowbit,int8,int4 --limit 3 --max-new-tokens 64 --conversations 6 --seq-len 256 --out bench/results/pair-quality
+
+bench-pair-train: pair
+	$(PY) -m bench.train --model qwen2.5-coder-1.5b --seq-len 128 --batch-size 1 --steps 2 --warmup 1 --out bench/results/pair-train
 
 bench-engine: setup
 	$(PY) -m bench.engine

@@ -288,12 +288,13 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
                  round(sum(r[2] for r in results) / tokens, 3) if mode == "auto" and tokens else None)  # fmt: skip
 
 
-def markdown(points: list[Point], args, recordings: list[Recording], cpus: str) -> str:
+def markdown(points: list[Point], args, recordings: list[Recording], cpus: str, env: dict) -> str:
     rounds = sum(r.rounds() for r in recordings)
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
     lines = [
-        f"Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} {DATASETS[args.dataset]} prompts, "
-        "≤ 16 nodes, "
+        f"# Serving many clients\n\n`{env['command']}`\n\n{env['date']}, {args.model}, {env['cpu_count']} CPUs "
+        f"({env['cpu']}). Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} "
+        f"{DATASETS[args.dataset]} prompts, ≤ 16 nodes, "
         f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads; "
         f"{cpus}.",
         "",
@@ -360,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(str(points[-1]), file=sys.stderr)
             finally:
                 child.stop()
-    md = markdown(points, args, recordings, cpus_label(cpus))
+    env = environment(args.server_threads)
+    md = markdown(points, args, recordings, cpus_label(cpus), env)
     print(md)
-    result = {"environment": environment(args.server_threads), "args": vars(args) | {"out": str(args.out)},
+    result = {"environment": env, "args": vars(args) | {"out": str(args.out)},
               "points": [asdict(p) for p in points]}  # fmt: skip
     save_results(args.out, "serve", result, md)
     figure(points, args.out)
