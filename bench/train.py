@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     print("data", data, flush=True)
     result = {"args": vars(args) | {"out": str(args.out)}, "environment": environment(torch.get_num_threads()),
               "device": str(target.device), "configs": rows, "data": data}  # fmt: skip
-    lines = [f"Target tokens per second of a training step on {target.device} ({args.dtype}, autocast "
+    env = result["environment"]
+    lines = [f"# Training throughput\n\n`{env['command']}`\n\n{env['date']}, {args.model}, {env['threads']} threads of "
+             f"{env['cpu_count']} CPUs ({env['cpu']}).",
+             f"Target tokens per second of a training step on {target.device} ({args.dtype}, autocast "
              f"{args.autocast}), batches of {args.batch_size} × ≤ {args.seq_len} ShareGPT tokens, {args.steps} "
              f"timed steps after {args.warmup}.", "", "| drafters | target tok/s | median step s |", "|---|---:|---:|"]
     lines += [f"| {n} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} |" for n, r in rows.items()]
