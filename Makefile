@@ -30,7 +30,8 @@ demo-pair: pair
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not timing"
+	$(PY) -m pytest -q -m timing  # wall-clock measurements, apart: nothing else of the suite running beside them
 
 lint: setup
 	$(PY) -m ruff check .

@@ -23,6 +23,7 @@ calls are not rounds.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -60,7 +61,8 @@ class Resilience:
     lasts longer keeps its local tokens as ``keep`` does (None: never). ``local_cap``: while local
     tokens are to be verified, local generation waits once the chance that all of them survive — the
     drafter's own probabilities, calibrated by its measured acceptance — falls below this (0: never
-    waits): what comes after would almost surely be thrown away.
+    waits): what comes after would almost surely be thrown away. ``stop``: set when the process is stopping
+    (the edge on SIGTERM): a generation waiting for the link ends at once, its local tail unverified.
     """
 
     on_reconnect: str = "verify"
@@ -70,6 +72,7 @@ class Resilience:
     heartbeat: bool = True
     keep_after_s: float | None = None
     local_cap: float = 0.05
+    stop: threading.Event | None = None
 
     def __post_init__(self) -> None:
         if self.on_reconnect not in ON_RECONNECT:

@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 import uuid
@@ -75,6 +76,16 @@ def context_exceeded(prompt_tokens: int, max_context: int, param: str) -> Reques
                         "length of the prompt.", param, "context_length_exceeded")  # fmt: skip
 
 
+def completion_exceeded(prompt_tokens: int, max_tokens: int, max_context: int, chat: bool) -> RequestError:
+    """OpenAI's answer to a ``max_tokens`` that cannot fit after the prompt (rather than generating until the context
+    is full, for minutes, as a ``max_tokens`` of 10**12 did)."""
+    where = "messages" if chat else "prompt"
+    return RequestError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
+                        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
+                        f"completion). Please reduce the length of the {where} or completion.", "max_tokens",
+                        "context_length_exceeded")  # fmt: skip
+
+
 # --- what a request asks for ---
 
 
@@ -84,7 +95,7 @@ class Ask:
 
     chat: bool
     prompt: str | list[int] | list[dict]
-    max_tokens: int
+    max_tokens: int | None  # None: not asked for, as many as fit (up to DEFAULT_MAX_TOKENS)
     temperature: float
     top_p: float
     seed: int
@@ -181,7 +192,7 @@ def parse(body: object, chat: bool, model: str) -> Ask:
     return Ask(
         chat=chat,
         prompt=prompt,
-        max_tokens=_integer({"max_tokens": limit}, "max_tokens", DEFAULT_MAX_TOKENS, 1),
+        max_tokens=_integer({"max_tokens": limit}, "max_tokens", None, 1),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
         seed=seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"),
@@ -246,7 +257,9 @@ class Edge:
         from client.endpoint import Endpoint
         from shared.models import load_target, load_tokenizer
 
-        self.server, self.model, self.resilience = server, model, Resilience(on_reconnect)
+        self.stopping = threading.Event()  # SIGTERM/SIGINT: every generation ends now, wherever it is
+        self.server, self.model = server, model
+        self.resilience = Resilience(on_reconnect, stop=self.stopping)
         self.endpoint = endpoint or Endpoint(server)
         self.connect_timeout_s, self.max_tree_nodes, self.mode = connect_timeout_s, max_tree_nodes, mode
         self.target = None
@@ -347,13 +360,18 @@ class Edge:
             if len(prompt_ids) >= verifier.max_context:
                 works = True  # the prompt is wrong, not the connection
                 raise context_exceeded(len(prompt_ids), verifier.max_context, "messages" if ask.chat else "prompt")
+            room = verifier.max_context - len(prompt_ids)
+            if ask.max_tokens is not None and ask.max_tokens > room:
+                works = True
+                raise completion_exceeded(len(prompt_ids), ask.max_tokens, verifier.max_context, ask.chat)
+            max_new = ask.max_tokens if ask.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
             on_start()
             policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode=self.mode,
                                             previous=self._learnt.get(id(drafter)))  # fmt: skip
             self._learnt[id(drafter)] = policy  # a pooled drafter is used by one generation at a time
-            gen = generate(verifier, drafter, prompt_ids, ask.max_tokens, sampling, max_tree_nodes=self.max_tree_nodes,
+            gen = generate(verifier, drafter, prompt_ids, max_new, sampling, max_tree_nodes=self.max_tree_nodes,
                            policy=policy, resilience=self.resilience, on_update=on_update,
-                           stop_when=lambda tokens, verified: stop_when())  # fmt: skip
+                           stop_when=lambda tokens, verified: stop_when() or self.stopping.is_set())  # fmt: skip
             works = gen.stats.disconnects == 0
         finally:
             if verifier is not None and works:
@@ -680,5 +698,26 @@ def run(args: argparse.Namespace) -> int:
         link = f", via netsim {args.via_netsim}" if args.via_netsim else ""
         print(f"splitspec edge: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {edge.model!r}, "
               f"drafter {args.drafter}, server {args.server}{link})", flush=True)  # fmt: skip
-        uvicorn.run(app(edge), host=args.host, port=args.port, log_level="warning")
+        config = uvicorn.Config(app(edge), host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=SHUTDOWN_S)  # fmt: skip
+        serve_until_stopped(config, edge.stopping)
     return 0
+
+
+SHUTDOWN_S = 5.0  # after SIGTERM, the longest uvicorn waits for open responses before it closes them
+
+
+def serve_until_stopped(config, stopping: threading.Event) -> None:
+    """Run uvicorn; on SIGTERM/SIGINT first tell every generation to end (a stream then gets its last chunk and
+    ``[DONE]``; a generation waiting for a vanished server stops waiting), then shut down as usual. uvicorn alone
+    waits for open responses, and a generation parked offline would keep one open for minutes. The process then
+    exits 0: a stop that was asked for is not a failure (uvicorn re-raises the signal, exit code -15)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # uvicorn's own would raise the signal again on the way out
+            stopping.set()
+            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: now
+            self.should_exit = True
+
+    Server(config).run()

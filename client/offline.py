@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # (the decode loop imports this module)
     from client.heartbeat import Heartbeat
 
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
+STOP_POLL_S = 0.1  # how often a wait for the link looks whether the process is stopping
 SETTLE_LOSSES = 8  # settlements in a row the server answers but loses the session of, before giving up
 FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see reconcile_verify)
 
@@ -126,8 +127,8 @@ def bridge(run: Bridged) -> None:
                 wait = resilience.max_offline_s - (time.perf_counter() - began)
                 if run.finished() and resilience.settle_wait_s is not None:
                     wait = min(wait, resilience.settle_wait_s)
-                if not reconnector.up.wait(max(0.0, wait)):
-                    return  # out of budget: the tail stays unverified
+                if not _wait_for_link(reconnector, wait, resilience.stop):
+                    return  # out of budget, or the process is stopping: the tail stays unverified
             finally:
                 reconnector.stop.set()
                 reconnector.join(timeout=2 * MIN_POLL_S)  # a poll under way ends within its own deadline or is cut
@@ -147,6 +148,19 @@ def bridge(run: Bridged) -> None:
                                          f"({exc}); giving up") from None  # fmt: skip
     finally:
         stats.offline_s += time.perf_counter() - began
+
+
+def _wait_for_link(reconnector: Reconnector, seconds: float, stop: threading.Event | None) -> bool:
+    """Whether the link came back within ``seconds``; False at once when ``stop`` is set (the process is stopping:
+    nobody will read what a settlement would give)."""
+    deadline = time.perf_counter() + max(0.0, seconds)
+    while not (stop is not None and stop.is_set()):
+        left = deadline - time.perf_counter()
+        if reconnector.up.wait(min(max(left, 0.0), STOP_POLL_S)):
+            return True
+        if left <= 0:
+            return False
+    return False
 
 
 def _reachable(verifier: Verifier) -> bool:
@@ -181,7 +195,8 @@ def _generate_locally(run: Bridged, reconnector: Reconnector, began: float) -> N
     calibration = min(1.0, run.policy.calibration) if run.policy is not None else 1.0
     try:
         while not reconnector.up.is_set():
-            if run.finished() or time.perf_counter() - began > run.resilience.max_offline_s:
+            stopping = run.resilience.stop is not None and run.resilience.stop.is_set()
+            if stopping or run.finished() or time.perf_counter() - began > run.resilience.max_offline_s:
                 return
             if survival < run.resilience.local_cap and not _keeping(run, began):
                 run.stats.local_capped += not capped  # the rest would almost surely be discarded: wait for the server

@@ -36,6 +36,10 @@ FORGET_S = 60.0  # a sequence's time away is forgotten after this long without a
 AWAY_WEIGHT = 0.3  # of the latest time away in its running average
 
 
+class ShuttingDown(RuntimeError):
+    """A forward asked for after the batcher was closed."""
+
+
 @dataclass
 class Work:
     step: Step
@@ -66,6 +70,8 @@ class Batcher:
         self._carry: Work | None = None  # taken from the queue but left for the next batch (over the token cap)
         self._seen: dict[int, float] = {}  # cache key -> when a step of it last ran: who is active
         self._ended: list[int] = []  # cache keys of sequences that ended (appended by any thread, read by the worker)
+        self._closing = threading.Lock()  # a step is queued before close() drains the queue, or refused
+        self._closed = False
         self._thread = threading.Thread(target=self._work, daemon=True, name="splitspec-batcher")
         self._thread.start()
 
@@ -89,11 +95,27 @@ class Batcher:
     def run(self, step: Step):
         """Run ``step`` in the next batch; its ``finish`` result, or the exception it raised."""
         work = Work(step)
-        self._queue.put(work)
+        with self._closing:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down: no new forwards")
+            self._queue.put(work)
         return work.future.result()
 
-    def close(self) -> None:
-        self._queue.put(None)
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the forwards already queued, stop the worker (waiting up to ``timeout_s`` for it), and fail any
+        step queued behind it, so that no caller waits on a worker that is gone and no thread is left inside a
+        forward when the process exits (a daemon thread cut off in native code aborts the interpreter)."""
+        with self._closing:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join(timeout_s)
+        while True:
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if work is not None:
+                work.future.set_exception(ShuttingDown("the server is shutting down: the forward was not run"))
 
     @property
     def alive(self) -> bool:

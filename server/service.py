@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from server import payloads
-from server.batching import Batcher
+from server.batching import Batcher, ShuttingDown
 from server.budget import TreeBudget
 from server.limits import ServerLimits
 from server.lookup import SelfDraft
@@ -113,6 +113,8 @@ def statuses(service: SplitSpecService, name: str, context: grpc.ServicerContext
     except Abort as exc:
         service.metrics.refusals.labels(name, exc.code.name).inc()
         exc.send(context)
+    except ShuttingDown as exc:  # a client retries elsewhere or later, as for any server going away
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     except Exception as exc:
         log.exception("%s failed", name)
         context.abort(grpc.StatusCode.INTERNAL, f"{name} failed: {exc.__class__.__name__}: {exc}"[:MAX_DETAILS])

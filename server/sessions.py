@@ -170,6 +170,7 @@ class SessionStore:
 
     def close(self) -> None:
         self._stop.set()
+        self._reaper.join(timeout=5)
 
     def _expire(self) -> None:
         now = time.monotonic()

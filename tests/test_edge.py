@@ -357,6 +357,7 @@ class HeldEdge(ScriptedEdge):
         return super().generate(ask, prompt_ids, on_update, stop_when)
 
 
+@pytest.mark.timing
 def test_streams_held_open_hold_no_thread_the_rest_needs(tiny_server, tiny_model_dir):
     """12 streams waiting for text: /health still answers at once, and the process has one more thread per stream (its
     generation's) and none more in the event loop's executor (which runs /health's check, and has 6 threads on 2
@@ -470,6 +471,22 @@ def test_a_prompt_longer_than_the_context_is_openais_context_length_exceeded(cli
     assert "your prompt is 700000 tokens" in body["error"]["message"]
 
 
+def test_max_tokens_past_the_context_is_a_400_and_none_asked_fits(client, tiny_model_dir):
+    """A ``max_tokens`` that cannot fit after the prompt (10**12: it once generated until the context was full) is
+    OpenAI's 400 naming ``max_tokens``; a request that names none gets what fits."""
+    model = str(tiny_model_dir)
+    for huge in (10**12, 250):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=huge, temperature=0)
+        error = info.value.body
+        assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+        assert "maximum context length is 256 tokens" in error["message"]
+        assert f"{huge} in the completion" in error["message"]
+    near = " ".join(f"w{i % 200}" for i in range(250))  # 250 prompt tokens: 6 fit, fewer than the default 256
+    done = client.completions.create(model=model, prompt=near, temperature=0)
+    assert done.usage.completion_tokens <= 6 and done.choices[0].finish_reason in ("length", "stop")
+
+
 def test_a_prompt_of_token_ids_is_the_prompt_they_encode(client, edge_url, tiny_model_dir):
     """``"prompt": [ids]`` (and a batch of one: ``[[ids]]``) completes as the text those ids encode; other shapes,
     and ids outside the vocabulary, are 400s naming the prompt."""
@@ -491,3 +508,66 @@ def test_a_prompt_of_token_ids_is_the_prompt_they_encode(client, edge_url, tiny_
         assert status == 400 and body["error"]["param"] == "prompt", (bad, body)
         assert body["error"]["type"] == "invalid_request_error"
     assert "token id 1000000000 is outside the tokenizer's vocabulary" in body["error"]["message"]
+
+
+def test_sigterm_ends_a_generation_waiting_for_a_vanished_server_and_the_edge_exits(
+    tiny_server, netsim_server, tiny_model_dir
+):
+    """The link goes for good mid-stream and the generation waits for the server (up to 600 s by default); SIGTERM
+    ends it — the stream gets its last chunk — and `splitspec edge` exits 0 instead of waiting with it. (The bound
+    is generous for a loaded machine: the shutdown itself takes under ``SHUTDOWN_S``.)"""
+    import signal
+    import subprocess
+    import sys
+
+    from netsim.profiles import apply_profile
+    from tests.test_cli import ROOT
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    with simulated_link(tiny_server[0], "lte", netsim=netsim_server) as link:
+        edge = subprocess.Popen([sys.executable, "-m", "shared.cli", "edge", "--server", link.address, "--model",
+                                 str(tiny_model_dir), "--port", str(port), "--mode", "draft"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            url, deadline, status = f"http://127.0.0.1:{port}/v1", time.monotonic() + 120, None
+            while status != 200 and time.monotonic() < deadline and edge.poll() is None:
+                try:
+                    status, _ = plain(f"{url}/models", timeout=5)
+                except OSError:
+                    time.sleep(0.2)
+            assert status == 200, "the edge never came up"
+            first, chunks, failed = threading.Event(), [], []
+
+            def stream():
+                app = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+                try:
+                    for chunk in app.completions.create(model=str(tiny_model_dir), prompt=PROMPT, max_tokens=200,
+                                                        temperature=0, stream=True):  # fmt: skip
+                        chunks.append(chunk)
+                        first.set()
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    failed.append(exc)
+                    first.set()
+
+            reader = threading.Thread(target=stream, daemon=True)
+            reader.start()
+            assert first.wait(60) and not failed, failed
+            apply_profile(netsim_server.client, link.name, "offline")  # the server is gone, for good
+            time.sleep(2.0)  # (not a bound: time for the edge to notice and park the generation)
+            assert edge.poll() is None and reader.is_alive(), "the generation ended before the signal"
+            sent = time.monotonic()
+            edge.send_signal(signal.SIGTERM)
+            code = edge.wait(timeout=60)
+            took = time.monotonic() - sent
+            reader.join(timeout=30)
+        finally:
+            if edge.poll() is None:
+                edge.kill()
+                edge.wait()
+    assert code == 0, edge.stderr.read()[-2000:]
+    assert took < 30, took  # (generous for a loaded machine: it takes about a second here, the wait was 600 s)
+    assert not reader.is_alive() and not failed, failed
+    assert chunks[-1].choices[0].finish_reason is not None  # a clean end, not a cut connection

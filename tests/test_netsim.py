@@ -121,6 +121,7 @@ def name() -> str:
 # --- the API, through toxiproxy-python ---
 
 
+@pytest.mark.timing
 def test_toxiproxy_python_drives_the_whole_api(api, echo, monkeypatch):
     host, port = api.url.removeprefix("http://").split(":")
     monkeypatch.setattr(toxiproxy.api.APIConsumer, "host", host)
@@ -230,6 +231,7 @@ def test_http_shapes_codes_and_defaults(api, echo):
         ("GET", "/proxies/base/toxics/a/b", None, 404, "no such endpoint"),
     ],
 )
+@pytest.mark.timing
 def test_bad_input_gets_toxiproxy_status_and_a_clear_message(api, echo, method, path, body, status, words):
     base = api.create("base", echo)
     got, reply = http(api.url, method, path, body)
@@ -287,6 +289,7 @@ def test_an_oversized_body_gets_413_and_the_connection_closes(api, framing):
     assert api.proxies() == {}  # and the API goes on
 
 
+@pytest.mark.timing
 def test_serve_on_port_zero_says_where_and_a_cancel_stops_everything(echo):
     """``serve`` as ``netsim serve`` runs it: ready(url) with the bound port; cancelled, nothing listens."""
     loop = asyncio.new_event_loop()
@@ -311,6 +314,7 @@ def test_serve_on_port_zero_says_where_and_a_cancel_stops_everything(echo):
             connect(address)
 
 
+@pytest.mark.timing
 def test_listen_address_in_use_is_refused_and_nothing_breaks(api, echo):
     taken = api.create("first", echo)
     status, reply = http(api.url, "POST", "/proxies", json.dumps({"name": "second", "upstream": echo,
@@ -333,6 +337,7 @@ def test_a_dead_upstream_closes_clients_cleanly(api):
 
 
 @pytest.mark.parametrize("latency_ms", [20, 60])
+@pytest.mark.timing
 def test_latency_on_both_directions_adds_twice_to_a_round_trip(api, echo, latency_ms):
     proxy = api.create(name(), echo)
     base = round_trip_ms(proxy["listen"])
@@ -342,6 +347,7 @@ def test_latency_on_both_directions_adds_twice_to_a_round_trip(api, echo, latenc
     assert added == pytest.approx(2 * latency_ms, rel=0.2)
 
 
+@pytest.mark.timing
 def test_jitter_spreads_delays_around_the_latency(api, echo):
     proxy = api.create(name(), echo)
     api.add_toxic(proxy["name"], "latency", "downstream", latency=40, jitter=20)
@@ -359,6 +365,7 @@ def test_jitter_spreads_delays_around_the_latency(api, echo):
 
 
 @pytest.mark.parametrize("rate_kb_s", [200, 2000])
+@pytest.mark.timing
 def test_bandwidth_caps_throughput(api, echo, rate_kb_s):
     proxy = api.create(name(), echo)
     api.add_toxic(proxy["name"], "bandwidth", "downstream", rate=rate_kb_s)
@@ -373,6 +380,7 @@ def test_bandwidth_caps_throughput(api, echo, rate_kb_s):
     assert size / elapsed / 1000 == pytest.approx(rate_kb_s, rel=0.15)
 
 
+@pytest.mark.timing
 def test_disable_cuts_live_connections_refuses_new_ones_and_enable_restores(api, echo):
     proxy = api.create(name(), echo)
     live = connect(proxy["listen"])
@@ -392,6 +400,7 @@ def test_disable_cuts_live_connections_refuses_new_ones_and_enable_restores(api,
     assert round_trip_ms(proxy["listen"], count=2) < 100
 
 
+@pytest.mark.timing
 def test_timeout_drops_data_then_closes_after_the_timeout(api, echo):
     proxy = api.create(name(), echo)
     api.add_toxic(proxy["name"], "timeout", "upstream", timeout=300)
@@ -452,12 +461,14 @@ def test_slow_close_delays_the_close(api, echo):
         assert time.perf_counter() - start >= 0.28
 
 
+@pytest.mark.timing
 def test_toxicity_zero_spares_every_connection(api, echo):
     proxy = api.create(name(), echo)
     api.add_toxic(proxy["name"], "latency", "downstream", toxicity=0.0, latency=500)
     assert round_trip_ms(proxy["listen"], count=3) < 100
 
 
+@pytest.mark.timing
 def test_loss_extension_holds_lost_chunks_for_the_retransmission_delay(api, echo):
     proxy = api.create(name(), echo)
     api.add_toxic(proxy["name"], "loss", "downstream", probability=1.0, delay=50)
@@ -481,6 +492,7 @@ def test_toxics_added_later_apply_to_live_connections(api, echo):
 # --- profiles, harness, CLI ---
 
 
+@pytest.mark.timing
 def test_profiles_become_toxics_on_both_directions(api, echo):
     proxy = api.create(name(), echo)
     apply_profile(api, proxy["name"], "lte")

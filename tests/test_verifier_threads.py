@@ -99,6 +99,7 @@ def test_a_reconnection_poll_racing_shutdown_leaves_no_channel_and_no_thread(ope
         server.stop(grace=None)
 
 
+@pytest.mark.timing
 def test_closing_the_heartbeat_while_it_reconnects_ends_its_thread_and_closes_its_channels(opened):
     server, address = serve()
     try:
