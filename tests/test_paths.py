@@ -30,7 +30,7 @@ from tests.test_resilient import cut_on_round
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9, 14, 5]
 NEW = 32
-DRAFTERS = ["prompt-lookup", "eagle", "independent", "medusa", "moa-tli0", "moa-tli1"]
+DRAFTERS = ["prompt-lookup", "eagle", "independent", "medusa", "moa-tli0", "moa-tli1", "model"]
 WHERE = ["local", "remote", "cut"]
 
 
@@ -51,10 +51,15 @@ def path_target(request, tiny_model_dir):
         yield target, address, plain
 
 
-def drafter_for(name: str, target):
-    """A random drafter of each kind, made ready for the path as a trained bundle is (``prepare_drafter``)."""
+def drafter_for(name: str, target, model_dir):
+    """A random drafter of each kind, made ready for the path as a trained bundle is (``prepare_drafter``); "model":
+    the tiny model itself as a whole-model drafter (int8: drafts never change outputs, and no calibration runs)."""
     if name == "prompt-lookup":
         return make_drafter(name)
+    if name == "model":
+        drafter = make_drafter(str(model_dir), target=target, width=2, depth=3, weights="int8")
+        drafter.floor = 0.0  # a random model is unsure of every token: draft as deep as asked
+        return drafter
     if name in ("eagle", "independent"):
         model = make_eagle_or_independent(target, name)
     elif name == "medusa":
@@ -70,9 +75,9 @@ def drafter_for(name: str, target):
 
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_every_drafter_on_every_path_equals_plain_decoding(path_target, netsim_server, name, where):
+def test_every_drafter_on_every_path_equals_plain_decoding(path_target, netsim_server, tiny_model_dir, name, where):
     target, address, plain = path_target
-    drafter = drafter_for(name, target)
+    drafter = drafter_for(name, target, tiny_model_dir)
     if where == "local":
         got = generate(LocalVerifier(target), drafter, PROMPT, NEW, max_tree_nodes=8)
     elif where == "remote":
@@ -92,3 +97,5 @@ def test_every_drafter_on_every_path_equals_plain_decoding(path_target, netsim_s
                 verifier.shutdown()
         assert got.stats.disconnects >= 1, "the cut was not noticed"
     assert got.token_ids == plain, (name, where)
+    if where == "local":
+        assert got.stats.rounds < len(plain), (name, "drafting never saved a round")
