@@ -133,11 +133,6 @@ class TextStream:
         ids = self.deltas.ids + tokens
         self.terminal(self.deltas.update(ids, [True] * len(ids)))
 
-    def finish(self) -> None:
-        """The end of the text: what was held back (an incomplete character, part of a placeholder)."""
-        ids = self.deltas.ids
-        self.terminal(self.deltas.update(ids, [True] * len(ids), final=True))
-
 
 class SettledStream:
     """Shows a generation as ``on_update`` reports it (``client.stream.TextDeltas``), on ``text``'s terminal.

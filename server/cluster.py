@@ -360,21 +360,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def wait_ready(port: int, host: str = "127.0.0.1", timeout_s: float = 120.0) -> float:
-    """Wait until the proxy answers a Handshake (a replica is up behind it); returns the seconds waited."""
-    from shared.wire import splitspec_pb2 as pb
-    from shared.wire import splitspec_pb2_grpc as pb_grpc
-
-    start = time.monotonic()
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
-        stub = pb_grpc.SplitSpecStub(channel)
-        while True:
-            try:
-                stub.Handshake(pb.HandshakeRequest(), timeout=5.0)
-                return time.monotonic() - start
-            except grpc.RpcError:
-                if time.monotonic() - start > timeout_s:
-                    raise
-                time.sleep(0.2)
