@@ -314,6 +314,38 @@ def test_serve_on_port_zero_says_where_and_a_cancel_stops_everything(echo):
             connect(address)
 
 
+def test_netsim_serve_exits_0_on_sigterm_with_a_connection_open(echo):
+    """`splitspec netsim serve` as a process: SIGTERM with a proxied connection open ends it with exit code 0, and
+    nothing listens any more."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "netsim", "serve", "--port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()  # "netsim: Toxiproxy API on http://127.0.0.1:PORT"
+        assert "Toxiproxy API on http://" in line, (line, proc.poll())
+        url = line.strip().rsplit(" ", 1)[1]
+        proxy = ToxiproxyClient(url).create("live", echo)
+        live = connect(proxy["listen"])
+        live.sendall(b"hi")
+        assert recv_exactly(live, 2) == b"hi"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, proc.stderr.read()[-2000:]
+    live.close()
+    for address in (url.removeprefix("http://"), proxy["listen"]):
+        with pytest.raises(ConnectionRefusedError):
+            connect(address)
+
+
 @pytest.mark.timing
 def test_listen_address_in_use_is_refused_and_nothing_breaks(api, echo):
     taken = api.create("first", echo)
