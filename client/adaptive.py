@@ -395,6 +395,20 @@ class AdaptivePolicy:
             self.depth = max(self.min_depth, min(self.max_depth, depth + 1))
         return tree.head(best)
 
+    def loaded(self, load) -> None:
+        """The server's latest ``Load``, from any reply that carried one (None: this one did not)."""
+        self.load = load or self.load
+
+    def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
+        """A stretch of a stream: ``tokens`` tokens in ``seconds``, ``compute_s`` of them the server's compute (its
+        pace per token, which sizes the next stretch)."""
+        if tokens <= 0:
+            return
+        self.record(False, tokens, seconds)
+        if compute_s > 0:
+            step = compute_s / tokens
+            self.token_s = step if self.token_s is None else (1 - GAIN) * self.token_s + GAIN * step
+
     def record(self, drafted: bool, tokens: int, seconds: float) -> None:
         """A whole round as the decode loop saw it — drafting, verification, absorbing, emitting, the link —
         so that drafted and plain rounds compare in the same currency; pauses drafting when it loses."""

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from client import offline
-from client.adaptive import GAIN, AdaptivePolicy, verify_request_bytes
+from client.adaptive import AdaptivePolicy, verify_request_bytes
 from client.drafters.base import Drafter
 from client.heartbeat import Heartbeat
 from client.verifiers import LinkDown, SessionLost, Verifier
@@ -289,7 +289,7 @@ class Run:
             tree = tree.head(result.verified_nodes)  # the server verified only these
         if policy is not None:
             policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
-            policy.load = result.load or policy.load
+            policy.loaded(result.load)
         stats.rounds += 1
         stats.tree_nodes.append(len(tree))
         self.gained += len(result.new_tokens)
@@ -344,7 +344,7 @@ class Run:
                     stats.streamed_tokens += len(result.new_tokens)
                     self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
                     if policy is not None:
-                        policy.load = result.load or policy.load
+                        policy.loaded(result.load)
                     if self.finished():
                         break
                     if policy is not None:
@@ -383,13 +383,8 @@ class Run:
 
     def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
         """Tell the policy what a stretch of the stream gave and cost."""
-        policy = self.policy
-        if policy is None or not tokens:
-            return
-        policy.record(False, tokens, seconds)
-        if compute_s > 0:
-            step = compute_s / tokens
-            policy.token_s = step if policy.token_s is None else (1 - GAIN) * policy.token_s + GAIN * step
+        if self.policy is not None:
+            self.policy.streamed(tokens, compute_s, seconds)
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the

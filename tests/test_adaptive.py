@@ -298,3 +298,23 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
     first.paused, first.pause = 300, 384  # losses on chat text: a long pause ...
     third = AdaptivePolicy.for_run(Local(), [], previous=first)
     assert third.paused == PAUSE and third.pause == 384  # ... a new prompt (code?) is tried within PAUSE tokens
+
+
+def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
+    """The policy owns its state: the decode loop and the offline bridge call its methods (``observe``, ``record``,
+    ``loaded``, ``streamed``...) and assign none of its attributes (they once set ``load`` and ``token_s``)."""
+    import ast
+    from pathlib import Path
+
+    def is_policy(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "policy") or (
+            isinstance(node, ast.Attribute) and node.attr == "policy")  # fmt: skip
+
+    root = Path(__file__).resolve().parents[1]
+    writes = []
+    for name in ("client/decode.py", "client/offline.py", "client/edge.py", "client/cli.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
+            writes += [f"{name}:{node.lineno}" for t in targets if isinstance(t, ast.Attribute) and is_policy(t.value)]
+    assert writes == []
