@@ -42,8 +42,9 @@ from bench.single import load_prompts
 from client.decode import Resilience, api_generate, generate
 from client.drafters import make_drafter
 from client.offline import Backoff
+from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.verifiers import LocalVerifier
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.models import DEFAULT_MODEL, load_target

@@ -34,7 +34,8 @@ from tqdm import tqdm
 from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
 from client.decode import Generation, api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
-from client.verifiers import LinkCounters, LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LinkCounters, LocalVerifier
 from shared.models import encode_prompt, load_target
 from shared.server_process import server_child
 

@@ -49,7 +49,8 @@ from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, api_generate, generate
 from client.drafters import make_drafter
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from netsim.profiles import PROFILES
 from shared.models import DEFAULT_MODEL, load_target
 from shared.server_process import cpus_label, server_child, two_machines

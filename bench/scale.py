@@ -39,8 +39,8 @@ from tqdm import tqdm
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from bench.serve import Recording, Replay, record, replay
 from client.decode import generate
+from client.remote import RemoteVerifier
 from client.training.datasets import mtbench_questions
-from client.verifiers import RemoteVerifier
 from server.limits import ServerLimits
 from shared.channel import ROUTE_KEY
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target, resolve_model

@@ -46,8 +46,9 @@ from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, generate
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
+from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems, mtbench_questions
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.verifiers import LocalVerifier
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target
 from shared.server_process import ServerChild, cpus_label, two_machines
 from shared.tree import ROOT, DraftTree, children

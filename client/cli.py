@@ -196,7 +196,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     from client.decode import Resilience, api_generate, generate
     from client.drafters import make_drafter, needs_target
     from client.endpoint import Endpoint
-    from client.verifiers import LocalVerifier, RemoteVerifier
+    from client.remote import RemoteVerifier
+    from client.verifiers import LocalVerifier
     from shared.acceptance import SamplingParams
     from shared.errors import SplitspecError
     from shared.models import encode_prompt, load_target, load_tokenizer

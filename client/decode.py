@@ -33,8 +33,9 @@ import torch
 from client import offline
 from client.adaptive import AdaptivePolicy, verify_request_bytes
 from client.drafters.base import Drafter
+from client.failures import LinkDown, SessionLost
 from client.heartbeat import Heartbeat
-from client.verifiers import LinkDown, SessionLost, Verifier
+from client.verifiers import Verifier
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 from shared.target import Verdict

@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from client.cli import TextStream
     from client.decode import Resilience, generate
     from client.drafters import make_drafter, needs_target
-    from client.verifiers import RemoteVerifier
+    from client.remote import RemoteVerifier
     from netsim import Netsim, simulated_link
     from shared.models import encode_prompt, load_target, load_tokenizer
     from shared.target import tokenizer_fingerprint

@@ -290,7 +290,7 @@ class Edge:
     def connect(self, drafter):
         """A connection to the server that has done its Handshake (a ``RemoteVerifier``): an idle one kept from an
         earlier request, else a new one (connections idle for ``KEEP_IDLE_S`` or more are closed)."""
-        from client.verifiers import RemoteVerifier
+        from client.remote import RemoteVerifier
         from shared.payload import PayloadSpec
         from shared.target import tokenizer_fingerprint
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from client.drafters.base import Drafter
-from client.verifiers import LinkDown, SessionLost, Verifier
+from client.failures import LinkDown, SessionLost
+from client.verifiers import Verifier
 from shared.acceptance import SamplingParams, target_probs
 from shared.errors import SplitspecError
 from shared.target import Verdict

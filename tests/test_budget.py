@@ -98,7 +98,8 @@ def test_a_remote_client_is_told_of_the_cut_and_gets_the_same_tokens(bf16):
     target's as with whole trees, and the server's metrics count the nodes it cut."""
     from client.decode import generate
     from client.drafters import make_drafter
-    from client.verifiers import LocalVerifier, RemoteVerifier
+    from client.remote import RemoteVerifier
+    from client.verifiers import LocalVerifier
     from tests.conftest import start_server
 
     prompt = [5, 6, 7, 8] * 6  # prompt lookup drafts long chains from it

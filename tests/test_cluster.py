@@ -17,7 +17,9 @@ from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.endpoint import Endpoint
-from client.verifiers import LocalVerifier, RemoteVerifier, SessionLost
+from client.failures import SessionLost
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from server import cluster
 from server.limits import ServerLimits
 from server.routing import owner
@@ -228,7 +230,7 @@ def test_serve_ray_refuses_what_serves_proxy_cannot_do():
 def test_a_full_replicas_retry_hint_reaches_the_client_without_trailing_metadata():
     """Serve's proxy sends an error's code and message but not its trailing metadata: the replica puts the server's
     retry hint at the end of the message, and the client reads it there (``ServerFull`` waits it out)."""
-    from client.verifiers import ServerFull, rpc_error
+    from client.failures import ServerFull, rpc_error
     from server.cluster import CallContext, Refused
     from server.service import Abort
 

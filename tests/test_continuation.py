@@ -15,7 +15,8 @@ from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import Backoff
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from shared.acceptance import SamplingParams
 from shared.payload import PayloadSpec

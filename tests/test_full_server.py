@@ -14,7 +14,8 @@ import pytest
 
 from client.decode import generate
 from client.drafters import make_drafter
-from client.verifiers import RemoteVerifier, ServerFull
+from client.failures import ServerFull
+from client.remote import RemoteVerifier
 from shared.acceptance import SamplingParams
 from tests.conftest import start_server
 

@@ -15,7 +15,8 @@ import pytest
 from client.decode import generate
 from client.drafters import make_drafter
 from client.link import LinkMonitor
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from server.limits import ServerLimits
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc

@@ -12,7 +12,7 @@ import pytest
 
 from client.decode import generate
 from client.drafters import make_drafter
-from client.verifiers import RemoteVerifier
+from client.remote import RemoteVerifier
 from netsim import get_profile, simulated_link
 from shared.cli import main as splitspec
 

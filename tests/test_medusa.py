@@ -11,9 +11,10 @@ from client.drafters import NoDrafter
 from client.drafters.medusa import TOP_K, Medusa, MedusaConfig, MedusaDrafter, prior_tree, sparse_tree
 from client.drafters.target_parts import TargetParts
 from client.offline import local_token, reconcile_verify
+from client.remote import RemoteVerifier
 from client.training.losses import medusa_loss
 from client.training.teacher import pad_batch, run_teacher
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.verifiers import LocalVerifier
 from shared.acceptance import SamplingParams
 from shared.features import Features
 from shared.tree import DraftTree

@@ -18,7 +18,8 @@ from client.drafters.independent import IndependentDrafter
 from client.drafters.medusa import MedusaDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import Backoff
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from shared.calibration import PATHS, runnable_paths
 from shared.models import DTYPES, load_target

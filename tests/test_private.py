@@ -16,7 +16,8 @@ from client.drafters.moa import MoADrafter
 from client.drafters.prompt_lookup import PromptLookup
 from client.offline import Backoff
 from client.private import mask, mask_messages
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from shared.models import encode_messages, encode_prompt
 from shared.payload import PayloadSpec
 from shared.wire import splitspec_pb2 as pb

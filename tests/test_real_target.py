@@ -7,7 +7,8 @@ import torch
 
 from client.decode import api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from shared.models import encode_prompt
 from tests.conftest import start_server
 

@@ -16,7 +16,8 @@ from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import Backoff
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from netsim.harness import Flapper
 from netsim.profiles import Profile
@@ -322,8 +323,8 @@ def test_a_server_that_loses_every_session_is_given_up_on_not_retried_forever(ti
     lost session): the client reopens a bounded number of times, then ends with an error saying so."""
     import grpc
 
+    from client.failures import SessionLost, rpc_error
     from client.offline import SETTLE_LOSSES
-    from client.verifiers import SessionLost, rpc_error
 
     class Internal(grpc.RpcError):
         def code(self):

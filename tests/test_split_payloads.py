@@ -17,7 +17,8 @@ from client.decode import generate
 from client.drafters import drafter_for
 from client.drafters.base import NoDrafter
 from client.drafters.bundle import save_bundle
-from client.verifiers import LocalVerifier, RemoteVerifier
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
 from shared.wire import splitspec_pb2 as pb

@@ -19,7 +19,7 @@ from client.endpoint import Endpoint
 from client.heartbeat import Heartbeat
 from client.link import LinkMonitor
 from client.offline import Backoff, Reconnector
-from client.verifiers import RemoteVerifier
+from client.remote import RemoteVerifier
 from shared.errors import SplitspecError
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb

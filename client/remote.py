@@ -1,0 +1,505 @@
+"""The remote ``Verifier``: a splitspec server over gRPC. It times every call it makes, so its ``link`` knows the
+round-trip time and bandwidth, and maps failed calls to ``client.failures``."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+
+from client.endpoint import Endpoint
+from client.failures import LinkDown, ServerFull, rpc_error
+from client.link import PROBE_MAX_BYTES, LinkMonitor
+from client.verifiers import LinkCounters, Verifier
+from shared import payload
+from shared.acceptance import SamplingParams
+from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY
+from shared.codec import CodecError
+from shared.errors import SplitspecError
+from shared.features import Features
+from shared.payload import PayloadSpec
+from shared.target import Verdict
+from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+
+def _sampling_msg(sampling: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                       acceptance=sampling.acceptance, epsilon=sampling.epsilon, delta=sampling.delta)  # fmt: skip
+
+
+# the calls on a session (or opening one): they carry its route key, which a cluster of replicas routes by
+SESSION_CALLS = frozenset({"OpenSession", "Verify", "CloseSession", "FetchPayload", "Decode"})
+PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many times before giving up
+ADMISSION_TRIES = 32  # a full server's refusals (with a retry hint) an opening call sits out at most
+ADMISSION_FIRST_S = 0.05  # the first wait after one; doubling, never past the server's hint
+SHUTDOWN_JOIN_S = 2.0  # how long shutdown waits for a reconnection poll's thread to end
+
+
+def _say(message: str) -> None:
+    print(f"splitspec: {message}", file=sys.stderr, flush=True)
+
+
+class RemoteVerifier(Verifier):
+    """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer.
+
+    ``spec`` says which features of newly cached tokens the server sends with each reply; the decode
+    loop sets it from the drafter's needs (and the adaptive policy may change it between rounds).
+    Given a ``drafter`` whose needs include mode ``lsa``, the Handshake names its bundle (the server
+    compares the weights digest with its own copy and loads the LSA); a server that cannot run it
+    leaves mode lsa unusable, with a warning, unless ``spec`` pins lsa: then that is an error. ``bundle``:
+    the folder whose weights digest is sent (default: the drafter's).
+
+    A full server refuses a new session with a retry hint; the opening calls wait for a place for up to
+    ``admission_s`` (default: one call's deadline), saying so through ``say`` (default: a line on stderr).
+
+    Threads: the decode loop calls from one thread; the heartbeat's ``abort`` and the reconnection polls
+    (``reachable``) come from others. ``_lock`` guards what they share: the channel and stub (a failed poll
+    replaces them) and the call in flight with its abort reason.
+    """
+
+    def __init__(
+        self,
+        address: str | Endpoint,
+        fingerprint: str = "",
+        connect_timeout_s: float = 10.0,
+        rpc_timeout_s: float = 120.0,
+        drafter=None,
+        spec: PayloadSpec = PayloadSpec(),
+        bundle=None,
+        admission_s: float | None = None,
+        say: Callable[[str], None] = _say,
+    ):
+        self.endpoint = address if isinstance(address, Endpoint) else Endpoint(address)
+        self.address = address = self.endpoint.address
+        self.spec = spec
+        self.rpc_timeout_s = rpc_timeout_s
+        self.admission_s = rpc_timeout_s if admission_s is None else admission_s
+        self.say = say
+        self.counters = LinkCounters()
+        self.link = LinkMonitor()
+        self.session_id = ""
+        self.route = ""  # the session's route key (``ROUTE_KEY``), drawn anew for each session opened
+        self.length = 0
+        self._lock = threading.Lock()
+        self._inflight: grpc.Future | None = None  # the call abort() cancels and the heartbeat watches over
+        self._aborted = ""  # why abort() cancelled it
+        self._polls: dict[grpc.Future, threading.Thread] = {}  # reconnection polls under way, and their threads
+        self._shut = threading.Event()
+        self._heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
+        self._backlog = 0  # bytes the reply in flight is expected to carry (its payload)
+        self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
+        self._options = MESSAGE_OPTIONS + RECONNECT_OPTIONS
+        self.channel = self.endpoint.channel(self._options)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise SplitspecError(
+                f"cannot reach a splitspec server at {address} within {connect_timeout_s:g}s; "
+                "start one with `splitspec serve` or check --server"
+            ) from None
+        self.stub = pb_grpc.SplitSpecStub(self.channel)
+        self.hello = pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
+        self.info = self._call("Handshake", self.hello)
+        self.lsa_drafter = ""  # whose LSA the server runs for us (mode lsa), if any
+        lsa = [s for s in (drafter.payload_specs() if drafter is not None else []) if s.mode == "lsa"]
+        if spec.mode == "lsa" or (lsa and not spec):
+            name = spec.drafter if spec.mode == "lsa" else lsa[0].drafter
+            self._name_drafter(name, bundle or (drafter.bundle if drafter else None), pinned=spec.mode == "lsa")
+        info = self.info
+        self.dims = (info.num_layers, 2 * info.num_kv_heads * info.head_dim, info.hidden_size)
+        self.eos_token_ids = list(self.info.eos_token_ids)
+        self.max_tree_nodes = self.info.limits.max_tree_nodes
+        self.max_context = self.info.limits.max_context
+
+    def _name_drafter(self, name: str, bundle, pinned: bool) -> None:
+        """Handshake again naming drafter ``name`` so the server runs its LSA; the hello is sent again on
+        reconnection (a restarted server must load the LSA again)."""
+        from shared.lsa import weights_digest
+
+        if bundle is None:
+            raise SplitspecError(f"payload mode lsa needs the bundle of drafter {name!r}")
+        hello = pb.HandshakeRequest()
+        hello.CopyFrom(self.hello)
+        hello.drafter, hello.drafter_digest = name, weights_digest(bundle)
+        try:
+            self._call("Handshake", hello)
+        except LinkDown:
+            raise
+        except SplitspecError as exc:
+            if pinned:
+                raise
+            self.say(f"payload mode lsa unavailable ({exc}); using kv")
+            return
+        self.hello, self.lsa_drafter = hello, name
+
+    def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
+        return [s for s in specs if s.mode != "lsa" or s.drafter == self.lsa_drafter]
+
+    # --- calls: started under the lock, counted once ---
+
+    def _start(self, rpc: str, request, timeout_s: float, stream: bool = False, watched: bool = True):
+        """Start call ``rpc`` (a future, or a reply stream's iterator). ``watched``: it is the call in flight, which
+        ``abort`` cancels and the heartbeat watches over. Under the lock, so that a reconnection poll cannot close
+        the channel between taking its stub and starting the call (a call on a channel closed later fails CANCELLED:
+        a LinkDown)."""
+        with self._lock:
+            if self._shut.is_set():
+                raise SplitspecError(f"server {self.address}: the connection was shut down; {rpc} not sent")
+            method = getattr(self.stub, rpc)
+            metadata = ((ROUTE_KEY, self.route),) if rpc in SESSION_CALLS and self.route else None
+            call = (method(request, timeout=timeout_s, metadata=metadata) if stream
+                    else method.future(request, timeout=timeout_s, metadata=metadata))  # fmt: skip
+            if watched:
+                self._inflight, self._aborted = call, ""
+        return call
+
+    def _end(self, call) -> str:
+        """``call`` is over: no longer the call in flight. Returns why ``abort`` abandoned it ('' if it did not)."""
+        with self._lock:
+            if self._inflight is not call:
+                return ""
+            self._inflight = None
+            return self._aborted
+
+    def _failed(self, call, exc: Exception, budget_s: float | None = None) -> Exception:
+        """What a failed ``call`` raises: LinkDown naming why it was abandoned (``abort``); past a measurement's
+        ``budget_s``, a TimeoutError (an answer rather than a failure); else the call's own error (``rpc_error``)."""
+        reason = self._end(call)
+        if reason or not isinstance(exc, grpc.RpcError):
+            return LinkDown(f"server {self.address}: call abandoned: {reason or 'cancelled'}")
+        if budget_s is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(f"probe took longer than {budget_s:.3f}s")
+        return rpc_error(self.address, exc)
+
+    def _count(self, sent=None, received=None) -> int:
+        """Count what crossed the link in ``counters``: a call made with request ``sent``; a message ``received`` (a
+        reply, a stream's chunk) with the server's compute it reports. Returns the received message's size."""
+        c = self.counters
+        if sent is not None:
+            c.server_calls += 1
+            c.bytes_sent += sent.ByteSize()
+        if received is None:
+            return 0
+        size = received.ByteSize()
+        c.bytes_received += size
+        c.server_compute_s += getattr(received, "compute_s", 0.0)
+        return size
+
+    def _timed(self, rpc: str, request, timeout_s: float, budget: bool = False):
+        """One unary call: (reply, wall seconds). A failure becomes a SplitspecError naming the server, except
+        running past a measurement ``budget``: that is a TimeoutError, an answer rather than a failure."""
+        start = time.perf_counter()
+        future = self._start(rpc, request, timeout_s)
+        try:
+            reply = future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            raise self._failed(future, exc, timeout_s if budget else None) from None
+        self._end(future)
+        return reply, time.perf_counter() - start
+
+    def _call(self, rpc: str, request, timeout_s: float | None = None):
+        """One unary call, timed for the link and counted (once it succeeded)."""
+        reply, wall_s = self._timed(rpc, request, timeout_s or self.rpc_timeout_s)
+        self.link.observe(wall_s, getattr(reply, "compute_s", 0.0), request.ByteSize(), reply.ByteSize())
+        self._count(request, reply)
+        return reply
+
+    def _stream(self, rpc: str, request, timeout_s: float, watched: bool = True, opens: bool = False):
+        """Start reply stream ``rpc`` and wait for its first message (a full server refuses before any): (the call,
+        when it was sent, all its messages). ``opens``: the call takes a place on the server, so a refusal for want
+        of one is waited out (``_admitted``)."""
+
+        def attempt():
+            self._count(request)
+            sent = time.perf_counter()
+            call = self._start(rpc, request, timeout_s, stream=True, watched=watched)
+            try:
+                first = next(call, None)
+            except grpc.RpcError as exc:
+                raise self._failed(call, exc) from None
+            return call, sent, itertools.chain([] if first is None else [first], call)
+
+        return self._admitted(attempt) if opens else attempt()
+
+    def _admitted(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``, a call that takes a place on the server, again while a full server refuses it with a retry
+        hint (``ServerFull``): waits of ADMISSION_FIRST_S doubling, never past the hint, jittered (the refused
+        clients should not all come back at once), within ``admission_s`` and ADMISSION_TRIES; then the refusal is
+        raised. The first refusal is told (``say``): the wait may be long, and it is not the link's fault."""
+        began, delay = time.monotonic(), ADMISSION_FIRST_S
+        for tries in range(1, ADMISSION_TRIES + 1):
+            try:
+                return attempt()
+            except ServerFull as exc:
+                waited = time.monotonic() - began
+                left = self.admission_s - waited
+                if tries == ADMISSION_TRIES or left <= 0:
+                    raise ServerFull(f"{exc}; gave up after {tries} tries in {waited:.2f}s", exc.retry_s) from None
+                if tries == 1:
+                    self.say(f"{exc}; waiting up to {left:.1f}s for a place")
+                self._shut.wait(min(delay, exc.retry_s, left) * random.uniform(0.5, 1.0))
+                delay *= 2
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    # --- what the heartbeat and the reconnection thread call ---
+
+    def abort(self, reason: str) -> None:
+        """Abandon the call in flight, if any (from another thread: the heartbeat found the link dead);
+        the caller sees LinkDown naming ``reason``."""
+        with self._lock:
+            call = self._inflight
+            if call is None:
+                return
+            self._aborted = reason
+        call.cancel()
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None
+
+    def heard(self) -> float:
+        return self._heard
+
+    def backlog_s(self) -> float:
+        """How long the link needs for the reply in flight, as far as it is known (a payload's size)."""
+        return self.link.transfer_s(0, self._backlog) if self._inflight is not None else 0.0
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this, from a thread
+        of its own; the poll is not the call in flight.)
+
+        A failed poll replaces the channel, so the next one starts on a new connection: after a silent cut the old
+        one lost bytes mid-stream and would only fail again once the link is back. ``shutdown`` cancels a poll under
+        way and waits for its thread; after it, polls fail at once and open nothing.
+        """
+        with self._lock:
+            if self._shut.is_set():
+                return False
+            poll = self.stub.Handshake.future(self.hello, timeout=timeout_s)
+            self._polls[poll] = threading.current_thread()
+        try:
+            poll.result()
+            return True
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            with self._lock:
+                if self._shut.is_set():
+                    return False
+                old, self.channel = self.channel, self.endpoint.channel(self._options)
+                self.stub = pb_grpc.SplitSpecStub(self.channel)
+            old.close()
+            return False
+        finally:
+            with self._lock:
+                del self._polls[poll]
+
+    def probe_link(self, budget_s: float = 1.5) -> dict[str, float | None]:
+        """Measure the link now with Probe calls (see ``LinkMonitor.probe``); counted apart, in ``counters.probe_*``."""
+        max_bytes = min(PROBE_MAX_BYTES, self.info.limits.max_probe_bytes or PROBE_MAX_BYTES)
+
+        def call(payload_bytes: int, reply_bytes: int, timeout_s: float) -> tuple[float, float]:
+            request = pb.ProbeRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes)
+            reply, wall_s = self._timed("Probe", request, timeout_s, budget=True)
+            self.counters.probe_calls += 1
+            self.counters.probe_bytes += request.ByteSize() + reply.ByteSize()
+            return wall_s, reply.compute_s
+
+        return self.link.probe(call, budget_s, max_bytes)
+
+    # --- the Verifier interface ---
+
+    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
+        self._closed()
+        request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
+                                        payload=self.spec.to_msg())  # fmt: skip
+        self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(self.spec))
+        self.route = secrets.token_hex(8)
+        try:
+            reply = self._admitted(lambda: self._call("OpenSession", request))
+        finally:
+            self._backlog = 0
+        self.session_id, self.length = reply.session_id, reply.length
+        before = self.counters.payload_bytes
+        features = self._features(reply.payload)
+        self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
+        return Verdict([], [reply.first_token], reply.compute_s, features, load=reply.load)
+
+    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
+        """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
+        request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
+                                   length=self.length, payload=self.spec.to_msg())  # fmt: skip
+        reply = self._call("Verify", request, timeout_s=timeout_s)
+        self.length = reply.length
+        accepted = list(reply.accepted)
+        new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
+        verified = reply.verified or len(tree)  # 0: an older server, which verifies every node
+        return Verdict(accepted, new, reply.compute_s, self._features(reply.payload), verified, reply.load)
+
+    def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
+               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
+        """The server decodes the session by itself and streams each token with the payload of the token it cached
+        (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
+        made past what was received are rolled back by the next call's ``length``. ``timeout_s`` bounds the whole
+        stream (a silent cut is noticed by the heartbeat, which aborts it)."""
+        request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
+                                   stop_token_ids=stop_ids, payload=self.spec.to_msg(),
+                                   payload_every=payload_every, lookup=lookup)  # fmt: skip
+        return self._decode(request, payload_every, timeout_s)
+
+    def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
+                    payload_every: int = 1, timeout_s: float | None = None,
+                    lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
+        request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
+                                   max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=self.spec.to_msg(),
+                                   payload_every=payload_every, lookup=lookup)  # fmt: skip
+        self._closed()
+        self.session_id, self.length, self.route = "", 0, secrets.token_hex(8)
+        return self._decode(request, payload_every, timeout_s, prompt=len(prompt_ids))
+
+    def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None,
+                prompt: int = 0) -> Iterator[Verdict]:  # fmt: skip
+        """A Decode call's chunks as rounds; ``prompt``: the prompt's length when the call opens the session (its
+        features come with the first payload; a full server's refusal is waited out)."""
+        c = self.counters
+        timeout_s = timeout_s or self.rpc_timeout_s + request.max_new_tokens
+        self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(self.spec))
+        call = None
+        try:
+            call, start, chunks = self._stream("Decode", request, timeout_s, opens=bool(prompt))
+            for i, chunk in enumerate(chunks):
+                size, arrived = chunk.ByteSize(), time.perf_counter()
+                if i == 0:  # the first token is one round trip around a step; later ones are pipelined
+                    self.link.observe(arrived - start, chunk.compute_s, request.ByteSize(), size)
+                    self.session_id = chunk.session_id or self.session_id
+                elif i == 1 and prompt:  # the prompt's features, after the small first chunk: the link's rate
+                    self.link.observe_gap(arrived - start, chunk.compute_s, size)
+                start = arrived
+                self._count(received=chunk)
+                self.length, self._heard = chunk.length, time.monotonic()
+                features = None
+                if chunk.HasField("payload"):
+                    before = c.payload_bytes
+                    features = self._features(chunk.payload)
+                    if prompt and features is not None and features.start == 0:  # the prompt's, deferred
+                        c.prefill_payload_bytes += c.payload_bytes - before
+                        self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
+                yield Verdict([], [chunk.token], chunk.compute_s, features,
+                            load=chunk.load if chunk.HasField("load") else None)  # fmt: skip
+        except grpc.RpcError as exc:
+            raise self._failed(call, exc) from None
+        finally:
+            self._backlog = 0
+            if call is not None:
+                self._end(call)
+                call.cancel()  # the consumer stopped early (a stop string, a switch): end the stream (no-op once ended)
+
+    def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
+        """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""
+        return payload.raw_bytes_per_token(spec, *self.dims) if spec else 0.0
+
+    def _features(self, msg: pb.Payload) -> Features | None:
+        """Decode a reply's payload; fetch it (again) when it is pending or does not decode."""
+        if not self.spec:
+            return None
+        self.counters.payload_bytes += msg.ByteSize()
+        shapes = payload.expected_shapes(self.spec, msg.count, *self.dims)
+        error: Exception | None = None
+        if not msg.pending:
+            try:
+                return payload.decode(msg, shapes)
+            except CodecError as exc:
+                error = exc
+                self.counters.payload_refetches += 1
+        for _ in range(PAYLOAD_RETRIES):
+            try:
+                return self.fetch(msg.start, msg.start + msg.count)
+            except CodecError as exc:
+                error = exc
+                self.counters.payload_refetches += 1
+        raise SplitspecError(f"server {self.address}: payload for tokens [{msg.start}, {msg.start + msg.count}) "
+                             f"does not decode after {PAYLOAD_RETRIES} re-requests: {error}")  # fmt: skip
+
+    def fetch(self, start: int, end: int) -> Features:
+        """FetchPayload: the features of cached tokens [start, end), streamed in chunks (those a cut kept from
+        arriving, or a payload too big to ride inline)."""
+        request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.spec.to_msg())
+        self._count(request)
+        parts = []
+        try:  # not a link sample: the stream's time includes server work it does not report
+            for chunk in self._start("FetchPayload", request, self.rpc_timeout_s, stream=True, watched=False):
+                self.counters.payload_bytes += self._count(received=chunk)
+                shapes = payload.expected_shapes(self.spec, chunk.count, *self.dims)
+                parts.append(payload.decode(chunk, shapes))
+        except grpc.RpcError as exc:
+            raise rpc_error(self.address, exc) from None
+        features = payload.concat(parts)
+        if features.start != start or len(features) != end - start:
+            got = f"[{features.start}, {features.start + len(features)})"
+            raise CodecError(f"FetchPayload returned tokens {got}, asked for [{start}, {end})")
+        return features
+
+    def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
+        if not self.session_id:
+            return
+        request = pb.CloseSessionRequest(session_id=self.session_id)
+        self.session_id = ""
+        if wait:
+            self._call("CloseSession", request, timeout_s=timeout_s)
+            return
+        self._count(request)
+        self._closing = self._start("CloseSession", request, timeout_s or self.rpc_timeout_s, watched=False)
+
+    def _closed(self) -> None:
+        """Wait for a close sent without waiting, however it ended: the next session should not find the server's
+        store still holding this one's place."""
+        if self._closing is not None:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                self._closing.result()
+            self._closing = None
+
+    def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int]):
+        """The server's plain streaming decode (the API baseline): yields lists of tokens."""
+        request = pb.GenerateRequest(
+            prompt_ids=prompt_ids,
+            sampling=_sampling_msg(sampling),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_ids,
+        )
+        call = None
+        try:
+            # the deadline covers the whole stream: allow a generous second per requested token
+            call, start, chunks = self._stream("Generate", request, self.rpc_timeout_s + max_new_tokens,
+                                               watched=False, opens=True)  # fmt: skip
+            for i, chunk in enumerate(chunks):
+                size = self._count(received=chunk)
+                if i == 0:  # the first chunk is one round trip around the prefill; later ones are pipelined
+                    self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+                yield list(chunk.tokens)
+        except grpc.RpcError as exc:
+            raise self._failed(call, exc) from None
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_JOIN_S) -> None:
+        """Close the connection for good. A reconnection poll racing it (``client.offline``'s thread) is cancelled and
+        its thread waited for (at most ``timeout_s``): no channel is opened after this, and no poll outlives it."""
+        self._closed()
+        with self._lock:
+            self._shut.set()
+            polls, channel = dict(self._polls), self.channel
+        for poll in polls:
+            poll.cancel()
+        channel.close()
+        deadline = time.monotonic() + timeout_s
+        for thread in set(polls.values()) - {threading.current_thread()}:
+            thread.join(max(0.0, deadline - time.monotonic()))
