@@ -240,7 +240,7 @@ def test_settled_text_holds_back_what_may_change():
 
 def test_private_spans_never_reach_the_prompt_the_server_gets(tiny_server, tiny_model_dir):
     """The edge masks markers in any message and whole messages flagged private before encoding."""
-    from client.edge import parse
+    from client.openai_request import parse
 
     edge = Edge(tiny_server[0], "none", model=str(tiny_model_dir))
     body = {"model": str(tiny_model_dir), "messages": [
