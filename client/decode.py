@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from client import offline
-from client.adaptive import AdaptivePolicy, verify_request_bytes
+from client.adaptive import AdaptivePolicy
+from client.costs import verify_request_bytes
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
 from client.heartbeat import Heartbeat

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from client.adaptive import EXPLORE, MIN_REHEARSALS, AdaptivePolicy, LineFit
+from client.adaptive import EXPLORE, MIN_REHEARSALS, AdaptivePolicy
+from client.costs import LineFit
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -234,7 +235,7 @@ def test_a_busy_server_is_spared_when_drafting_costs_it_less_per_token():
 def test_a_convex_cost_curve_is_read_as_measured():
     """A CPU's verify cost: flat for a few tokens, then steep. The curve interpolates what was measured (a line
     through all sizes would price 4 nodes at ~2x one token), so the cut sends the cheap small tree."""
-    from client.adaptive import CostCurve
+    from client.costs import CostCurve
 
     costs = {1: 0.013, 2: 0.0135, 5: 0.018, 9: 0.030, 17: 0.060}
     curve = CostCurve()

@@ -187,7 +187,8 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
     few and noisy, since it stops drafting while drafting loses, and so is a cost curve learned from them.)"""
     import math
 
-    from client.adaptive import AdaptivePolicy, CostCurve
+    from client.adaptive import AdaptivePolicy
+    from client.costs import CostCurve
     from client.drafters import make_drafter
     from netsim import simulated_link
     from netsim.profiles import Profile
