@@ -160,6 +160,42 @@ def test_bad_requests_get_openai_shaped_errors(client, edge_url, tiny_model_dir)
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
 
 
+HOSTILE = [  # (route, body): each must be answered with an OpenAI-shaped 4xx, never a 5xx or a generation
+    ("chat/completions", b"{not json"),
+    ("chat/completions", b"[]"),
+    ("chat/completions", b'"hello"'),
+    ("chat/completions", b"\xff\xfe\x00"),
+    ("chat/completions", {}),
+    ("chat/completions", {"messages": "w1"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": 7}]}),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "w1"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 10**12}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_tokens": -1}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_tokens": "10"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "temperature": 1e309}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "top_p": 0}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "n": 5}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "stop": ["a", "b", "c", "d", "e"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "stream_options": 3}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "seed": -5}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w1"}], "splitspec": {"acceptance": "any"}}),
+    ("completions", {"prompt": [10**9]}),
+    ("completions", {"prompt": None}),
+    ("completions", {"prompt": "w1", "model": "gpt-17"}),
+    ("completions", b"{" + b'"prompt": "' + b"w" * (5 << 20) + b'"}'),
+]
+
+
+@pytest.mark.parametrize("route, body", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_requests_get_openai_shaped_4xx(edge_url, tiny_model_dir, route, body):
+    if isinstance(body, dict):
+        body = json.dumps({"model": str(tiny_model_dir), **body}).encode()
+    status, reply = plain(f"{edge_url}/{route}", "POST", body, timeout=60)
+    assert 400 <= status < 500, (status, reply)
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+
+
 def test_models_health_and_metrics(client, edge_url, tiny_model_dir):
     assert [m.id for m in client.models.list()] == [str(tiny_model_dir)]
     root = edge_url.removesuffix("/v1")
