@@ -239,9 +239,10 @@ def run(args: argparse.Namespace) -> int:
 
 def verdict(split: dict, api: dict) -> str:
     """In plain words, where the split client won against the API on this run and where it did not."""
-    speed = split["tok_s"] / api["tok_s"] if api["tok_s"] else float("inf")
+    speed = round(split["tok_s"] / api["tok_s"], 2) if api["tok_s"] else float("inf")  # judged as printed
+    pace = "faster" if speed > 1 else "SLOWER" if speed < 1 else "even"
     wait = "shorter" if split["wait_s"] <= api["wait_s"] else "LONGER"
-    return (f"split vs API: {speed:.2f}x the tokens/s ({'faster' if speed >= 1 else 'SLOWER'}); longest wait for text "
+    return (f"split vs API: {speed:.2f}x the tokens/s ({pace}); longest wait for text "
             f"{split['wait_s']:.1f} s vs {api['wait_s']:.1f} s ({wait}; the split client's counts provisional "
             "text, not the time a whole provisional answer waits for the server)")
 
