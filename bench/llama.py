@@ -1,8 +1,8 @@
 """llama.cpp beside us on the same GGUFs, for the tables only (never a dependency): its plain decoding speed
 (``llama-bench``) and its own speculative decoding with a draft model (``llama-speculative -md``).
 
-Both binaries come from ``make llama-bench`` (the speculative one: ``make llama-speculative``); a benchmark runs
-them when ``$LLAMA_BENCH`` / ``$LLAMA_SPECULATIVE`` (or its flags) name them.
+``make llama-bench`` builds both binaries; a benchmark runs them when ``$LLAMA_BENCH`` / ``$LLAMA_SPECULATIVE`` (or
+its flags) name them.
 """
 
 from __future__ import annotations

@@ -263,16 +263,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=1, help="torch threads of the server child (default 1)")
     p.add_argument("--client-threads", type=int, default=1, help="torch threads here (default 1)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
-    p.add_argument(
-        "--device", default="cpu", help="the target's device, served and here; model drafters' too (default cpu)"
-    )
+    p.add_argument("--device", default="cpu", help="the target's device, served and here; model drafters' too "
+                   "(default cpu)")
     p.add_argument("--dtype", default="auto", help="the target's dtype, served and here (default auto, as `serve`)")
-    p.add_argument(
-        "--weights",
-        default="auto",
-        help="the target's weights, served and here (default auto: low-bit "
-        "where lossless; native with --dtype float32 for the check against transformers)",
-    )
+    p.add_argument("--weights", default="auto", help="the target's weights, served and here (default auto: low-bit "
+                   "where lossless; native with --dtype float32 for the check against transformers)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     args.profiles = [x.strip() for x in args.profiles.split(",") if x.strip()]

@@ -246,10 +246,8 @@ def llama_lines(llama: dict) -> str:
         lines.append(f"llama.cpp plain decoding (llama-bench tg, same GGUF, same threads): "
                      f"{llama['plain_tokens_per_s']:.2f} tok/s.")  # fmt: skip
     if "draft_max" in llama:
-        lines.append(
-            f"`llama.cpp <drafter>` rows: llama-speculative -md <drafter's GGUF>, greedy, "
-            f"{llama['draft_max']} draft tokens a round; its own numerics, so not compared for identity."
-        )
+        lines.append(f"`llama.cpp <drafter>` rows: llama-speculative -md <drafter's GGUF>, greedy, "
+                     f"{llama['draft_max']} draft tokens a round; its own numerics, so not compared for identity.")
     if "error" in llama:
         lines.append(f"llama.cpp not run: {llama['error']}.")
     return " ".join(lines) + "\n\n"
@@ -385,39 +383,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, default=4, help="trained drafters: EAGLE-2 tree width B (default 4)")
     p.add_argument("--tree-depth", type=int, default=5, help="trained drafters: EAGLE-2 tree depth D (default 5)")
     p.add_argument("--max-tree-nodes", type=int, default=16, help="trained drafters: tree nodes per round (default 16)")
-    p.add_argument(
-        "--draft-vocabs",
-        default="",
-        help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
-        "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sample at this temperature, seed = the prompt's index (default 0: greedy)",
-    )
+    p.add_argument("--draft-vocabs", default="",
+                   help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
+                        "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature, seed = the prompt's index (default 0: greedy)")
     p.add_argument("--acceptance", default="exact",
                    help=f"comma list of rules sampled drafts are judged by ({', '.join(ACCEPTANCE)}): one method "
                         "per rule; typical is not lossless (default exact)")  # fmt: skip
-    p.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
-        "it loses), as `splitspec generate --local` does by default, each prompt's policy starting "
-        "from the previous one's (as in a serving process); else static trees",
-    )
+    p.add_argument("--adaptive", action="store_true",
+                   help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
+                        "it loses), as `splitspec generate --local` does by default, each prompt's policy starting "
+                        "from the previous one's (as in a serving process); else static trees")
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="target (and drafter) device (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: measured)")
-    p.add_argument(
-        "--llama-bench",
-        default=os.environ.get("LLAMA_BENCH"),
-        help="llama-bench binary: llama.cpp's plain decoding on the target's GGUF (default $LLAMA_BENCH)",
-    )
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
+                   help="llama-bench binary: llama.cpp's plain decoding on the target's GGUF (default $LLAMA_BENCH)")
     p.add_argument("--llama-speculative", default=os.environ.get("LLAMA_SPECULATIVE"),
                    help="llama-speculative binary: llama.cpp's speculative decoding with each GGUF model drafter "
                    "(default $LLAMA_SPECULATIVE)")  # fmt: skip
@@ -481,11 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     runs += llama.pop("runs", [])
     names += list(dict.fromkeys(r.method for r in runs if r.method not in names))
 
-    env = {
-        **environment(args.threads, args.device),
-        "device": args.device,
-        "dtype": str(target.dtype).removeprefix("torch."),
-    }
+    env = {**environment(args.threads, args.device), "device": args.device,
+           "dtype": str(target.dtype).removeprefix("torch.")}  # fmt: skip
     summary = summarize(runs, names)
     table = markdown(summary, greedy=args.temperature == 0)
     counts = {d: sum(p.dataset == d for p in prompts) for d in DATASETS}
@@ -525,13 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; ≠ plain counts prompts whose token ids differ "
         f"from plain decoding's.\n\n"
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
-        + (
-            "Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
-            + ", ".join(f"{k} {v:.2%}" for k, v in coverage.items())
-            + ", full 100%.\n\n"
-            if coverage
-            else ""
-        )
+        + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
+           + ", ".join(f"{k} {v:.2%}" for k, v in coverage.items()) + ", full 100%.\n\n"
+           if coverage else "")
         + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
         + llama_lines(llama)
     )
