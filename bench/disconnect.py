@@ -44,7 +44,7 @@ from client.drafters import make_drafter
 from client.offline import Backoff
 from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems
-from client.verifiers import LocalVerifier
+from client.verifiers import LocalVerifier, first_spec
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.models import DEFAULT_MODEL, load_target
@@ -127,7 +127,9 @@ def next_token_accuracy(drafter, target, prompt_ids, reference, cut_at, window) 
     truth = reference[cut_at : cut_at + window]
     if not truth:
         return None
-    opened = LocalVerifier(target, drafter).open(prompt_ids + reference[: cut_at - 1], SamplingParams())
+    verifier = LocalVerifier(target)
+    opened = verifier.open(prompt_ids + reference[: cut_at - 1], SamplingParams(),
+                           spec=first_spec(verifier, drafter.payload_specs()))  # fmt: skip
     drafter.begin(prompt_ids + reference[:cut_at], opened.features)
     hits = 0
     for token in truth:

@@ -72,7 +72,7 @@ from client.adaptive import AdaptivePolicy
 from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import mtbench_questions
-from client.verifiers import LocalVerifier
+from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, resolve_model
@@ -340,14 +340,15 @@ def draft_steps(method: Method, prompt_ids: list[int], rounds: int) -> dict | No
 
         return call
 
-    verifier = LocalVerifier(method.target, drafter)
-    opened = verifier.open(list(prompt_ids), SamplingParams())
+    verifier = LocalVerifier(method.target)
+    spec = first_spec(verifier, drafter.payload_specs())
+    opened = verifier.open(list(prompt_ids), SamplingParams(), spec=spec)
     drafter.begin(list(prompt_ids) + opened.new_tokens, opened.features)
     for name in steps:  # instance attributes shadow the methods for the tree search's calls, then go again
         setattr(drafter, name, timed(getattr(drafter, name)))
     try:
         for _ in range(rounds):
-            result = verifier.verify(drafter.propose(method.max_tree_nodes))
+            result = verifier.verify(drafter.propose(method.max_tree_nodes), spec=spec)
             drafter.absorb(result.new_tokens, result.features)
     finally:
         for name in steps:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from bench.common import environment, save_results
 from shared import kernels
-from shared.layers import pack_int4, pack_int8
+from shared.linear import pack_int4, pack_int8
 
 REPO = Path(__file__).resolve().parents[1]
 E, FF, LAYERS = 576, 1536, 30

@@ -115,11 +115,11 @@ class Method:
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
         if self.drafter is None:
             return api_generate(self.verifier, prompt_ids, max_new_tokens)
-        self.verifier.spec = self.specs[0] if self.specs else self.verifier.spec
         # a fresh policy per generation: what it learns is this generation's
         policy = AdaptivePolicy.for_run(self.verifier, self.specs, mode=self.mode) if self.mode else None
         return generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=self.nodes,
-                        policy=policy, resilience=self.resilience)  # fmt: skip
+                        policy=policy, resilience=self.resilience,
+                        spec=self.specs[0] if self.specs else None)  # fmt: skip
 
     def close(self) -> None:
         self.verifier.shutdown()
@@ -144,7 +144,7 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                 bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {m.name}")
                 gen = m.generate(prompt.ids, args.max_new_tokens)
                 s = gen.stats
-                payload = m.verifier.spec
+                payload = gen.spec if m.drafter is not None else None
                 run = Run(
                     profile, prompt.dataset, prompt.index, m.name, s.new_tokens, round(s.wall_s, 4),
                     round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, s.server_calls,

@@ -271,8 +271,6 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         if args.probe_link or args.via_netsim:
             verifier.probe_link()
     specs = verifier.usable(_pinned_specs(drafter, args)) if drafter is not None else []
-    if specs:
-        verifier.spec = specs[0]
     prompt_ids = encode_prompt(tokenizer, text, args.chat)
     on_reconnect = args.on_reconnect or "verify"
     stream = None
@@ -290,7 +288,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
             resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, local_cap=args.local_cap),
-            on_update=stream,
+            on_update=stream, spec=specs[0] if specs else None,
         )  # fmt: skip
         drafter_name = drafter.name
     if stream:
@@ -305,10 +303,10 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     "finish_reason": gen.finish_reason,
                     "drafter": drafter_name,
                     "acceptance": sampling.acceptance,  # "typical": the output is not the target's own distribution
-                    "mode": "local" if args.local else "remote",
+                    "verifier": "local" if args.local else "remote",
                     "network": args.via_netsim,
-                    "payload": None if args.local or not verifier.spec
-                    else {"mode": verifier.spec.mode, "precision": verifier.spec.precision},
+                    "payload": None if args.local or not gen.spec
+                    else {"mode": gen.spec.mode, "precision": gen.spec.precision},
                     "stats": gen.stats.as_dict(),
                     "verified": gen.verified,
                     "unverified_tokens": len(gen.verified) - sum(gen.verified),  # local tokens the server never checked

@@ -1,8 +1,9 @@
 """The decode loop: one ``generate()`` for local, remote and link-failure-surviving generation.
 
-Each round: the drafter proposes a tree → the adaptive policy plans (cuts the tree to what pays
-off, picks the payload spec) → the verifier verifies → the policy observes what it cost → the
-drafter absorbs the kept tokens → they are emitted. It knows nothing about which drafter proposes
+Each round: the policy decides (a drafted round, a plain step, or a stretch the server decodes) → the
+drafter proposes a tree → the policy sizes it (cuts the tree to what pays off, picks the payload spec) →
+the verifier verifies → the drafter absorbs the kept tokens → they are emitted → the policy is told what
+the round gained and cost. It knows nothing about which drafter proposes
 or where verification happens; both are interfaces (``Drafter``, ``Verifier``).
 
 Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
@@ -36,9 +37,10 @@ from client.costs import verify_request_bytes
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
 from client.heartbeat import Heartbeat
-from client.verifiers import Verifier
+from client.verifiers import NO_PAYLOAD, Verifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
+from shared.payload import PayloadSpec
 from shared.target import Verdict
 from shared.tree import DraftTree, depths
 
@@ -138,6 +140,7 @@ class Generation:
     verified: list[bool]  # per token: did the server verify it (False only for local tokens left unsettled)
     finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "context" (window full)
     stats: GenerationStats
+    spec: PayloadSpec = NO_PAYLOAD  # the payload its last call asked for
 
 
 def generate(
@@ -152,6 +155,7 @@ def generate(
     resilience: Resilience | None = None,
     on_update: Callable[[list[int], list[bool]], None] | None = None,
     stop_when: Callable[[list[int], list[bool]], bool] | None = None,
+    spec: PayloadSpec | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
 
@@ -162,26 +166,45 @@ def generate(
     the whole output after every change: tokens made offline appear unverified and may be replaced
     when the server is back (``verify``) — a stream prints what is verified, or everything under ``keep``.
     ``stop_when(tokens, verified)``: the generation ends ("stop") once it says so (a stop sequence in the text).
+    ``spec``: the payload to start with (default: the first the drafter takes that the verifier can send).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
     run = Run(verifier=verifier, drafter=drafter, prompt_ids=list(prompt_ids), limit=max_new_tokens, sampling=sampling,
               stop=stop, policy=policy, max_nodes=max_tree_nodes, resilience=resilience or Resilience(),
-              on_update=on_update, stop_when=stop_when)  # fmt: skip
+              on_update=on_update, stop_when=stop_when, spec=spec_for(verifier, drafter, spec))  # fmt: skip
     return run.generate()
 
 
+def spec_for(verifier: Verifier, drafter: Drafter, wanted: PayloadSpec | None) -> PayloadSpec:
+    """The payload spec to open with: ``wanted`` if the drafter can use it, else the drafter's first usable."""
+    needs = drafter.payload_specs()
+    usable = verifier.usable(needs)
+    if wanted and wanted.mode not in {s.mode for s in needs}:
+        takes = ", ".join(sorted({s.mode for s in needs})) or "none"
+        raise SplitspecError(f"drafter {drafter.name} cannot use payload mode {wanted.mode!r}; it takes {takes}")
+    if needs and not usable:
+        raise SplitspecError(
+            f"drafter {drafter.name} needs payload "
+            f"{' or '.join(sorted({s.mode for s in needs}))}, which this verifier cannot send"
+        )
+    return wanted or first_spec(verifier, needs)
+
+
 class Run:
-    """One generation's state: the output, which of it is verified, the stats, and the link's running estimates."""
+    """One generation's state: the output, which of it is verified, the payload it asks for, the stats, and the
+    link's running estimates."""
 
     def __init__(self, *, verifier: Verifier, drafter: Drafter, prompt_ids: list[int], limit: int,
                  sampling: SamplingParams, stop: set[int], policy: AdaptivePolicy | None, max_nodes: int,
                  resilience: Resilience, on_update: Callable[[list[int], list[bool]], None] | None = None,
-                 stop_when: Callable[[list[int], list[bool]], bool] | None = None) -> None:  # fmt: skip
+                 stop_when: Callable[[list[int], list[bool]], bool] | None = None,
+                 spec: PayloadSpec = NO_PAYLOAD) -> None:  # fmt: skip
         self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
         self.sampling, self.stop, self.policy, self.max_nodes = sampling, stop, policy, max_nodes
         self.resilience, self.on_update, self.stop_when = resilience, on_update, stop_when
+        self.spec = spec  # the features each call asks for: the policy may choose another per call
         self.stats = GenerationStats()
         self.out: list[int] = []
         self.verified: list[bool] = []
@@ -193,27 +216,27 @@ class Run:
         self.unfeatured: tuple[int, int] | None = None  # cached tokens whose features a cut mid-stream kept away
 
     def generate(self) -> Generation:
-        verifier, stats = self.verifier, self.stats
+        """prompt → prefill → {decide → (stream | draft → size → verify → accept → absorb) → emit} → text; a link
+        that fails hands over to the offline stage (``client.offline.bridge``) and the loop goes on after it."""
+        verifier, policy, stats = self.verifier, self.policy, self.stats
         before = replace(verifier.counters)
         start = time.perf_counter()
-        self.spec_for_drafter()
         if verifier.link is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
             self.heartbeat = Heartbeat(verifier.endpoint, verifier.link, busy=lambda: verifier.busy,
                                        heard=verifier.heard, backlog_s=verifier.backlog_s)  # fmt: skip
             self.heartbeat.on_dead(verifier.abort)
         reason = ""
-        if self.policy is not None and (spec := self.policy.prompt_spec(len(self.prompt_ids))):
-            verifier.spec = spec  # sized for the link: the prompt's features are the largest payload
+        if policy is not None and (spec := policy.prompt_spec(len(self.prompt_ids))):
+            self.spec = spec  # sized for the link: the prompt's features are the largest payload
         try:
             # a first stretch streamed opens the session in the same call; else the prefill is a call of its own
-            stretch = self.policy.streaming() if self.policy is not None else 0
-            if not stretch:
+            if not (policy is not None and policy.stretch()):
                 self.verify_s = self.open([]).compute_s  # the prefill's compute is the first guess at a round's
                 self.started(start)
             while not (reason := self.finished()):
                 call = time.perf_counter()
                 try:
-                    if stretch:
+                    if policy is not None and (stretch := policy.stretch()):
                         self.stream(stretch, start if not self.out else None)
                     else:
                         self.round()
@@ -226,8 +249,6 @@ class Run:
                     stats.disconnects += 1
                     stats.switch_s.append(time.perf_counter() - call)
                     offline.bridge(self)
-                if not self.finished():
-                    stretch = self.policy.streaming() if self.policy is not None else 0
         finally:
             if self.heartbeat:
                 self.heartbeat.close()
@@ -240,7 +261,7 @@ class Run:
         stats.tokens_per_s = len(self.out) / stats.wall_s
         stats.acceptance_length = self.gained / stats.rounds if stats.rounds else 0.0
         copy_link_stats(stats, verifier, before)
-        return Generation(self.out, self.verified, reason, stats)
+        return Generation(self.out, self.verified, reason, stats, self.spec)
 
     def started(self, start: float) -> None:
         """The first token is in (``start``: when the generation began)."""
@@ -248,62 +269,50 @@ class Run:
         if self.heartbeat:
             self.heartbeat.start()  # the first call gave the link an RTT estimate to set its deadline from
 
-    def spec_for_drafter(self) -> None:
-        """The payload spec to open with: the caller's, if it set one the drafter can use, else the drafter's first."""
-        verifier, needs = self.verifier, self.drafter.payload_specs()
-        usable = verifier.usable(needs)
-        if verifier.spec and verifier.spec.mode not in {s.mode for s in needs}:
-            wanted = ", ".join(sorted({s.mode for s in needs})) or "none"
-            raise SplitspecError(f"drafter {self.drafter.name} cannot use payload mode {verifier.spec.mode!r}; "
-                                 f"it takes {wanted}")  # fmt: skip
-        if needs and not usable:
-            raise SplitspecError(f"drafter {self.drafter.name} needs payload "
-                                 f"{' or '.join(sorted({s.mode for s in needs}))}, which this verifier cannot send")
-        if not verifier.spec and usable:
-            verifier.spec = usable[0]
-
     def round(self) -> None:
-        """Propose, plan, verify, observe, absorb, emit: one verification round."""
+        """Decide, draft, size, verify, accept, absorb, emit: one verification round."""
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
-        budget = self.budget()
-        depth = policy.depth if policy is not None else None
         t0 = time.perf_counter()
-        drafting = policy is None or policy.drafting()
+        drafting = policy is None or policy.drafts()
         if drafting:
-            tree = drafter.propose(budget, depth)
+            depth = policy.depth if policy is not None else None
+            tree = drafter.propose(self.budget(), depth)
         else:
-            tree, depth = DraftTree(), 0  # a plain step: drafting has not been paying
+            depth, tree = 0, DraftTree()  # a plain step: drafting has not been paying
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
+        decision = None
         if policy is not None:
-            spec = policy.choose_spec()
-            if spec:
-                verifier.spec = spec
-            tree = policy.cut(tree, policy.raw_bytes_per_token(verifier.spec) if policy.raw_bytes_per_token else 0.0)
-        if self.heartbeat and self.heartbeat.dead.is_set():
-            raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
+            self.spec = policy.round_spec() or self.spec
+            decision = policy.size(tree, self.spec)
+            tree = tree.head(decision.nodes)
+        self.check_heartbeat()
         received = verifier.counters.bytes_received
-        result = verifier.verify(tree, timeout_s=self.deadline(len(tree)))
+        result = verifier.verify(tree, timeout_s=self.deadline(len(tree)), spec=self.spec)
         compute = max(result.compute_s, 0.0)
         self.verify_s = max(compute, 0.8 * self.verify_s + 0.2 * compute)  # up at once, down slowly
         self.reply_bytes = 0.8 * self.reply_bytes + 0.2 * (verifier.counters.bytes_received - received)
         if result.verified_nodes is not None and result.verified_nodes < len(tree):
             tree = tree.head(result.verified_nodes)  # the server verified only these
-        if policy is not None:
-            policy.observe(tree, len(result.accepted), result.compute_s, draft_s, depth or 0)
-            policy.loaded(result.load)
         stats.rounds += 1
         stats.tree_nodes.append(len(tree))
         self.gained += len(result.new_tokens)
         drafter.absorb(result.new_tokens, result.features)
         self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
         if policy is not None:
-            policy.record(drafting, len(result.new_tokens), time.perf_counter() - t0)
+            policy.loaded(result.load)
+            policy.rounded(decision, tree, len(result.accepted), len(result.new_tokens), result.compute_s, draft_s,
+                           depth or 0, time.perf_counter() - t0, drafting)  # fmt: skip
 
     def budget(self) -> int:
         """The most tree nodes a round may send now."""
         room = self.verifier.max_context - len(self.prompt_ids) - len(self.out)
         return max(0, min(self.max_nodes, self.verifier.max_tree_nodes, room - 1))
+
+    def check_heartbeat(self) -> None:
+        """LinkDown if the heartbeat has found the server gone: no call is worth starting."""
+        if self.heartbeat and self.heartbeat.dead.is_set():
+            raise LinkDown(f"server {self.verifier.address}: {self.heartbeat.reason}")
 
     def stream(self, stretch: int, opening: float | None = None) -> None:
         """``stretch`` tokens decoded by the server alone, absorbed and emitted as they arrive. The server is asked for
@@ -313,18 +322,17 @@ class Run:
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
         room = verifier.max_context - len(self.prompt_ids) - len(self.out)
         limit = min(self.limit - len(self.out), room)
-        if self.heartbeat and self.heartbeat.dead.is_set():
-            raise LinkDown(f"server {verifier.address}: {self.heartbeat.reason}")
-        if policy is not None and (spec := policy.stream_spec()):
-            verifier.spec = spec
+        self.check_heartbeat()
+        self.spec = policy.stream_spec() or self.spec
+        spec, stop = self.spec, sorted(self.stop)
         t0, got, compute = time.perf_counter(), 0, 0.0
         stats.streams += 1
-        stop, lookup = sorted(self.stop), policy.lookup if policy is not None else 0
         if opening is None:
-            tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, lookup=lookup)
+            tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, lookup=policy.lookup, spec=spec)
             featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
         else:  # the prompt's features come with the first payload
-            tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY, lookup=lookup)
+            tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY,
+                                          lookup=policy.lookup, spec=spec)  # fmt: skip
             featured, cached = 0, len(self.prompt_ids) - 1
         rehearsal = None  # (a tree drafted and not sent, its depth, where its root is in the output, seconds drafting)
         try:
@@ -345,30 +353,27 @@ class Run:
                     self.verify_s = max(result.compute_s, 0.8 * self.verify_s + 0.2 * result.compute_s)
                     stats.streamed_tokens += len(result.new_tokens)
                     self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
-                    if policy is not None:
-                        policy.loaded(result.load)
+                    policy.loaded(result.load)
                     if self.finished():
                         break
-                    if policy is not None:
-                        rehearsal = self.rehearse(rehearsal, featured == cached or not verifier.spec)
+                    rehearsal = self.rehearse(rehearsal, featured == cached or not spec)
                     # the stretch is over once its features are in too (a payload comes every PAYLOAD_EVERY tokens;
-                    # ending between two would leave the drafter without the last ones): judged, then maybe extended
-                    if got >= stretch and (featured == cached or not verifier.spec):
-                        self.streamed(got, compute, time.perf_counter() - t0)
+                    # ending between two would leave the drafter without the last ones): told, then maybe extended
+                    if got >= stretch and (featured == cached or not spec):
+                        policy.streamed(got, compute, time.perf_counter() - t0)
                         t0, got, compute = time.perf_counter(), 0, 0.0
-                        stretch = policy.extend() if policy is not None else 0
-                        if not stretch:
+                        if not (stretch := policy.extend()):
                             break
         except (LinkDown, SessionLost):
-            if featured < cached and verifier.spec:
+            if featured < cached and spec:
                 self.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
             raise
-        self.streamed(got, compute, time.perf_counter() - t0)
+        policy.streamed(got, compute, time.perf_counter() - t0)
 
     def rehearse(self, rehearsal, featured: bool):
-        """Drafting rehearsed during a stream (``AdaptivePolicy.rehearse``): a tree drafted from the newest token once
-        the drafter has every feature (``featured``), never sent, scored once the tokens its depth reaches have
-        streamed in. Returns the rehearsal under way (None: none)."""
+        """Drafting rehearsed during a stream (``client.schedule``): a tree drafted from the newest token once the
+        drafter has every feature (``featured``), never sent, scored once the tokens its depth reaches have streamed
+        in. Returns the rehearsal under way (None: none)."""
         drafter, policy = self.drafter, self.policy
         if rehearsal is not None:
             tree, depth, at, draft_s = rehearsal
@@ -383,11 +388,6 @@ class Run:
         depth = max(depths(tree.parents), default=0)  # (an empty tree counts: a round that gains one)
         return tree, depth, len(self.out) - 1, time.perf_counter() - t0
 
-    def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
-        """Tell the policy what a stretch of the stream gave and cost."""
-        if self.policy is not None:
-            self.policy.streamed(tokens, compute_s, seconds)
-
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
         server's expected compute with headroom (the larger of the recent rounds' and what the policy's cost curve
@@ -399,7 +399,7 @@ class Run:
         rtt = link.timeout_s()
         transfer = link.transfer_s(verify_request_bytes(nodes), int(2 * self.reply_bytes))
         rtt = UNMEASURED_RTT_S if rtt is None else rtt
-        compute = max(self.verify_s, self.policy.verify_fit(nodes + 1, 0.0) if self.policy is not None else 0.0)
+        compute = max(self.verify_s, self.policy.verify_estimate(nodes) if self.policy is not None else 0.0)
         return max(MIN_DEADLINE_S, rtt + 1.5 * compute + transfer + DEADLINE_MARGIN_S)
 
     def open(self, history: list[int]) -> Verdict:
@@ -411,7 +411,7 @@ class Run:
             verifier.close(timeout_s=2.0)  # the old session, if the server still has it
         except SplitspecError:
             pass
-        opened = verifier.open(self.prompt_ids + history, self.sampling)
+        opened = verifier.open(self.prompt_ids + history, self.sampling, spec=self.spec)
         self.unfeatured = None  # the prefill brings the features of every cached token
         self.drafter.begin(self.prompt_ids + history + opened.new_tokens, opened.features)
         if not history:

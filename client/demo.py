@@ -105,15 +105,16 @@ def narrated(policy_class):
     class Narrated(policy_class):
         said = ""
 
-        def streaming(self) -> int:
-            stretch = super().streaming()
+        def stretch(self) -> int:
+            stretch = super().stretch()
             mode = "stream" if stretch else "draft"
             if mode != self.said:
                 if mode == "stream":
                     why = "drafting lost to it" if self.said else "an idle server decodes with no round trip a token"
                     say(f"mode: the server decodes by itself and streams (up to {min(stretch, 9999)} tokens; {why})")
                 else:
-                    why = "its compute is scarce" if self.spare_server() else "trying whether drafting is faster"
+                    scarce = self.schedule.spare_server()
+                    why = "its compute is scarce" if scarce else "trying whether drafting is faster"
                     say(f"mode: drafting on this device, the server verifies ({why})")
                 self.said = mode
             return stretch

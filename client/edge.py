@@ -144,7 +144,6 @@ class Edge:
         """A connection to the server that has done its Handshake (a ``RemoteVerifier``): an idle one kept from an
         earlier request, else a new one (connections idle for ``KEEP_IDLE_S`` or more are closed)."""
         from client.remote import RemoteVerifier
-        from shared.payload import PayloadSpec
         from shared.target import tokenizer_fingerprint
 
         now = time.monotonic()
@@ -155,7 +154,6 @@ class Edge:
         for old in stale:
             old.shutdown()
         if verifier is not None:
-            verifier.spec = PayloadSpec()  # as on a new connection: the drafter's needs choose it
             return verifier
         return RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
                               connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip

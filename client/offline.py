@@ -28,9 +28,10 @@ import torch
 
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
-from client.verifiers import Verifier
+from client.verifiers import NO_PAYLOAD, Verifier
 from shared.acceptance import SamplingParams, target_probs
 from shared.errors import SplitspecError
+from shared.payload import PayloadSpec
 from shared.target import Verdict
 from shared.tree import DraftTree
 
@@ -97,6 +98,7 @@ class Bridged(Protocol):
     prompt_ids: list[int]
     out: list[int]
     verified: list[bool]  # per token of ``out``
+    spec: PayloadSpec  # the features its calls ask for
     unfeatured: tuple[int, int] | None  # cached tokens whose features a cut mid-stream kept away
 
     def finished(self) -> str: ...
@@ -228,9 +230,9 @@ def _settle(run: Bridged, first_local: int, fresh: bool, keep: bool) -> None:
     if fresh:
         try:
             if run.unfeatured:  # a cut mid-stream kept the features of the last tokens away: fetch them first
-                drafter.absorb([], verifier.fetch(*run.unfeatured))
+                drafter.absorb([], verifier.fetch(*run.unfeatured, run.spec))
                 run.unfeatured = None
-            replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
+            replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats, run.spec)
             run.stats.local_kept += _agreed(local, replaced)
             run.commit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
             return
@@ -243,7 +245,7 @@ def _settle(run: Bridged, first_local: int, fresh: bool, keep: bool) -> None:
         return
     for token in local:
         drafter.absorb([token])
-    replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats)
+    replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats, run.spec)
     run.stats.local_kept += _agreed(local, replaced)
     run.commit(history + replaced, verified[:first_local] + [True] * len(replaced))
 
@@ -285,8 +287,10 @@ def _draw(tree: DraftTree, roots: list[int], sampling: SamplingParams, generator
     return roots[torch.multinomial(probs, 1, generator=generator).item()]
 
 
-def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None) -> list[int]:
-    """Verify the unverified tail ``local`` (already absorbed by ``drafter``); return what replaces it.
+def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None,
+                     spec: PayloadSpec = NO_PAYLOAD) -> list[int]:  # fmt: skip
+    """Verify the unverified tail ``local`` (already absorbed by ``drafter``; ``spec``: the features it needs);
+    return what replaces it.
 
     The result is the longest prefix of ``local`` the target agrees with, then the target's own
     token where it first disagrees (or its token after the last local one, when a chunk ended
@@ -302,7 +306,7 @@ def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max
     i, size = 0, min(FIRST_CHUNK, max(1, max_nodes))  # next local token not yet verified; the next chunk's size
     while i < len(local):
         chunk = local[i : i + size]
-        result = verifier.verify(DraftTree.chain(chunk))
+        result = verifier.verify(DraftTree.chain(chunk), spec=spec)
         if stats is not None:
             stats.reconcile_calls += 1
         accepted, bonus = len(result.accepted), result.new_tokens[-1]

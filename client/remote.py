@@ -18,7 +18,7 @@ import grpc
 from client.endpoint import Endpoint
 from client.failures import LinkDown, ServerFull, rpc_error
 from client.link import PROBE_MAX_BYTES, LinkMonitor
-from client.verifiers import LinkCounters, Verifier
+from client.verifiers import NO_PAYLOAD, LinkCounters, Verifier
 from shared import payload
 from shared.acceptance import SamplingParams
 from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY
@@ -54,11 +54,11 @@ def _say(message: str) -> None:
 class RemoteVerifier(Verifier):
     """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer.
 
-    ``spec`` says which features of newly cached tokens the server sends with each reply; the decode
-    loop sets it from the drafter's needs (and the adaptive policy may change it between rounds).
+    Each call's ``spec`` says which features of newly cached tokens the server sends with its reply.
     Given a ``drafter`` whose needs include mode ``lsa``, the Handshake names its bundle (the server
     compares the weights digest with its own copy and loads the LSA); a server that cannot run it
-    leaves mode lsa unusable, with a warning, unless ``spec`` pins lsa: then that is an error. ``bundle``:
+    leaves mode lsa unusable, with a warning, unless ``spec`` (the payload the caller pins, if any; only the
+    Handshake reads it) pins lsa: then that is an error. ``bundle``:
     the folder whose weights digest is sent (default: the drafter's).
 
     A full server refuses a new session with a retry hint; the opening calls wait for a place for up to
@@ -83,7 +83,6 @@ class RemoteVerifier(Verifier):
     ):
         self.endpoint = address if isinstance(address, Endpoint) else Endpoint(address)
         self.address = address = self.endpoint.address
-        self.spec = spec
         self.rpc_timeout_s = rpc_timeout_s
         self.admission_s = rpc_timeout_s if admission_s is None else admission_s
         self.say = say
@@ -320,11 +319,11 @@ class RemoteVerifier(Verifier):
 
     # --- the Verifier interface ---
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         self._closed()
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
-                                        payload=self.spec.to_msg())  # fmt: skip
-        self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(self.spec))
+                                        payload=spec.to_msg())  # fmt: skip
+        self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(spec))
         self.route = secrets.token_hex(8)
         try:
             reply = self._admitted(lambda: self._call("OpenSession", request))
@@ -332,49 +331,50 @@ class RemoteVerifier(Verifier):
             self._backlog = 0
         self.session_id, self.length = reply.session_id, reply.length
         before = self.counters.payload_bytes
-        features = self._features(reply.payload)
+        features = self._features(reply.payload, spec)
         self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
         return Verdict([], [reply.first_token], reply.compute_s, features, load=reply.load)
 
-    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
-                                   length=self.length, payload=self.spec.to_msg())  # fmt: skip
+                                   length=self.length, payload=spec.to_msg())  # fmt: skip
         reply = self._call("Verify", request, timeout_s=timeout_s)
         self.length = reply.length
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
         verified = reply.verified or len(tree)  # 0: an older server, which verifies every node
-        return Verdict(accepted, new, reply.compute_s, self._features(reply.payload), verified, reply.load)
+        return Verdict(accepted, new, reply.compute_s, self._features(reply.payload, spec), verified, reply.load)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
+               timeout_s: float | None = None, lookup: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
+               ) -> Iterator[Verdict]:  # fmt: skip
         """The server decodes the session by itself and streams each token with the payload of the token it cached
         (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
         made past what was received are rolled back by the next call's ``length``. ``timeout_s`` bounds the whole
         stream (a silent cut is noticed by the heartbeat, which aborts it)."""
         request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
-                                   stop_token_ids=stop_ids, payload=self.spec.to_msg(),
+                                   stop_token_ids=stop_ids, payload=spec.to_msg(),
                                    payload_every=payload_every, lookup=lookup)  # fmt: skip
-        return self._decode(request, payload_every, timeout_s)
+        return self._decode(request, payload_every, timeout_s, spec)
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
-                    payload_every: int = 1, timeout_s: float | None = None,
-                    lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
+                    payload_every: int = 1, timeout_s: float | None = None, lookup: int = 0, *,
+                    spec: PayloadSpec = NO_PAYLOAD) -> Iterator[Verdict]:  # fmt: skip
         request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=_sampling_msg(sampling),
-                                   max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=self.spec.to_msg(),
+                                   max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=spec.to_msg(),
                                    payload_every=payload_every, lookup=lookup)  # fmt: skip
         self._closed()
         self.session_id, self.length, self.route = "", 0, secrets.token_hex(8)
-        return self._decode(request, payload_every, timeout_s, prompt=len(prompt_ids))
+        return self._decode(request, payload_every, timeout_s, spec, prompt=len(prompt_ids))
 
-    def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None,
+    def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None, spec: PayloadSpec,
                 prompt: int = 0) -> Iterator[Verdict]:  # fmt: skip
         """A Decode call's chunks as rounds; ``prompt``: the prompt's length when the call opens the session (its
         features come with the first payload; a full server's refusal is waited out)."""
         c = self.counters
         timeout_s = timeout_s or self.rpc_timeout_s + request.max_new_tokens
-        self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(self.spec))
+        self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(spec))
         call = None
         try:
             call, start, chunks = self._stream("Decode", request, timeout_s, opens=bool(prompt))
@@ -391,10 +391,10 @@ class RemoteVerifier(Verifier):
                 features = None
                 if chunk.HasField("payload"):
                     before = c.payload_bytes
-                    features = self._features(chunk.payload)
+                    features = self._features(chunk.payload, spec)
                     if prompt and features is not None and features.start == 0:  # the prompt's, deferred
                         c.prefill_payload_bytes += c.payload_bytes - before
-                        self._backlog = int(payload_every * self.payload_bytes_per_token(self.spec))
+                        self._backlog = int(payload_every * self.payload_bytes_per_token(spec))
                 yield Verdict([], [chunk.token], chunk.compute_s, features,
                             load=chunk.load if chunk.HasField("load") else None)  # fmt: skip
         except grpc.RpcError as exc:
@@ -409,12 +409,12 @@ class RemoteVerifier(Verifier):
         """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""
         return payload.raw_bytes_per_token(spec, *self.dims) if spec else 0.0
 
-    def _features(self, msg: pb.Payload) -> Features | None:
-        """Decode a reply's payload; fetch it (again) when it is pending or does not decode."""
-        if not self.spec:
+    def _features(self, msg: pb.Payload, spec: PayloadSpec) -> Features | None:
+        """Decode a reply's payload in ``spec``; fetch it (again) when it is pending or does not decode."""
+        if not spec:
             return None
         self.counters.payload_bytes += msg.ByteSize()
-        shapes = payload.expected_shapes(self.spec, msg.count, *self.dims)
+        shapes = payload.expected_shapes(spec, msg.count, *self.dims)
         error: Exception | None = None
         if not msg.pending:
             try:
@@ -424,23 +424,23 @@ class RemoteVerifier(Verifier):
                 self.counters.payload_refetches += 1
         for _ in range(PAYLOAD_RETRIES):
             try:
-                return self.fetch(msg.start, msg.start + msg.count)
+                return self.fetch(msg.start, msg.start + msg.count, spec)
             except CodecError as exc:
                 error = exc
                 self.counters.payload_refetches += 1
         raise SplitspecError(f"server {self.address}: payload for tokens [{msg.start}, {msg.start + msg.count}) "
                              f"does not decode after {PAYLOAD_RETRIES} re-requests: {error}")  # fmt: skip
 
-    def fetch(self, start: int, end: int) -> Features:
-        """FetchPayload: the features of cached tokens [start, end), streamed in chunks (those a cut kept from
-        arriving, or a payload too big to ride inline)."""
-        request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=self.spec.to_msg())
+    def fetch(self, start: int, end: int, spec: PayloadSpec) -> Features:
+        """FetchPayload: the features of cached tokens [start, end) in ``spec``, streamed in chunks (those a cut kept
+        from arriving, or a payload too big to ride inline)."""
+        request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=spec.to_msg())
         self._count(request)
         parts = []
         try:  # not a link sample: the stream's time includes server work it does not report
             for chunk in self._start("FetchPayload", request, self.rpc_timeout_s, stream=True, watched=False):
                 self.counters.payload_bytes += self._count(received=chunk)
-                shapes = payload.expected_shapes(self.spec, chunk.count, *self.dims)
+                shapes = payload.expected_shapes(spec, chunk.count, *self.dims)
                 parts.append(payload.decode(chunk, shapes))
         except grpc.RpcError as exc:
             raise rpc_error(self.address, exc) from None

@@ -20,6 +20,13 @@ from shared.payload import PayloadSpec
 from shared.target import Verdict
 from shared.tree import DraftTree
 
+NO_PAYLOAD = PayloadSpec()  # no features: what a call returns unless its spec asks
+
+
+def first_spec(verifier: Verifier, specs: list[PayloadSpec]) -> PayloadSpec:
+    """The first of ``specs`` (a drafter's ``payload_specs()``) that ``verifier`` can send; none if it can send none."""
+    return next(iter(verifier.usable(specs)), NO_PAYLOAD)
+
 
 @dataclass
 class LinkCounters:
@@ -44,8 +51,8 @@ class LinkCounters:
 
 
 class Verifier(ABC):
-    """Where the decode loop sends drafts. ``spec`` says which features of newly cached tokens come back
-    with each round (``shared.payload``); the loop may change it between rounds."""
+    """Where the decode loop sends drafts. Each call's ``spec`` says which features of newly cached tokens come back
+    with it (``shared.payload``; none by default); the loop may choose another for every call."""
 
     address: str = "in-process"
     endpoint: Endpoint | None = None  # how to reach the server, for connections of one's own (the heartbeat)
@@ -54,14 +61,13 @@ class Verifier(ABC):
     max_context: int
     counters: LinkCounters
     link: LinkMonitor | None = None  # the measured link; None where there is none
-    spec: PayloadSpec = PayloadSpec()
 
     @abstractmethod
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         """Prefill a new session: the round that yields the first token (and the prompt's features)."""
 
     @abstractmethod
-    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         """One round; ``timeout_s`` bounds it (LinkDown past it)."""
 
     @abstractmethod
@@ -70,30 +76,31 @@ class Verifier(ABC):
         end, where it would cost a round trip for nothing; a lost request leaves the session to the server's TTL)."""
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None, lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
+               timeout_s: float | None = None, lookup: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
+               ) -> Iterator[Verdict]:  # fmt: skip
         """Server-side continuation: the target decodes by itself, one round per token, until a stop token or
         ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with the last;
         closing the iterator early ends it; ``lookup``: the server may verify its own prompt-lookup drafts of up to
         this many tokens (``DecodeRequest.lookup``). Here: plain verifications one by one (in process there is no
         round trip to save, and features come with every token); a server streams them (``RemoteVerifier.decode``)."""
         for _ in range(max_new_tokens):
-            result = self.verify(DraftTree(), timeout_s)
+            result = self.verify(DraftTree(), timeout_s, spec=spec)
             yield result
             if result.new_tokens[-1] in stop_ids:
                 return
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
-                    payload_every: int = 1, timeout_s: float | None = None,
-                    lookup: int = 0) -> Iterator[Verdict]:  # fmt: skip
+                    payload_every: int = 1, timeout_s: float | None = None, lookup: int = 0, *,
+                    spec: PayloadSpec = NO_PAYLOAD) -> Iterator[Verdict]:  # fmt: skip
         """``open`` then ``decode``, in one call where there is a server (a round trip less): the first round is the
         open's, the rest as ``decode``'s, ``max_new_tokens`` in all. The prompt's features may come with a later
         round than the first (a server sends them after the first token, so they do not hold it up)."""
-        first = self.open(prompt_ids, sampling)
+        first = self.open(prompt_ids, sampling, spec=spec)
         yield first
         if max_new_tokens > 1 and first.new_tokens[-1] not in stop_ids:
-            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s, lookup)
+            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s, lookup, spec=spec)
 
-    def fetch(self, start: int, end: int) -> Features:
+    def fetch(self, start: int, end: int, spec: PayloadSpec) -> Features:
         """The features of cached tokens [start, end), asked for again (a cut kept a stream's last payload away)."""
         raise SplitspecError(f"{self.address}: features come with every round here; none to fetch")
 
@@ -130,11 +137,11 @@ class Verifier(ABC):
 class LocalVerifier(Verifier):
     """The target in-process: no network, the single-device reference (it counts no server calls).
 
-    Its features are exact (precision is moot) and it runs no drafter's LSA: MoA drafters get mode kv."""
+    Its features are exact (precision is moot) and it runs no drafter's LSA: MoA drafters get mode kv. A session
+    computes the features its opening's ``spec`` asks for, with every later round whatever that round's spec."""
 
-    def __init__(self, target, drafter=None):
+    def __init__(self, target):
         self.target = target
-        self.spec = next(iter(self.usable(drafter.payload_specs())), PayloadSpec()) if drafter else PayloadSpec()
         self.eos_token_ids = target.eos_token_ids
         self.max_tree_nodes = 1 << 30
         self.max_context = target.max_context
@@ -144,13 +151,13 @@ class LocalVerifier(Verifier):
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
         return [s for s in specs if s.mode != "lsa"]
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams) -> Verdict:
-        self.session = self.target.session(sampling, payload.feature_kinds(self.spec))
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
+        self.session = self.target.session(sampling, payload.feature_kinds(spec))
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
         return verdict
 
-    def verify(self, tree: DraftTree, timeout_s: float | None = None) -> Verdict:
+    def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         verdict = self.session.verify(tree)
         self.counters.server_compute_s += verdict.compute_s
         return verdict

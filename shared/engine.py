@@ -21,16 +21,15 @@ from torch import nn
 from shared.layers import (
     Block,
     KVCache,
-    Linear,
     RMSNorm,
     Rotary,
     Span,
     attention_dtype,
     grown,
     kernel_blocks,
-    quantize,
     run_blocks,
 )
+from shared.linear import Linear, quantize
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -269,7 +268,7 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     weight row and per activation row, exact int32 sums (``shared.kernels``; a fp32 model then runs each block
     as four kernel calls, attention included). A different served target, a quarter of fp32's bytes a token,
     and exact relative to itself by construction: no row's result depends on the others in its forward.
-    ``weights="int4"``: the same with the blocks' projections as Q4_1 (``shared.layers.pack_int4``; the LM head
+    ``weights="int4"``: the same with the blocks' projections as Q4_1 (``shared.linear.pack_int4``; the LM head
     stays int8): the built-in target comes back to exactly the 4-bit weights its GGUF ships. ``"lowbit"``: each
     projection int4 where its weight already lies on a Q4_1 grid (a checkpoint dequantised from one: int4 is then
     lossless and the fastest path), else int8.

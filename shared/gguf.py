@@ -283,7 +283,7 @@ def _release() -> None:
 def _head_rows(ckpt: Checkpoint, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head packed ``int8`` (a scale per row) or ``int4`` (pinned int4: a drafter's head, where rounding it
     again costs nothing but drafts), a slice of rows at a time (rows are independent): no fp32 copy of it."""
-    from shared.layers import pack_int4, pack_int8
+    from shared.linear import pack_int4, pack_int8
 
     t = ckpt.tensors[name]
     rows, step = int(t.shape[1]), 8192  # a multiple of every layout's tile
@@ -295,7 +295,7 @@ def _head_rows(ckpt: Checkpoint, name: str, kind: str) -> tuple[torch.Tensor, to
 def _packed(prefix, ckpt, names, parts, heads, four, weights) -> dict[str, torch.Tensor]:
     """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are, else int8 (or int4 when
     pinned) from its exact fp32 values."""
-    from shared.layers import pack_int4, pack_int4_blocks, pack_int8
+    from shared.linear import pack_int4, pack_int4_blocks, pack_int8
 
     if four:
         q, d, m = (torch.cat(t) for t in zip(*(ckpt.blocks(n, heads.get(p)) for n, p in

@@ -117,7 +117,7 @@ def on_q4_grid(path: str | os.PathLike) -> bool:
     if gguf.source_of(path) is not None:
         return gguf.four_bit_share(path) >= 0.5
 
-    from shared.layers import dequantize_int4, pack_int4
+    from shared.linear import dequantize_int4, pack_int4
 
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:

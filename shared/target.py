@@ -25,7 +25,7 @@ import torch
 from shared.acceptance import SamplingParams, accept_tree
 from shared.engine import Part, Transformer
 from shared.features import Features, cache_kv
-from shared.layers import Linear
+from shared.linear import Linear
 from shared.tree import DraftTree, causal_from, tree_mask, tree_positions
 
 INITIAL_CAPACITY = 256  # a session's KV cache starts this long and doubles as needed (up to max_context)

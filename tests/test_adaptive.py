@@ -1,4 +1,5 @@
-"""The adaptive policy's choices follow its cost model: slow links buy bigger trees, costly nodes smaller ones."""
+"""The adaptive policy's choices follow its cost model (``client.sizing``: slow links buy bigger trees, costly nodes
+smaller ones) and its schedule follows what drafting and plain decoding measured (``client.schedule``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import math
 
 import pytest
 
-from client.adaptive import EXPLORE, MIN_REHEARSALS, AdaptivePolicy
+from client.adaptive import AdaptivePolicy
 from client.costs import LineFit
+from client.schedule import MIN_REHEARSALS, PAUSE, PROBE, TRIAL, Phase
+from client.sizing import EXPLORE, Decision
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -32,10 +35,28 @@ def ranked_tree(probabilities: list[float]) -> DraftTree:
 def trained(policy: AdaptivePolicy, verify_base: float, per_node: float) -> AdaptivePolicy:
     """Feed the policy past its exploration rounds with a server whose verify time is base + per_node·n."""
     for n in (1, 8, 16, 4, 12):
-        policy.verify_fit.add(n + 1, verify_base + per_node * (n + 1))
-    policy.rounds = len(EXPLORE)  # exploration done
-    policy.draft_step_s = 0.01
+        policy.sizing.verify_fit.add(n + 1, verify_base + per_node * (n + 1))
+    policy.sizing.rounds = len(EXPLORE)  # exploration done
+    policy.sizing.draft_step_s = 0.01
     return policy
+
+
+def cut(policy: AdaptivePolicy, tree: DraftTree) -> DraftTree:
+    """What the policy sends of ``tree``, told back to it as sent (as the decode loop does, nothing accepted)."""
+    decision = policy.size(tree)
+    policy.sizing.observe(decision, tree.head(decision.nodes), 0, 0.0, 0.0, 0)
+    return tree.head(decision.nodes)
+
+
+def drafted(policy: AdaptivePolicy, tokens: int, seconds: float = 0.074, nodes: int = 16) -> None:
+    """A drafted round of ``nodes`` nodes gaining ``tokens``: 44 ms verifying, 30 ms drafting 3 levels."""
+    policy.rounded(Decision(nodes, tokens, seconds), TREE.head(nodes), tokens - 1, tokens, 0.044, 0.030, 3, seconds,
+                   True)  # fmt: skip
+
+
+def plain(policy: AdaptivePolicy, seconds: float = 0.012) -> None:
+    """A plain round: one token in ``seconds``."""
+    policy.rounded(Decision(0, 1.0, seconds, "pinned"), DraftTree(), 0, 1, seconds, 0.0, 0, seconds, False)
 
 
 TREE = ranked_tree([0.9, 0.8, 0.7, 0.55, 0.45, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002])
@@ -55,7 +76,7 @@ def test_line_fit_recovers_a_line_and_falls_back_to_the_mean():
 def test_a_slow_link_makes_the_policy_send_more_of_the_tree():
     fast = trained(AdaptivePolicy(FakeLink(0.001, 1e8)), verify_base=0.05, per_node=0.004)
     slow = trained(AdaptivePolicy(FakeLink(0.300, 2e5)), verify_base=0.05, per_node=0.004)
-    n_fast, n_slow = len(fast.cut(TREE)), len(slow.cut(TREE))
+    n_fast, n_slow = fast.size(TREE).nodes, slow.size(TREE).nodes
     assert 1 <= n_fast < n_slow
     assert n_slow >= 8
 
@@ -63,24 +84,26 @@ def test_a_slow_link_makes_the_policy_send_more_of_the_tree():
 def test_costlier_nodes_make_the_policy_send_less():
     cheap = trained(AdaptivePolicy(FakeLink(0.02, 1e7)), verify_base=0.05, per_node=0.0005)
     dear = trained(AdaptivePolicy(FakeLink(0.02, 1e7)), verify_base=0.05, per_node=0.02)
-    assert len(dear.cut(TREE)) < len(cheap.cut(TREE))
+    assert dear.size(TREE).nodes < cheap.size(TREE).nodes
 
 
 def test_the_cut_maximises_the_modelled_rate_and_keeps_a_tree():
     policy = trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003)
-    cut = policy.cut(TREE)
-    rate = lambda n: (1 + sum(math.exp(s) for s in TREE.scores[:n])) / policy.round_s(n, 0.0)  # noqa: E731
-    assert rate(len(cut)) == pytest.approx(max(rate(n) for n in range(len(TREE) + 1)))
-    assert cut.tokens == TREE.tokens[: len(cut)] and cut.parents == TREE.parents[: len(cut)]
-    assert policy.depth == min(policy.max_depth, max(policy.min_depth, len(cut) + 1))  # a chain: depth = nodes
+    rate = lambda n: (1 + sum(math.exp(s) for s in TREE.scores[:n])) / policy.sizing.round_s(n, 0.0)  # noqa: E731
+    sent = cut(policy, TREE)
+    assert rate(len(sent)) == pytest.approx(max(rate(n) for n in range(len(TREE) + 1)))
+    assert sent.tokens == TREE.tokens[: len(sent)] and sent.parents == TREE.parents[: len(sent)]
+    sizing = policy.sizing  # the next tree is drafted one level past the deepest node sent (a chain: depth = nodes)
+    assert policy.depth == min(sizing.max_depth, max(sizing.min_depth, len(sent) + 1))
 
 
 def test_exploration_rounds_vary_the_size_then_pins_hold():
     policy = AdaptivePolicy(FakeLink(0.01, 1e7))
-    sizes = [len(policy.cut(TREE)) for _ in EXPLORE]
+    assert policy.size(TREE).nodes == policy.size(TREE).nodes  # a question: asking twice changes nothing
+    sizes = [len(cut(policy, TREE)) for _ in EXPLORE]
     assert sizes == [math.ceil(share * len(TREE)) for share in EXPLORE]
     pinned = AdaptivePolicy(FakeLink(0.01, 1e7), pin_nodes=3, pin_depth=4)
-    assert len(pinned.cut(TREE)) == 3 and pinned.depth == 4
+    assert len(cut(pinned, TREE)) == 3 and pinned.depth == 4
 
 
 def test_calibration_follows_what_was_accepted():
@@ -88,9 +111,9 @@ def test_calibration_follows_what_was_accepted():
     sent = TREE.head(6)
     predicted = sum(math.exp(s) for s in sent.scores)
     for _ in range(30):
-        policy.observe(sent, accepted=1, compute_s=0.1, draft_s=0.05, depth=5)
+        policy.sizing.observe(None, sent, accepted=1, compute_s=0.1, draft_s=0.05, depth=5)
     assert policy.calibration == pytest.approx(1 / predicted, rel=0.05)
-    assert policy.draft_step_s == pytest.approx(0.01)
+    assert policy.sizing.draft_step_s == pytest.approx(0.01)
 
 
 def test_payload_choice_drops_precision_only_when_the_link_is_slow():
@@ -101,9 +124,9 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
         link = FakeLink(0.05, rate)
         return AdaptivePolicy(link, specs=options, raw_bytes_per_token=lambda s: size[s.precision])
 
-    assert policy(5e6).choose_spec(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
-    assert policy(3e4).choose_spec(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget -> the smallest
-    assert AdaptivePolicy(None, pin_spec=options[1]).choose_spec(3.0) is options[1]
+    assert policy(5e6).sizing.round_spec(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
+    assert policy(3e4).sizing.round_spec(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget: the smallest
+    assert AdaptivePolicy(None, pin_spec=options[1]).round_spec() is options[1]
 
 
 def test_streams_and_prompts_get_the_payload_their_link_can_carry():
@@ -113,7 +136,7 @@ def test_streams_and_prompts_get_the_payload_their_link_can_carry():
 
     def policy(rtt_s: float, rate: float) -> AdaptivePolicy:
         policy = AdaptivePolicy(FakeLink(rtt_s, rate), specs=options, raw_bytes_per_token=lambda s: size[s.precision])
-        policy.token_s = 0.0125  # the server's compute per streamed token: the pace payloads must keep
+        policy.sizing.token_s = 0.0125  # the server's compute per streamed token: the pace payloads must keep
         return policy
 
     assert policy(0.03, 2.5e6).stream_spec().precision == "fp16"  # 4G: 1.9 KB a token is 0.8 ms of 12.5 ms
@@ -127,20 +150,19 @@ def test_streams_and_prompts_get_the_payload_their_link_can_carry():
 def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
     """3G's 300 ms round trip: even a depth-3 tree wholly accepted and free gains 4 tokens a round, 13 tok/s, below
     the 80 tok/s stream: auto streams on without a trial. On 4G's 30 ms it may pay: the trial runs."""
-    from client.adaptive import PAUSE
-
     for rtt_s, trial in ((0.3, False), (0.03, True)):
         policy = AdaptivePolicy(FakeLink(rtt_s, 1e6))
-        assert policy.streaming() == PAUSE
-        policy.record(False, PAUSE, PAUSE / 80.0)
-        assert policy.hopeless() is not trial
-        assert (policy.streaming() == 0) is trial
-    policy = AdaptivePolicy(FakeLink(0.03, 1e6), plain_seen=80.0)
-    policy.drafted_gain = 1.4  # a drafter that rarely hits: at best 2.8 tokens a 30 ms round, 93 tok/s ...
-    policy.draft_step_s = 0.003  # ... and drafting 3 levels takes 9 ms: 72 tok/s < 80, no more trials
-    assert policy.hopeless()
-    policy.drafted_gain = 3.0
-    assert not policy.hopeless()
+        assert policy.stretch() == PAUSE
+        policy.streamed(PAUSE, 0.0, PAUSE / 80.0)
+        assert policy.schedule.hopeless() is not trial
+        assert (policy.stretch() == 0) is trial
+    policy = AdaptivePolicy(FakeLink(0.03, 1e6))
+    policy.schedule.plain_seen = 80.0
+    policy.schedule.drafted_gain = 1.4  # a drafter that rarely hits: at best 2.8 tokens a 30 ms round, 93 tok/s ...
+    policy.sizing.draft_step_s = 0.003  # ... and drafting 3 levels takes 9 ms: 72 tok/s < 80, no more trials
+    assert policy.schedule.hopeless()
+    policy.schedule.drafted_gain = 3.0
+    assert not policy.schedule.hopeless()
 
 
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
@@ -148,20 +170,18 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     TRIAL drafted rounds the policy measures PROBE plain rounds (none seen yet), judges, and decodes plain for
     PAUSE rounds, then drafts again (each failed trial lengthens the pause); where drafting pays it only probes.
     A pinned tree size always drafts."""
-    from client.adaptive import PAUSE, PROBE, TRIAL
 
     def run(accepted: int, rounds: int = TRIAL + PROBE + PAUSE + TRIAL + 4 * PAUSE + 1) -> list[bool]:
         policy = trained(AdaptivePolicy(None, mode="draft"), verify_base=0.010, per_node=0.002)  # one token: 12 ms
         choices = []
         for _ in range(rounds):
-            drafting = policy.drafting()
+            drafting = policy.drafts()
+            assert policy.drafts() == drafting  # a question: asking twice changes nothing
             choices.append(drafting)
             if drafting:  # a 16-node tree: 44 ms of verification and 30 ms of drafting
-                policy.observe(TREE, accepted, compute_s=0.044, draft_s=0.030, depth=3)
-                policy.record(True, accepted + 1, 0.074)
+                drafted(policy, accepted + 1)
             else:
-                policy.observe(DraftTree(), 0, compute_s=0.012, draft_s=0.0, depth=0)
-                policy.record(False, 1, 0.012)
+                plain(policy)
         return choices
 
     losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
@@ -176,36 +196,35 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     assert winning[trial:probe] == [False] * PROBE and all(winning[probe:])
     pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
     for _ in range(TRIAL + 2):
-        pinned.record(True, 1, 0.074)
-    assert pinned.drafting()
+        drafted(pinned, 1)
+    assert pinned.drafts()
 
 
 def test_auto_streams_first_then_keeps_whichever_mode_was_faster():
     """Mode auto: a stretch the server decodes, then a drafting trial judged against it; a losing trial earns a
-    longer stretch, a winning one keeps drafting."""
-    from client.adaptive import PAUSE, TRIAL
+    longer stretch, a winning one keeps drafting. The schedule's phase says which."""
 
     def trial(policy, tokens: int) -> None:
         for _ in range(TRIAL):
-            assert policy.streaming() == 0 and policy.drafting()
-            policy.observe(TREE, tokens - 1, compute_s=0.044, draft_s=0.030, depth=3)
-            policy.record(True, tokens, 0.074)
+            assert policy.stretch() == 0 and policy.drafts()
+            drafted(policy, tokens)
 
     losing = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    assert losing.streaming() == PAUSE
-    losing.record(False, PAUSE, PAUSE * 0.012)  # streamed at 83 tok/s
+    assert losing.stretch() == PAUSE and losing.schedule.phase is Phase.PAUSE
+    losing.streamed(PAUSE, 0.0, PAUSE * 0.012)  # streamed at 83 tok/s
+    assert losing.extend() == 0 and losing.schedule.phase is Phase.TRIAL
     trial(losing, 3)  # 40 tok/s
-    assert losing.streaming() == PAUSE
-    losing.record(False, PAUSE, PAUSE * 0.012)
+    assert losing.stretch() == PAUSE
+    losing.streamed(PAUSE, 0.0, PAUSE * 0.012)
     trial(losing, 3)
-    assert losing.streaming() == 4 * PAUSE  # each lost trial lengthens the stretch: x4 when under half the speed
+    assert losing.stretch() == 4 * PAUSE  # each lost trial lengthens the stretch: x4 when under half the speed
     winning = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    assert winning.streaming() == PAUSE
-    winning.record(False, PAUSE, PAUSE * 0.012)
+    assert winning.stretch() == PAUSE
+    winning.streamed(PAUSE, 0.0, PAUSE * 0.012)
     trial(winning, 11)  # 149 tok/s
-    assert all(winning.streaming() == 0 for _ in range(5))
-    assert AdaptivePolicy(None, mode="stream").streaming() > 10**6
-    assert AdaptivePolicy(None, mode="draft").streaming() == 0
+    assert winning.stretch() == 0 and winning.schedule.phase is Phase.TRIAL
+    assert AdaptivePolicy(None, mode="stream").stretch() > 10**6
+    assert AdaptivePolicy(None, mode="draft").stretch() == 0
     with pytest.raises(ValueError, match="mode must be one of auto, draft, stream, got 'fast'"):
         AdaptivePolicy(None, mode="fast")
 
@@ -214,22 +233,19 @@ def test_a_busy_server_is_spared_when_drafting_costs_it_less_per_token():
     """``Load.prefer == "capacity"``: draft instead of streaming when a tree's nodes per token gained cost the server
     less than its decoding would — by its reported costs: on a GPU-like server (a node is nearly free) yes, on a CPU
     whose every token is arithmetic no."""
-    from client.adaptive import PAUSE, TRIAL, Decision
     from shared.wire import splitspec_pb2 as pb
 
     policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    policy.record(False, PAUSE, PAUSE * 0.012)
-    assert policy.streaming() == PAUSE
+    policy.streamed(PAUSE, 0.0, PAUSE * 0.012)
     for _ in range(TRIAL):  # a 16-node tree gaining 3 tokens, slower than streaming: the trial is lost
-        policy.history.append(Decision(16, 3.0, 0.074))
-        policy.record(True, 3, 0.074)
-    assert policy.paused > 0
-    policy.load = pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.00002, prefer="capacity")  # a GPU at batch 16
-    assert policy.spare_server() and policy.streaming() == 0  # drafting despite the lost trial
-    policy.load = pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.002, prefer="capacity")  # a CPU at batch 16
-    assert not policy.spare_server() and policy.streaming() > 0
-    policy.load = pb.Load(sessions=1, step_s=0.010, node_s=0.0001, prefer="latency")
-    assert not policy.spare_server()
+        drafted(policy, 3)
+    assert policy.schedule.phase is Phase.PAUSE and policy.stretch() == PAUSE
+    policy.loaded(pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.00002, prefer="capacity"))  # a GPU at batch 16
+    assert policy.schedule.spare_server() and policy.stretch() == 0  # drafting despite the lost trial
+    policy.loaded(pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.002, prefer="capacity"))  # a CPU at batch 16
+    assert not policy.schedule.spare_server() and policy.stretch() > 0
+    policy.loaded(pb.Load(sessions=1, step_s=0.010, node_s=0.0001, prefer="latency"))
+    assert not policy.schedule.spare_server()
 
 
 def test_a_convex_cost_curve_is_read_as_measured():
@@ -246,22 +262,22 @@ def test_a_convex_cost_curve_is_read_as_measured():
     assert curve(33, 0.0) >= 0.060  # beyond the largest measured: the line, never cheaper than what was seen
     policy = AdaptivePolicy(None)
     for n, s in costs.items():
-        policy.verify_fit.add(n, s)
-    policy.rounds, policy.draft_step_s = len(EXPLORE), 0.0005
-    assert 3 <= len(policy.cut(TREE)) <= 5  # 4 nodes: 2.6 expected tokens for 1.4x a plain step
+        policy.sizing.verify_fit.add(n, s)
+    policy.sizing.rounds, policy.sizing.draft_step_s = len(EXPLORE), 0.0005
+    assert 3 <= policy.size(TREE).nodes <= 5  # 4 nodes: 2.6 expected tokens for 1.4x a plain step
 
 
 def test_rehearsals_predict_drafting_from_trees_never_sent():
     """Trees drafted during a stream and scored against the tokens that came: a drafter whose first two nodes are
     always right beats a 100 tok/s stream on a 5 ms link; one that is never right does not (no trial)."""
     def policy(path: list[int]) -> AdaptivePolicy:
-        p = AdaptivePolicy(FakeLink(0.005, 1e7), plain_seen=100.0)
-        p.token_s = 0.008
+        p = AdaptivePolicy(FakeLink(0.005, 1e7))
+        p.schedule.plain_seen, p.sizing.token_s = 100.0, 0.008
         for _ in range(MIN_REHEARSALS):
             p.rehearsed(DraftTree.chain([1, 2, 3, 4]), path, 0.002)
-        return p
+        return p.schedule
 
-    assert AdaptivePolicy(FakeLink(0.005, 1e7)).rehearsed_rate() is None  # none yet: the old bound rules
+    assert AdaptivePolicy(FakeLink(0.005, 1e7)).schedule.rehearsed_rate() is None  # none yet: the old bound rules
     right = policy([0, 1])
     assert right.rehearsed_rate() == pytest.approx(3 / (0.002 + 0.005 + 0.008 + 28 / 1e7), rel=0.01)
     assert not right.hopeless()
@@ -273,37 +289,36 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
     """``for_run(previous=...)``: a second run of the same pair keeps the first one's costs, calibration and pause,
     so where drafting lost it does not pay for the first run's trials again; one that was still measuring a trial
     judges anew."""
-    from client.adaptive import PAUSE, PROBE, TRIAL
 
     class Local:  # what for_run reads of a verifier
         link = None
         payload_bytes_per_token = None
 
     first = trained(AdaptivePolicy.for_run(Local(), []), verify_base=0.010, per_node=0.002)
-    assert first.mode == "draft"  # in process: drafted or plain rounds, never streams
+    assert first.schedule.mode == "draft"  # in process: drafted or plain rounds, never streams
     for _ in range(TRIAL + PROBE + 3):  # a losing trial, its probe, then 3 rounds into the pause
-        if first.drafting():
-            first.observe(TREE, 2, compute_s=0.044, draft_s=0.030, depth=3)
-            first.record(True, 3, 0.074)
-        else:
-            first.observe(DraftTree(), 0, compute_s=0.012, draft_s=0.0, depth=0)
-            first.record(False, 1, 0.012)
-    assert first.paused == PAUSE - 3 and not first.probing
+        drafted(first, 3) if first.drafts() else plain(first)
+    assert first.schedule.phase is Phase.PAUSE and first.schedule.left == PAUSE - 3
     second = AdaptivePolicy.for_run(Local(), [], previous=first)
-    assert [second.drafting() for _ in range(PAUSE - 3)] == [False] * (PAUSE - 3)  # the pause goes on
-    assert second.drafting()  # then a trial, as the first run would have made
-    assert second.verify_fit(5, 0.0) == first.verify_fit(5, 0.0) and second.plain_seen == first.plain_seen
-    assert second.verify_fit is not first.verify_fit  # learning on in the second does not change the first
+    choices = []
+    for _ in range(PAUSE - 3):
+        choices.append(second.drafts())
+        plain(second)
+    assert choices == [False] * (PAUSE - 3)  # the pause goes on
+    assert second.drafts()  # then a trial, as the first run would have made
+    assert second.sizing.verify_fit(5, 0.0) == first.sizing.verify_fit(5, 0.0)
+    assert second.sizing.verify_fit is not first.sizing.verify_fit  # learning on in the second leaves the first alone
+    assert second.schedule is not first.schedule and first.schedule.left == PAUSE - 3
     fresh = AdaptivePolicy.for_run(Local(), [])
-    assert fresh.drafting() and fresh.plain_seen is None
-    first.paused, first.pause = 300, 384  # losses on chat text: a long pause ...
+    assert fresh.drafts() and fresh.schedule.plain_seen is None
+    first.schedule.left, first.schedule.pause = 300, 384  # losses on chat text: a long pause ...
     third = AdaptivePolicy.for_run(Local(), [], previous=first)
-    assert third.paused == PAUSE and third.pause == 384  # ... a new prompt (code?) is tried within PAUSE tokens
+    assert third.schedule.left == PAUSE and third.schedule.pause == 384  # ... a new prompt is tried within PAUSE
 
 
 def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
-    """The policy owns its state: the decode loop and the offline bridge call its methods (``observe``, ``record``,
-    ``loaded``, ``streamed``...) and assign none of its attributes (they once set ``load`` and ``token_s``)."""
+    """The policy owns its state: the decode loop and the offline bridge call its methods (``rounded``,
+    ``streamed``, ``loaded``...) and assign none of its attributes (they once set ``load`` and ``token_s``)."""
     import ast
     from pathlib import Path
 

@@ -117,8 +117,8 @@ def test_payload_mode_lsa_works_whichever_replica_a_session_opens_on(app, tiny_t
         drafter.bundle = bundles / "moa-tli1"
         spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == "lsa")
         verifier = connect(app, drafter=drafter, spec=spec)
-        gen = generate(verifier, drafter, PROMPT, LSA_NEW, max_tree_nodes=8)
-        assert gen.token_ids == plain[:LSA_NEW] and verifier.spec.mode == "lsa"
+        gen = generate(verifier, drafter, PROMPT, LSA_NEW, max_tree_nodes=8, spec=spec)
+        assert gen.token_ids == plain[:LSA_NEW] and gen.spec.mode == "lsa" and gen.stats.payload_bytes > 0
         verifier.shutdown()
 
 

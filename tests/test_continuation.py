@@ -10,12 +10,13 @@ import grpc
 import pytest
 
 from client import decode
-from client.adaptive import PAUSE, AdaptivePolicy
+from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import Backoff
 from client.remote import RemoteVerifier
+from client.schedule import PAUSE
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from shared.acceptance import SamplingParams
@@ -47,7 +48,7 @@ def moa(tiny_target):
 
 @contextlib.contextmanager
 def remote(address, **kw):
-    verifier = RemoteVerifier(address, spec=PayloadSpec("kv", "fp16"), **kw)
+    verifier = RemoteVerifier(address, **kw)
     try:
         yield verifier
     finally:
@@ -67,8 +68,8 @@ def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, se
     if mode == "stream":
         assert s.streamed_tokens == NEW and s.rounds == 0 and s.streams == 1 and s.server_calls == 2
     else:  # a random drafter's rehearsals during the stream say drafting would not pay: it is never tried
-        assert s.streamed_tokens == NEW and s.rounds == 0 and len(policy.rehearsals) >= 3
-        assert all(path == [] for _, path, _ in policy.rehearsals)
+        assert s.streamed_tokens == NEW and s.rounds == 0 and len(policy.schedule.rehearsals) >= 3
+        assert all(path == [] for _, path, _ in policy.schedule.rehearsals)
 
 
 class Oracle(NoDrafter):
@@ -98,13 +99,12 @@ def test_auto_drafts_once_its_rehearsals_say_drafting_pays(tiny_target, server, 
     """Rehearsals of a drafter that is always right predict more tokens a round than the stream gives: auto tries
     drafting after its first stretch, and both modes make the answer, exactly."""
     with remote(server[0]) as verifier:
-        verifier.spec = PayloadSpec()
         policy = AdaptivePolicy.for_run(verifier, [], mode="auto")
         gen = generate(verifier, Oracle(plain), PROMPT, NEW, stop_ids=[], policy=policy)
     s = gen.stats
     assert gen.token_ids == plain and s.streamed_tokens >= PAUSE and s.rounds >= 1
     assert s.streamed_tokens + round(s.acceptance_length * s.rounds) >= NEW  # (the last round may overshoot)
-    assert all(len(path) == nodes for nodes, path, _ in policy.rehearsals)
+    assert all(len(path) == nodes for nodes, path, _ in policy.schedule.rehearsals)
 
 
 def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_target, server, plain):
@@ -112,7 +112,7 @@ def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_targ
     drafting resumes (it refuses a gap)."""
     with remote(server[0]) as verifier:
         policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="auto")
-        policy.paused = 3
+        policy.schedule.left = 3
         gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy)
     assert gen.token_ids == plain and gen.stats.rounds >= 1
     assert gen.stats.streamed_tokens >= 8  # the first stretch read on to its payload
@@ -145,10 +145,9 @@ def test_a_cut_mid_stream_goes_local_from_the_last_token_and_ends_exactly(tiny_t
     drafter = moa(tiny_target) if kind == "moa" else make_drafter(make_model(tiny_target, "eagle"), width=3, depth=3)
     spec = PayloadSpec("kv" if kind == "moa" else "hidden", "fp16")
     with simulated_link(server[0], "none", netsim=netsim_server) as link, remote(link.address) as verifier:
-        verifier.spec = spec
         cut, fetched = [], []
         fetch = verifier.fetch
-        verifier.fetch = lambda a, b: fetched.append((a, b)) or fetch(a, b)
+        verifier.fetch = lambda a, b, spec: fetched.append((a, b)) or fetch(a, b, spec)
 
         def update(tokens, verified):
             if len(tokens) >= 13 and not cut:  # between two payloads (every 8 tokens)
@@ -158,7 +157,7 @@ def test_a_cut_mid_stream_goes_local_from_the_last_token_and_ends_exactly(tiny_t
 
         policy = AdaptivePolicy.for_run(verifier, [spec], mode="stream")
         gen = generate(verifier, drafter, PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
-                       resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
+                       resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)), spec=spec)  # fmt: skip
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
     assert s.disconnects >= 1 and s.local_tokens >= 1 and s.streams >= 2  # streamed again after the cut
@@ -175,7 +174,7 @@ def test_a_cut_before_the_prompts_features_arrived_waits_for_the_server_and_ends
     monkeypatch.setattr(decode, "PAYLOAD_EVERY", 200)
     with simulated_link(server[0], "none", netsim=netsim_server) as link, remote(link.address) as verifier:
         fetched, fetch, cut = [], verifier.fetch, []
-        verifier.fetch = lambda a, b: fetched.append((a, b)) or fetch(a, b)
+        verifier.fetch = lambda a, b, spec: fetched.append((a, b)) or fetch(a, b, spec)
 
         def update(tokens, verified):
             if len(tokens) == 5 and not cut:

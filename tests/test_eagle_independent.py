@@ -12,7 +12,7 @@ from client.drafters.independent import Independent, IndependentConfig, Independ
 from client.drafters.target_parts import TargetParts
 from client.training.losses import loss as drafter_loss
 from client.training.teacher import pad_batch, run_teacher
-from client.verifiers import LocalVerifier
+from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.tree import DraftTree, causal_mask
 
@@ -89,8 +89,8 @@ def test_state_after_verified_rounds_equals_a_fresh_start(tiny_target, kind):
     greedy = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, 12).token_ids
     model = make_model(tiny_target, kind)
     drafter = make_drafter(model, width=3, depth=3)
-    verifier = LocalVerifier(tiny_target, drafter)
-    opened = verifier.open(PROMPT, SamplingParams())
+    verifier = LocalVerifier(tiny_target)
+    opened = verifier.open(PROMPT, SamplingParams(), spec=first_spec(verifier, drafter.payload_specs()))
     drafter.begin(PROMPT + opened.new_tokens, opened.features)
     tokens = PROMPT + opened.new_tokens
     for _ in range(3):
@@ -116,8 +116,8 @@ def test_a_pruned_vocabulary_drafts_only_its_tokens(tiny_target, kind):
     plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 20)
     vocab = torch.tensor(sorted(set(plain.token_ids)) + [7, 8])  # the right answers among few others
     drafter = make_drafter(make_model(tiny_target, kind, vocab_ids=vocab), width=3, depth=3)
-    verifier = LocalVerifier(tiny_target, drafter)
-    opened = verifier.open(prompt, SamplingParams())
+    verifier = LocalVerifier(tiny_target)
+    opened = verifier.open(prompt, SamplingParams(), spec=first_spec(verifier, drafter.payload_specs()))
     drafter.begin(prompt + opened.new_tokens, opened.features)
     tree = drafter.propose(8)
     assert len(tree) and set(tree.tokens) <= set(vocab.tolist())

@@ -16,7 +16,7 @@ import torch
 from shared import kernels
 from shared.errors import SplitspecError
 from shared.gguf import Checkpoint
-from shared.layers import dequantize_int4, pack_int4_blocks
+from shared.linear import dequantize_int4, pack_int4_blocks
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

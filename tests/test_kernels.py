@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from shared import kernels
-from shared.layers import dequantize_int4, pack_int4, pack_int8
+from shared.linear import dequantize_int4, pack_int4, pack_int8
 from shared.tree import path_to, tree_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")

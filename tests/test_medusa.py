@@ -172,5 +172,5 @@ def test_the_adaptive_policy_runs_medusa_over_the_network(tiny_server, tiny_targ
         got = generate(remote, drafter, prompt, 24, policy=policy)
     finally:
         remote.shutdown()
-    assert got.token_ids == plain and len(policy.history) == got.stats.rounds
-    assert {spec.mode for spec in policy.specs} == {"hidden"} and got.stats.payload_bytes > 0
+    assert got.token_ids == plain and len(policy.sizing.history) == got.stats.rounds
+    assert {spec.mode for spec in policy.sizing.specs} == {"hidden"} and got.stats.payload_bytes > 0

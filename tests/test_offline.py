@@ -10,7 +10,7 @@ from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import local_token, reconcile_verify
-from client.verifiers import LocalVerifier
+from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
 from tests.test_eagle_independent import make_model
 from tests.test_moa import make_moa
@@ -32,8 +32,8 @@ def plain(tiny_target):
 
 
 def start(tiny_target, d):
-    verifier = LocalVerifier(tiny_target, d)
-    opened = verifier.open(PROMPT, SamplingParams())
+    verifier = LocalVerifier(tiny_target)
+    opened = verifier.open(PROMPT, SamplingParams(), spec=first_spec(verifier, d.payload_specs()))
     d.begin(PROMPT + opened.new_tokens, opened.features)
     return verifier, list(opened.new_tokens)
 
@@ -99,7 +99,7 @@ def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(t
     online_rounds(verifier, d, out, 4)
     n = len(out)
     sizes, verify = [], verifier.verify
-    verifier.verify = lambda tree, timeout_s=None: sizes.append(len(tree)) or verify(tree, timeout_s)
+    verifier.verify = lambda tree, timeout_s=None, **kw: sizes.append(len(tree)) or verify(tree, timeout_s, **kw)
     local = plain[n : n + 20]
     for token in local:
         d.absorb([token])

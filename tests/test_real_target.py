@@ -111,7 +111,7 @@ def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
             drafter = make_drafter("moa-tli1", target=real_target)
             spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == mode)
             remote = RemoteVerifier(address, drafter=drafter, spec=spec)
-            gen = generate(remote, drafter, ids, 24, max_tree_nodes=16)
+            gen = generate(remote, drafter, ids, 24, max_tree_nodes=16, spec=spec)
             remote.shutdown()
             assert gen.token_ids == want, mode
             assert gen.stats.server_calls >= gen.stats.rounds + 2  # open + FetchPayload for the prefill + rounds
@@ -216,11 +216,12 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
     finally:
         server.stop(grace=None)
     for name, policy in policies.items():  # the same server costs for both (fp32-like: 60 ms + 5 ms a node): only
-        policy.verify_fit, policy.draft_step_s = CostCurve(), 0.0  # the link each run measured differs
+        sizing = policy.sizing  # the link each run measured differs
+        sizing.verify_fit, sizing.draft_step_s = CostCurve(), 0.0
         for n in range(1, 26):
-            policy.verify_fit.add(n, 0.060 + 0.005 * n)
-        policy.rounds, policy.calibration = 10, 1.0  # past its explorations; the tree's scores as they are
-        sizes[name] = len(policy.cut(probe))
+            sizing.verify_fit.add(n, 0.060 + 0.005 * n)
+        sizing.rounds, sizing.calibration = 10, 1.0  # past its explorations; the tree's scores as they are
+        sizes[name] = policy.size(probe).nodes
     print(sizes)
     assert sizes["test-150ms"] > sizes["loopback"]
 

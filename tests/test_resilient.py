@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from client.adaptive import EXPLORE, AdaptivePolicy
+from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import Backoff
 from client.remote import RemoteVerifier
+from client.sizing import EXPLORE
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from netsim.harness import Flapper
@@ -66,10 +67,10 @@ def cut_on_round(verifier, link, round_no: int, down_s: float, before=None, sile
 def run(tiny_target, tiny_server, netsim_server, policy: str, before=None):
     drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
     with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
-        verifier = RemoteVerifier(link.address, spec=PayloadSpec("kv", "fp16"))
+        verifier = RemoteVerifier(link.address)
         try:
             cut_on_round(verifier, link, 3, 0.5, before and (lambda: before(verifier)))
-            return generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8,
+            return generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=8,
                             resilience=Resilience(policy, Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
         finally:
             verifier.shutdown()
@@ -114,12 +115,12 @@ def test_twenty_generations_cut_at_random_points_all_end_exactly(tiny_target, ti
     rng = random.Random(7)
     drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
     with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
-        verifier = RemoteVerifier(link.address, spec=PayloadSpec("kv", "int8"))
+        verifier = RemoteVerifier(link.address)
         try:
             local = 0
             for i in range(20):
                 cut_on_round(verifier, link, rng.randint(1, 8), rng.uniform(0.05, 0.4))
-                gen = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8,
+                gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "int8"), max_tree_nodes=8,
                                resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)))  # fmt: skip
                 assert gen.token_ids == plain, i  # nothing lost, nothing duplicated, nothing changed
                 assert all(gen.verified) and gen.stats.reconnects == gen.stats.disconnects
@@ -133,11 +134,11 @@ def test_a_flapping_link_neither_hangs_nor_spins(tiny_target, tiny_server, netsi
     """Down 100 ms of every 200 ms for the whole generation: it completes, and reconnection polls stay bounded."""
     drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
     with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
-        verifier = RemoteVerifier(link.address, spec=PayloadSpec("kv", "fp16"))
+        verifier = RemoteVerifier(link.address)
         flapper = Flapper(netsim_server.client, link.name, 0.2, 0.1).start()
         began = time.monotonic()
         try:
-            gen = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=4,
+            gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=4,
                            resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=3)))  # fmt: skip
         finally:
             flapper.stop()
@@ -157,10 +158,10 @@ def test_a_silent_cut_is_detected_within_two_rtts_and_100ms(tiny_target, tiny_se
     rtt_ms = 40
     drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
     with simulated_link(tiny_server[0], Profile("test-40ms", rtt_ms=rtt_ms), netsim=netsim_server) as link:
-        verifier = RemoteVerifier(link.address, spec=PayloadSpec("kv", "fp16"))
+        verifier = RemoteVerifier(link.address)
         try:
             cut_at = cut_on_round(verifier, link, 8, 1.0, silent=True)
-            gen = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=4,
+            gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=4,
                            resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=5)))  # fmt: skip
         finally:
             verifier.shutdown()
@@ -189,10 +190,10 @@ def test_a_server_killed_and_restarted_mid_generation(tiny_target, tiny_model_di
     try:
         drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
         with simulated_link(child.address, "none", netsim=netsim_server) as link:
-            verifier = RemoteVerifier(link.address, spec=PayloadSpec("kv", "fp16"))
+            verifier = RemoteVerifier(link.address)
             try:
                 cut_on_round(verifier, link, 3, 0.0, before=crash)
-                gen = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8,
+                gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=8,
                                resilience=Resilience(backoff=Backoff(base_s=0.05, cap_s=0.5, seed=2),
                                                      max_offline_s=120))  # fmt: skip
             finally:

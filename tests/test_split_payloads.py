@@ -62,10 +62,11 @@ def load(tiny_target, bundles, name: str):
     return drafter
 
 
-def remote(address: str, drafter, mode: str = "kv", precision: str = "fp16") -> RemoteVerifier:
+def remote(address: str, drafter, mode: str = "kv", precision: str = "fp16") -> tuple[RemoteVerifier, PayloadSpec]:
+    """A verifier for ``drafter`` and the payload spec its generations ask for."""
     specs = drafter.payload_specs((precision,))
     spec = next((s for s in specs if s.mode == mode), specs[0])  # EAGLE has one mode: hidden
-    return RemoteVerifier(address, drafter=drafter, spec=spec)
+    return RemoteVerifier(address, drafter=drafter, spec=spec), spec
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +83,9 @@ def test_split_greedy_output_equals_the_target_for_every_mode_and_precision(
     if name == "eagle" and mode == "lsa":
         pytest.skip("EAGLE's payload is its hidden state; lsa is a MoA mode")
     drafter = load(tiny_target, bundles, name)
-    verifier = remote(server[0], drafter, mode, precision)
+    verifier, spec = remote(server[0], drafter, mode, precision)
     try:
-        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -100,9 +101,9 @@ def test_lsa_mode_ships_far_fewer_bytes_than_kv(tiny_target, bundles, server):
     sizes = {}
     for mode in ("kv", "lsa"):
         drafter = load(tiny_target, bundles, "moa-tli0")
-        verifier = remote(server[0], drafter, mode, "fp16")
+        verifier, spec = remote(server[0], drafter, mode, "fp16")
         try:
-            sizes[mode] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8).stats.payload_bytes
+            sizes[mode] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec).stats.payload_bytes
         finally:
             verifier.shutdown()
     # tiny target: kv is L x 2·n_kv·d = 2 x 64 values per token, the memory E = 64 values
@@ -112,7 +113,7 @@ def test_lsa_mode_ships_far_fewer_bytes_than_kv(tiny_target, bundles, server):
 def test_a_prefill_too_big_to_inline_is_streamed_in_chunks(tiny_target, bundles, server, plain):
     """max_inline_payload_bytes is 2 KB here: the prompt's kv (~11 x 2 x 128 fp16 values) must be fetched."""
     drafter = load(tiny_target, bundles, "moa-tli1")
-    verifier = remote(server[0], drafter, "kv", "fp32")
+    verifier, spec = remote(server[0], drafter, "kv", "fp32")
     calls = []
     original = verifier.stub.FetchPayload
 
@@ -123,7 +124,7 @@ def test_a_prefill_too_big_to_inline_is_streamed_in_chunks(tiny_target, bundles,
 
     verifier.stub.FetchPayload = fetch
     try:
-        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -157,7 +158,7 @@ class Tampered:
 
 def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, bundles, server, plain):
     drafter = load(tiny_target, bundles, "moa-tli0")
-    verifier = remote(server[0], drafter, "lsa", "int8")
+    verifier, spec = remote(server[0], drafter, "lsa", "int8")
     hits = []
 
     def change(reply):
@@ -168,7 +169,7 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
 
     verifier.stub.Verify = Tampered(verifier.stub.Verify, change)
     try:
-        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -177,7 +178,7 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
 
 def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundles, server):
     drafter = load(tiny_target, bundles, "moa-tli0")
-    verifier = remote(server[0], drafter, "kv", "fp16")
+    verifier, spec = remote(server[0], drafter, "kv", "fp16")
     original_fetch = verifier.stub.FetchPayload
 
     def change(reply):
@@ -195,7 +196,7 @@ def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundl
     verifier.stub.Verify, verifier.stub.FetchPayload = Tampered(verifier.stub.Verify, change), fetch
     try:
         with pytest.raises(SplitspecError, match=r"does not decode after 2 re-requests.*version 99"):
-            generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+            generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
     finally:
         verifier.shutdown()
 
@@ -276,12 +277,11 @@ def test_the_loop_asks_for_what_the_drafter_declares_and_refuses_what_it_cannot_
     drafter = load(tiny_target, bundles, "moa-tli0")
     verifier = RemoteVerifier(server[0])
     try:
-        assert generate(verifier, drafter, PROMPT, NEW).token_ids == plain
-        assert verifier.spec == PayloadSpec("kv", "fp16")
-        verifier.spec = PayloadSpec("hidden")
+        gen = generate(verifier, drafter, PROMPT, NEW)
+        assert gen.token_ids == plain and gen.spec == PayloadSpec("kv", "fp16")
         calls = verifier.counters.server_calls
         with pytest.raises(SplitspecError, match="cannot use payload mode 'hidden'; it takes kv, lsa"):
-            generate(verifier, load(tiny_target, bundles, "moa-tli0"), PROMPT, NEW)
+            generate(verifier, load(tiny_target, bundles, "moa-tli0"), PROMPT, NEW, spec=PayloadSpec("hidden"))
         assert verifier.counters.server_calls == calls
     finally:
         verifier.shutdown()

@@ -122,7 +122,7 @@ def prepare_drafter(model, target, weights: str = "auto") -> None:
 
 def quantize_drafter(model) -> None:
     """Weight-only int8 for a trained drafter's own layers and draft head, never the target's parts it shares."""
-    from shared.layers import quantize
+    from shared.linear import quantize
 
     for name, child in model.named_children():
         if name != "parts":

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.layers import Linear
+from shared.linear import Linear
 
 
 @dataclass

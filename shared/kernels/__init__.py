@@ -158,7 +158,7 @@ def _timing_key() -> str:
 def time_builds(tags: list[str], repeats: int = 7, clock=time.perf_counter) -> dict[str, float]:
     """Median seconds of one int4 and one int8 projection (K 2048, N 4096) at 1 and 16 rows, per build: what a
     decode step and a tree spend most of their time in. Builds alternate, so drift hits them alike."""
-    from shared.layers import pack_int4, pack_int8
+    from shared.linear import pack_int4, pack_int8
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 2048, generator=gen) * 0.02

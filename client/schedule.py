@@ -1,0 +1,211 @@
+"""Which kind of round comes next: drafted, plain, or the server decoding by itself (``--mode``).
+
+``draft`` drafts every round, falling back to plain verification rounds while drafting loses; ``stream`` has
+the server decode by itself and stream its tokens (server-side continuation: no round trip per token);
+``auto`` (the default) streams instead of stepping plainly — it starts with a stretch of streamed tokens,
+tries drafting after each stretch and keeps whichever was faster, the stretches growing while drafting loses
+(and no trial at all where even a perfect draft could not beat the stream: a long round trip) — except that
+while the server says its compute is scarce (``Load.prefer == "capacity"``) it drafts whenever that costs the
+server less per token than its decoding would, by the costs the server reports.
+
+The schedule is a small state machine (``Phase``), changed only by what it is told (``drafted``, ``plain``,
+``rehearsed``); its questions (``stretch``, ``extend``, ``drafts``) change nothing:
+
+* ``TRIAL`` — drafting; after ``TRIAL`` rounds its measured tokens/s are judged against plain decoding's after
+  every round: a loss starts a ``PAUSE``, a win keeps drafting;
+* ``PAUSE`` — ``left`` plain tokens (plain rounds in mode draft, a stream in mode auto), then a new trial;
+* ``PROBE`` — ``left`` plain tokens to measure plain decoding, which a trial had not seen yet, then the trial is
+  judged.
+
+Each trial that fails again doubles the next pause (quadruples it when drafting ran under half the plain speed),
+up to ``MAX_PAUSE``, and one that pays resets it. The costs it judges by are ``client.sizing``'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from client.costs import GAIN, verify_request_bytes
+from client.sizing import Sizing
+from shared.tree import DraftTree
+
+TRIAL = 2
+PAUSE = 24
+MAX_PAUSE = 384
+# Plain tokens decoded to measure them when a trial ends and none has been seen: a plain round's cost predicted from
+# the verify curve and the RTT misses what the loop pays per token besides (payloads, the drafter catching up).
+PROBE = 2
+# Mode auto rehearses drafting while it streams (``rehearse``): the latest REHEARSALS unsent trees, scored against the
+# tokens that came, predict what drafting would gain; MIN_REHEARSALS of them before the prediction is trusted.
+REHEARSALS = 16
+MIN_REHEARSALS = 3
+LOOKUP = 10  # tokens a stream's server may copy by prompt lookup and verify in one step (``DecodeRequest.lookup``)
+MODES = ("auto", "draft", "stream")
+STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
+
+
+class Phase(Enum):
+    TRIAL = "trial"
+    PAUSE = "pause"
+    PROBE = "probe"
+
+
+@dataclass
+class Schedule:
+    """When to draft, step plainly or stream. ``costs``: the cost model it judges hopelessness and the server's
+    spare compute by; ``pinned``: a pinned tree size (always draft, never judged)."""
+
+    costs: Sizing
+    mode: str = "auto"
+    pinned: bool = False
+    phase: Phase | None = None  # None: the mode's first (auto: a PAUSE, streaming first; else a TRIAL)
+    left: int = 0  # plain tokens still to go in a PAUSE or a PROBE
+    pause: int = PAUSE  # the next pause's length
+    drafted_rate: float | None = None  # tokens/s of whole drafted rounds as the decode loop saw them (running average)
+    plain_seen: float | None = None  # tokens/s of whole plain rounds and streamed stretches, likewise
+    drafted_rounds: int = 0  # drafted rounds since the trial began
+    drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
+    drafted_gain: float | None = None  # tokens gained per drafted round (running average)
+    lookup: int = LOOKUP  # a stream lets the server draft this many tokens itself by prompt lookup (0: plain steps)
+    # trees drafted during streams and never sent (see ``rehearse``): (nodes, the path the streamed tokens took
+    # through it, seconds drafting it took), the latest REHEARSALS
+    rehearsals: deque = field(default_factory=lambda: deque(maxlen=REHEARSALS))
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.phase is None and self.mode == "auto" and not self.pinned:
+            self.phase, self.left = Phase.PAUSE, PAUSE  # an idle server decodes with no round trip per token: stream
+        elif self.phase is None:  # first, then try drafting
+            self.phase = Phase.TRIAL
+
+    # --- the questions ---
+
+    def stretch(self) -> int:
+        """How many tokens the server should decode by itself now (0: a drafted or plain round instead)."""
+        if self.mode == "stream":
+            return STREAM_ALL
+        if self.mode == "draft" or self.pinned or self.phase is Phase.TRIAL or self.spare_server():
+            return 0
+        return self.left
+
+    def extend(self) -> int:
+        """A stretch is over (and told): more tokens to read from the same stream (0: end it and draft)."""
+        return self.stretch() if self.mode != "draft" and not self.pinned else 0
+
+    def drafts(self) -> bool:
+        """Whether this round drafts at all: not during a pause or a probe of mode draft. A pinned tree size always
+        drafts; mode auto never steps plainly (it streams instead)."""
+        return self.pinned or self.mode != "draft" or self.phase is Phase.TRIAL
+
+    def rehearse(self) -> bool:
+        """Should the stream under way draft a tree it will not send, to see what drafting would gain? (Mode auto:
+        the client's own time is spare while the server decodes, and a rehearsal costs the server nothing.)"""
+        return self.mode == "auto" and not self.pinned
+
+    def rehearsed_rate(self) -> float | None:
+        """Tokens/s drafting would reach by the rehearsals: for each tree size n, 1 + the nodes their ranked first n
+        would have had accepted, over a round's predicted time (its drafting, a round trip, the server's verification
+        of n nodes, the transfers); the best n. None until there are MIN_REHEARSALS."""
+        if len(self.rehearsals) < MIN_REHEARSALS:
+            return None
+        costs = self.costs
+        largest = max(1, max(nodes for nodes, _, _ in self.rehearsals))
+        draft_s = statistics.median(seconds for _, _, seconds in self.rehearsals)  # (the first may catch up a prompt)
+        rtt, best = costs.transfer_s(0, 0)[0], 0.0
+        for n in range(1, largest + 1):  # a path's nodes come in rank order: those below n are what head(n) keeps
+            gain = 1 + sum(sum(i < n for i in path) for _, path, _ in self.rehearsals) / len(self.rehearsals)
+            seconds = draft_s + rtt + costs.verify_s(n) + costs.transfer_s(verify_request_bytes(n), 0)[1]
+            best = max(best, gain / seconds)
+        return best
+
+    def hopeless(self) -> bool:
+        """Could drafting not beat streaming? By the rehearsals once there are enough; before, even at its best: a
+        round gains at most the tree's depth and its bonus token (at most twice what drafted rounds gained so far,
+        once some ran) and takes at least a round trip, the measured drafting and a plain step's verification. Then
+        a trial is not worth its price (a long round trip, a drafter that rarely hits)."""
+        costs = self.costs
+        rtt = costs.link.srtt_s if costs.link is not None else None
+        if not rtt or not self.plain_seen:
+            return False
+        if (rate := self.rehearsed_rate()) is not None:
+            return rate < self.plain_seen
+        gain = 1 + costs.depth if self.drafted_gain is None else min(1 + costs.depth, 2 * self.drafted_gain)
+        seconds = rtt + (costs.draft_step_s or 0.0) * costs.depth + costs.verify_fit(1, default=0.0)
+        return gain / seconds < self.plain_seen
+
+    def spare_server(self) -> bool:
+        """Does the server ask for its compute to be spared, and does drafting cost it less per token than decoding
+        (by the costs it reports and this drafter's measured trees)? Untried drafting is given its chance."""
+        load = self.costs.load
+        if load is None or load.prefer != "capacity" or not load.node_s:
+            return False
+        if self.drafted_gain is None:
+            return True
+        decoding = load.step_s + load.node_s
+        drafting = (load.step_s + (self.drafted_nodes + 1) * load.node_s) / self.drafted_gain
+        return drafting < decoding
+
+    # --- being told ---
+
+    def drafted(self, tokens: int, seconds: float, nodes: int, explored: bool) -> None:
+        """A drafted round as the decode loop saw it — drafting, verification, absorbing, emitting, the link —
+        ``nodes`` sent, ``tokens`` gained; ``explored``: its size was an exploration's, not judged as drafting."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        self.drafted_nodes = nodes if self.drafted_nodes is None else (1 - GAIN) * self.drafted_nodes + GAIN * nodes
+        self.drafted_gain = tokens if self.drafted_gain is None else (1 - GAIN) * self.drafted_gain + GAIN * tokens
+        if explored:
+            return
+        rate = tokens / seconds
+        self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
+        self.drafted_rounds += 1
+        if self.drafted_rounds >= TRIAL and self.plain_seen is None:
+            self.phase, self.left = Phase.PROBE, PROBE  # measure plain decoding before judging
+        elif self.drafted_rounds >= TRIAL:
+            self._judge()
+
+    def plain(self, tokens: int, seconds: float) -> None:
+        """Plain decoding: a plain round, or a stretch of a stream — ``tokens`` in ``seconds``; a pause or a probe
+        that it completes ends (a probe's trial is judged, a pause's new trial begins)."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
+        if self.phase is Phase.TRIAL:
+            return
+        self.left = max(0, self.left - tokens)
+        if self.left:
+            return
+        if self.phase is Phase.PROBE:
+            self.phase = Phase.TRIAL
+            self._judge()
+        else:
+            self.phase, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, None, 0
+        if self.phase is Phase.TRIAL and self.mode == "auto" and not self.spare_server() and self.hopeless():
+            # a trial could not pay, and each new stream costs a round trip: stream on, for the longest stretch
+            self.phase, self.left, self.pause = Phase.PAUSE, MAX_PAUSE, MAX_PAUSE
+
+    def rehearsed(self, tree: DraftTree, path: list[int], draft_s: float) -> None:
+        """A rehearsal's outcome: ``path``, the nodes of ``tree`` the streamed tokens went through."""
+        self.rehearsals.append((len(tree), path, draft_s))
+
+    def _judge(self) -> None:
+        """Pause drafting (for longer each time) while its rounds fall short of plain ones: twice as long after a
+        close loss, four times after drafting ran at under half the plain speed (a trial has its price)."""
+        if self.drafted_rate is None or self.drafted_rate >= self.plain_seen:
+            self.pause = PAUSE  # drafting pays: a later loss pauses briefly again
+            return
+        growth = 2 if 2 * self.drafted_rate >= self.plain_seen else 4
+        self.phase, self.left, self.pause = Phase.PAUSE, self.pause, min(MAX_PAUSE, growth * self.pause)
+
+    def resumed(self) -> None:
+        """A new run starts from this schedule (``AdaptivePolicy.for_run``): a trial it was probing is judged anew, and
+        a pause it was in lasts at most ``PAUSE`` more tokens — a new prompt may be another kind of text (code after
+        chat) — however long the last run's losses had made it (a losing trial still lengthens the next one)."""
+        if self.phase is Phase.PROBE:  # its plain rounds were measuring a trial that ended with its run
+            self.phase, self.left, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, 0, None, 0
+        self.left = min(self.left, PAUSE)

@@ -1,0 +1,214 @@
+"""How big a round should be: the tree size, the drafting depth and the payload that maximise expected tokens/s.
+
+A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate`` and gains
+``1 + E[accepted | n]`` tokens. Everything in it is measured as decoding goes:
+
+* ``E[accepted | n]`` — the drafter ranks its EAGLE-2 tree by cumulative log-probability, and the
+  expected number of accepted nodes is the sum of the kept nodes' path probabilities
+  ``Σ exp(score)``; a calibration factor (observed accepted ÷ predicted, averaged) corrects a
+  drafter that is over- or under-confident. The tree comes parents-first in rank order, so
+  keeping its first n nodes is exactly the tree a budget of n would have given.
+* ``verify(n)`` — the server reports its compute time per call; running averages per size, interpolated
+  between sizes and extended by a least-squares line, predict it for any n (``CostCurve``).
+* ``RTT``, rates — the link monitor (``client.link``).
+* ``draft`` — measured per depth step; the drafted depth follows the deepest node actually kept
+  (plus one), so drafting stops paying for levels that never get sent.
+
+The payload spec (mode and precision) is chosen by what it costs to download per round: the most
+faithful option whose transfer takes at most ``PAYLOAD_SHARE`` of the round, else the smallest.
+``lsa`` ships one memory vector per token instead of every layer's KV, so it wins whenever the
+server holds the drafter's bundle; precision only drops below fp16 on very slow links.
+
+``Sizing`` answers (``size``, ``round_spec``, ``stream_spec``, ``prompt_spec``) without changing itself and learns
+only when told what a round cost (``observe``) or what a stretch of a stream cost (``streamed``). Which kind of
+round comes next — drafted, plain, or the server decoding alone — is ``client.schedule``'s question.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from client.costs import GAIN, CostCurve, verify_request_bytes
+from shared.payload import PayloadSpec
+from shared.tree import DraftTree, depths
+
+# Verification cost is learned from the sizes actually sent, so sizes must vary: the first rounds
+# send these shares of the tree, and every EXPLORE_EVERY-th round one of them again.
+EXPLORE = (0.5, 0.25)
+EXPLORE_EVERY = 8
+# The first trees' depth; each round's grows to one past the deepest node that paid. Shallow first: where a
+# draft step costs a good share of a target step (a CPU target on its low-bit kernels), a deep first tree
+# costs more than its tokens are worth, and it grows in a few rounds where depth pays (a slow link).
+START_DEPTH = 3
+PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smaller one is chosen
+UNMEASURED_STEP_S = 0.005  # a server's step before one was measured: a fast one, so a first stream's payloads are small
+STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's time per streamed token
+PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
+
+
+@dataclass
+class Decision:
+    """What ``Sizing.size`` chose for a round: send the tree's first ``nodes`` nodes, expecting ``expected_gain``
+    tokens in ``expected_round_s``. ``kind``: "best" (the modelled optimum), "explore" (a fixed share, to learn the
+    cost curve; not judged as drafting) or "pinned"; ``deepest``: the depth of the deepest node sent."""
+
+    nodes: int
+    expected_gain: float
+    expected_round_s: float
+    kind: str = "best"
+    deepest: int = 0
+
+
+@dataclass
+class Sizing:
+    """The per-round cost model and the sizes it chooses. ``specs``: the payload specs the drafter may use, most
+    faithful first; ``raw_bytes_per_token(spec)`` sizes them. ``pin_nodes``/``pin_depth``/``pin_spec`` fix a
+    choice instead of adapting it."""
+
+    link: object  # client.link.LinkMonitor (or None for a local verifier)
+    max_nodes: int = 64
+    max_depth: int = 8
+    min_depth: int = 2
+    specs: list[PayloadSpec] = field(default_factory=list)
+    raw_bytes_per_token: Callable[[PayloadSpec], float] | None = None
+    pin_nodes: int | None = None
+    pin_depth: int | None = None
+    pin_spec: PayloadSpec | None = None
+    verify_fit: CostCurve = field(default_factory=CostCurve)
+    draft_step_s: float | None = None
+    calibration: float = 1.0
+    depth: int = 0  # the next tree's drafting depth
+    rounds: int = 0  # rounds sized by the model (explorations included): the exploration schedule's clock
+    history: list[Decision] = field(default_factory=list)
+    token_s: float | None = None  # server compute per streamed token (running average)
+    load: object = None  # the server's latest ``Load`` (its costs and what it prefers); None: not told
+
+    def __post_init__(self) -> None:
+        self.depth = self.depth or self.pin_depth or min(self.max_depth, START_DEPTH)
+
+    # --- estimates ---
+
+    def transfer_s(self, up_bytes: float, down_bytes: float) -> tuple[float, float]:
+        """(round trip, transfer) seconds on the link as measured; zero without a link."""
+        if self.link is None:
+            return 0.0, 0.0
+        rtt = self.link.srtt_s or 0.0
+        return rtt, self.link.transfer_s(int(up_bytes), int(down_bytes))
+
+    def round_s(self, nodes: int, down_bytes: float) -> float:
+        verify = self.verify_fit(nodes + 1, default=0.0)
+        draft = (self.draft_step_s or 0.0) * self.depth
+        rtt, transfer = self.transfer_s(verify_request_bytes(nodes), down_bytes)
+        return draft + verify + rtt + transfer
+
+    def verify_s(self, nodes: int) -> float:
+        """A verification of ``nodes`` nodes: as measured (the cost curve), else by the costs the server reports
+        (``Load``), else a streamed token's compute."""
+        if self.verify_fit.n:
+            return self.verify_fit(nodes + 1, default=0.0)
+        load = self.load
+        if load is not None and (load.step_s or load.node_s):
+            return load.step_s + (nodes + 1) * load.node_s
+        return self.token_s or UNMEASURED_STEP_S
+
+    def payload_per_token(self, spec: PayloadSpec) -> float:
+        """Raw payload bytes per token in ``spec`` (0: unsized)."""
+        return self.raw_bytes_per_token(spec) if self.raw_bytes_per_token and spec else 0.0
+
+    # --- the choices (none of them changes what was learnt) ---
+
+    def size(self, tree: DraftTree, spec: PayloadSpec = PayloadSpec()) -> Decision:
+        """How many of ``tree``'s first nodes to send, ``spec`` the payload their features come in: the most expected
+        tokens per second, or an exploration's fixed share, or the pinned size."""
+        if self.pin_nodes is not None or tree.scores is None or not tree.tokens:
+            n = len(tree) if self.pin_nodes is None else min(self.pin_nodes, len(tree))
+            return Decision(n, float("nan"), float("nan"), "pinned")
+        rounds = self.rounds + 1
+        explore = rounds - 1 if rounds <= len(EXPLORE) else None
+        if explore is None and rounds % EXPLORE_EVERY == 0:
+            explore = (rounds // EXPLORE_EVERY) % len(EXPLORE)
+        if explore is not None:
+            n = max(1, math.ceil(EXPLORE[explore] * len(tree)))
+            gain = 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n]))
+            return Decision(n, gain, float("nan"), "explore", max(depths(tree.parents[:n]), default=0))
+        payload = self.payload_per_token(spec)
+        best, best_rate, best_gain, cumulative = 0, 0.0, 1.0, 0.0
+        for n in range(0, len(tree) + 1):
+            if n:
+                cumulative += math.exp(tree.scores[n - 1])
+            gain = 1.0 + self.calibration * cumulative
+            seconds = self.round_s(n, gain * payload)
+            rate = gain / seconds if seconds > 0 else gain
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate, best_gain = n, rate, gain
+        return Decision(best, best_gain, best_gain / best_rate if best_rate else 0.0, "best",
+                        max(depths(tree.parents[:best]), default=0))  # fmt: skip
+
+    def round_spec(self, expected_tokens: float | None = None, budget_s: float | None = None) -> PayloadSpec | None:
+        """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the
+        last round expected), whose download may take ``budget_s`` (default: ``PAYLOAD_SHARE`` of the last round);
+        None: no choice to make."""
+        if self.pin_spec is not None or not self.specs:
+            return self.pin_spec
+        if expected_tokens is None:
+            expected_tokens = 1.0 + (self.history[-1].expected_gain if self.history else 1.0)
+        if not math.isfinite(expected_tokens):
+            expected_tokens = 2.0
+        last = self.history[-1].expected_round_s if self.history else float("nan")
+        budget = PAYLOAD_SHARE * (last if math.isfinite(last) and last > 0 else 0.1) if budget_s is None else budget_s
+        sized = [(spec, expected_tokens * self.raw_bytes_per_token(spec)) for spec in self.specs]
+        for spec, size in sized:
+            if self.transfer_s(0, size)[1] <= budget:
+                return spec
+        return min(sized, key=lambda pair: pair[1])[0]
+
+    def stream_spec(self) -> PayloadSpec | None:
+        """The payload spec for a stream: the most faithful whose bytes take at most ``STREAM_SHARE`` of the
+        downlink at the rate tokens stream (payloads must not throttle the stream); None: no choice to make. On a link
+        whose rate is not measured yet the smallest (a first stream's payload then measures it, ``observe_gap``)."""
+        unmeasured = self.link is not None and self.link.down_rate is None
+        if unmeasured and self.specs and self.pin_spec is None and self.raw_bytes_per_token:
+            return min(self.specs, key=self.raw_bytes_per_token)  # an unmeasured link may be slow: the smallest first
+        step = self.token_s or self.verify_fit(1, default=UNMEASURED_STEP_S)  # the server's pace: a stream's own
+        return self.round_spec(1.0, STREAM_SHARE * step)  # rate may be bound by its payloads
+
+    def prompt_spec(self, prompt_tokens: int) -> PayloadSpec | None:
+        """The payload spec for a prompt's features: the most faithful whose download takes at most a round trip
+        (``PROMPT_SHARE`` s before the link is measured); None: no choice to make."""
+        rtt = self.link.srtt_s if self.link is not None else None
+        return self.round_spec(float(prompt_tokens), max(PROMPT_SHARE, rtt or 0.0))
+
+    # --- learning from what happened ---
+
+    def observe(self, decision: Decision | None, sent: DraftTree, accepted: int, compute_s: float, draft_s: float,
+                depth: int) -> None:  # fmt: skip
+        """A round: ``decision`` (None: a plain round, nothing drafted), the tree ``sent`` as the server verified it,
+        ``accepted`` of its nodes kept, ``compute_s`` of server time, ``draft_s`` drafting ``depth`` levels."""
+        if decision is not None:
+            self.history.append(decision)
+            if decision.kind != "pinned":
+                self.rounds += 1
+            if decision.kind == "best" and self.pin_depth is None:
+                self.depth = max(self.min_depth, min(self.max_depth, decision.deepest + 1))
+        if compute_s > 0:
+            self.verify_fit.add(len(sent) + 1, compute_s)
+        if depth > 0:
+            step = draft_s / depth
+            self.draft_step_s = step if self.draft_step_s is None else (1 - GAIN) * self.draft_step_s + GAIN * step
+        if sent.scores:
+            predicted = sum(math.exp(s) for s in sent.scores)
+            if predicted > 0.05:
+                ratio = min(3.0, max(0.2, accepted / predicted))
+                self.calibration = (1 - GAIN) * self.calibration + GAIN * ratio
+
+    def streamed(self, tokens: int, compute_s: float) -> None:
+        """A stretch of a stream: ``tokens`` decoded by the server in ``compute_s`` of its compute (its pace)."""
+        if tokens > 0 and compute_s > 0:
+            step = compute_s / tokens
+            self.token_s = step if self.token_s is None else (1 - GAIN) * self.token_s + GAIN * step
+
+    def loaded(self, load) -> None:
+        """The server's latest ``Load``, from any reply that carried one (None: this one did not)."""
+        self.load = load or self.load

@@ -1,0 +1,168 @@
+"""The linear layer every model is built of, and its low-bit weights on the CPU kernels.
+
+``Linear`` multiplies rows independently of how many share a call (the engine's exactness rests on it) and can
+hold its weight as int8 (a scale per row) or 4-bit Q4_1 blocks, packed in the layout each kernel build streams
+(``pack_int8``, ``pack_int4``; a GGUF's own 4-bit blocks by ``pack_int4_blocks``). ``quantize`` makes a whole
+model's layers low-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.kernels import ops as kernels_ops
+
+
+def pack_int8(weight: torch.Tensor, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as the CPU kernels take it: int8 with one fp32 scale per row (max |w| / 127), columns
+    padded to 32 with zeros, laid out in the order a kernel build streams it (``layout``; default: the active
+    build's). ``rows4`` (AVX2, portable): tiles of 4 rows whose 32-value steps lie together, as a matrix
+    [out padded to 4, in]; ``cols16`` (AVX-512 VNNI): tiles of 16 rows, each 4 values of a row together and the
+    16 rows side by side, [out / 16, in / 4, 16, 4] (a 32-bit lane is one output)."""
+    from shared import kernels
+
+    layout = layout or kernels.ops().int8_layout()
+    if layout not in ("rows4", "cols16"):
+        raise ValueError(f"unknown int8 layout {layout!r}; expected rows4 or cols16")
+    w = weight.detach().float().cpu()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    tile = 4 if layout == "rows4" else 16
+    rows, cols = -(-w.shape[0] // tile) * tile, -(-w.shape[1] // 32) * 32
+    q = torch.zeros(rows, cols, dtype=torch.int8)
+    q[: w.shape[0], : w.shape[1]] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    if layout == "rows4":
+        q = q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
+    else:
+        q = q.view(rows // 16, 16, cols // 4, 4).transpose(1, 2).contiguous()
+    return q, scale.contiguous()
+
+
+# the column order of a 4-bit tile's scales: the order the kernel's widened int16 sums come in (shared.kernels' gemm_q4)
+_Q4_SLOTS = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
+def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] (out a multiple of 16, in of 32) as 4-bit Q4_1 blocks for the CPU kernels: per row and
+    32-value block, w ≈ d·q + m with q in 0..15, d = (max - min) / 15 and m = min in fp16. A checkpoint
+    dequantised from Q4_1 (the built-in target's GGUF) comes back to exactly its own quants. Returns the quants
+    [out / 16, in / 32, 256] and the scales [out / 16, in / 32, 2, 16] (d, m), tiles of 16 rows laid out as
+    ``cpu.cpp``'s gemm_q4 streams them: a 32-byte group g holds each row's values 2g, 2g + 1 (low nibbles) and
+    2g + 16, 2g + 17 (high nibbles), row after row."""
+    w = weight.detach().float().cpu()
+    n, k = w.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"4-bit weights need rows in multiples of 16 and columns of 32, got {n}x{k}")
+    blocks = w.view(n, k // 32, 32)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d, m = ((high - low) / 15).half(), low.half()
+    q = ((blocks - m.float()[..., None]) / d.float().clamp_min(1e-30)[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return pack_int4_blocks(q.view(n, k), d, m)
+
+
+def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit values q [out, in] (0..15) with each 32-value block's step d and minimum m [out, in / 32] (value =
+    d·q + m; d and m are stored in fp16) in ``pack_int4``'s layout: how a GGUF's own 4-bit blocks are served."""
+    n, k = q.shape
+    if n % 16 or k % 32 or d.shape != (n, k // 32) or m.shape != d.shape:
+        raise ValueError(f"4-bit blocks: values {tuple(q.shape)} (rows in multiples of 16, columns of 32) with "
+                         f"scales and minimums [{n}, {k // 32}]; got {tuple(d.shape)}, {tuple(m.shape)}")  # fmt: skip
+    d, m = d.half(), m.half()
+    pairs = q.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    quants = (pairs[:, :, :8] | (pairs[:, :, 8:] << 4)).reshape(n // 16, k // 32, 256).contiguous()
+    dm = torch.stack([d, m], dim=-1).view(n // 16, 16, k // 32, 2).permute(0, 2, 3, 1)
+    return quants, dm[..., list(_Q4_SLOTS)].contiguous()
+
+
+def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] that ``pack_int4``'s quants and block scales stand for (d·q + m, in fp32)."""
+    tiles, blocks = quants.shape[:2]
+    groups = quants.view(tiles, blocks, 8, 32)
+    pairs = torch.cat([groups & 15, groups >> 4], dim=2).view(tiles, blocks, 16, 16, 2)
+    values = pairs.permute(0, 3, 1, 2, 4).reshape(tiles * 16, blocks, 32).float()
+    order = torch.tensor(_Q4_SLOTS).argsort()
+    d, m = scales[..., order].permute(0, 3, 1, 2).reshape(tiles * 16, blocks, 2).float().unbind(-1)
+    return (values * d[..., None] + m[..., None]).reshape(tiles * 16, blocks * 32)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
+
+    oneDNN's bf16 GEMM gives bit-identical rows for any M >= 2 but takes another path for a single
+    row with K = 1536 (SmolLM2's down projection), whose sums round differently: plain decoding
+    (one token) then drifted from tree verification (many) and greedy outputs parted at near-ties.
+    A single bf16 row is multiplied as two (the second a zero row): no slower, since the weights are
+    streamed once either way. fp32 rows are left alone: MKL's single-row path is a fast GEMV, and
+    its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
+
+    ``quantize`` makes it low-bit on a CPU (``shared.kernels``): ``int8`` weights with one scale per output
+    row (each input row quantised to int8 with its own scale: one exact integer sum a dot product), or
+    ``int4`` (Q4_1 blocks of 32, fp16 scale and minimum each: ``pack_int4``; input rows quantised with a
+    scale per 32-value block, every block's sum exact). A quarter (an eighth) of fp32's bytes to stream,
+    and a row's result is the same whatever rows share the call.
+    """
+
+    qweight: torch.Tensor | None = None  # int8 in its kernel build's layout (pack_int8), or int4 quants (pack_int4)
+    kernel_build: str | None = None  # the kernel build that packed it (``shared.kernels``)
+    qscale: torch.Tensor | None = None  # fp32 [out], or int4 block scales
+
+    def quantize(self, kind: str = "int8", keep_weight: bool = False) -> None:
+        """Make this layer ``int8``, ``int4`` (where the shape allows, else int8) or ``lowbit`` (int4 where the weight
+        already lies on a Q4_1 grid, so nothing changes, else int8); CPU only. ``keep_weight`` keeps the float
+        weight too (a tied embedding uses it)."""
+        from shared import kernels
+
+        if self.weight.device.type != "cpu":
+            raise ValueError(f"low-bit weights are a CPU path; this layer is on {self.weight.device}")
+        if not kernels.available():
+            raise ValueError(f"low-bit weights need splitspec's CPU kernels: {kernels.unavailable_reason()}")
+        fits = self.out_features % 16 == 0 and self.in_features % 32 == 0
+        packed = pack_int4(self.weight) if kind in ("int4", "lowbit") and fits else None
+        if kind == "lowbit" and packed is not None and not torch.equal(dequantize_int4(*packed), self.weight.float()):
+            packed = None  # not on a Q4_1 grid: int4 would change the weights, int8 changes them least
+        self.qweight, self.qscale = packed or pack_int8(self.weight)
+        self.kernel_build = kernels.active()  # the build whose layout it is packed in, and that runs it
+        if not keep_weight:
+            self.weight = None  # the int8 copy is the weight now
+
+    def weights_kind(self) -> str:
+        """``native``, ``int8`` or ``int4``: what this layer computes with."""
+        if self.qweight is None:
+            return "native"
+        return "int4" if self.qweight.dtype == torch.uint8 else "int8"
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        if self.qweight is not None:  # follow device moves; the int8 matrix and its fp32 scales keep their dtypes
+            device = fn(torch.empty(0)).device
+            self.qweight, self.qscale = self.qweight.to(device), self.qscale.to(device)
+        return module
+
+    def int8_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            if x.device.type != "cpu":
+                raise RuntimeError(f"a low-bit layer computes on the CPU; its input is on {x.device}")
+            if x.shape[-1] != self.in_features:  # the kernel sees only the padded width
+                raise ValueError(f"input of width {x.shape[-1]} for a layer of {self.in_features} inputs")
+            out = kernels_ops(self.kernel_build).linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
+            return out.to(x.dtype)
+        single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
+        rows = x.reshape(-1, x.shape[-1])
+        if single:
+            rows = torch.cat([rows, rows.new_zeros(rows.shape)])
+        out = F.linear(rows, self.weight, self.bias)
+        return out[: rows.shape[0] - single].view(*x.shape[:-1], -1)
+
+
+def quantize(module: nn.Module, kind: str = "int8", skip: tuple[nn.Module, ...] = ()) -> int:
+    """Make every :class:`Linear` under ``module`` (but those in ``skip``) ``int8`` or ``int4``; how many."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m.qweight is None and not any(m is s for s in skip):
+            m.quantize(kind)
+            count += 1
+    return count
