@@ -9,7 +9,7 @@ import sys
 
 from client.options import add_connection_arguments, add_mode_argument
 from client.private import Renderer, mask
-from client.stream import Terminal, TextDeltas, note
+from client.text import Terminal, TextDeltas, note
 from shared.acceptance import ACCEPTANCE, TYPICAL_DELTA, TYPICAL_EPSILON
 from shared.models import DEFAULT_MODEL, DTYPES
 
@@ -118,10 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
-class TextStream:
+class TextPrinter:
     """Prints text as tokens arrive (each call: the tokens after the last call's, all final), on ``out`` through a
-    ``client.stream.Terminal``; ``renderer`` (``client.private.Renderer``) names the private texts to put back in
-    place of their placeholders. ``SettledStream`` and the demo show a whole generation on its terminal."""
+    ``client.text.Terminal``; ``renderer`` (``client.private.Renderer``) names the private texts to put back in
+    place of their placeholders. ``SettledPrinter`` and the demo show a whole generation on its terminal."""
 
     def __init__(self, tokenizer, out=None, renderer: Renderer | None = None):
         self.tokenizer, self.out = tokenizer, out or sys.stdout
@@ -134,8 +134,8 @@ class TextStream:
         self.terminal(self.deltas.update(ids, [True] * len(ids)))
 
 
-class SettledStream:
-    """Shows a generation as ``on_update`` reports it (``client.stream.TextDeltas``), on ``text``'s terminal.
+class SettledPrinter:
+    """Shows a generation as ``on_update`` reports it (``client.text.TextDeltas``), on ``text``'s terminal.
 
     Verified tokens are final, and so are local ones under ``keep``; under ``verify`` a local token may still be
     replaced when the server is back: on a terminal it is shown dim meanwhile and rewritten in place (through a
@@ -143,7 +143,7 @@ class SettledStream:
     then, with a note.
     """
 
-    def __init__(self, text: TextStream, final_local: bool, status=None):
+    def __init__(self, text: TextPrinter, final_local: bool, status=None):
         self.terminal, self.status = text.terminal, status or sys.stderr
         self.deltas = TextDeltas(text.tokenizer, final_local=final_local, secrets=text.secrets)
 
@@ -275,7 +275,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     on_reconnect = args.on_reconnect or "verify"
     stream = None
     if not args.json:
-        stream = SettledStream(TextStream(tokenizer, renderer=secrets.renderer()), final_local=on_reconnect == "keep")
+        stream = SettledPrinter(TextPrinter(tokenizer, renderer=secrets.renderer()), final_local=on_reconnect == "keep")
     if args.baseline == "api":
         gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_update=stream)
         drafter_name = "api"

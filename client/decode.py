@@ -237,7 +237,7 @@ class Run:
                 call = time.perf_counter()
                 try:
                     if policy is not None and (stretch := policy.stretch()):
-                        self.stream(stretch, start if not self.out else None)
+                        self.continuation(stretch, start if not self.out else None)
                     else:
                         self.round()
                 except (LinkDown, SessionLost) as exc:
@@ -314,9 +314,10 @@ class Run:
         if self.heartbeat and self.heartbeat.dead.is_set():
             raise LinkDown(f"server {self.verifier.address}: {self.heartbeat.reason}")
 
-    def stream(self, stretch: int, opening: float | None = None) -> None:
-        """``stretch`` tokens decoded by the server alone, absorbed and emitted as they arrive. The server is asked for
-        all the generation has left, so that the policy may extend the stretch without a new call (``extend``);
+    def continuation(self, stretch: int, opening: float | None = None) -> None:
+        """Server-side continuation: a stretch of ``stretch`` tokens decoded by the server alone (a Decode stream),
+        absorbed and emitted as they arrive. The server is asked for all the generation has left, so that the policy
+        may extend the stretch without a new call (``extend``);
         the stream is cancelled when the stretch ends, or once the generation is finished (a stop string).
         ``opening``: the session is opened by this stream (the time the generation began)."""
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
@@ -458,7 +459,7 @@ def api_generate(
     start = time.perf_counter()
     out: list[int] = []
     reason = "length"
-    for tokens in remote.stream(list(prompt_ids), sampling, max_new_tokens, stop):
+    for tokens in remote.api_tokens(list(prompt_ids), sampling, max_new_tokens, stop):
         if not out:
             stats.ttft_s = time.perf_counter() - start
         out += tokens

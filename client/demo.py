@@ -51,7 +51,7 @@ def say(message: str) -> None:
 
 
 class Show:
-    """Shows a generation on ``text`` (a ``client.cli.TextStream``: its ``client.stream`` deltas and terminal): the
+    """Shows a generation on ``text`` (a ``client.cli.TextPrinter``: its ``client.text`` deltas and terminal): the
     settled text, the local tail dim while the link is cut (on a terminal), the link's events narrated. Cuts the link
     (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later. Measures the longest wait for more
     settled text (``longest_stall``) and for any new text on the screen, provisional text included (``longest_wait``;
@@ -178,7 +178,7 @@ def figures(gen, show: Show) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from client.adaptive import AdaptivePolicy
-    from client.cli import TextStream
+    from client.cli import TextPrinter
     from client.decode import Resilience, generate
     from client.drafters import make_drafter, needs_target
     from client.remote import RemoteVerifier
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         remote = RemoteVerifier(link.address, fingerprint=tokenizer_fingerprint(tokenizer), drafter=drafter)
         try:
             warm_up(remote, drafter, prompt_ids)
-            show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
+            show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
                         remote.eos_token_ids)  # fmt: skip
             policy = narrated(AdaptivePolicy).for_run(remote, drafter.payload_specs())
             resilience = Resilience(keep_after_s=args.keep_after, local_cap=args.local_cap)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_baseline:
                 say(f"the same prompt through the streaming API baseline, over the same {args.network} link, "
                     "cut the same way")  # fmt: skip
-                show = Show(TextStream(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
+                show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
                         remote.eos_token_ids)  # fmt: skip
                 runs["streaming API"] = api_resuming(remote, prompt_ids, args.max_new_tokens, show)
                 print(flush=True)

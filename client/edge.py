@@ -15,7 +15,7 @@ the content streamed so far that may still change, whole: it replaces the previo
 a chunk without it leaves it as it was. Such chunks may have no content of their own (an empty
 ``delta``, or ``text: ""``), and ``"events"`` there narrates the link ("no answer from the server:
 generating locally", "server back: ..."). The content itself is the same as a plain client's, which
-never sees either (``client.stream.TextDeltas`` makes both); the usage chunk's ``splitspec`` holds the
+never sees either (``client.text.TextDeltas`` makes both); the usage chunk's ``splitspec`` holds the
 figures, as always. With the ``openai`` client: ``extra_body={"splitspec": {"provisional": True}}``, and
 ``chunk.model_extra.get("splitspec")``.
 
@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Callable
 
 from client.openai_request import Ask, RequestError, completion_exceeded, context_exceeded, parse
-from client.stream import Delta, TextDeltas
+from client.text import Delta, TextDeltas
 from shared.models import DEFAULT_MODEL, DTYPES
 
 MAX_BODY_BYTES = 4 << 20
@@ -416,7 +416,7 @@ def server_serving(edge: Edge) -> bool:
 
 class Job:
     """One generation on a worker thread of its own, its text handed to the event loop as ``Delta``s
-    (``client.stream``) with ``call_soon_threadsafe``: a request waiting for text holds no thread (a thread of the
+    (``client.text``) with ``call_soon_threadsafe``: a request waiting for text holds no thread (a thread of the
     loop's executor per stream starved every other request, /health included, once streams outnumbered them)."""
 
     def __init__(self, edge: Edge, ask: Ask):

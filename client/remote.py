@@ -469,8 +469,8 @@ class RemoteVerifier(Verifier):
                 self._closing.result()
             self._closing = None
 
-    def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int]):
-        """The server's plain streaming decode (the API baseline): yields lists of tokens."""
+    def api_tokens(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int]):
+        """The Generate call: the server's plain streaming decode (the API baseline); yields lists of tokens."""
         request = pb.GenerateRequest(
             prompt_ids=prompt_ids,
             sampling=_sampling_msg(sampling),

@@ -14,7 +14,7 @@ The schedule is a small state machine (``Phase``), changed only by what it is to
 * ``TRIAL`` — drafting; after ``TRIAL`` rounds its measured tokens/s are judged against plain decoding's after
   every round: a loss starts a ``PAUSE``, a win keeps drafting;
 * ``PAUSE`` — ``left`` plain tokens (plain rounds in mode draft, a stream in mode auto), then a new trial;
-* ``PROBE`` — ``left`` plain tokens to measure plain decoding, which a trial had not seen yet, then the trial is
+* ``MEASURE`` — ``left`` plain tokens to measure plain decoding, which a trial had not seen yet, then the trial is
   judged.
 
 Each trial that fails again doubles the next pause (quadruples it when drafting ran under half the plain speed),
@@ -37,7 +37,7 @@ PAUSE = 24
 MAX_PAUSE = 384
 # Plain tokens decoded to measure them when a trial ends and none has been seen: a plain round's cost predicted from
 # the verify curve and the RTT misses what the loop pays per token besides (payloads, the drafter catching up).
-PROBE = 2
+MEASURE = 2
 # Mode auto rehearses drafting while it streams (``rehearse``): the latest REHEARSALS unsent trees, scored against the
 # tokens that came, predict what drafting would gain; MIN_REHEARSALS of them before the prediction is trusted.
 REHEARSALS = 16
@@ -50,7 +50,7 @@ STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
 class Phase(Enum):
     TRIAL = "trial"
     PAUSE = "pause"
-    PROBE = "probe"
+    MEASURE = "measure"
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Schedule:
     mode: str = "auto"
     pinned: bool = False
     phase: Phase | None = None  # None: the mode's first (auto: a PAUSE, streaming first; else a TRIAL)
-    left: int = 0  # plain tokens still to go in a PAUSE or a PROBE
+    left: int = 0  # plain tokens still to go in a PAUSE or a MEASURE
     pause: int = PAUSE  # the next pause's length
     drafted_rate: float | None = None  # tokens/s of whole drafted rounds as the decode loop saw them (running average)
     plain_seen: float | None = None  # tokens/s of whole plain rounds and streamed stretches, likewise
@@ -97,8 +97,8 @@ class Schedule:
         return self.stretch() if self.mode != "draft" and not self.pinned else 0
 
     def drafts(self) -> bool:
-        """Whether this round drafts at all: not during a pause or a probe of mode draft. A pinned tree size always
-        drafts; mode auto never steps plainly (it streams instead)."""
+        """Whether this round drafts at all: not during a pause or a measurement in mode draft. A pinned tree size
+        always drafts; mode auto never steps plainly (it streams instead)."""
         return self.pinned or self.mode != "draft" or self.phase is Phase.TRIAL
 
     def rehearse(self) -> bool:
@@ -164,13 +164,13 @@ class Schedule:
         self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
         self.drafted_rounds += 1
         if self.drafted_rounds >= TRIAL and self.plain_seen is None:
-            self.phase, self.left = Phase.PROBE, PROBE  # measure plain decoding before judging
+            self.phase, self.left = Phase.MEASURE, MEASURE  # measure plain decoding before judging
         elif self.drafted_rounds >= TRIAL:
             self._judge()
 
     def plain(self, tokens: int, seconds: float) -> None:
-        """Plain decoding: a plain round, or a stretch of a stream — ``tokens`` in ``seconds``; a pause or a probe
-        that it completes ends (a probe's trial is judged, a pause's new trial begins)."""
+        """Plain decoding: a plain round, or a stretch of a stream — ``tokens`` in ``seconds``; a pause or a measurement
+        that it completes ends (a measurement's trial is judged, a pause's new trial begins)."""
         if seconds <= 0 or tokens <= 0:
             return
         rate = tokens / seconds
@@ -180,7 +180,7 @@ class Schedule:
         self.left = max(0, self.left - tokens)
         if self.left:
             return
-        if self.phase is Phase.PROBE:
+        if self.phase is Phase.MEASURE:
             self.phase = Phase.TRIAL
             self._judge()
         else:
@@ -206,6 +206,6 @@ class Schedule:
         """A new run starts from this schedule (``AdaptivePolicy.for_run``): a trial it was probing is judged anew, and
         a pause it was in lasts at most ``PAUSE`` more tokens — a new prompt may be another kind of text (code after
         chat) — however long the last run's losses had made it (a losing trial still lengthens the next one)."""
-        if self.phase is Phase.PROBE:  # its plain rounds were measuring a trial that ended with its run
+        if self.phase is Phase.MEASURE:  # its plain rounds were measuring a trial that ended with its run
             self.phase, self.left, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, 0, None, 0
         self.left = min(self.left, PAUSE)

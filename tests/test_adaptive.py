@@ -9,7 +9,7 @@ import pytest
 
 from client.adaptive import AdaptivePolicy
 from client.costs import LineFit
-from client.schedule import MIN_REHEARSALS, PAUSE, PROBE, TRIAL, Phase
+from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase
 from client.sizing import EXPLORE, Decision
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
@@ -167,11 +167,11 @@ def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
 
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     """Local verification (no link) on a machine where a drafted round costs more than the tokens it gains: after
-    TRIAL drafted rounds the policy measures PROBE plain rounds (none seen yet), judges, and decodes plain for
-    PAUSE rounds, then drafts again (each failed trial lengthens the pause); where drafting pays it only probes.
+    TRIAL drafted rounds the policy measures MEASURE plain rounds (none seen yet), judges, and decodes plain for
+    PAUSE rounds, then drafts again (each failed trial lengthens the pause); where drafting pays it only measures.
     A pinned tree size always drafts."""
 
-    def run(accepted: int, rounds: int = TRIAL + PROBE + PAUSE + TRIAL + 4 * PAUSE + 1) -> list[bool]:
+    def run(accepted: int, rounds: int = TRIAL + MEASURE + PAUSE + TRIAL + 4 * PAUSE + 1) -> list[bool]:
         policy = trained(AdaptivePolicy(None, mode="draft"), verify_base=0.010, per_node=0.002)  # one token: 12 ms
         choices = []
         for _ in range(rounds):
@@ -185,15 +185,15 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
         return choices
 
     losing = run(accepted=2)  # 3 tokens in 74 ms < 1 token in 12 ms
-    trial, probe = TRIAL, TRIAL + PROBE
-    assert losing[:trial] == [True] * TRIAL and losing[trial:probe] == [False] * PROBE
-    # judged against the measured plain rounds as the probe ends: it loses, and the pause follows at once
-    assert losing[probe : probe + PAUSE] == [False] * PAUSE
-    again = probe + PAUSE
+    trial, measured = TRIAL, TRIAL + MEASURE
+    assert losing[:trial] == [True] * TRIAL and losing[trial:measured] == [False] * MEASURE
+    # judged against the measured plain rounds as the measurement ends: it loses, and the pause follows at once
+    assert losing[measured : measured + PAUSE] == [False] * PAUSE
+    again = measured + PAUSE
     assert losing[again : again + TRIAL] == [True] * TRIAL  # tried again; a second loss pauses longer: at under
     assert losing[again + TRIAL : again + TRIAL + 4 * PAUSE] == [False] * (4 * PAUSE)  # half the speed, 4x
-    winning = run(accepted=10)  # 11 tokens in 74 ms beat 12 ms a token: only the probe's rounds are plain
-    assert winning[trial:probe] == [False] * PROBE and all(winning[probe:])
+    winning = run(accepted=10)  # 11 tokens in 74 ms beat 12 ms a token: only the measurement's rounds are plain
+    assert winning[trial:measured] == [False] * MEASURE and all(winning[measured:])
     pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
     for _ in range(TRIAL + 2):
         drafted(pinned, 1)
@@ -296,7 +296,7 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
 
     first = trained(AdaptivePolicy.for_run(Local(), []), verify_base=0.010, per_node=0.002)
     assert first.schedule.mode == "draft"  # in process: drafted or plain rounds, never streams
-    for _ in range(TRIAL + PROBE + 3):  # a losing trial, its probe, then 3 rounds into the pause
+    for _ in range(TRIAL + MEASURE + 3):  # a losing trial, its measurement, then 3 rounds into the pause
         drafted(first, 3) if first.drafts() else plain(first)
     assert first.schedule.phase is Phase.PAUSE and first.schedule.left == PAUSE - 3
     second = AdaptivePolicy.for_run(Local(), [], previous=first)

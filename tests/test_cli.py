@@ -116,7 +116,7 @@ def test_on_reconnect_json_marks_every_token_verified_on_a_healthy_link(tiny_mod
 
 
 class Words:
-    """A tokenizer stand-in for TextStream: token i is the word "t<i> "."""
+    """A tokenizer stand-in for TextPrinter: token i is the word "t<i> "."""
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(f"t{i} " for i in ids)
@@ -125,10 +125,10 @@ class Words:
 def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
     import io
 
-    from client.cli import SettledStream, TextStream
+    from client.cli import SettledPrinter, TextPrinter
 
     out = io.StringIO()
-    stream = SettledStream(TextStream(Words(), out), final_local=False, status=io.StringIO())
+    stream = SettledPrinter(TextPrinter(Words(), out), final_local=False, status=io.StringIO())
     stream([1, 2], [True, True])
     stream([1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 may still be replaced
     assert out.getvalue() == "t1 t2 "
@@ -138,7 +138,7 @@ def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
     assert out.getvalue() == "t1 t2 t3 t5 t6 "
 
     out = io.StringIO()
-    keep = SettledStream(TextStream(Words(), out), final_local=True, status=io.StringIO())
+    keep = SettledPrinter(TextPrinter(Words(), out), final_local=True, status=io.StringIO())
     keep([1, 2, 3], [True, True, False])  # under keep a local token is final at once
     assert out.getvalue() == "t1 t2 t3 "
 
@@ -146,15 +146,15 @@ def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
 def test_settled_stream_shows_local_tokens_dim_on_a_terminal_and_rewrites_them():
     import io
 
-    from client.cli import SettledStream, TextStream
-    from client.stream import DIM, PLAIN, RESTORE_CLEAR, SAVE
+    from client.cli import SettledPrinter, TextPrinter
+    from client.text import DIM, PLAIN, RESTORE_CLEAR, SAVE
 
     class Screen(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     out, status = Screen(), io.StringIO()
-    stream = SettledStream(TextStream(Words(), out), final_local=False, status=status)
+    stream = SettledPrinter(TextPrinter(Words(), out), final_local=False, status=status)
     stream([1, 2], [True, True])
     stream([1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 are shown, dim, after a saved cursor
     assert out.getvalue().startswith("t1 t2 ") and out.getvalue().endswith(SAVE + DIM + "t3 t4 " + PLAIN)

@@ -122,7 +122,7 @@ def test_a_stream_never_shows_half_a_placeholder_nor_a_placeholder_for_a_secret(
 
 
 class Pieces:
-    """A tokenizer stand-in for TextStream: token i decodes to PIECES[i]."""
+    """A tokenizer stand-in for TextPrinter: token i decodes to PIECES[i]."""
 
     PIECES = ["Dear ", "[PRIV", "ATE_", "1", "]", ", hi", "[PRIVATE_2", "]", "."]
 
@@ -131,11 +131,11 @@ class Pieces:
 
 
 def test_the_cli_stream_renders_placeholders_split_across_tokens():
-    from client.cli import SettledStream, TextStream
+    from client.cli import SettledPrinter, TextPrinter
 
     _, secrets = mask("<private>Ann</private> <private>Bo</private>")
     out = io.StringIO()
-    stream = SettledStream(TextStream(Pieces(), out, secrets.renderer()), final_local=False, status=io.StringIO())
+    stream = SettledPrinter(TextPrinter(Pieces(), out, secrets.renderer()), final_local=False, status=io.StringIO())
     tokens = list(range(len(Pieces.PIECES)))
     for n in range(1, len(tokens) + 1):
         stream(tokens[:n], [True] * n)

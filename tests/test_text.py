@@ -1,4 +1,4 @@
-"""client.stream: from (tokens, verified) snapshots to settled text, provisional text and link events."""
+"""client.text: from (tokens, verified) snapshots to settled text, provisional text and link events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from client.private import mask
-from client.stream import DIM, PLAIN, RESTORE_CLEAR, SAVE, Delta, Terminal, TextDeltas, column, fit
+from client.text import DIM, PLAIN, RESTORE_CLEAR, SAVE, Delta, Terminal, TextDeltas, column, fit
 
 TEXT = "Café 3 € 日本語 🙂 naïve façade, the cat sat on the mat"
 
