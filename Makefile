@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-train fuzz clean
+.PHONY: setup demo demo-pair test lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -108,7 +108,7 @@ bench-typical: setup
 	for t in 0.7 1.0; do $(PY) -m bench.single --drafters eagle,medusa,moa-tli1 --temperature $$t --acceptance exact,typical \
 		--limit 3 --max-new-tokens 64 --out bench/results/typical-T$$t || exit 1; done
 
-# Self-distilled data against ShareGPT's answers at an equal budget (issue 24): trains medusa+eagle twice, then τ.
+# Self-distilled data against ShareGPT's answers at an equal budget: trains medusa+eagle twice, then τ.
 bench-self-distill: setup
 	$(PY) -m bench.self_distill
 
@@ -135,14 +135,19 @@ clean:
 bench-netsim: setup
 	$(PY) -m bench.netsim
 
-# Many clients against one server (issue 14): batched vs serial vs the API, 1..32 clients replaying recorded trees.
+# Many clients against one server: batched vs serial vs the API, 1..32 clients replaying recorded trees.
 bench-serve: setup
 	$(PY) -m bench.serve
 
-# Past one server (issue 26): `serve --ray` with 1 and 2 replicas beside one `splitspec serve` at 1-16 clients, the
+# Past one server: `serve --ray` with 1 and 2 replicas beside one `splitspec serve` at 1-16 clients, the
 # router's cost per call, and 17 replica kills mid-generation (every output checked). Needs Ray (in the dev extras).
 bench-scale: setup
 	$(PY) -m bench.scale
+
+# 100 replica kills mid-generation on `serve --ray --replicas 2`, 4 decode-loop clients a round: every client must
+# return, every output equal its recording (~15-30 min on 2 cores).
+bench-kills: setup
+	$(PY) -m bench.scale --clients 1 --replicas 2 --no-serve --kills 100 --out bench/results/scale-kills
 
 # Training throughput: target tokens/s of a training step per drafter and all five together, and the data side.
 bench-train: setup

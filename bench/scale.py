@@ -1,4 +1,4 @@
-"""Past one server (issue 26): `serve --ray` with 1 and 2 replicas beside one `splitspec serve`, and replicas killed.
+"""Past one server: `serve --ray` with 1 and 2 replicas beside one `splitspec serve`, and replicas killed.
 
 The clients replay draft trees recorded from a real drafter (as ``bench.serve``: 16 drafters would
 otherwise fight the servers for this machine's cores), each sending its session's route key as the

@@ -1,4 +1,4 @@
-"""Self-distilled data against ShareGPT's answers, at an equal training budget (issue 24, item 3).
+"""Self-distilled data against ShareGPT's answers, at an equal training budget.
 
 The same drafters (default ``medusa,eagle``, trained together: one teacher forward per batch) are trained
 twice from scratch with the same budget of ``--tokens`` target tokens, seed, schedule and draft vocabulary:

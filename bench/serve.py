@@ -1,4 +1,4 @@
-"""Serving many clients (issue 14): N concurrent clients against one `splitspec serve`, batched vs serial vs API.
+"""Serving many clients: N concurrent clients against one `splitspec serve`, batched vs serial vs API.
 
 So that 32 drafters do not fight the server for the machine's cores, the clients *replay* draft trees
 recorded from a real drafter: ``--drafter`` (default eagle) drafts on ``--prompts`` MT-Bench (or ``--dataset
@@ -137,9 +137,9 @@ def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) ->
         trees = []
         verify = verifier.verify
 
-        def recorded(tree, timeout_s=None, verify=verify, trees=trees):
+        def recorded(tree, timeout_s=None, *, spec, verify=verify, trees=trees):
             trees.append(DraftTree(list(tree.tokens), list(tree.parents)))
-            return verify(DraftTree(), timeout_s)  # one token: the drafter drafts again at the next position
+            return verify(DraftTree(), timeout_s, spec=spec)  # one token: the drafter drafts again at the next one
 
         verifier.verify = recorded
         gen = generate(verifier, drafter, prompt, max_new, max_tree_nodes=16)

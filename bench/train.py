@@ -1,4 +1,4 @@
-"""Training throughput (issue 16): how many target tokens a second `splitspec train` gets through.
+"""Training throughput: how many target tokens a second `splitspec train` gets through.
 
 Per configuration — each drafter alone (moa-tli0, moa-tli1, moa-tli3, eagle, independent) and all five
 trained together, as `splitspec train` does — the trainer runs ``--warmup`` steps, then ``--steps`` timed
