@@ -334,3 +334,29 @@ def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
                 node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
             writes += [f"{name}:{node.lineno}" for t in targets if isinstance(t, ast.Attribute) and is_policy(t.value)]
     assert writes == []
+
+
+def test_the_policys_questions_change_nothing():
+    """The policy's questions (what next, at what size, which payload) assign none of its attributes: it learns only
+    from what it is told (``rounded``, ``streamed``, ``loaded``, ``rehearsed``). Parsed, so a question that starts
+    to change state fails here, whatever the inputs."""
+    import ast
+    from pathlib import Path
+
+    questions = {"stretch", "extend", "drafts", "rehearse", "rehearsed_rate", "hopeless", "spare_server", "size",
+                 "round_spec", "stream_spec", "prompt_spec", "transfer_s", "round_s", "verify_s", "payload_per_token",
+                 "verify_estimate", "depth", "lookup", "calibration"}  # fmt: skip
+    root, found, writes = Path(__file__).resolve().parents[1], set(), []
+    for name in ("client/adaptive.py", "client/sizing.py", "client/schedule.py"):
+        for cls in (n for n in ast.parse((root / name).read_text()).body if isinstance(n, ast.ClassDef)):
+            for method in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in questions):
+                found.add(method.name)
+                for node in ast.walk(method):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                        node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
+                    writes += [f"{name}:{node.lineno} {cls.name}.{method.name}" for t in targets
+                               if isinstance(t, ast.Attribute)]  # fmt: skip
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                            "append", "add", "observe", "drafted", "plain", "_judge"):  # fmt: skip
+                        writes.append(f"{name}:{node.lineno} {cls.name}.{method.name} calls {node.func.attr}")
+    assert found == questions and writes == []
