@@ -223,9 +223,10 @@ def arithmetic(costs: list[Overhead], tau: float) -> list[str]:
             f"streams)."]
 
 
-def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args, cpu: str, tau: float) -> str:
-    lines = [f"{cpu}. Replayed {args.drafter} trees on {args.prompts} MT-Bench prompts, {args.max_new_tokens} tokens "
-             "per client, greedy; `serve`: one process on every CPU; `ray×R`: R replicas sharing them.", "",
+def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args, env: dict, tau: float) -> str:
+    lines = [f"# Past one server\n\n`{env['command']}`\n\n{env['date']}, {env['cpu']}. Replayed {args.drafter} "
+             f"trees on {args.prompts} MT-Bench prompts, {args.max_new_tokens} tokens per client, greedy; `serve`: one "
+             "process on every CPU; `ray×R`: R replicas sharing them.", "",
              "| setup | clients | tok/s (all clients) | Verify p50 ms | Verify p99 ms | route misses | reopens "
              "| exact |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
@@ -301,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     questions = mtbench_questions()[: args.prompts]
     prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
-    cpu = environment(cpus)["cpu"]
     del target
     limits = ["--max-sessions", str(2 * max(counts + [KILL_CLIENTS]))]
     points, costs, kills = [], [], []
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(1, sum(r.rounds() for r in recordings))
-    md = markdown(points, costs, kills, args, cpu, tau)
+    md = markdown(points, costs, kills, args, environment(cpus), tau)
     print(md)
     result = {"environment": environment(cpus), "args": vars(args) | {"out": str(args.out)},
               "points": [asdict(p) for p in points], "overhead": [asdict(c) for c in costs],
