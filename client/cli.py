@@ -82,9 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-branches", type=int, default=1, help="prompt lookup: matches merged into a tree (default 1)"
     )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=float, help="sample at this temperature (lossless speculative sampling)")
+    p.add_argument("--temperature", type=float, help="sample at this temperature (lossless speculative sampling; "
+                   "default: greedy decoding)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="random seed when sampling (default 0)")
     p.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),

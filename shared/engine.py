@@ -4,7 +4,7 @@ What SmolLM2, Llama-2/3 and Qwen2-style configs describe: grouped-query attentio
 scaling, SwiGLU, RMSNorm, a tied or untied head, optional QKV biases. No transformers module runs
 on the hot path (transformers only parses the config and computes the rope frequencies once):
 one forward is embeddings -> ``shared.layers.Block`` x L -> norm, with projections fused and a
-static KV cache written by position. The same blocks are the drafters' building blocks, so a MoA
+preallocated KV cache written by position. The same blocks are the drafters' building blocks, so a MoA
 drafter's Target Layer Inference runs the target's last layers with this very code.
 """
 
@@ -103,7 +103,7 @@ def rope_frequencies(hf) -> tuple[torch.Tensor, float]:
 
 
 class Cache:
-    """A static KV cache for every layer: keys and values [L, B, n_kv, capacity, d], preallocated.
+    """A KV cache for every layer: keys and values [L, B, n_kv, capacity, d], preallocated, written by position.
 
     ``layers[i]`` is layer i's :class:`KVCache`, a view of the same storage, so moving an
     accepted path into place or reading a token's KV across all layers is one indexing op.

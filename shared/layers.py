@@ -1,4 +1,4 @@
-"""Llama-style building blocks over explicit masks and static caches: the target engine and every drafter.
+"""Llama-style building blocks over explicit masks and preallocated caches: the target engine and every drafter.
 
 One block serves every use: the target's own decoder layers (``shared.engine``), causal or
 bidirectional self-attention in the drafters, cross-attention to a memory, tree-masked draft
@@ -255,7 +255,7 @@ class Block(nn.Module):
         values go into its own cache and it attends only to that cache (several sequences in one forward: the
         projections and the MLP see all their rows as one matrix, the weights read once for all)."""
         if self._fused(x, rope, spans):
-            return self._forward_int8(x, rope, spans)
+            return self._forward_lowbit(x, rope, spans)
         attn = self.self_attn
         h = self.input_layernorm(x)
         outs = []
@@ -311,8 +311,9 @@ class Block(nn.Module):
                 and not x.requires_grad and self.kernel_blocks() is not None
                 and all(s.cache is not None for s in spans))  # fmt: skip
 
-    def _forward_int8(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
-        """``forward_spans`` in the CPU kernels (``shared.kernels``): the same block, no per-op Python overhead."""
+    def _forward_lowbit(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
+        """``forward_spans`` in the CPU kernels (``shared.kernels``), int8 or int4 weights alike: the same block, no
+        per-op Python overhead."""
         _, kv_heads, head_dim = self._shape
         caches = [s.cache.storage(s.at + s.end - s.start, 1, kv_heads, head_dim, x) for s in spans]
         return run_blocks(self._kernel, x[0], rope, [(k[None], v[None]) for k, v in caches], spans)[None]

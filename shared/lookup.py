@@ -21,7 +21,7 @@ from collections import defaultdict
 from shared.tree import DraftTree
 
 
-class PromptLookup:
+class NgramLookup:
     """The n-gram index of a sequence and its proposals (a ``client.drafters.base.Drafter`` in all but name)."""
 
     def __init__(

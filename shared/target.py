@@ -1,4 +1,4 @@
-"""The target model engine: one static KV cache per sequence, trees verified in one forward pass.
+"""The target model engine: one preallocated KV cache per sequence, trees verified in one forward pass.
 
 Used by the server and by the client's single-device (``--local``) path alike, so both verify
 with the same mask, positions, cache bookkeeping and acceptance rule. The forward is our own
@@ -144,7 +144,7 @@ class Step:
 
 @dataclass
 class TargetSession:
-    """One sequence on the target: its committed tokens, static KV cache and random stream."""
+    """One sequence on the target: its committed tokens, KV cache and random stream."""
 
     target: Target
     sampling: SamplingParams

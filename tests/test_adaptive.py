@@ -328,7 +328,7 @@ def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
 
     root = Path(__file__).resolve().parents[1]
     writes = []
-    for name in ("client/decode.py", "client/offline.py", "client/edge.py", "client/cli.py"):
+    for name in ("client/decode.py", "client/offline.py", "client/edge_pool.py", "client/cli.py"):
         for node in ast.walk(ast.parse((root / name).read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip

@@ -12,7 +12,9 @@ import openai
 import pytest
 
 from client.drafters.moa import MoADrafter
-from client.edge import Edge, Settled, app
+from client.edge import app
+from client.edge_pool import Edge
+from client.text import TextDeltas
 from netsim import simulated_link
 from tests.conftest import served, start_server
 from tests.test_cli import splitspec
@@ -71,7 +73,7 @@ def client(edge_url):
 
 
 def cli_text(tiny_server, tiny_model_dir, chat: bool, tokens: int = 24) -> str:
-    args = ["generate", "--prompt", PROMPT, "--greedy", "--json", "--server", tiny_server[0], "--model",
+    args = ["generate", "--prompt", PROMPT, "--json", "--server", tiny_server[0], "--model",
             str(tiny_model_dir), "--max-new-tokens", str(tokens), *(["--chat"] if chat else [])]  # fmt: skip
     out = splitspec(*args)
     assert out.returncode == 0, out.stderr
@@ -265,13 +267,13 @@ def test_settled_text_holds_back_what_may_change():
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(f"w{i}" for i in ids)
 
-    s = Settled(Words(), stop=["w7 w8"], final_local=False)
-    assert s.update([1, 2, 3], [True, True, False]) == "w1 w2"  # the local token waits
-    assert s.update([1, 2, 3, 7], [True] * 4) == " w3 "  # "w7" may begin the stop sequence: held back
-    assert s.update([1, 2, 3, 7, 9], [True] * 5) == "w7 w9"
+    s = TextDeltas(Words(), stop=["w7 w8"], final_local=False)
+    assert s.update([1, 2, 3], [True, True, False]).settled == "w1 w2"  # the local token waits
+    assert s.update([1, 2, 3, 7], [True] * 4).settled == " w3 "  # "w7" may begin the stop sequence: held back
+    assert s.update([1, 2, 3, 7, 9], [True] * 5).settled == "w7 w9"
     assert not s.stopped
-    assert s.update([1, 2, 3, 7, 9, 7, 8, 5], [True] * 8) == " " and s.stopped
-    assert s.update([1, 2, 3, 7, 9, 7, 8, 5, 6], [True] * 9) == ""
+    assert s.update([1, 2, 3, 7, 9, 7, 8, 5], [True] * 8).settled == " " and s.stopped
+    assert s.update([1, 2, 3, 7, 9, 7, 8, 5, 6], [True] * 9).settled == ""
 
 
 def test_private_spans_never_reach_the_prompt_the_server_gets(tiny_server, tiny_model_dir):
@@ -323,7 +325,7 @@ class ScriptedEdge:
 
     def __init__(self, model_dir):
         from client.decode import Resilience
-        from client.edge import Counters
+        from client.edge_pool import Counters
         from shared.models import load_tokenizer
 
         self.tokenizer, self.model, self.drafter_name = load_tokenizer(str(model_dir)), str(model_dir), "scripted"

@@ -21,7 +21,7 @@ from client.drafters.tree_drafter import TokenCache
 from client.drafters.tree_search import eagle2_tree
 from shared.engine import Part
 from shared.features import Features
-from shared.lookup import PromptLookup
+from shared.lookup import NgramLookup
 from shared.tree import DraftTree, causal_from
 
 FLOOR = 0.3  # about a 0.5B step's cost in 1.5B steps on a CPU: a deeper step must be at least that likely to pay
@@ -40,7 +40,7 @@ class ModelDrafter(TokenCache, Drafter):
         self.engine = lm.engine
         self.width, self.depth, self.floor = width, depth, floor
         self.name = name or lm.name + ("+lookup" if lookup else "")
-        self.lookup = PromptLookup() if lookup else None
+        self.lookup = NgramLookup() if lookup else None
         self.cache = self.engine.new_cache(256)
         self.tokens: list[int] = []
 

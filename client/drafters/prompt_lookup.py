@@ -1,4 +1,4 @@
-"""The prompt-lookup drafter: ``shared.lookup.PromptLookup`` (which the server also drafts with) as a Drafter."""
+"""The prompt-lookup drafter: ``shared.lookup.NgramLookup`` (which the server also drafts with) as a Drafter."""
 
 from __future__ import annotations
 
@@ -6,5 +6,5 @@ from client.drafters.base import Drafter
 from shared import lookup
 
 
-class PromptLookup(lookup.PromptLookup, Drafter):
+class PromptLookup(lookup.NgramLookup, Drafter):
     name = "prompt-lookup"

@@ -1,0 +1,275 @@
+"""What answers the edge's requests (``client.edge`` is the HTTP side): the drafters and server connections pooled
+across requests (``Edge``), one generation on a worker thread of its own whose text the event loop awaits
+(``Job``), and the edge's metrics (``Counters``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from client.openai_request import Ask, RequestError, completion_exceeded, context_exceeded
+from client.text import Delta, TextDeltas
+from shared.models import DEFAULT_MODEL
+
+DEFAULT_MAX_TOKENS = 256  # a request that sets no max_tokens gets what fits its context, at most this many
+# an idle connection kept longer is closed, not reused: one silent for long may have died unnoticed (a NAT's
+# timeout, a switch of network), and the first call on it would wait out its whole deadline
+KEEP_IDLE_S = 60.0
+
+
+class Cancelled(Exception):
+    """The app went away: its generation stops at the next update."""
+
+
+class Counters:
+    """The edge's Prometheus metrics (prometheus-client), one registry per endpoint."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("splitspec_edge_requests", "requests by route and status", ["route", "status"],
+                                registry=r)  # fmt: skip
+        self.active = Gauge("splitspec_edge_active_generations", "generations running now", registry=r)
+        self.tokens = Counter("splitspec_edge_tokens", "tokens generated", registry=r)
+        self.local_tokens = Counter("splitspec_edge_local_tokens", "tokens generated locally while the link was down",
+                                    registry=r)  # fmt: skip
+        self.server_calls = Counter("splitspec_edge_server_calls", "calls to the server", registry=r)
+        self.disconnects = Counter("splitspec_edge_disconnects", "times a generation lost the link", registry=r)
+        self.seconds = Histogram("splitspec_edge_generation_seconds", "a generation's wall time", registry=r)
+
+
+class Edge:
+    """The drafter, the way to the server and the tokenizer, shared by every request; drafters and connections to
+    the server are pooled (one per concurrent generation, kept for the next)."""
+
+    def __init__(self, server: str, drafter: str | Callable[[], object] = "prompt-lookup", model: str = DEFAULT_MODEL,
+                 on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
+                 connect_timeout_s: float = 10.0, max_tree_nodes: int = 64, mode: str = "auto"):  # fmt: skip
+        """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
+        adaptive policy's (``client.adaptive``)."""
+        from client.decode import Resilience
+        from client.drafters import make_drafter, needs_target
+        from client.endpoint import Endpoint
+        from shared.models import load_target, load_tokenizer
+
+        self.stopping = threading.Event()  # SIGTERM/SIGINT: every generation ends now, wherever it is
+        self.server, self.model = server, model
+        self.resilience = Resilience(on_reconnect, stop=self.stopping)
+        self.endpoint = endpoint or Endpoint(server)
+        self.connect_timeout_s, self.max_tree_nodes, self.mode = connect_timeout_s, max_tree_nodes, mode
+        self.target = None
+        if isinstance(drafter, str) and needs_target(drafter):
+            self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
+        self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
+        self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target,
+                                                                              tokenizer=self.tokenizer)
+        self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
+        self._learnt: dict[int, object] = {}  # id(drafter) -> its latest generation's policy: where the next starts
+        self._connections: list[tuple[object, float]] = []  # (RemoteVerifier, time.monotonic() it went idle)
+        self._lock = threading.Lock()
+        self.counters = Counters()
+        first = self.take()  # a bad drafter name fails now, not at the first request
+        self.drafter_name = first.name
+        self.release(first)
+
+    def take(self):
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._make()
+
+    def release(self, drafter) -> None:
+        with self._lock:
+            self._idle.append(drafter)
+
+    def connect(self, drafter):
+        """A connection to the server that has done its Handshake (a ``RemoteVerifier``): an idle one kept from an
+        earlier request, else a new one (connections idle for ``KEEP_IDLE_S`` or more are closed)."""
+        from client.remote import RemoteVerifier
+        from shared.target import tokenizer_fingerprint
+
+        now = time.monotonic()
+        with self._lock:
+            stale = [v for v, since in self._connections if now - since >= KEEP_IDLE_S]
+            self._connections = [(v, since) for v, since in self._connections if now - since < KEEP_IDLE_S]
+            verifier = self._connections.pop()[0] if self._connections else None
+        for old in stale:
+            old.shutdown()
+        if verifier is not None:
+            return verifier
+        return RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
+                              connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
+
+    def keep(self, verifier) -> None:
+        """Keep a connection that works for the next request."""
+        with self._lock:
+            self._connections.append((verifier, time.monotonic()))
+
+    def close(self) -> None:
+        """Close the idle connections (generations running keep theirs until they end)."""
+        with self._lock:
+            idle, self._connections = self._connections, []
+        for verifier, _ in idle:
+            verifier.shutdown()
+
+    def prompt_ids(self, ask: Ask) -> tuple[list[int], object]:
+        """The prompt's token ids, private spans replaced by placeholders (``client.private``), and their secrets."""
+        from client.private import Secrets, mask, mask_messages
+        from shared.models import encode_messages
+
+        if ask.chat:
+            messages, secrets = mask_messages(ask.prompt)
+            return encode_messages(self.tokenizer, messages), secrets
+        if isinstance(ask.prompt, list):  # token ids: no text to mask
+            size = len(self.tokenizer)
+            bad = next((t for t in ask.prompt if t >= size), None)
+            if bad is not None:
+                raise RequestError(400, f"prompt token id {bad} is outside the tokenizer's vocabulary [0, {size})",
+                                   "prompt")  # fmt: skip
+            return list(ask.prompt), Secrets()
+        text, secrets = mask(ask.prompt)
+        return self.tokenizer(text)["input_ids"], secrets
+
+    def generate(self, ask: Ask, prompt_ids: list[int], on_update: Callable[[list[int], list[bool]], None],
+                 stop_when: Callable[[], bool], on_start: Callable[[], None] = lambda: None):  # fmt: skip
+        """One generation through the decode loop, on this thread; returns the ``Generation``. ``on_start()``: the
+        server is reached and the prompt fits its context (else a RequestError), the generation begins.
+
+        The connection goes back to the pool unless the generation failed, was cancelled or lost the link: then it
+        is closed, and the next request opens a new one."""
+        from client.adaptive import AdaptivePolicy
+        from client.decode import generate
+        from shared.acceptance import SamplingParams
+
+        sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed,
+                                  acceptance=ask.acceptance)  # fmt: skip
+        drafter = self.take()
+        c = self.counters
+        c.active.inc()
+        start = time.perf_counter()
+        verifier, works = None, False
+        try:
+            verifier = self.connect(drafter)
+            if len(prompt_ids) >= verifier.max_context:
+                works = True  # the prompt is wrong, not the connection
+                raise context_exceeded(len(prompt_ids), verifier.max_context, "messages" if ask.chat else "prompt")
+            room = verifier.max_context - len(prompt_ids)
+            if ask.max_tokens is not None and ask.max_tokens > room:
+                works = True
+                raise completion_exceeded(len(prompt_ids), ask.max_tokens, verifier.max_context, ask.chat)
+            max_new = ask.max_tokens if ask.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+            on_start()
+            policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode=self.mode,
+                                            previous=self._learnt.get(id(drafter)))  # fmt: skip
+            self._learnt[id(drafter)] = policy  # a pooled drafter is used by one generation at a time
+            gen = generate(verifier, drafter, prompt_ids, max_new, sampling, max_tree_nodes=self.max_tree_nodes,
+                           policy=policy, resilience=self.resilience, on_update=on_update,
+                           stop_when=lambda tokens, verified: stop_when() or self.stopping.is_set())  # fmt: skip
+            works = gen.stats.disconnects == 0
+        finally:
+            if verifier is not None and works:
+                self.keep(verifier)
+            elif verifier is not None:
+                verifier.shutdown()
+            self.release(drafter)
+            c.active.dec()
+        s = gen.stats
+        c.tokens.inc(s.new_tokens)
+        c.local_tokens.inc(s.local_tokens)
+        c.server_calls.inc(s.server_calls)
+        c.disconnects.inc(s.disconnects)
+        c.seconds.observe(time.perf_counter() - start)
+        return gen
+
+
+class Job:
+    """One generation on a worker thread of its own, its text handed to the event loop as ``Delta``s
+    (``client.text``) with ``call_soon_threadsafe``: a request waiting for text holds no thread (a thread of the
+    loop's executor per stream starved every other request, /health included, once streams outnumbered them)."""
+
+    def __init__(self, edge: Edge, ask: Ask):
+        self.edge, self.ask = edge, ask
+        self.prompt_ids: list[int] = []  # encoded on the worker: a long prompt takes a while
+        self.text_deltas: TextDeltas | None = None
+        self.text = ""  # the settled text so far
+        self._provisional = ""
+        self._gen = None
+        self._error: BaseException | None = None
+        self._cancelled = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._deltas: asyncio.Queue = asyncio.Queue()  # deltas that change something, then None at the end
+        self._begun: asyncio.Future = self._loop.create_future()  # True: generating; False: it ended before
+        self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-edge-generation")
+
+    @property
+    def stopped(self) -> bool:
+        return self.text_deltas is not None and self.text_deltas.stopped
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def _send(self, call: Callable, *args) -> None:
+        """Run ``call(*args)`` on the event loop (from the worker thread); nothing once the loop has closed."""
+        with contextlib.suppress(RuntimeError):  # closed: the endpoint stopped, nobody waits
+            self._loop.call_soon_threadsafe(call, *args)
+
+    def _begin(self, begun: bool) -> None:
+        if not self._begun.done():
+            self._begun.set_result(begun)
+
+    def _emit(self, delta: Delta) -> None:
+        if delta.settled or delta.events or delta.provisional != self._provisional:
+            self.text += delta.settled
+            self._provisional = delta.provisional
+            self._send(self._deltas.put_nowait, delta)
+
+    def _update(self, tokens: list[int], verified: list[bool]) -> None:
+        if self._cancelled.is_set():
+            raise Cancelled
+        self._emit(self.text_deltas.update(tokens, verified))
+
+    def _run(self) -> None:
+        edge, ask = self.edge, self.ask
+        try:
+            try:
+                self.prompt_ids, secrets = edge.prompt_ids(ask)
+            except ValueError as exc:  # a malformed private span
+                raise RequestError(400, str(exc), "messages" if ask.chat else "prompt") from None
+            self.text_deltas = TextDeltas(edge.tokenizer, final_local=edge.resilience.on_reconnect == "keep",
+                                          stop=ask.stop, secrets=secrets)  # fmt: skip
+            gen = edge.generate(ask, self.prompt_ids, self._update,
+                                stop_when=lambda: self.stopped or self._cancelled.is_set(),
+                                on_start=lambda: self._send(self._begin, True))  # fmt: skip
+            self._emit(self.text_deltas.update(gen.token_ids, gen.verified, final=True))
+            self._gen = gen
+        except BaseException as exc:  # noqa: BLE001 - handed to the request that waits for it
+            self._error = exc
+        finally:
+            self._send(self._begin, False)
+            self._send(self._deltas.put_nowait, None)
+
+    async def started(self) -> bool:
+        """Wait until the generation begins (True) or ends without beginning (False: see ``error``)."""
+        return await self._begun
+
+    async def deltas(self):
+        """The deltas as they come, awaited on the event loop."""
+        while (item := await self._deltas.get()) is not None:
+            yield item
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._gen
