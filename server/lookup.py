@@ -8,7 +8,7 @@ yields, lookups run while theirs beat plain steps', and are tried again every ``
 
 from __future__ import annotations
 
-from shared.lookup import PromptLookup
+from shared.lookup import NgramLookup
 from shared.tree import DraftTree
 
 RETRY = 16  # matches passed over before a lookup that was not paying is tried again
@@ -18,7 +18,7 @@ GAIN = 0.2  # weight of a new step in the running seconds per token
 class SelfDraft:
     def __init__(self, tokens: list[int], max_tokens: int):
         """``tokens``: the session's committed tokens (its last the root); ``max_tokens``: the longest copy."""
-        self.lookup = PromptLookup(num_tokens=max(1, max_tokens))
+        self.lookup = NgramLookup(num_tokens=max(1, max_tokens))
         self.lookup.begin(list(tokens))
         self.per_token: dict[bool, float | None] = {True: None, False: None}  # seconds per token, drafted or not
         self.passed = 0  # matches passed over since the last lookup
