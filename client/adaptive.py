@@ -117,7 +117,7 @@ class AdaptivePolicy:
     def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
         """A stretch of a stream: ``tokens`` in ``seconds``, ``compute_s`` of them the server's compute."""
         self.sizing.streamed(tokens, compute_s)
-        self.schedule.plain(tokens, seconds)
+        self.schedule.plain(tokens, seconds, stretch=True)
 
     def loaded(self, load) -> None:
         """The server's latest ``Load``, from any reply that carried one (None: this one did not)."""

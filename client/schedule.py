@@ -158,40 +158,47 @@ class Schedule:
             return
         self.drafted_nodes = nodes if self.drafted_nodes is None else (1 - GAIN) * self.drafted_nodes + GAIN * nodes
         self.drafted_gain = tokens if self.drafted_gain is None else (1 - GAIN) * self.drafted_gain + GAIN * tokens
-        if explored:
-            return
-        rate = tokens / seconds
-        self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
-        self.drafted_rounds += 1
-        if self.drafted_rounds >= TRIAL and self.plain_seen is None:
-            self.phase, self.left = Phase.MEASURE, MEASURE  # measure plain decoding before judging
-        elif self.drafted_rounds >= TRIAL:
-            self._judge()
+        if not explored:
+            rate = tokens / seconds
+            self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
+            self.drafted_rounds += 1
+            if self.drafted_rounds >= TRIAL and self.plain_seen is None:
+                self.phase, self.left = Phase.MEASURE, MEASURE  # measure plain decoding before judging
+            elif self.drafted_rounds >= TRIAL:
+                self._judge()
+        self._skip_hopeless()
 
-    def plain(self, tokens: int, seconds: float) -> None:
-        """Plain decoding: a plain round, or a stretch of a stream — ``tokens`` in ``seconds``; a pause or a measurement
-        that it completes ends (a measurement's trial is judged, a pause's new trial begins)."""
-        if seconds <= 0 or tokens <= 0:
+    def plain(self, tokens: int, seconds: float, stretch: bool = False) -> None:
+        """Plain decoding — a plain round, or (``stretch``) a stretch the server streamed: ``tokens`` in ``seconds``.
+        A pause or a measurement that it completes ends (a measurement's trial is judged, a pause's new trial
+        begins); a stretch completes the whole of it (it was granted all of it, and streamed it, or the generation
+        ended)."""
+        if seconds > 0 and tokens > 0:
+            rate = tokens / seconds
+            self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
+        elif not stretch:
             return
-        rate = tokens / seconds
-        self.plain_seen = rate if self.plain_seen is None else (1 - GAIN) * self.plain_seen + GAIN * rate
-        if self.phase is Phase.TRIAL:
-            return
-        self.left = max(0, self.left - tokens)
-        if self.left:
-            return
-        if self.phase is Phase.MEASURE:
-            self.phase = Phase.TRIAL
-            self._judge()
-        else:
-            self.phase, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, None, 0
-        if self.phase is Phase.TRIAL and self.mode == "auto" and not self.spare_server() and self.hopeless():
-            # a trial could not pay, and each new stream costs a round trip: stream on, for the longest stretch
-            self.phase, self.left, self.pause = Phase.PAUSE, MAX_PAUSE, MAX_PAUSE
+        if self.phase is not Phase.TRIAL:
+            self.left = 0 if stretch else max(0, self.left - tokens)
+            if self.left:
+                return
+            if self.phase is Phase.MEASURE:
+                self.phase = Phase.TRIAL
+                self._judge()
+            else:
+                self.phase, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, None, 0
+        self._skip_hopeless()
 
     def rehearsed(self, tree: DraftTree, path: list[int], draft_s: float) -> None:
         """A rehearsal's outcome: ``path``, the nodes of ``tree`` the streamed tokens went through."""
         self.rehearsals.append((len(tree), path, draft_s))
+
+    def _skip_hopeless(self) -> None:
+        """Mode auto, in a trial that could not pay (``hopeless``) and no busy server asks for drafting: stream on
+        instead, for the longest stretch (each new stream costs a round trip). Looked at after everything told."""
+        if self.mode == "auto" and not self.pinned and self.phase is Phase.TRIAL and not self.spare_server() and (
+                self.hopeless()):  # fmt: skip
+            self.phase, self.left, self.pause = Phase.PAUSE, MAX_PAUSE, MAX_PAUSE
 
     def _judge(self) -> None:
         """Pause drafting (for longer each time) while its rounds fall short of plain ones: twice as long after a
@@ -209,3 +216,4 @@ class Schedule:
         if self.phase is Phase.MEASURE:  # its plain rounds were measuring a trial that ended with its run
             self.phase, self.left, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, 0, None, 0
         self.left = min(self.left, PAUSE)
+        self._skip_hopeless()

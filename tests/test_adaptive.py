@@ -165,6 +165,22 @@ def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
     assert not policy.schedule.hopeless()
 
 
+def test_a_trial_that_turns_hopeless_stops_at_once_even_in_its_explorations():
+    """On 4G a trial starts (a depth-3 tree could beat the 80 tok/s stream); its first round — an exploration, not
+    judged as drafting — gains one token after 9 ms of drafting: at best 2 tokens a ~40 ms round, below the stream.
+    Mode auto streams on at once, for the longest stretch, instead of finishing the trial."""
+    from client.schedule import MAX_PAUSE
+
+    policy = AdaptivePolicy(FakeLink(0.03, 1e6))
+    assert policy.stretch() == PAUSE
+    policy.streamed(PAUSE, 0.0, PAUSE / 80.0)
+    assert policy.stretch() == 0 and policy.schedule.phase is Phase.TRIAL
+    decision = policy.size(TREE)
+    assert decision.kind == "explore"
+    policy.rounded(decision, TREE.head(decision.nodes), 0, 1, 0.004, 0.009, 3, 0.045, True)
+    assert policy.schedule.hopeless() and policy.stretch() == MAX_PAUSE
+
+
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     """Local verification (no link) on a machine where a drafted round costs more than the tokens it gains: after
     TRIAL drafted rounds the policy measures MEASURE plain rounds (none seen yet), judges, and decodes plain for
