@@ -231,7 +231,8 @@ class Run:
             self.spec = spec  # sized for the link: the prompt's features are the largest payload
         opens = 0  # tries to open the session
         try:
-            while not (reason := self.finished()):
+            # the session is opened first, whatever the prompt: one that fills the context is refused there, clearly
+            while not self.out or not (reason := self.finished()):
                 call = time.perf_counter()
                 try:
                     if policy is not None and (stretch := policy.stretch()):

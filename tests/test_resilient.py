@@ -319,6 +319,14 @@ def test_a_server_child_and_this_process_get_disjoint_cpus():
         child.wait()
 
 
+def test_a_prompt_that_fills_the_context_is_refused_by_the_opening_not_answered_empty(tiny_target):
+    """The loop opens the session before it asks whether the generation is over: a prompt with no room left is the
+    prefill's clear error, never an empty answer."""
+    prompt = PROMPT * (tiny_target.max_context // len(PROMPT) + 1)
+    with pytest.raises(ValueError, match=f"prompt of {len(prompt)} tokens does not fit the context"):
+        generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 4)
+
+
 def test_a_session_lost_as_it_opens_is_opened_again_a_bounded_number_of_times(tiny_target):
     """A replica that dies under an OpenSession (the server answers, the session is gone) costs the generation
     nothing: it opens again and ends as plain decoding. A server that loses every opening is an error after
