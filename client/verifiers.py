@@ -138,7 +138,8 @@ class LocalVerifier(Verifier):
     """The target in-process: no network, the single-device reference (it counts no server calls).
 
     Its features are exact (precision is moot) and it runs no drafter's LSA: MoA drafters get mode kv. A session
-    computes the features its opening's ``spec`` asks for, with every later round whatever that round's spec."""
+    computes the features its opening's ``spec`` asks for and returns them with every later round, whatever that
+    round's ``spec`` says (in process the policy has no payload to choose among, so the loop never changes it)."""
 
     def __init__(self, target):
         self.target = target
