@@ -282,12 +282,13 @@ class Run:
         t0 = time.perf_counter()
         drafting = policy is None or policy.drafts()
         if drafting:
-            depth = policy.depth if policy is not None else None
-            tree = drafter.propose(self.budget(), depth)
+            tree = drafter.propose(self.budget(), policy.depth if policy is not None else None)
         else:
-            depth, tree = 0, DraftTree()  # a plain step: drafting has not been paying
+            tree = DraftTree()  # a plain step: drafting has not been paying
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
+        # the levels a search drafted each cost a step (a tree with no scores is a copy: prompt lookup, free)
+        levels = max(depths(tree.parents), default=0) if tree.scores is not None else 0
         decision = None
         if policy is not None:
             self.spec = policy.round_spec() or self.spec
@@ -309,7 +310,7 @@ class Run:
         if policy is not None:
             policy.loaded(result.load)
             policy.rounded(decision, tree, len(result.accepted), len(result.new_tokens), result.compute_s, draft_s,
-                           depth or 0, time.perf_counter() - t0, drafting)  # fmt: skip
+                           levels, time.perf_counter() - t0, drafting)  # fmt: skip
 
     def budget(self) -> int:
         """The most tree nodes a round may send now."""

@@ -64,7 +64,10 @@ class Schedule:
     phase: Phase | None = None  # None: the mode's first (auto: a PAUSE, streaming first; else a TRIAL)
     left: int = 0  # plain tokens still to go in a PAUSE or a MEASURE
     pause: int = PAUSE  # the next pause's length
-    drafted_rate: float | None = None  # tokens/s of whole drafted rounds as the decode loop saw them (running average)
+    drafted_rate: float | None = None  # tokens/s of whole drafted rounds as the decode loop saw them: over the trial's
+    # first TRIAL rounds, their total tokens over their total time; a running average after
+    trial_tokens: int = 0  # tokens and seconds of the trial's first rounds
+    trial_s: float = 0.0
     plain_seen: float | None = None  # tokens/s of whole plain rounds and streamed stretches, likewise
     drafted_rounds: int = 0  # drafted rounds since the trial began
     drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
@@ -159,9 +162,12 @@ class Schedule:
         self.drafted_nodes = nodes if self.drafted_nodes is None else (1 - GAIN) * self.drafted_nodes + GAIN * nodes
         self.drafted_gain = tokens if self.drafted_gain is None else (1 - GAIN) * self.drafted_gain + GAIN * tokens
         if not explored:
-            rate = tokens / seconds
-            self.drafted_rate = rate if self.drafted_rate is None else (1 - GAIN) * self.drafted_rate + GAIN * rate
             self.drafted_rounds += 1
+            if self.drafted_rounds <= TRIAL:  # a running average would weigh the first round (its catching up) most
+                self.trial_tokens, self.trial_s = self.trial_tokens + tokens, self.trial_s + seconds
+                self.drafted_rate = self.trial_tokens / self.trial_s
+            else:
+                self.drafted_rate = (1 - GAIN) * self.drafted_rate + GAIN * tokens / seconds
             if self.drafted_rounds >= TRIAL and self.plain_seen is None:
                 self.phase, self.left = Phase.MEASURE, MEASURE  # measure plain decoding before judging
             elif self.drafted_rounds >= TRIAL:
@@ -186,7 +192,7 @@ class Schedule:
                 self.phase = Phase.TRIAL
                 self._judge()
             else:
-                self.phase, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, None, 0
+                self._new_trial()
         self._skip_hopeless()
 
     def rehearsed(self, tree: DraftTree, path: list[int], draft_s: float) -> None:
@@ -210,10 +216,15 @@ class Schedule:
         self.phase, self.left, self.pause = Phase.PAUSE, self.pause, min(MAX_PAUSE, growth * self.pause)
 
     def resumed(self) -> None:
-        """A new run starts from this schedule (``AdaptivePolicy.for_run``): a trial it was probing is judged anew, and
-        a pause it was in lasts at most ``PAUSE`` more tokens — a new prompt may be another kind of text (code after
-        chat) — however long the last run's losses had made it (a losing trial still lengthens the next one)."""
-        if self.phase is Phase.MEASURE:  # its plain rounds were measuring a trial that ended with its run
-            self.phase, self.left, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, 0, None, 0
-        self.left = min(self.left, PAUSE)
+        """A new run starts from this schedule (``AdaptivePolicy.for_run``): a new prompt may be another kind of text
+        (code after chat), so the pauses grow again from ``PAUSE`` and mode draft starts with a trial (two rounds
+        risked against a whole answer's gain); mode auto goes on streaming for at most ``PAUSE`` more tokens, its
+        rehearsals judging drafting meanwhile at no cost."""
+        if self.mode == "draft" or self.phase is Phase.MEASURE:  # a measurement's trial ended with its run
+            self._new_trial()
+        self.left, self.pause = min(self.left, PAUSE), PAUSE
         self._skip_hopeless()
+
+    def _new_trial(self) -> None:
+        self.phase, self.left, self.drafted_rate, self.drafted_rounds = Phase.TRIAL, 0, None, 0
+        self.trial_tokens, self.trial_s = 0, 0.0

@@ -11,8 +11,10 @@ A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate
 * ``verify(n)`` — the server reports its compute time per call; running averages per size, interpolated
   between sizes and extended by a least-squares line, predict it for any n (``CostCurve``).
 * ``RTT``, rates — the link monitor (``client.link``).
-* ``draft`` — measured per depth step; the drafted depth follows the deepest node actually kept
-  (plus one), so drafting stops paying for levels that never get sent.
+* ``draft`` — measured per depth step. This round's drafting is spent when its tree is cut, but the next
+  tree's depth is a choice: the cut that would be best had each level cost its step (the deepest level it keeps,
+  one more if it keeps every level drafted). A draft step that costs a good share of a target step (a whole model
+  drafting) then stops at the depth where one more level costs more time than its tokens save.
 
 The payload spec (mode and precision) is chosen by what it costs to download per round: the most
 faithful option whose transfer takes at most ``PAYLOAD_SHARE`` of the round, else the smallest.
@@ -52,13 +54,15 @@ PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round
 class Decision:
     """What ``Sizing.size`` chose for a round: send the tree's first ``nodes`` nodes, expecting ``expected_gain``
     tokens in ``expected_round_s``. ``kind``: "best" (the modelled optimum), "explore" (a fixed share, to learn the
-    cost curve; not judged as drafting) or "pinned"; ``deepest``: the depth of the deepest node sent."""
+    cost curve; not judged as drafting) or "pinned"; ``deepest``: the depth of the deepest node sent; ``depth``: the
+    next tree's drafting depth this round argues for (0: none)."""
 
     nodes: int
     expected_gain: float
     expected_round_s: float
     kind: str = "best"
     deepest: int = 0
+    depth: int = 0
 
 
 @dataclass
@@ -84,6 +88,9 @@ class Sizing:
     history: list[Decision] = field(default_factory=list)
     token_s: float | None = None  # server compute per streamed token (running average)
     load: object = None  # the server's latest ``Load`` (its costs and what it prefers); None: not told
+    # the drafter drafted the round before (so it has fed every token but that round's): a drafted round's time is
+    # then its levels'; after plain rounds, a stream or a copied draft it also feeds every token it missed
+    current: bool = False
 
     def __post_init__(self) -> None:
         self.depth = self.depth or self.pin_depth or min(self.max_depth, START_DEPTH)
@@ -97,9 +104,11 @@ class Sizing:
         rtt = self.link.srtt_s or 0.0
         return rtt, self.link.transfer_s(int(up_bytes), int(down_bytes))
 
-    def round_s(self, nodes: int, down_bytes: float) -> float:
+    def round_s(self, nodes: int, down_bytes: float, draft_levels: int | None = None) -> float:
+        """A round that sends ``nodes`` nodes and receives ``down_bytes``, its tree drafted ``draft_levels`` deep
+        (default: the next tree's depth)."""
         verify = self.verify_fit(nodes + 1, default=0.0)
-        draft = (self.draft_step_s or 0.0) * self.depth
+        draft = (self.draft_step_s or 0.0) * (self.depth if draft_levels is None else draft_levels)
         rtt, transfer = self.transfer_s(verify_request_bytes(nodes), down_bytes)
         return draft + verify + rtt + transfer
 
@@ -133,18 +142,25 @@ class Sizing:
             n = max(1, math.ceil(EXPLORE[explore] * len(tree)))
             gain = 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n]))
             return Decision(n, gain, float("nan"), "explore", max(depths(tree.parents[:n]), default=0))
-        payload = self.payload_per_token(spec)
+        payload, step, levels = self.payload_per_token(spec), self.draft_step_s or 0.0, depths(tree.parents)
+        drafted = max(levels)
         best, best_rate, best_gain, cumulative = 0, 0.0, 1.0, 0.0
+        deep, deepest, deepest_rate = 0, 0, 0.0  # the levels a cut keeps; the best cut had each level cost its step
         for n in range(0, len(tree) + 1):
             if n:
                 cumulative += math.exp(tree.scores[n - 1])
+                deep = max(deep, levels[n - 1])
             gain = 1.0 + self.calibration * cumulative
-            seconds = self.round_s(n, gain * payload)
-            rate = gain / seconds if seconds > 0 else gain
+            wire = self.round_s(n, gain * payload, draft_levels=0)
+            rate = gain / (wire + step * drafted) if wire + step * drafted > 0 else gain
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate, best_gain = n, rate, gain
+            rate = gain / (wire + step * deep) if wire + step * deep > 0 else gain
+            if rate > deepest_rate * (1 + 1e-9):
+                deepest, deepest_rate = deep, rate
+        depth = deepest + 1 if deepest >= drafted else deepest  # every level drafted pays: try one more
         return Decision(best, best_gain, best_gain / best_rate if best_rate else 0.0, "best",
-                        max(depths(tree.parents[:best]), default=0))  # fmt: skip
+                        max(depths(tree.parents[:best]), default=0), depth)  # fmt: skip
 
     def round_spec(self, expected_tokens: float | None = None, budget_s: float | None = None) -> PayloadSpec | None:
         """The payload spec for the next round, sized for ``expected_tokens`` per round (default: what the
@@ -191,12 +207,13 @@ class Sizing:
             if decision.kind != "pinned":
                 self.rounds += 1
             if decision.kind == "best" and self.pin_depth is None:
-                self.depth = max(self.min_depth, min(self.max_depth, decision.deepest + 1))
+                self.depth = max(self.min_depth, min(self.max_depth, decision.depth))
         if compute_s > 0:
             self.verify_fit.add(len(sent) + 1, compute_s)
-        if depth > 0:
+        if depth > 0 and (self.current or self.draft_step_s is None):
             step = draft_s / depth
             self.draft_step_s = step if self.draft_step_s is None else (1 - GAIN) * self.draft_step_s + GAIN * step
+        self.current = depth > 0
         if sent.scores:
             predicted = sum(math.exp(s) for s in sent.scores)
             if predicted > 0.05:
@@ -205,6 +222,7 @@ class Sizing:
 
     def streamed(self, tokens: int, compute_s: float) -> None:
         """A stretch of a stream: ``tokens`` decoded by the server in ``compute_s`` of its compute (its pace)."""
+        self.current = False
         if tokens > 0 and compute_s > 0:
             step = compute_s / tokens
             self.token_s = step if self.token_s is None else (1 - GAIN) * self.token_s + GAIN * step

@@ -9,8 +9,8 @@ import pytest
 
 from client.adaptive import AdaptivePolicy
 from client.costs import LineFit
-from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase
-from client.sizing import EXPLORE, Decision
+from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase, Schedule
+from client.sizing import EXPLORE, Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -89,12 +89,30 @@ def test_costlier_nodes_make_the_policy_send_less():
 
 def test_the_cut_maximises_the_modelled_rate_and_keeps_a_tree():
     policy = trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003)
-    rate = lambda n: (1 + sum(math.exp(s) for s in TREE.scores[:n])) / policy.sizing.round_s(n, 0.0)  # noqa: E731
+    gain = lambda n: 1 + sum(math.exp(s) for s in TREE.scores[:n])  # noqa: E731
+    rate = lambda n: gain(n) / policy.sizing.round_s(n, 0.0, draft_levels=len(TREE))  # noqa: E731 (drafting spent)
     sent = cut(policy, TREE)
     assert rate(len(sent)) == pytest.approx(max(rate(n) for n in range(len(TREE) + 1)))
     assert sent.tokens == TREE.tokens[: len(sent)] and sent.parents == TREE.parents[: len(sent)]
-    sizing = policy.sizing  # the next tree is drafted one level past the deepest node sent (a chain: depth = nodes)
-    assert policy.depth == min(sizing.max_depth, max(sizing.min_depth, len(sent) + 1))
+
+
+def test_the_next_depth_is_the_cut_that_pays_for_its_drafting():
+    """This round's drafting is spent; the next tree is drafted as deep as the best cut had each level cost its step
+    (a chain: its depth is its nodes), one level deeper where every level drafted paid."""
+    for step, tree in ((0.01, TREE), (0.03, TREE), (0.0, TREE.head(4))):
+        policy = trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003)
+        policy.sizing.draft_step_s = step
+        gain = lambda n: 1 + sum(math.exp(s) for s in tree.scores[:n])  # noqa: E731, B023
+        paying = max(range(len(tree) + 1), key=lambda n: gain(n) / policy.sizing.round_s(n, 0.0, draft_levels=n))  # noqa: B023
+        sent = cut(policy, tree)
+        assert paying <= len(sent)  # the spent drafting buys at least as much of this tree
+        sizing = policy.sizing
+        deeper = 1 if paying == len(tree) else 0
+        assert policy.depth == min(sizing.max_depth, max(sizing.min_depth, paying + deeper)), step
+    dear, cheap = (trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003) for _ in range(2))
+    dear.sizing.draft_step_s, cheap.sizing.draft_step_s = 0.03, 0.001
+    cut(dear, TREE), cut(cheap, TREE)
+    assert dear.depth < cheap.depth
 
 
 def test_exploration_rounds_vary_the_size_then_pins_hold():
@@ -114,6 +132,34 @@ def test_calibration_follows_what_was_accepted():
         policy.sizing.observe(None, sent, accepted=1, compute_s=0.1, draft_s=0.05, depth=5)
     assert policy.calibration == pytest.approx(1 / predicted, rel=0.05)
     assert policy.sizing.draft_step_s == pytest.approx(0.01)
+
+
+def test_a_draft_step_is_learnt_from_rounds_with_nothing_to_catch_up():
+    """A drafted round after plain rounds (or a stream, or a copied draft) first feeds the drafter every token it
+    missed: its drafting time is not its levels' cost, and the depth chosen by that cost would be too shallow."""
+    sizing, tree = AdaptivePolicy(None).sizing, TREE.head(3)
+    sizing.observe(None, tree, accepted=1, compute_s=0.1, draft_s=0.030, depth=3)  # nothing known yet: learnt
+    assert sizing.draft_step_s == pytest.approx(0.01)
+    for before in (lambda: sizing.observe(None, DraftTree(), 0, 0.05, 0.0, 0), lambda: sizing.streamed(8, 0.1)):
+        before()  # a plain round, a stream
+        sizing.observe(None, tree, accepted=1, compute_s=0.1, draft_s=0.300, depth=3)  # catching up 24 tokens
+        assert sizing.draft_step_s == pytest.approx(0.01)
+    sizing.observe(None, tree, accepted=1, compute_s=0.1, draft_s=0.060, depth=3)  # after a drafted round
+    assert sizing.draft_step_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+
+
+def test_a_trial_is_judged_by_its_rounds_together():
+    """A trial's first round also catches the drafter up: the trial's rate is its tokens over its time, not a running
+    average that would weigh that round four times the next."""
+    schedule = Schedule(Sizing(None), mode="draft")
+    schedule.plain_seen = 50.0
+    schedule.drafted(3, 0.1, nodes=4, explored=False)  # 30 tok/s, catching up
+    schedule.drafted(8, 0.1, nodes=8, explored=False)  # 80 tok/s: 55 together, a running average's 40
+    assert schedule.drafted_rate == pytest.approx(55.0) and schedule.phase is Phase.TRIAL  # drafting goes on
+    losing = Schedule(Sizing(None), mode="draft", plain_seen=50.0)
+    losing.drafted(3, 0.1, nodes=4, explored=False)
+    losing.drafted(6, 0.1, nodes=8, explored=False)  # 45 tok/s together
+    assert losing.phase is Phase.PAUSE and losing.left == PAUSE
 
 
 def test_payload_choice_drops_precision_only_when_the_link_is_slow():
@@ -302,9 +348,9 @@ def test_rehearsals_predict_drafting_from_trees_never_sent():
 
 
 def test_a_run_starts_from_what_the_previous_run_learnt():
-    """``for_run(previous=...)``: a second run of the same pair keeps the first one's costs, calibration and pause,
-    so where drafting lost it does not pay for the first run's trials again; one that was still measuring a trial
-    judges anew."""
+    """``for_run(previous=...)``: a second run of the same pair keeps the first one's costs and calibration, but a new
+    prompt may be another kind of text (code after chat): in mode draft it starts with a trial, and a trial it loses
+    pauses it for ``PAUSE``, not for the long pause the first run's losses had earned."""
 
     class Local:  # what for_run reads of a verifier
         link = None
@@ -315,21 +361,20 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
     for _ in range(TRIAL + MEASURE + 3):  # a losing trial, its measurement, then 3 rounds into the pause
         drafted(first, 3) if first.drafts() else plain(first)
     assert first.schedule.phase is Phase.PAUSE and first.schedule.left == PAUSE - 3
+    first.schedule.pause = 384  # losses on chat text had grown the next pause
     second = AdaptivePolicy.for_run(Local(), [], previous=first)
+    assert second.sizing.calibration == first.sizing.calibration
     choices = []
-    for _ in range(PAUSE - 3):
+    for _ in range(TRIAL):
         choices.append(second.drafts())
-        plain(second)
-    assert choices == [False] * (PAUSE - 3)  # the pause goes on
-    assert second.drafts()  # then a trial, as the first run would have made
+        drafted(second, 3)
+    assert choices == [True] * TRIAL  # a trial first: this prompt may be code
+    assert second.schedule.phase is Phase.PAUSE and second.schedule.left == PAUSE  # lost: a first pause's length
     assert second.sizing.verify_fit(5, 0.0) == first.sizing.verify_fit(5, 0.0)
     assert second.sizing.verify_fit is not first.sizing.verify_fit  # learning on in the second leaves the first alone
     assert second.schedule is not first.schedule and first.schedule.left == PAUSE - 3
     fresh = AdaptivePolicy.for_run(Local(), [])
     assert fresh.drafts() and fresh.schedule.plain_seen is None
-    first.schedule.left, first.schedule.pause = 300, 384  # losses on chat text: a long pause ...
-    third = AdaptivePolicy.for_run(Local(), [], previous=first)
-    assert third.schedule.left == PAUSE and third.schedule.pause == 384  # ... a new prompt is tried within PAUSE
 
 
 def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
