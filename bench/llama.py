@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _FIELD = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
 
 
@@ -26,13 +27,15 @@ class Speculative:
     """One ``llama-speculative`` generation: what it printed, as numbers."""
 
     tokens: int
-    seconds: float
+    seconds: float  # decoding them (the prompt's prefill apart)
     drafted: int
     accepted: int
     draft_max: int
+    prefill_s: float = 0.0  # the prompt's
 
     @property
     def tokens_per_s(self) -> float:
+        """Decoding's pace, the prefill apart (what llama.cpp prints)."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
@@ -56,8 +59,10 @@ def speculative(binary: str, target: str, draft: str, prompt: str, max_new_token
         tail = out.strip().splitlines()[-3:]
         raise RuntimeError(f"{binary} exited {done.returncode} without a 'decoded' line: {' | '.join(tail)}")
     fields = {k: int(v) for k, v in _FIELD.findall(out)}
+    encoded = _ENCODED.search(out)
     return Speculative(int(decoded.group(1)), float(decoded.group(2)), fields.get("n_drafted", 0),
-                       fields.get("n_accept", 0), fields.get("n_draft", draft_max))  # fmt: skip
+                       fields.get("n_accept", 0), fields.get("n_draft", draft_max),
+                       float(encoded.group(2)) if encoded else 0.0)  # fmt: skip
 
 
 def plain_tokens_per_s(binary: str, gguf: str, max_new_tokens: int, threads: int, repeats: int = 3) -> float:

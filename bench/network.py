@@ -205,6 +205,54 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
     return out
 
 
+def against_api(runs: list[Run]) -> dict[str, dict[str, dict[str, dict]]]:
+    """{profile: {dataset: {method: ...}}}: each method beside the API on the same prompts over the same link — the
+    medians over prompts of its tok/s and server compute per token, each over the API's on that prompt."""
+    api = {(r.profile, r.dataset, r.prompt): r for r in runs if r.method == REFERENCE}
+    out: dict[str, dict[str, dict[str, dict]]] = {}
+    for r in runs:
+        if r.method != REFERENCE and (r.profile, r.dataset, r.prompt) in api:
+            out.setdefault(r.profile, {}).setdefault(r.dataset, {}).setdefault(r.method, {"runs": []})["runs"].append(r)
+    for datasets in out.values():
+        for methods in datasets.values():
+            for method, entry in methods.items():
+                mine = entry.pop("runs")
+                base = [api[(r.profile, r.dataset, r.prompt)] for r in mine]
+                per_token = [r.server_compute_s / max(r.tokens, 1) for r in mine]
+                base_per_token = [b.server_compute_s / max(b.tokens, 1) for b in base]
+                methods[method] = {
+                    "prompts": len(mine),
+                    "median_tokens_per_s": median([r.tokens_per_s for r in mine]),
+                    "api_tokens_per_s": median([b.tokens_per_s for b in base]),
+                    "speed_vs_api": median([r.tokens_per_s / b.tokens_per_s for r, b in zip(mine, base, strict=True)]),
+                    "server_s_per_token": median(per_token),
+                    "api_server_s_per_token": median(base_per_token),
+                    "server_vs_api": median([m / b for m, b in zip(per_token, base_per_token, strict=True) if b > 0]),
+                    "streamed_share": round(sum(r.streamed_tokens for r in mine) / sum(max(r.tokens, 1) for r in mine),
+                                            3),  # fmt: skip
+                }
+    return out
+
+
+def markdown_against_api(compared: dict[str, dict[str, dict[str, dict]]]) -> str:
+    lines = [
+        "| profile | dataset | method | tok/s | API tok/s | × API tok/s | server ms/tok | API server ms/tok "
+        "| × API server | streamed |",
+        "|---|---|---|" + "---:|" * 7,
+    ]
+    for profile, datasets in compared.items():
+        for dataset, methods in datasets.items():
+            for m, s in methods.items():
+                cells = [
+                    cell(s["median_tokens_per_s"], ".2f"), cell(s["api_tokens_per_s"], ".2f"),
+                    cell(s["speed_vs_api"], ".2f") + "×", cell(1000 * s["server_s_per_token"], ".1f"),
+                    cell(1000 * s["api_server_s_per_token"], ".1f"), cell(s["server_vs_api"], ".2f") + "×",
+                    f"{s['streamed_share']:.0%}" if s["streamed_share"] else "–",
+                ]  # fmt: skip
+                lines.append(f"| {profile} | {dataset} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     lines = [
         "| profile | method | tok/s | τ | calls/100 tok | server ms/tok | B/tok up | B/tok down | payload B/tok "
@@ -304,14 +352,20 @@ def main(argv: list[str] | None = None) -> int:
         "server_threads": args.server_threads,
         "cpus": cpus_label(cpus),
     }
+    compared = against_api(runs)
     table = markdown(summary)
+    if compared:
+        table += ("\n\nEach method beside the API on the same prompts, by dataset (medians over prompts of the "
+                  "per-prompt ratios; server compute includes the prompt's prefill):\n\n")
+        table += markdown_against_api(compared)
     counts = {d: sum(p.dataset == d for p in prompts) for d in ("mt-bench", "humaneval")}
     settings = {
         "profiles": args.profiles, "methods": args.methods, "max_new_tokens": args.max_new_tokens, "prompts": counts,
         "static_tree": STATIC_TREE, "paper_tree": PAPER_TREE,
         "profiles_set": {p: asdict(PROFILES[p]) for p in args.profiles if p in PROFILES},
     }  # fmt: skip
-    result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
+    result = {"environment": env, "settings": settings, "summary": summary, "against_api": compared,
+              "runs": [asdict(r) for r in runs]}  # fmt: skip
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
         f"{args.model} ({dtype}, weights {args.weights}, {args.device}): server child {args.server_threads} thread(s), "

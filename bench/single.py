@@ -22,7 +22,8 @@ sizes measure what the head's cost and the vocabulary's coverage do to speed and
 
 Every method runs on every prompt, interleaved per prompt with the order rotated from prompt to prompt (and
 the two datasets alternated), so machine noise hits all methods alike. Per prompt: tokens/s = new tokens /
-wall seconds of the whole call (prefill included, stopping at EOS as the decode loop does), τ = tokens gained
+wall seconds of the whole call (prefill included, stopping at EOS as the decode loop does), decode tokens/s the
+same after the first token (the prompt's prefill apart: the pace llama.cpp prints), τ = tokens gained
 per verification round (accepted drafts + the bonus token), rounds, drafting seconds, and whether the token
 ids equal ``none``'s (greedy must give the same ids; a floating-point tie may rarely flip one: counted and
 reported, never fatal). Per (method, dataset): median tokens/s, mean τ over prompts, speedup = median over
@@ -89,6 +90,7 @@ class Run:
     finish_reason: str
     matches_reference: bool | None = None
     first_difference: int | None = None
+    decode_tokens_per_s: float | None = None  # after the first token: decoding's pace, the prompt's prefill apart
 
 
 @dataclass
@@ -229,9 +231,11 @@ def llama_runs(target, methods: list[Method], prompts: list[Prompt], args: argpa
         for name, draft in drafts.items():
             s = speculative(args.llama_speculative, model, draft, text, args.max_new_tokens, args.threads,
                             draft_max=args.tree_depth)  # fmt: skip
-            out["runs"].append(Run(prompt.dataset, prompt.index, f"{LLAMA} {name}", s.tokens, round(s.seconds, 4),
-                                   round(s.tokens_per_s, 3), round(s.acceptance_length, 4),
-                                   round(s.drafted / s.draft_max), 0.0, "length"))  # fmt: skip
+            wall = s.prefill_s + s.seconds
+            out["runs"].append(Run(prompt.dataset, prompt.index, f"{LLAMA} {name}", s.tokens, round(wall, 4),
+                                   round(s.tokens / wall, 3), round(s.acceptance_length, 4),
+                                   round(s.drafted / s.draft_max), 0.0, "length",
+                                   decode_tokens_per_s=round(s.tokens_per_s, 3)))  # fmt: skip
             bar.update()
     bar.close()
     out["draft_max"] = args.tree_depth
@@ -243,7 +247,7 @@ def llama_lines(llama: dict) -> str:
         return ""
     lines = []
     if "plain_tokens_per_s" in llama:
-        lines.append(f"llama.cpp plain decoding (llama-bench tg, same GGUF, same threads): "
+        lines.append(f"llama.cpp plain decoding (llama-bench tg, same GGUF, same threads; no prompt: a decode pace): "
                      f"{llama['plain_tokens_per_s']:.2f} tok/s.")  # fmt: skip
     if "draft_max" in llama:
         lines.append(f"`llama.cpp <drafter>` rows: llama-speculative -md <drafter's GGUF>, greedy, "
@@ -277,9 +281,12 @@ def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_toke
             bar.set_postfix_str(f"{prompt.dataset} {prompt.index} {method.name}")
             gen = run_method(target, method, prompt.ids, max_new_tokens, seed=k)
             s = gen.stats
+            decoding = s.wall_s - s.ttft_s
+            pace = round((s.new_tokens - 1) / decoding, 3) if s.new_tokens > 1 and decoding > 0 else None
             run = Run(
                 prompt.dataset, prompt.index, method.name, s.new_tokens, round(s.wall_s, 4), round(s.tokens_per_s, 3),
                 round(s.acceptance_length, 4), s.rounds, round(s.draft_s, 4), gen.finish_reason,
+                decode_tokens_per_s=pace,
             )  # fmt: skip
             done[method.name] = (run, gen.token_ids)
             runs.append(run)
@@ -299,12 +306,17 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
             mine = [r for r in runs if r.method == m and r.dataset == d]
             if not mine:
                 continue
-            base = {r.prompt: r.tokens_per_s for r in runs if r.method == REFERENCE and r.dataset == d}
+            reference = {r.prompt: r for r in runs if r.method == REFERENCE and r.dataset == d}
+            base = {p: r.tokens_per_s for p, r in reference.items()}
+            decoding = {p: r.decode_tokens_per_s for p, r in reference.items() if r.decode_tokens_per_s}
             summary[m][d] = {
                 "prompts": len(mine),
                 "median_tokens_per_s": median([r.tokens_per_s for r in mine]),
                 "mean_acceptance_length": round(statistics.fmean(r.acceptance_length for r in mine), 3),
                 "median_speedup": median([r.tokens_per_s / base[r.prompt] for r in mine if r.prompt in base]),
+                "median_decode_tokens_per_s": median([r.decode_tokens_per_s for r in mine if r.decode_tokens_per_s]),
+                "median_decode_speedup": median([r.decode_tokens_per_s / decoding[r.prompt] for r in mine
+                                                 if r.decode_tokens_per_s and r.prompt in decoding]),  # fmt: skip
                 "median_draft_share": median([r.draft_s / r.wall_s for r in mine]),
                 "median_draft_ms_per_round": median([1000 * r.draft_s / r.rounds for r in mine if r.rounds]),
                 "mean_new_tokens": round(statistics.fmean(r.tokens for r in mine), 1),
@@ -313,11 +325,16 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
     return summary
 
 
+def times(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def markdown(summary: dict[str, dict[str, dict]], greedy: bool = True) -> str:
     """The table; ``≠ plain`` only for greedy runs (sampled outputs differ by design)."""
     lines = [
-        f"| method | dataset | τ | tok/s | speedup | drafting share | draft ms/round | ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",  # noqa: E501
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| method | dataset | τ | tok/s | speedup | decode tok/s | decode speedup | drafting share | draft ms/round "
+        f"| ≠ {'plain' if REFERENCE == 'none' else REFERENCE} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m, per in summary.items():
         ours = m != REFERENCE and not m.startswith(LLAMA)  # llama.cpp's rows: not timed inside, not compared
@@ -325,7 +342,9 @@ def markdown(summary: dict[str, dict[str, dict]], greedy: bool = True) -> str:
             cells = [
                 cell(s["mean_acceptance_length"], ".2f"),
                 cell(s["median_tokens_per_s"], ".2f"),
-                cell(s["median_speedup"], ".2f") + ("×" if s["median_speedup"] is not None else ""),
+                times(s["median_speedup"]),
+                cell(s.get("median_decode_tokens_per_s"), ".2f"),
+                times(s.get("median_decode_speedup")),
                 f"{s['median_draft_share']:.0%}" if ours else "–",
                 cell(s.get("median_draft_ms_per_round"), ".1f") if ours else "–",
                 f"{s['mismatches']}/{s['prompts']}" if ours and greedy else "–",
@@ -504,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{counts['humaneval']} HumanEval problems, {sampled(args)}, ≤{args.max_new_tokens} new tokens, stop at EOS; "
         f"trained drafters: EAGLE-2 trees B={args.tree_width}, D={args.tree_depth}, ≤{args.max_tree_nodes} nodes.\n"
         f"τ = tokens per verification round, mean over prompts; tok/s = median over prompts; speedup = median over "
-        f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; ≠ plain counts prompts whose token ids differ "
+        f"prompts of tok/s ÷ plain decoding's tok/s on that prompt; decode: the same after the first token (the "
+        f"prompt's prefill apart, as llama.cpp counts); ≠ plain counts prompts whose token ids differ "
         f"from plain decoding's.\n\n"
         + ("Training budgets (from each bundle's config.json):\n\n" + "\n".join(trained) + "\n\n" if trained else "")
         + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
