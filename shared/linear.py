@@ -75,15 +75,23 @@ def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
     return quants, dm[..., list(_Q4_SLOTS)].contiguous()
 
 
-def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [out, in] that ``pack_int4``'s quants and block scales stand for (d·q + m, in fp32)."""
+def unpack_int4(quants: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int4_blocks`` undone: the 4-bit values q [out, in] and each 32-value block's step d and minimum m
+    [out, in / 32] (fp16)."""
     tiles, blocks = quants.shape[:2]
     groups = quants.view(tiles, blocks, 8, 32)
     pairs = torch.cat([groups & 15, groups >> 4], dim=2).view(tiles, blocks, 16, 16, 2)
-    values = pairs.permute(0, 3, 1, 2, 4).reshape(tiles * 16, blocks, 32).float()
+    q = pairs.permute(0, 3, 1, 2, 4).reshape(tiles * 16, blocks * 32)
     order = torch.tensor(_Q4_SLOTS).argsort()
-    d, m = scales[..., order].permute(0, 3, 1, 2).reshape(tiles * 16, blocks, 2).float().unbind(-1)
-    return (values * d[..., None] + m[..., None]).reshape(tiles * 16, blocks * 32)
+    d, m = scales[..., order].permute(0, 3, 1, 2).reshape(tiles * 16, blocks, 2).unbind(-1)
+    return q, d, m
+
+
+def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] that ``pack_int4``'s quants and block scales stand for (d·q + m, in fp32)."""
+    q, d, m = unpack_int4(quants, scales)
+    n, k = q.shape
+    return (q.view(n, k // 32, 32).float() * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
 
 
 class Linear(nn.Linear):
@@ -138,6 +146,46 @@ class Linear(nn.Linear):
             device = fn(torch.empty(0)).device
             self.qweight, self.qscale = self.qweight.to(device), self.qscale.to(device)
         return module
+
+    def rows(self, ids: torch.Tensor, chunk: int = 1024) -> Linear:
+        """A layer of only the output rows ``ids`` (in that order) that computes what this one computes for them: a
+        float weight's rows, or 4-bit quants and block scales copied as they are (of the tiles of 16 rows holding them,
+        ``chunk`` tiles unpacked at a time), padded with zero rows to the kernels' tile of 16 — its first ``len(ids)`` outputs
+        are the rows asked for. An int8 layer keeps no copy it could cut rows from without rounding again."""
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise ValueError(f"rows {int(ids.min())}..{int(ids.max())} of a layer of {self.out_features} outputs")
+        rows = -(-len(ids) // 16) * 16
+        sub = Linear(self.in_features, rows, bias=self.bias is not None, device="meta")
+        if self.bias is not None:
+            sub.bias = nn.Parameter(F.pad(self.bias.detach()[ids.to(self.bias.device)], (0, rows - len(ids))))
+        if self.weight is not None:
+            sub.weight = nn.Parameter(F.pad(self.weight.detach()[ids.to(self.weight.device)],
+                                            (0, 0, 0, rows - len(ids))))  # fmt: skip
+            return sub
+        if self.weights_kind() != "int4":
+            raise ValueError("an int8 layer keeps no float copy: its rows would be rounded again")
+        sub.weight = None
+        k = self.in_features_padded()
+        q = torch.zeros(rows, k, dtype=torch.uint8)
+        d = torch.zeros(rows, k // 32, dtype=torch.float16)
+        m = torch.zeros_like(d)
+        tiles = torch.unique(ids // 16)  # only the tiles that hold a row asked for are unpacked
+        for i in range(0, len(tiles), chunk):
+            some = tiles[i : i + chunk]
+            cq, cd, cm = unpack_int4(self.qweight[some.to(self.qweight.device)].cpu(),
+                                     self.qscale[some.to(self.qscale.device)].cpu())  # fmt: skip
+            inside = ((ids // 16 >= some[0]) & (ids // 16 <= some[-1])).nonzero().flatten()
+            local = torch.searchsorted(some, ids[inside] // 16) * 16 + ids[inside] % 16
+            q[inside], d[inside], m[inside] = cq[local], cd[local], cm[local]
+        sub.qweight, sub.qscale = pack_int4_blocks(q, d, m)
+        sub.qweight, sub.qscale = sub.qweight.to(self.qweight.device), sub.qscale.to(self.qscale.device)
+        sub.kernel_build = self.kernel_build
+        return sub
+
+    def in_features_padded(self) -> int:
+        """Columns as packed (4-bit blocks of 32)."""
+        return self.qweight.shape[1] * 32 if self.weights_kind() == "int4" else self.in_features
 
     def int8_bias(self) -> torch.Tensor | None:
         return None if self.bias is None else self.bias.float().contiguous()

@@ -8,8 +8,11 @@ much); special tokens are always in, so a drafter can propose ending a turn.
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from itertools import islice
+from pathlib import Path
 
 import torch
 
@@ -41,3 +44,28 @@ def draft_vocab(tokenizer, size: int, sample: int = 3000, seq_len: int = 512, se
     total = sum(counts.values())
     coverage = sum(counts[t] for t in chosen) / total if total else 0.0
     return torch.tensor(sorted(chosen), dtype=torch.long), coverage
+
+
+RANKED = 32768  # tokens ranked and kept by ``frequent_tokens``: any smaller vocabulary is a prefix
+
+
+def frequent_tokens(tokenizer, size: int, cache: str | os.PathLike | None = None, sample: int = 2000) -> torch.Tensor:
+    """The ``size`` tokens (at most ``RANKED``) an assistant says most in ``sample`` ShareGPT conversations, in
+    this tokenizer's ids, with its special tokens, sorted: a whole model's draft vocabulary. Counted once per
+    tokenizer (a few seconds) and kept in the cache (``vocab/<fingerprint>.json``)."""
+    from shared.models import cache_dir
+    from shared.target import tokenizer_fingerprint
+
+    if not 1 <= size <= RANKED:
+        raise ValueError(f"a draft vocabulary of {size} tokens; expected 1..{RANKED}")
+    path = Path(cache_dir(cache)) / "vocab" / f"{tokenizer_fingerprint(tokenizer)}-{sample}.json"
+    try:
+        ranked = json.loads(path.read_text())
+    except (OSError, ValueError):
+        ranked = [t for t, _ in token_counts(tokenizer, sample).most_common(RANKED)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(ranked))
+        tmp.replace(path)  # whole or not at all: another process may be counting too
+    chosen = set(tokenizer.all_special_ids) | set(ranked[:size])
+    return torch.tensor(sorted(chosen), dtype=torch.long)
