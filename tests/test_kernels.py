@@ -61,6 +61,32 @@ def test_int4_is_exact_on_its_blocks_and_gives_back_q4_1_weights():
         pack_int4(torch.randn(6, 64))
 
 
+def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
+    """``Linear.rows``: a draft vocabulary's head. Its 4-bit blocks are the whole layer's own (a GGUF's blocks need not
+    span their 16 steps, which packing them anew from floats would round again), so its outputs are the same bits;
+    an int8 layer, which keeps no float copy, refuses."""
+    from shared.linear import Linear, pack_int4_blocks
+
+    torch.manual_seed(4)
+    layer, x = Linear(96, 160, bias=False), torch.randn(5, 96)
+    q = torch.randint(2, 12, (160, 96), dtype=torch.uint8)  # blocks that do not span 0..15
+    d, m = torch.rand(160, 3) * 0.01, torch.randn(160, 3) * 0.01
+    layer.qweight, layer.qscale = pack_int4_blocks(q, d, m)
+    layer.kernel_build, layer.weight = kernels.active(), None
+    whole = layer(x)
+    for ids in ([5, 17, 159, 0, 64, 33], [7], list(range(160))[::-1]):
+        part = layer.rows(torch.tensor(ids), chunk=2)
+        assert part.out_features % 16 == 0 and part.weights_kind() == "int4"
+        assert torch.equal(part(x)[:, : len(ids)], whole[:, ids])
+    floats = Linear(96, 40)
+    assert torch.equal(floats.rows(torch.tensor([3, 1]))(x)[:, :2], floats(x)[:, [3, 1]])
+    with pytest.raises(ValueError, match="rows 0..40 of a layer of 40"):
+        floats.rows(torch.tensor([0, 40]))
+    floats.quantize("int8")
+    with pytest.raises(ValueError, match="int8 layer keeps no float copy"):
+        floats.rows(torch.tensor([0]))
+
+
 @pytest.mark.parametrize("pack", [pack_int8, pack_int4])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
 def test_a_row_never_depends_on_the_rows_beside_it(op, pack):
