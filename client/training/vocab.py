@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -62,6 +63,8 @@ def frequent_tokens(tokenizer, size: int, cache: str | os.PathLike | None = None
     try:
         ranked = json.loads(path.read_text())
     except (OSError, ValueError):
+        print(f"splitspec: counting a draft vocabulary over {sample} ShareGPT conversations (once for this tokenizer)",
+              file=sys.stderr)  # fmt: skip
         ranked = [t for t, _ in token_counts(tokenizer, sample).most_common(RANKED)]
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
