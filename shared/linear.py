@@ -149,9 +149,10 @@ class Linear(nn.Linear):
 
     def rows(self, ids: torch.Tensor, chunk: int = 1024) -> Linear:
         """A layer of only the output rows ``ids`` (in that order) that computes what this one computes for them: a
-        float weight's rows, or 4-bit quants and block scales copied as they are (of the tiles of 16 rows holding them,
-        ``chunk`` tiles unpacked at a time), padded with zero rows to the kernels' tile of 16 — its first ``len(ids)`` outputs
-        are the rows asked for. An int8 layer keeps no copy it could cut rows from without rounding again."""
+        float weight's rows, or 4-bit quants and block scales copied as they are (of the tiles of 16 rows holding
+        them, ``chunk`` tiles unpacked at a time), padded with zero rows to the kernels' tile of 16 — its first
+        ``len(ids)`` outputs are the rows asked for. An int8 layer keeps no copy it could cut rows from without
+        rounding again."""
         ids = torch.as_tensor(ids, dtype=torch.long).cpu()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
             raise ValueError(f"rows {int(ids.min())}..{int(ids.max())} of a layer of {self.out_features} outputs")
