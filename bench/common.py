@@ -97,6 +97,11 @@ def cell(value: float | None, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def times(ratio: float | None) -> str:
+    """A ratio's markdown cell: ``1.23×``, or an en dash for None."""
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def save_results(out: Path, stem: str, result: dict, markdown: str) -> None:
     """``out/stem.json`` (the whole result) and ``out/stem.md`` (the human-readable table)."""
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
+from bench.common import cell, environment, finish, mark_differences, median, save_figure, start, times
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
 from client.decode import Resilience, api_generate, generate
@@ -245,8 +245,8 @@ def markdown_against_api(compared: dict[str, dict[str, dict[str, dict]]]) -> str
             for m, s in methods.items():
                 cells = [
                     cell(s["median_tokens_per_s"], ".2f"), cell(s["api_tokens_per_s"], ".2f"),
-                    cell(s["speed_vs_api"], ".2f") + "×", cell(1000 * s["server_s_per_token"], ".1f"),
-                    cell(1000 * s["api_server_s_per_token"], ".1f"), cell(s["server_vs_api"], ".2f") + "×",
+                    times(s["speed_vs_api"]), cell(1000 * s["server_s_per_token"], ".1f"),
+                    cell(1000 * s["api_server_s_per_token"], ".1f"), times(s["server_vs_api"]),
                     f"{s['streamed_share']:.0%}" if s["streamed_share"] else "–",
                 ]  # fmt: skip
                 lines.append(f"| {profile} | {dataset} | {m} | " + " | ".join(cells) + " |")

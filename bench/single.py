@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
+from bench.common import cell, environment, finish, mark_differences, median, save_figure, start, times
 from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, is_model, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
@@ -323,10 +323,6 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, dict]]:
                 "mismatches": sum(r.matches_reference is False for r in mine),
             }
     return summary
-
-
-def times(ratio: float | None) -> str:
-    return "–" if ratio is None else f"{ratio:.2f}×"
 
 
 def markdown(summary: dict[str, dict[str, dict]], greedy: bool = True) -> str:
