@@ -167,7 +167,7 @@ class Linear(nn.Linear):
         if self.weights_kind() != "int4":
             raise ValueError("an int8 layer keeps no float copy: its rows would be rounded again")
         sub.weight = None
-        k = self.in_features_padded()
+        k = self.qweight.shape[1] * 32  # columns as packed (blocks of 32)
         q = torch.zeros(rows, k, dtype=torch.uint8)
         d = torch.zeros(rows, k // 32, dtype=torch.float16)
         m = torch.zeros_like(d)
@@ -183,10 +183,6 @@ class Linear(nn.Linear):
         sub.qweight, sub.qscale = sub.qweight.to(self.qweight.device), sub.qscale.to(self.qscale.device)
         sub.kernel_build = self.kernel_build
         return sub
-
-    def in_features_padded(self) -> int:
-        """Columns as packed (4-bit blocks of 32)."""
-        return self.qweight.shape[1] * 32 if self.weights_kind() == "int4" else self.in_features
 
     def int8_bias(self) -> torch.Tensor | None:
         return None if self.bias is None else self.bias.float().contiguous()
