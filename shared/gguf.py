@@ -8,11 +8,12 @@ time:
 * 4-bit blocks (Q4_0, Q4_1, Q4_K) are served as they are on the CPU kernels' int4 path: a block's 4-bit values are
   kept and its scale and minimum become the kernel's fp16 pair (Q4_K's 6-bit sub-block scales times the super-block
   scale, rounded to fp16: at most 2^-11 of a block's step, never a second rounding of a value);
-* every other kind (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, ...) is dequantised exactly to fp32 and then made
+* Q6_K is served as it is on the kernels' int6 path (its 6-bit values, 16-value scales and super-block d kept);
+* every other kind (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q5_K, ...) is dequantised exactly to fp32 and then made
   what the path serves: int8 with a scale per row on the low-bit paths (re-quantised), or the float dtype.
 
-A fused projection (q, k, v; gate, up) is int4 only when all its parts are 4-bit kinds. What a conversion makes is
-cached beside the config (``weights-*.pt``), and a later load memory-maps the served bytes.
+A fused projection (q, k, v; gate, up) is int4 (int6) only when all its parts are 4-bit kinds (Q6_K). What a
+conversion makes is cached beside the config (``weights-*.pt``), and a later load memory-maps the served bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from shared.errors import SplitspecError
 
 POINTER = "gguf.json"
-FORMAT = 2  # of the cached weights: bump when the conversion changes
+FORMAT = 3  # of the cached weights: bump when the conversion changes
 
 # the engine's projections and the GGUF tensors they are made of (blk.N.<name>.weight / .bias)
 PROJECTIONS = {
@@ -124,6 +125,9 @@ class Checkpoint:
     def is_four_bit(self, name: str) -> bool:
         return self._tensor(name).tensor_type in self.four_bit
 
+    def is_six_bit(self, name: str) -> bool:
+        return self._tensor(name).tensor_type == _gguf().GGMLQuantizationType.Q6_K
+
     def _tensor(self, name: str):
         if name not in self.tensors:
             raise SplitspecError(f"{self.path}: no tensor {name!r} (a {self.arch} decoder has it)")
@@ -194,6 +198,24 @@ class Checkpoint:
         return tuple(self._hf_order(t, heads) for t in (q, per_block(scale), per_block(low)))
 
 
+    def six_bits(self, name: str, heads: int | None = None, span: tuple[int, int] | None = None):
+        """A Q6_K tensor (or its rows ``span``) as (q uint8 [rows, cols] in 0..63, scales int8 [rows, cols / 16], d
+        fp16 [rows, cols / 256]): value = d * scale * (q - 32). A super-block is 128 bytes of low 4 bits, 64 of
+        high 2 bits, 16 scales and d."""
+        t = self._tensor(name)
+        if not self.is_six_bit(name):
+            raise ValueError(f"tensor {name} is {t.tensor_type.name}, not Q6_K")
+        rows, cols = self._rows(name, span)
+        n = rows.shape[0]
+        b = rows.reshape(-1, 210)
+        low = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        high = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((low & 15).reshape(-1, 8, 32) | ((high & 3).reshape(-1, 8, 32) << 4)).reshape(n, cols)
+        scales = b[:, 192:208].copy().view(np.int8).reshape(n, cols // 16)
+        d = b[:, 208:210].copy().view(np.float16).reshape(n, cols // 256)
+        return tuple(self._hf_order(torch.from_numpy(np.ascontiguousarray(a)), heads) for a in (q, scales, d))
+
+
 def four_bit_share(folder: str | os.PathLike) -> float:
     """The share of a GGUF's projection weights stored in 4-bit kinds: what int4 serves as it is."""
     ckpt = Checkpoint(source_of(folder))
@@ -255,8 +277,7 @@ def _converted(ckpt: Checkpoint, cfg, weights: str):
                 biases = [ckpt.floats(f"blk.{i}.{p}.bias", heads.get(p)) for p in parts]
                 state[f"layers.{i}.{ours}.bias"] = torch.cat(biases)
             if lowbit:
-                four = weights in ("int4", "lowbit") and all(ckpt.is_four_bit(n) for n in names)
-                state.update(_packed(f"layers.{i}.{ours}", ckpt, names, parts, heads, four, weights))
+                state.update(_packed(f"layers.{i}.{ours}", ckpt, names, parts, heads, weights))
             else:
                 state[f"layers.{i}.{ours}.weight"] = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in
                                                                 zip(names, parts, strict=True)])  # fmt: skip
@@ -264,7 +285,7 @@ def _converted(ckpt: Checkpoint, cfg, weights: str):
     _progress(cfg.num_layers, cfg.num_layers, started)
     yield {"norm.weight": ckpt.floats("output_norm.weight"), "embed_tokens.weight": ckpt.floats("token_embd.weight")}
     if not cfg.tie_embeddings and lowbit:  # packed at once: a float copy of a 150k-token head would double the memory
-        qweight, qscale = _head_rows(ckpt, "output.weight", "int4" if weights == "int4" else "int8")
+        qweight, qscale = _head_rows(ckpt, "output.weight", weights)
         yield {"lm_head.qweight": qweight, "lm_head.qscale": qscale}
     elif not cfg.tie_embeddings:
         yield {"lm_head.weight": ckpt.floats("output.weight")}
@@ -280,27 +301,38 @@ def _release() -> None:
         pass
 
 
-def _head_rows(ckpt: Checkpoint, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head packed ``int8`` (a scale per row) or ``int4`` (pinned int4: a drafter's head, where rounding it
-    again costs nothing but drafts), a slice of rows at a time (rows are independent): no fp32 copy of it."""
-    from shared.linear import pack_int4, pack_int8
+def _head_rows(ckpt: Checkpoint, name: str, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head packed for the low-bit ``weights``, a slice of rows at a time (rows are independent): no fp32
+    copy of it. Q6_K is served as it is (``lowbit``); else int8 (a scale per row), or int4 when pinned (a drafter's
+    head, where rounding it again costs nothing but drafts)."""
+    from shared.linear import pack_int4, pack_int6_blocks, pack_int8
 
     t = ckpt.tensors[name]
-    rows, step = int(t.shape[1]), 8192  # a multiple of every layout's tile
-    pack = pack_int4 if kind == "int4" and rows % 16 == 0 and int(t.shape[0]) % 32 == 0 else pack_int8
-    parts = [pack(ckpt.floats(name, span=(r, min(rows, r + step)))) for r in range(0, rows, step)]
+    rows, cols, step = int(t.shape[1]), int(t.shape[0]), 8192  # a multiple of every layout's tile
+    if weights == "lowbit" and ckpt.is_six_bit(name) and rows % 16 == 0:
+        pack = lambda span: pack_int6_blocks(*ckpt.six_bits(name, span=span))  # noqa: E731
+    elif weights == "int4" and rows % 16 == 0 and cols % 32 == 0:
+        pack = lambda span: pack_int4(ckpt.floats(name, span=span))  # noqa: E731
+    else:
+        pack = lambda span: pack_int8(ckpt.floats(name, span=span))  # noqa: E731
+    parts = [pack((r, min(rows, r + step))) for r in range(0, rows, step)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 
-def _packed(prefix, ckpt, names, parts, heads, four, weights) -> dict[str, torch.Tensor]:
-    """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are, else int8 (or int4 when
-    pinned) from its exact fp32 values."""
-    from shared.linear import pack_int4, pack_int4_blocks, pack_int8
+def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tensor]:
+    """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are (``int4``, ``lowbit``),
+    int6 from Q6_K as it is (``lowbit``), else int8 (or int4 when pinned) from its exact fp32 values."""
+    from shared.linear import pack_int4, pack_int4_blocks, pack_int6_blocks, pack_int8
 
-    if four:
-        q, d, m = (torch.cat(t) for t in zip(*(ckpt.blocks(n, heads.get(p)) for n, p in
-                                                zip(names, parts, strict=True)), strict=True))  # fmt: skip
-        qweight, qscale = pack_int4_blocks(q, d, m)
+    def joined(read) -> list[torch.Tensor]:
+        return [torch.cat(t) for t in zip(*(read(n, heads.get(p)) for n, p in zip(names, parts, strict=True)),
+                                          strict=True)]  # fmt: skip
+
+    rows = sum(int(ckpt.tensors[n].shape[1]) for n in names)
+    if weights in ("int4", "lowbit") and all(ckpt.is_four_bit(n) for n in names):
+        qweight, qscale = pack_int4_blocks(*joined(ckpt.blocks))
+    elif weights == "lowbit" and all(ckpt.is_six_bit(n) for n in names) and rows % 16 == 0:
+        qweight, qscale = pack_int6_blocks(*joined(ckpt.six_bits))
     else:
         w = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in zip(names, parts, strict=True)])
         fits = w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0

@@ -94,6 +94,62 @@ def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.view(n, k // 32, 32).float() * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
 
 
+Q6_BYTES = 256 + 128 + 32  # a 6-bit tile's bytes a block: low nibbles, high bits, the two half blocks' scales
+
+
+def _nibble_pairs(v: torch.Tensor) -> torch.Tensor:
+    """Values [out, in] as ``pack_int4_blocks`` pairs them: [out / 16, in / 32, 16, 32], step j of a block holding
+    each row's values 2j, 2j + 1 side by side, row after row (steps 0-7 go in low nibbles, 8-15 in high ones)."""
+    n, k = v.shape
+    return v.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+
+
+def pack_int6_blocks(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """6-bit values q [out, in] (0..63) with an int8 scale per 16 values [out, in / 16] and an fp16 d per 256 [out,
+    in / 256] (value = d·scale·(q − 32): a GGUF's Q6_K, served as it is) in the CPU kernels' layout (``cpu.cpp``'s
+    Q6B): per tile of 16 rows and 32-value block, the low 4 bits as ``pack_int4_blocks`` lays them out, their high 2
+    bits (byte i: those of 4-bit byte i's two values, then of byte i + 128's) and the two half blocks' scales;
+    the d apart, [out / 16, in / 256, 16]. Scales and d in the 4-bit scales' column order."""
+    n, k = q.shape
+    if n % 16 or k % 256 or scales.shape != (n, k // 16) or d.shape != (n, k // 256):
+        raise ValueError(f"6-bit blocks: values {tuple(q.shape)} (rows in multiples of 16, columns of 256) with "
+                         f"scales [{n}, {k // 16}] and d [{n}, {k // 256}]; got {tuple(scales.shape)}, "
+                         f"{tuple(d.shape)}")  # fmt: skip
+    q = q.to(torch.uint8)
+    low, high = _nibble_pairs(q & 15), _nibble_pairs(q >> 4)
+    quants = (low[:, :, :8] | (low[:, :, 8:] << 4)).reshape(n // 16, k // 32, 256)
+    bits = (high[:, :, :8] | (high[:, :, 8:] << 2)).reshape(n // 16, k // 32, 256)
+    bits = bits[..., :128] | (bits[..., 128:] << 4)
+    slots = list(_Q4_SLOTS)
+    sc = scales.to(torch.int8).view(n // 16, 16, k // 32, 2).permute(0, 2, 3, 1)[..., slots]
+    packed = torch.cat([quants, bits, sc.reshape(n // 16, k // 32, 32).view(torch.uint8)], dim=-1).contiguous()
+    return packed, d.half().view(n // 16, 16, k // 256).transpose(1, 2)[..., slots].contiguous()
+
+
+def unpack_int6(packed: torch.Tensor, dsup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int6_blocks`` undone: q [out, in] (0..63), the scales [out, in / 16] (int8), d [out, in / 256]."""
+    tiles, blocks = packed.shape[:2]
+    order = torch.tensor(_Q4_SLOTS).argsort()
+    no_scales = torch.zeros(tiles, blocks, 2, 16, dtype=torch.float16)
+    low = unpack_int4(packed[..., :256].contiguous(), no_scales)[0]
+    bits = packed[..., 256:384]
+    bits = torch.cat([bits & 15, bits >> 4], dim=-1)  # each 4-bit byte's two values' high bits, in its place
+    high = unpack_int4(((bits & 3) | ((bits >> 2) << 4)).contiguous(), no_scales)[0]
+    q = low | (high << 4)
+    sc = packed[..., 384:].contiguous().view(torch.int8).view(tiles, blocks, 2, 16)[..., order]
+    scales = sc.permute(0, 3, 1, 2).reshape(tiles * 16, blocks * 2)
+    d = dsup[..., order].transpose(1, 2).reshape(tiles * 16, -1)
+    return q, scales, d
+
+
+def dequantize_int6(packed: torch.Tensor, dsup: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] that ``pack_int6_blocks``' values and scales stand for (d·scale·(q − 32))."""
+    q, scales, d = unpack_int6(packed, dsup)
+    n, k = q.shape
+    step = d.float().repeat_interleave(16, dim=1) * scales.float()  # d·scale per 16 values, exact in fp32
+    return (step.repeat_interleave(16, dim=1) * (q.float() - 32)).view(n, k)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
 
@@ -135,10 +191,12 @@ class Linear(nn.Linear):
             self.weight = None  # the int8 copy is the weight now
 
     def weights_kind(self) -> str:
-        """``native``, ``int8`` or ``int4``: what this layer computes with."""
+        """``native``, ``int8``, ``int4`` or ``int6``: what this layer computes with."""
         if self.qweight is None:
             return "native"
-        return "int4" if self.qweight.dtype == torch.uint8 else "int8"
+        if self.qweight.dtype != torch.uint8:
+            return "int8"
+        return "int6" if self.qweight.shape[-1] == Q6_BYTES else "int4"
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)

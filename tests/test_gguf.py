@@ -16,7 +16,7 @@ import torch
 from shared import kernels
 from shared.errors import SplitspecError
 from shared.gguf import Checkpoint
-from shared.linear import dequantize_int4, pack_int4_blocks
+from shared.linear import dequantize_int4, dequantize_int6, pack_int4_blocks, pack_int6_blocks
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -37,6 +37,34 @@ def _random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _random_q6k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q6_K super-blocks (210 bytes per 256 values: low 4 bits, high 2 bits, 16 int8 scales, fp16 d)."""
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.full((len(blocks), 1), 1e-4, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _write_tensor(path: Path, raw: np.ndarray, kind) -> Checkpoint:
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("t.weight", raw, raw_dtype=kind)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    return Checkpoint(path)
+
+
+def test_q6_k_is_served_as_the_values_gguf_stands_for(tmp_path):
+    """Q6_K read as 6-bit values, 16-value scales and super-block d, packed for the kernels' int6 path, dequantises
+    to exactly gguf's own values, whole and a span of rows at a time."""
+    rows, cols = 32, 512
+    raw = _random_q6k(rows, cols, np.random.default_rng(2))
+    ckpt = _write_tensor(tmp_path / "t.gguf", raw, Q.Q6_K)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(rows, cols))
+    assert ckpt.is_six_bit("t.weight") and not ckpt.is_four_bit("t.weight")
+    assert torch.equal(dequantize_int6(*pack_int6_blocks(*ckpt.six_bits("t.weight"))), want)
+    assert torch.equal(dequantize_int6(*pack_int6_blocks(*ckpt.six_bits("t.weight", span=(16, 32)))), want[16:])
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
     """The 4-bit values and per-32 scale and minimum read from each 4-bit kind give exactly gguf's own dequantisation,
@@ -45,13 +73,7 @@ def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
     rows, cols = 32, 512
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     raw = _random_q4k(rows, cols, rng) if kind == "Q4_K" else gguf.quants.quantize(w, Q[kind])
-    path = tmp_path / "t.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("t.weight", raw, raw_dtype=Q[kind])
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
-        step()
-    writer.close()
-    ckpt = Checkpoint(path)
+    ckpt = _write_tensor(tmp_path / "t.gguf", raw, Q[kind])
     q, d, m = ckpt.blocks("t.weight")
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols))
     values = (q.float().view(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, cols)
@@ -64,7 +86,7 @@ def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
 
 # the tiny model: GGUF tensor kinds per name (norms and biases stay F32)
 KINDS = {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0,
-         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0, "output": Q.Q8_0}  # fmt: skip
+         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q6_K, "output": Q.Q8_0}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +94,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     """A 2-layer llama GGUF (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer and random weights."""
     source = gguf.GGUFReader(_builtin_gguf())
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
-    vocab, E, F, layers = 49152, 64, 128, 2
+    vocab, E, F, layers = 49152, 64, 256, 2
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(layers)
     writer.add_context_length(512)
@@ -97,7 +119,10 @@ def tiny_gguf(tmp_path_factory) -> Path:
         w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         if rows == 1:
             w = (1 + 0.1 * w[0]).astype(np.float32)
-        data = w.astype(np.float16) if kind == Q.F16 else w if kind == Q.F32 else gguf.quants.quantize(w, kind)
+        if kind == Q.Q6_K:  # (gguf quantises no k-quant kind: random blocks of the right size)
+            data = _random_q6k(rows, cols, rng)
+        else:
+            data = w.astype(np.float16) if kind == Q.F16 else w if kind == Q.F32 else gguf.quants.quantize(w, kind)
         writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
 
     add("token_embd.weight", vocab, E, KINDS["token_embd"], 0.5)
@@ -154,17 +179,20 @@ def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
 
 @pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
 def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tiny_gguf, cache):
-    """lowbit: a projection made only of 4-bit kinds is int4 with the file's own values, the others int8; a second
-    load reads the cached packing and serves the same target; a tree verified at once equals plain decoding."""
+    """lowbit: a projection made only of 4-bit kinds is int4 with the file's own values, one of Q6_K int6 with its
+    own, the others int8; a second load reads the cached packing and serves the same target; a tree verified at once
+    equals plain decoding."""
     from shared.models import load_target
 
     first = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
     block = first.engine.layers[0]
-    assert block.mlp.gate_up.weights_kind() == "int4" and block.mlp.down_proj.weights_kind() == "int4"
+    assert block.mlp.gate_up.weights_kind() == "int4" and block.mlp.down_proj.weights_kind() == "int6"
     assert block.self_attn.qkv.weights_kind() == "int8"  # Q8_0: re-quantised to a scale per row
     ckpt = Checkpoint(tiny_gguf)
     gate = ckpt.floats("blk.0.ffn_gate.weight")  # Q4_1: d and m are fp16 already, so int4 is exact
     assert torch.equal(dequantize_int4(block.mlp.gate_up.qweight, block.mlp.gate_up.qscale)[: len(gate)], gate)
+    down = block.mlp.down_proj
+    assert torch.equal(dequantize_int6(down.qweight, down.qscale), ckpt.floats("blk.0.ffn_down.weight"))
     assert list((cache / "gguf").glob("tiny-llama-*/weights-lowbit-*/complete"))
     again = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
     assert _plain(first) == _plain(again)

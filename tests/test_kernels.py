@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from shared import kernels
-from shared.linear import dequantize_int4, pack_int4, pack_int8
+from shared.linear import dequantize_int4, dequantize_int6, pack_int4, pack_int6_blocks, pack_int8, unpack_int6
 from shared.tree import path_to, tree_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")
@@ -61,6 +61,42 @@ def test_int4_is_exact_on_its_blocks_and_gives_back_q4_1_weights():
         pack_int4(torch.randn(6, 64))
 
 
+def random_int6(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q6_K-like 6-bit weights [n, k] packed for the kernels: every value, scale (-128..127 too) and d."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(-128, 128, (n, k // 16), generator=gen).to(torch.int8)
+    return pack_int6_blocks(q, scales, (torch.rand(n, k // 256, generator=gen) * 2e-3).half())
+
+
+def pack_int6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random 6-bit weights of ``weight``'s shape (its columns padded to 256): what the tests below multiply by."""
+    return random_int6(weight.shape[0], -(-weight.shape[1] // 256) * 256, seed=weight.shape[0])
+
+
+def test_int6_is_exact_on_its_half_blocks_and_packs_a_gguf_q6_k_as_it_is():
+    """int6 (a GGUF's Q6_K): values, 16-value scales and super-block d come back unpacked as they went in, and the
+    kernel's product is the fp64 one of the weight they stand for and the block-wise quantised activations."""
+    torch.manual_seed(4)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 64, (48, 512), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(-128, 128, (48, 32), generator=gen).to(torch.int8)
+    d = (torch.rand(48, 2, generator=gen) * 1e-3).half()
+    packed = pack_int6_blocks(q, scales, d)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_int6(*packed), (q, scales, d), strict=True))
+    weight = dequantize_int6(*packed)
+    want_weight = d.float().repeat_interleave(256, 1) * scales.float().repeat_interleave(16, 1) * (q.float() - 32)
+    assert torch.equal(weight, want_weight)
+    x = torch.randn(9, 512)
+    blocks = x.view(9, 16, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    xq = (torch.round(blocks * (127 / amax)).clamp(-127, 127) * (amax / 127)).view(9, 512).double()
+    want = xq @ weight.double().T
+    torch.testing.assert_close(ops.linear(x, *packed, None, None).double(), want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="columns of 256"):
+        pack_int6_blocks(q[:, :128], scales[:, :8], d[:, :1])
+
+
 def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
     """``Linear.rows``: a draft vocabulary's head. Its 4-bit blocks are the whole layer's own (a GGUF's blocks need not
     span their 16 steps, which packing them anew from floats would round again), so its outputs are the same bits;
@@ -87,12 +123,12 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
         floats.rows(torch.tensor([0]))
 
 
-@pytest.mark.parametrize("pack", [pack_int8, pack_int4])
+@pytest.mark.parametrize("pack", [pack_int8, pack_int4, pack_int6])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
 def test_a_row_never_depends_on_the_rows_beside_it(op, pack):
     """The exactness guarantee: any subset of rows, in any count, gives bit-identical rows."""
     torch.manual_seed(1)
-    E, Fh = 96, 160
+    E, Fh = (256, 256) if pack is pack_int6 else (96, 160)
     norm = torch.rand(E) + 0.5
     wq, sq = pack(torch.randn(3 * E, E) * 0.05)
     wgu, sgu = pack(torch.randn(2 * Fh, E) * 0.05)
@@ -173,7 +209,7 @@ def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
 
 def test_every_build_computes_the_same_bits():
     """The vector builds (avx512-vnni, avx-vnni, avx2: those this CPU runs) differ in speed only: linear layers (int8
-    in each build's own layout, int4), the fused MLP and attention over fp32, fp16 and bf16 caches give identical
+    in each build's own layout, int4, int6), the fused MLP and attention over fp32, fp16 and bf16 caches give identical
     bits, so a client on one CPU and a server on another serve the same target. (The portable build's norms and exp
     sum in another order: a target of its own, for CPUs without AVX2.)"""
     builds = [b for b in kernels.builds() if b != "portable"]
@@ -188,6 +224,8 @@ def test_every_build_computes_the_same_bits():
         o = kernels.ops(tag)
         i8 = lambda t, layout=o.int8_layout(): pack_int8(t, layout)  # noqa: E731
         got = [o.linear(x, *i8(w), bias, res), o.linear(x, *pack_int4(w), bias, res),
+               o.linear(torch.randn(T, 512, generator=torch.Generator().manual_seed(7)), *random_int6(Fh, 512), bias,
+                        res),
                o.mlp(x, norm, 1e-5, *i8(gate_up), None, *i8(down), None),
                o.mlp(x, norm, 1e-5, *pack_int4(gate_up), None, *pack_int4(down), None)]  # fmt: skip
         for cache_dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -60,6 +60,7 @@ struct Rows {
   std::vector<uint8_t> u;   // [M, Kp] the values + 128 (VNNI's unsigned operand; see dot_tile)
   std::vector<float> scale; // [M] per row, or [M, Kp / 32] per block
   std::vector<float> bsum;  // [M, Kp / 32] each block's sum of q, times its scale in block mode
+  std::vector<int32_t> hsum;  // [M, Kp / 16] each half block's sum of q, in block mode (6-bit weights' offset)
   int64_t M = 0, Kp = 0;
   bool blocks = false;
 };
@@ -143,6 +144,7 @@ void prepare_rows(int64_t M, int64_t K, Rows& r, bool blocks) {
 #endif
   r.scale.assign(blocks ? M * Kb : M, 0.f);
   r.bsum.assign(M * Kb, 0.f);
+  r.hsum.assign(blocks ? M * Kb * 2 : 0, 0);
 }
 
 // Rows [m0, m1) of x [M, K] quantised into r (prepared for M rows)
@@ -162,7 +164,17 @@ void quantize_rows_range(const float* x, int64_t m0, int64_t m1, int64_t K, Rows
       const int64_t k0 = b * KSTEP, k1 = std::min(K, k0 + KSTEP), n = std::max<int64_t>(0, k1 - k0);
       const float amax = blocks ? amax_of(xr + k0, n) : row_amax;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      const int32_t sum = quantize_span(xr + k0, n, inv, q + k0, a ? a + k0 : nullptr);
+      int32_t sum;
+      if (blocks) {  // in halves of 16, whose sums the 6-bit weights' offset needs
+        const int64_t n0 = std::min<int64_t>(n, KSTEP / 2);
+        const int32_t s0 = quantize_span(xr + k0, n0, inv, q + k0, nullptr);
+        const int32_t s1 = quantize_span(xr + k0 + n0, n - n0, inv, q + k0 + n0, nullptr);
+        r.hsum[(m * Kb + b) * 2] = s0;
+        r.hsum[(m * Kb + b) * 2 + 1] = s1;
+        sum = s0 + s1;
+      } else {
+        sum = quantize_span(xr + k0, n, inv, q + k0, a ? a + k0 : nullptr);
+      }
       if (blocks) {
         r.scale[m * Kb + b] = amax / 127.f;
         r.bsum[m * Kb + b] = static_cast<float>(sum) * (amax / 127.f);
@@ -414,10 +426,8 @@ constexpr int64_t Q4 = 16;  // columns per 4-bit tile
 // the column order of the scales ({0-3, 8-11, 4-7, 12-15}), once for all the rows. A block's int32 sum is
 // exact and the float steps per column are those of the AVX2 path: the same bits.
 // TN tiles side by side (TN x 16 columns): a row's activation broadcasts and block scalars serve them all
-template <int R, int TN = 1>
-void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
-             float* out) {
-  // lane j holds column col[j]; its bytes: (group g, col, e = 0), (g, col, 1), (g + 1, col, 0), (g + 1, col, 1)
+// lane j holds column col[j]; its bytes: (group g, col, e = 0), (g, col, 1), (g + 1, col, 0), (g + 1, col, 1)
+inline __m512i q4_pick() {
   static const __m512i pick = [] {
     alignas(64) uint8_t idx[64];
     static constexpr int col[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
@@ -425,6 +435,13 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
       for (int i = 0; i < 4; ++i) idx[4 * j + i] = static_cast<uint8_t>((i / 2) * 32 + 2 * col[j] + i % 2);
     return _mm512_load_si512(idx);
   }();
+  return pick;
+}
+
+template <int R, int TN = 1>
+void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
+             float* out) {
+  const __m512i pick = q4_pick();
   const __m512i low = _mm512_set1_epi8(15);
   const int64_t tile_bytes = Kb * 8 * 32, scale_halves = Kb * 2 * Q4;
   __m512 acc[R][TN];
@@ -580,37 +597,254 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 }
 #endif
 
-// y[M, N] = x · (d·q + m)ᵀ (+ bias) (+ residual) for 4-bit weights of N rows (a multiple of Q4).
-void gemm_q4(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
-             int64_t N, float* y, const Split& split = {}) {
+
+// 6-bit weights (Q6_K, served as they are): super-blocks of 256 values along K, each 16-value half block h with its
+// own int8 scale s_h, and one fp16 d per column and super-block: w = d·s_h·(q − 32), q in 0..63. A tile (16
+// columns) streams Q6B = 416 bytes a 32-value block: the low 4 bits of its values in the 4-bit layout (256 bytes),
+// their high 2 bits (128 bytes: byte i's bits 0-1 and 2-3 belong to the low and high nibble of 4-bit byte i, bits
+// 4-7 likewise to byte i + 128) and the 2 x 16 scales (int8, in the 4-bit scales' column order); the d of every
+// super-block follow apart ([N / 16, K / 256, 16] fp16). A half block's dot product with the activations is exact
+// (q·x, less 32 x their sum, times s_h: |.| < 2^24, so exact in fp32 too); blocks are summed in float in K order:
+// acc = fma(float(isum)·d, x_scale, acc), the 4-bit path's step without its minimum.
+constexpr int64_t Q6B = 8 * 32 + 4 * 32 + 2 * Q4;  // bytes a tile streams a block
+
+#if defined(SPLITSPEC_AVX512)
+template <int R, int TN = 1>
+void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, int64_t Kb, const Ahead& ahead,
+             float* out) {
+  const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  const int64_t tile_bytes = Kb * Q6B, d_halves = Kb / 8 * Q4;
+  __m512 acc[R][TN];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < TN; ++u) acc[r][u] = _mm512_setzero_ps();
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
+  for (int64_t b = 0; b < Kb; ++b) {
+    for (int u = 0; u < TN; ++u)
+      for (int line = 0; line < 7; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * Q6B + PREFETCH + 64 * line), _MM_HINT_T0);
+    ahead.fetch(b);
+    __m512i first[R][TN], second[R][TN];  // the block's two half blocks: values 0-15 and 16-31
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < TN; ++u) first[r][u] = second[r][u] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g += 2) {
+      __m512i wl[TN], wh[TN];
+      for (int u = 0; u < TN; ++u) {
+        const uint8_t* wb = w + u * tile_bytes + b * Q6B;
+        const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 32 * g));
+        __m512i h = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 256 + 32 * (g % 4)));
+        if (g >= 4) h = _mm512_srli_epi16(h, 4);
+        wl[u] = _mm512_or_si512(_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+        wh[u] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                _mm512_and_si512(_mm512_slli_epi16(h, 2), top));  // fmt: skip
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t lo4, hi4;  // activations 2g..2g+3 and 2g+16..2g+19
+        std::memcpy(&lo4, xq[r] + b * KSTEP + 2 * g, 4);
+        std::memcpy(&hi4, xq[r] + b * KSTEP + 16 + 2 * g, 4);
+        const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+        for (int u = 0; u < TN; ++u) {
+          first[r][u] = _mm512_dpbusd_epi32(first[r][u], wl[u], xl);
+          second[r][u] = _mm512_dpbusd_epi32(second[r][u], wh[u], xh);
+        }
+      }
+    }
+    __m512 s0[TN], s1[TN];  // d·scale of each half block: exact in fp32
+    for (int u = 0; u < TN; ++u) {
+      const uint8_t* sc = w + u * tile_bytes + b * Q6B + 384;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dsup + u * d_halves + b / 8 * Q4)));
+      s0[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))), d);
+      s1[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + Q4)))), d);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
+      const __m512i o0 = _mm512_set1_epi32(32 * hs[0]), o1 = _mm512_set1_epi32(32 * hs[1]);
+      const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]);
+      for (int u = 0; u < TN; ++u) {
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(second[r][u], o1)), s1[u],
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(first[r][u], o0)), s0[u]));
+        acc[r][u] = _mm512_fmadd_ps(v, sx, acc[r][u]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < TN; ++u)
+      _mm512_storeu_ps(out + (r * TN + u) * Q4, _mm512_shuffle_f32x4(acc[r][u], acc[r][u], _MM_SHUFFLE(3, 1, 2, 0)));
+}
+#elif defined(SPLITSPEC_AVX2)
+// a 6-bit byte pair's values: low nibbles | high bits (bits 0-1 of h, shifted), high nibbles | bits 2-3 of h
+inline void six_bits(__m256i raw, __m256i h, __m256i& wl, __m256i& wh) {
+  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  wl = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+  wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+}
+
+template <int R, int TN = 1>
+void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, int64_t Kb, const Ahead& ahead,
+             float* out) {
+  static_assert(TN == 1, "the AVX2 build runs one tile at a time");
+  __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
+  for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
+  for (int64_t b = 0; b < Kb; ++b) {
+    const uint8_t* qb = w + b * Q6B;
+    for (int line = 0; line < 7; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
+    ahead.fetch(b);
+    __m256i f_lo[R], f_hi[R], s_lo[R], s_hi[R];  // first and second half block, columns {0-3, 8-11} and {4-7, 12-15}
+    for (int r = 0; r < R; ++r) f_lo[r] = f_hi[r] = s_lo[r] = s_hi[r] = _mm256_setzero_si256();
+    auto high = [&](int g) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 32 * (g % 4)));
+      return g >= 4 ? _mm256_srli_epi16(h, 4) : h;
+    };
+#ifdef SPLITSPEC_AVXVNNI
+    for (int g = 0; g < 8; g += 2) {  // as the 4-bit path: two steps interleaved, a column's 4 values a lane
+      const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
+      const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g + 32));
+      const __m256i ha = high(g), hb = high(g + 1);
+      __m256i lo_a, lo_b, hi_a, hi_b;
+      six_bits(_mm256_unpacklo_epi16(ra, rb), _mm256_unpacklo_epi16(ha, hb), lo_a, lo_b);
+      six_bits(_mm256_unpackhi_epi16(ra, rb), _mm256_unpackhi_epi16(ha, hb), hi_a, hi_b);
+      for (int r = 0; r < R; ++r) {
+        int32_t va, vb;
+        std::memcpy(&va, xq[r] + b * KSTEP + 2 * g, 4);
+        std::memcpy(&vb, xq[r] + b * KSTEP + 16 + 2 * g, 4);
+        const __m256i xa = _mm256_set1_epi32(va), xb = _mm256_set1_epi32(vb);
+        f_lo[r] = _mm256_dpbusd_avx_epi32(f_lo[r], lo_a, xa);
+        f_hi[r] = _mm256_dpbusd_avx_epi32(f_hi[r], hi_a, xa);
+        s_lo[r] = _mm256_dpbusd_avx_epi32(s_lo[r], lo_b, xb);
+        s_hi[r] = _mm256_dpbusd_avx_epi32(s_hi[r], hi_b, xb);
+      }
+    }
+#else
+    __m256i xl[R], xh[R];  // a row's block values 0-15 and 16-31, each in both 128-bit lanes (for vpshufb)
+    for (int r = 0; r < R; ++r) {
+      xl[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP)));
+      xh[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP + 16)));
+    }
+    for (int g = 0; g < 8; g += 4) {  // a pair of products is at most 2·63·127: two pairs add up in int16
+      __m256i p[2][2][R];  // [steps g, g + 1 | g + 2, g + 3][half block][row]
+      for (int j = 0; j < 2; ++j)
+        for (int r = 0; r < R; ++r) p[j][0][r] = p[j][1][r] = _mm256_setzero_si256();
+      for (int s = g; s < g + 4; ++s) {
+        __m256i wl, wh;
+        six_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * s)), high(s), wl, wh);
+        const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * s) | ((2 * s + 1) << 8)));
+        auto& pj = p[(s - g) / 2];
+        for (int r = 0; r < R; ++r) {
+          pj[0][r] = _mm256_add_epi16(pj[0][r], _mm256_maddubs_epi16(wl, _mm256_shuffle_epi8(xl[r], pick)));
+          pj[1][r] = _mm256_add_epi16(pj[1][r], _mm256_maddubs_epi16(wh, _mm256_shuffle_epi8(xh[r], pick)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {  // the two pairs' sums side by side, added as int32: columns {0-3, 8-11}, {4-7, 12-15}
+        f_lo[r] = _mm256_add_epi32(f_lo[r], _mm256_madd_epi16(_mm256_unpacklo_epi16(p[0][0][r], p[1][0][r]), ones));
+        f_hi[r] = _mm256_add_epi32(f_hi[r], _mm256_madd_epi16(_mm256_unpackhi_epi16(p[0][0][r], p[1][0][r]), ones));
+        s_lo[r] = _mm256_add_epi32(s_lo[r], _mm256_madd_epi16(_mm256_unpacklo_epi16(p[0][1][r], p[1][1][r]), ones));
+        s_hi[r] = _mm256_add_epi32(s_hi[r], _mm256_madd_epi16(_mm256_unpackhi_epi16(p[0][1][r], p[1][1][r]), ones));
+      }
+    }
+#endif
+    const uint16_t* db = dsup + b / 8 * Q4;
+    const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
+    const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + 8)));
+    const auto step = [&](int at, __m256 d) {  // d·scale of 8 columns' half blocks: exact in fp32
+      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 384 + at));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    };
+    const __m256 s0_lo = step(0, d_lo), s0_hi = step(8, d_hi), s1_lo = step(Q4, d_lo), s1_hi = step(Q4 + 8, d_hi);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
+      const __m256i o0 = _mm256_set1_epi32(32 * hs[0]), o1 = _mm256_set1_epi32(32 * hs[1]);
+      const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]);
+      const auto half = [&](__m256i f, __m256i s, __m256 s0, __m256 s1) {
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, o1)), s1,
+                               _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(f, o0)), s0));
+      };
+      lo_acc[r] = _mm256_fmadd_ps(half(f_lo[r], s_lo[r], s0_lo, s1_lo), sx, lo_acc[r]);
+      hi_acc[r] = _mm256_fmadd_ps(half(f_hi[r], s_hi[r], s0_hi, s1_hi), sx, hi_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * Q4, _mm256_permute2f128_ps(lo_acc[r], hi_acc[r], 0x20));
+    _mm256_storeu_ps(out + r * Q4 + 8, _mm256_permute2f128_ps(lo_acc[r], hi_acc[r], 0x31));
+  }
+}
+#else
+template <int R, int TN = 1>
+void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, int64_t Kb, const Ahead& ahead,
+             float* out) {
+  static_assert(TN == 1, "the portable build runs one tile at a time");
+  static constexpr int slot[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};  // column -> scale slot
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < Q4; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < Kb; ++b) {
+        const uint8_t* qb = w + b * Q6B;
+        const int8_t* xr = x.q.data() + (r0 + r) * x.Kp + b * KSTEP;
+        int32_t s0 = 0, s1 = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int e = 0; e < 2; ++e) {
+            const int i = 32 * g + 2 * c + e;
+            const uint8_t byte = qb[i], h = static_cast<uint8_t>(qb[256 + i % 128] >> (g >= 4 ? 4 : 0));
+            s0 += ((byte & 15) | ((h & 3) << 4)) * xr[2 * g + e];
+            s1 += ((byte >> 4) | (((h >> 2) & 3) << 4)) * xr[2 * (g + 8) + e];
+          }
+        const int8_t* sc = reinterpret_cast<const int8_t*>(qb + 384);
+        const int64_t i = (r0 + r) * Kb + b;
+        const float d = half_to_float(dsup[b / 8 * Q4 + slot[c]]);
+        const float v = std::fma(static_cast<float>(s1 - 32 * x.hsum[2 * i + 1]), static_cast<float>(sc[Q4 + slot[c]]) * d,
+                                 static_cast<float>(s0 - 32 * x.hsum[2 * i]) * (static_cast<float>(sc[slot[c]]) * d));
+        acc = std::fma(v, x.scale[i], acc);
+      }
+      out[r * Q4 + c] = acc;
+    }
+}
+#endif
+
+// y[M, N] = x · Wᵀ (+ bias) (+ residual) for 4-bit (SIX: 6-bit) weights of N rows (a multiple of Q4), their block
+// scales (4-bit: d and m a block) or super-block d (6-bit) in ``dm``.
+template <bool SIX>
+void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
+                 int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
 #ifdef SPLITSPEC_AVX512
-  constexpr int64_t R = 6, TN = 2;  // measured best on Zen 5 (8 x 1: 5-10 % slower at 9-17 rows; 4 x 2 too)
+  // measured best on Zen 5 (4-bit 8 x 1: 5-10 % slower at 9-17 rows; 4 x 2 too); 6-bit: its two half blocks' sums
+  // per row and tile stay in the 32 registers at 4 rows (6 x 2: 1.4x slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too)
+  constexpr int64_t R = SIX ? 4 : 6, TN = 2;
 #else
   constexpr int64_t R = 4, TN = 1;
 #endif
+  // a tile's bytes: its blocks' values (and 6-bit scales), and its fp16 scales
+  const int64_t tile_bytes = Kb * (SIX ? Q6B : 8 * 32), tile_halves = SIX ? Kb / 8 * Q4 : Kb * 2 * Q4;
   const int64_t step = balanced(M, R), tiles = N / Q4, units = (tiles + TN - 1) / TN;
   for_range(units, 1, split, [&](int64_t u0, int64_t u1) {
     float acc[R * TN * Q4];
     for (int64_t unit = u0; unit < u1; ++unit) {
       const int64_t t = unit * TN, tn = std::min<int64_t>(TN, tiles - t), n = t * Q4, cols = tn * Q4;
-      const uint8_t* wt = w + t * Kb * 8 * 32;
-      const uint16_t* dt = dm + t * Kb * 2 * Q4;
+      const uint8_t* wt = w + t * tile_bytes;
+      const uint16_t* dt = dm + t * tile_halves;
       const int64_t passes = (M + step - 1) / step;
       Ahead ahead;
       if (passes > 1 && t + tn < tiles) {  // one pass: the stream's own prefetch runs ahead into the next tile
-        ahead.begin[0] = reinterpret_cast<const char*>(wt + tn * Kb * 8 * 32);
-        ahead.begin[1] = reinterpret_cast<const char*>(dt + tn * Kb * 2 * Q4);
-        ahead.lines[0] = std::min<int64_t>(TN, tiles - t - tn) * Kb * 8 * 32 / 64;
-        ahead.lines[1] = std::min<int64_t>(TN, tiles - t - tn) * Kb * 2 * Q4 * 2 / 64;
+        ahead.begin[0] = reinterpret_cast<const char*>(wt + tn * tile_bytes);
+        ahead.begin[1] = reinterpret_cast<const char*>(dt + tn * tile_halves);
+        ahead.lines[0] = std::min<int64_t>(TN, tiles - t - tn) * tile_bytes / 64;
+        ahead.lines[1] = std::min<int64_t>(TN, tiles - t - tn) * tile_halves * 2 / 64;
         ahead.steps = passes * Kb;
       }
       for (int64_t r0 = 0; r0 < M; r0 += step) {
         const int64_t rows = std::min<int64_t>(step, M - r0);
         ahead.first = r0 / step * Kb;
         with_rows<R>(rows, [&](auto tile) {
-          if (tn == TN) q4_tile<decltype(tile)::value, TN>(x, r0, wt, dt, Kb, ahead, acc);
-          else q4_tile<decltype(tile)::value, 1>(x, r0, wt, dt, Kb, ahead, acc);
+          constexpr int RT = decltype(tile)::value;
+          if constexpr (SIX) {
+            if (tn == TN) q6_tile<RT, TN>(x, r0, wt, dt, Kb, ahead, acc);
+            else q6_tile<RT, 1>(x, r0, wt, dt, Kb, ahead, acc);
+          } else {
+            if (tn == TN) q4_tile<RT, TN>(x, r0, wt, dt, Kb, ahead, acc);
+            else q4_tile<RT, 1>(x, r0, wt, dt, Kb, ahead, acc);
+          }
         });
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * N + n;
@@ -822,14 +1056,25 @@ void attend_query(const float* q, const Keys<T>& kv, float scale, float* p, floa
 // ---------------------------------------------------------------------------------------------
 // Argument checks: a wrong call names the tensor and what was expected.
 
-// A weight is int8 [N rounded up to C, K padded to 32] with fp32 scales [N], or 4-bit: uint8 quants
-// [N / 16, K / 32, 256] with fp16 scales [N / 16, K / 32, 2, 16] (d, then m; see gemm_q4). Returns N.
+// A weight is int8 [N rounded up to C, K padded to 32] with fp32 scales [N]; 4-bit: uint8 quants
+// [N / 16, K / 32, 256] with fp16 scales [N / 16, K / 32, 2, 16] (d, then m; see gemm_blocks); or 6-bit: uint8
+// [N / 16, K / 32, 416] (values and scales; see Q6B) with fp16 d [N / 16, K / 256, 16]. Returns N.
 int64_t check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* what) {
   if (w.scalar_type() == at::kByte) {
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && w.size(2) == 8 * 32 && w.is_contiguous(), what,
-                ": expected contiguous 4-bit quants [N / ", Q4, ", K / 32, 256], got ", w.sizes());
+    const bool six = w.dim() == 3 && w.size(2) == Q6B;
+    TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && (w.size(2) == 8 * 32 || six) && w.is_contiguous(), what,
+                ": expected contiguous 4-bit quants [N / ", Q4, ", K / 32, 256] or 6-bit [N / ", Q4, ", K / 32, ",
+                Q6B, "], got ", w.sizes());
     TORCH_CHECK(w.size(1) * KSTEP == padded(K), what, ": weight rows hold ", w.size(1) * KSTEP,
                 " values; input has K = ", K, ", expected ", padded(K));
+    if (six) {
+      TORCH_CHECK(w.size(1) % 8 == 0, what, ": 6-bit weights come in super-blocks of 256 values; K = ", K);
+      TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 3 &&
+                      scale.size(0) == w.size(0) && scale.size(1) == w.size(1) / 8 && scale.size(2) == Q4,
+                  what, ": expected fp16 super-block scales [", w.size(0), ", ", w.size(1) / 8, ", ", Q4, "], got ",
+                  scale.scalar_type(), " ", scale.sizes());
+      return w.size(0) * Q4;
+    }
     TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 4 &&
                     scale.size(0) == w.size(0) && scale.size(1) == w.size(1) && scale.size(2) == 2 && scale.size(3) == Q4,
                 what, ": expected fp16 block scales [", w.size(0), ", ", w.size(1), ", 2, ", Q4, "], got ",
@@ -874,13 +1119,15 @@ at::Tensor rows_of(const at::Tensor& x, const char* what) {
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
 
-// A projection as the kernels read it, checked once: int8 or 4-bit weights, their scales, an optional bias.
+// A projection as the kernels read it, checked once: int8, 4-bit or 6-bit weights, their scales, an optional bias.
 struct Weight {
+  enum Kind { INT8, INT4, INT6 };
   const void* w = nullptr;
   const void* scale = nullptr;
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
-  bool q4 = false;
+  Kind kind = INT8;
+  bool blocks() const { return kind != INT8; }  // activations quantised a block at a time
 };
 
 Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t K,
@@ -888,7 +1135,7 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::option
   Weight r;
   r.N = check_weight(w, scale, K, what);
   r.K = K;
-  r.q4 = w.scalar_type() == at::kByte;
+  r.kind = w.scalar_type() != at::kByte ? Weight::INT8 : w.size(2) == Q6B ? Weight::INT6 : Weight::INT4;
   r.w = w.data_ptr();
   r.scale = scale.data_ptr();
   r.bias = optional_vector(bias, r.N, "bias");
@@ -898,15 +1145,18 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::option
 // y[M, N] = x[M, K] · Wᵀ (+ bias) (+ residual [M, N]; y may be the residual itself: each output reads only its own)
 // y = rows · Wᵀ (+ bias) (+ residual) for quantised rows, over every thread or a Split's share of the columns
 void multiply(const Rows& rows, const Weight& w, const float* residual, float* y, const Split& split = {}) {
-  if (w.q4)
-    gemm_q4(rows, static_cast<const uint8_t*>(w.w), static_cast<const uint16_t*>(w.scale), w.bias, residual, w.N, y,
-            split);
+  const auto* wb = static_cast<const uint8_t*>(w.w);
+  const auto* sb = static_cast<const uint16_t*>(w.scale);
+  if (w.kind == Weight::INT4)
+    gemm_blocks<false>(rows, wb, sb, w.bias, residual, w.N, y, split);
+  else if (w.kind == Weight::INT6)
+    gemm_blocks<true>(rows, wb, sb, w.bias, residual, w.N, y, split);
   else
     gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, y, split);
 }
 
 void project(const float* x, int64_t M, const Weight& w, const float* residual, float* y, Rows& rows) {
-  quantize_rows(x, M, w.K, rows, w.q4);
+  quantize_rows(x, M, w.K, rows, w.blocks());
   multiply(rows, w, residual, y);
 }
 
@@ -1219,8 +1469,8 @@ struct Blocks : torch::CustomClassHolder {
     std::vector<CacheLayer> caches(S);
     std::vector<Queries> queries(S);
     Rows r_qkv, r_o, r_gu, r_down;  // each projection's input, quantised
-    auto ready = [&](Rows& r, int64_t K, bool q4) {
-      if (r.M != T || r.Kp != padded(K) || r.blocks != q4 || r.scale.empty()) prepare_rows(T, K, r, q4);
+    auto ready = [&](Rows& r, int64_t K, bool blocks) {
+      if (r.M != T || r.Kp != padded(K) || r.blocks != blocks || r.scale.empty()) prepare_rows(T, K, r, blocks);
     };
     // One parallel region for the whole stack, its steps apart by barriers: each thread takes its share of the rows
     // (norms, quantisation, SwiGLU), of the output columns (projections) and of the queries (attention), so no step
@@ -1234,10 +1484,10 @@ struct Blocks : torch::CustomClassHolder {
         const Layer& L = layers[l];
 #pragma omp single
         {
-          ready(r_qkv, E, L.qkv.q4);
-          ready(r_o, heads * d, L.o.q4);
-          ready(r_gu, E, L.gate_up.q4);
-          ready(r_down, F, L.down.q4);
+          ready(r_qkv, E, L.qkv.blocks());
+          ready(r_o, heads * d, L.o.blocks());
+          ready(r_gu, E, L.gate_up.blocks());
+          ready(r_down, F, L.down.blocks());
           for (size_t s = 0; s < S; ++s) {
             const at::ScalarType type = k[s].scalar_type();
             const int64_t bytes = type == at::kFloat ? 4 : 2;
