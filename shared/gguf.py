@@ -6,8 +6,8 @@ takes a Hugging Face folder takes a GGUF too. Its weights are read from the file
 time:
 
 * 4-bit blocks (Q4_0, Q4_1, Q4_K) are served as they are on the CPU kernels' int4 path: a block's 4-bit values are
-  kept and its scale and minimum become the kernel's fp16 pair (Q4_K's 6-bit sub-block scales times the super-block
-  scale, rounded to fp16: at most 2^-11 of a block's step, never a second rounding of a value);
+  kept and its scale and minimum become the kernel's fp16 pair, or, for Q4_K, stay its 6-bit scale and minimum
+  with the fp16 d and dmin of each 256 values (4.5 bits a weight, the file's own values exactly);
 * Q6_K is served as it is on the kernels' int6 path (its 6-bit values, 16-value scales and super-block d kept);
 * every other kind (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q5_K, ...) is dequantised exactly to fp32 and then made
   what the path serves: int8 with a scale per row on the low-bit paths (re-quantised), or the float dtype.
@@ -34,7 +34,7 @@ import torch
 from shared.errors import SplitspecError
 
 POINTER = "gguf.json"
-FORMAT = 3  # of the cached weights: bump when the conversion changes
+FORMAT = 4  # of the cached weights: bump when the conversion changes
 
 # the engine's projections and the GGUF tensors they are made of (blk.N.<name>.weight / .bias)
 PROJECTIONS = {
@@ -176,14 +176,10 @@ class Checkpoint:
         t = self._tensor(name)
         rows, cols = self._rows(name)
         n = rows.shape[0]
-        if t.tensor_type == Q.Q4_K:  # 256-value super-blocks: d, dmin (fp16), 12 bytes of 6-bit scales, 128 of values
-            b = rows.reshape(-1, 144)
-            d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
-            dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-            sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
+        if t.tensor_type == Q.Q4_K:
+            q, sc, mn, d, dmin = (t.numpy() for t in self.k_blocks(name))
+            d, dmin = d.astype(np.float32).repeat(8, axis=1), dmin.astype(np.float32).repeat(8, axis=1)
             scale, low = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
-            qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-            q = (qs & 15).reshape(n, cols)
         elif t.tensor_type in (Q.Q4_0, Q.Q4_1):  # 32-value blocks: d (fp16), Q4_1's m (fp16), 16 bytes of values
             width = 18 if t.tensor_type == Q.Q4_0 else 20
             b = rows.reshape(-1, width)
@@ -197,6 +193,23 @@ class Checkpoint:
         q = torch.from_numpy(np.ascontiguousarray(q))
         return tuple(self._hf_order(t, heads) for t in (q, per_block(scale), per_block(low)))
 
+
+    def k_blocks(self, name: str, heads: int | None = None, span: tuple[int, int] | None = None):
+        """A Q4_K tensor (or its rows ``span``) as it is: (q uint8 [rows, cols] in 0..15, sc, mn uint8 [rows, cols / 32]
+        in 0..63, d, dmin fp16 [rows, cols / 256]): value = d * sc * q - dmin * mn. A super-block is d, dmin, 12 bytes
+        of 6-bit scales and minimums and 128 of values."""
+        t = self._tensor(name)
+        if t.tensor_type != _gguf().GGMLQuantizationType.Q4_K:
+            raise ValueError(f"tensor {name} is {t.tensor_type.name}, not Q4_K")
+        rows, cols = self._rows(name, span)
+        n = rows.shape[0]
+        b = rows.reshape(-1, 144)
+        d = b[:, 0:2].copy().view(np.float16).reshape(n, cols // 256)
+        dmin = b[:, 2:4].copy().view(np.float16).reshape(n, cols // 256)
+        sc, mn = (a.astype(np.uint8).reshape(n, cols // 32) for a in _gguf().quants.Q4_K.get_scale_min(b[:, 4:16]))
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 15).reshape(n, cols)
+        return tuple(self._hf_order(torch.from_numpy(np.ascontiguousarray(a)), heads) for a in (q, sc, mn, d, dmin))
 
     def six_bits(self, name: str, heads: int | None = None, span: tuple[int, int] | None = None):
         """A Q6_K tensor (or its rows ``span``) as (q uint8 [rows, cols] in 0..63, scales int8 [rows, cols / 16], d
@@ -320,16 +333,20 @@ def _head_rows(ckpt: Checkpoint, name: str, weights: str) -> tuple[torch.Tensor,
 
 
 def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tensor]:
-    """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are (``int4``, ``lowbit``),
-    int6 from Q6_K as it is (``lowbit``), else int8 (or int4 when pinned) from its exact fp32 values."""
-    from shared.linear import pack_int4, pack_int4_blocks, pack_int6_blocks, pack_int8
+    """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are (``int4``, ``lowbit``; Q4_K
+    at its own 4.5 bits), int6 from Q6_K as it is (``lowbit``), else int8 (or int4 when pinned) from its exact fp32
+    values."""
+    from shared.linear import pack_int4, pack_int4_blocks, pack_int4k_blocks, pack_int6_blocks, pack_int8
 
     def joined(read) -> list[torch.Tensor]:
         return [torch.cat(t) for t in zip(*(read(n, heads.get(p)) for n, p in zip(names, parts, strict=True)),
                                           strict=True)]  # fmt: skip
 
     rows = sum(int(ckpt.tensors[n].shape[1]) for n in names)
-    if weights in ("int4", "lowbit") and all(ckpt.is_four_bit(n) for n in names):
+    Q4_K = _gguf().GGMLQuantizationType.Q4_K
+    if weights in ("int4", "lowbit") and all(ckpt.tensors[n].tensor_type == Q4_K for n in names) and rows % 16 == 0:
+        qweight, qscale = pack_int4k_blocks(*joined(ckpt.k_blocks))
+    elif weights in ("int4", "lowbit") and all(ckpt.is_four_bit(n) for n in names):
         qweight, qscale = pack_int4_blocks(*joined(ckpt.blocks))
     elif weights == "lowbit" and all(ckpt.is_six_bit(n) for n in names) and rows % 16 == 0:
         qweight, qscale = pack_int6_blocks(*joined(ckpt.six_bits))

@@ -75,6 +75,43 @@ def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
     return quants, dm[..., list(_Q4_SLOTS)].contiguous()
 
 
+Q4K_BYTES = 256 + 32  # a Q4_K tile's bytes a block: its values, then the 16 rows' 6-bit scales and minimums
+
+
+def pack_int4k_blocks(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A GGUF's Q4_K as it is for the CPU kernels (4.5 bits a weight, as in the file): values q [out, in] (0..15), each
+    32-value block's 6-bit scale and minimum sc, mn [out, in / 32] and each 256's fp16 d, dmin [out, in / 256]
+    (value = d·sc·q − dmin·mn). The values as ``pack_int4_blocks`` lays them out, each block's 16 sc then 16 mn
+    after them ([out / 16, in / 32, 288]); d and −dmin apart, [out / 16, in / 256, 2, 16]; columns in the 4-bit
+    scales' order. The kernel's step d·sc and minimum −dmin·mn are exact fp32 products: the file's own values."""
+    n, k = q.shape
+    if n % 16 or k % 256 or sc.shape != (n, k // 32) or mn.shape != sc.shape or d.shape != (n, k // 256) or \
+            dmin.shape != d.shape:  # fmt: skip
+        raise ValueError(f"Q4_K blocks: values {tuple(q.shape)} (rows in multiples of 16, columns of 256) with "
+                         f"scales and minimums [{n}, {k // 32}] and d, dmin [{n}, {k // 256}]; got {tuple(sc.shape)}, "
+                         f"{tuple(mn.shape)}, {tuple(d.shape)}, {tuple(dmin.shape)}")  # fmt: skip
+    zeros = torch.zeros(n, k // 32)
+    quants, _ = pack_int4_blocks(q, zeros, zeros)
+    slots = list(_Q4_SLOTS)
+    sixes = torch.stack([sc, mn], dim=-1).to(torch.uint8).view(n // 16, 16, k // 32, 2).permute(0, 2, 3, 1)[..., slots]
+    packed = torch.cat([quants, sixes.reshape(n // 16, k // 32, 32)], dim=-1).contiguous()
+    steps = torch.stack([d.half(), -dmin.half()], dim=-1).view(n // 16, 16, k // 256, 2).permute(0, 2, 3, 1)
+    return packed, steps[..., slots].contiguous()
+
+
+def dequantize_int4k(packed: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] that ``pack_int4k_blocks``' values and scales stand for (d·sc·q − dmin·mn)."""
+    tiles, blocks = packed.shape[:2]
+    order = torch.tensor(_Q4_SLOTS).argsort()
+    q = unpack_int4(packed[..., :256].contiguous(), torch.zeros(tiles, blocks, 2, 16, dtype=torch.float16))[0]
+    sixes = packed[..., 256:].reshape(tiles, blocks, 2, 16)[..., order].permute(0, 3, 1, 2).float()  # [t, 16, b, 2]
+    ds = steps[..., order].permute(0, 3, 1, 2).float().repeat_interleave(8, dim=2)  # [t, 16, b, 2]
+    per_block = (sixes * ds).reshape(tiles * 16, blocks, 2)
+    n, k = q.shape
+    return (q.view(n, k // 32, 32).float() * per_block[..., :1] + per_block[..., 1:]).reshape(n, k)
+
+
 def unpack_int4(quants: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``pack_int4_blocks`` undone: the 4-bit values q [out, in] and each 32-value block's step d and minimum m
     [out, in / 32] (fp16)."""
@@ -191,12 +228,16 @@ class Linear(nn.Linear):
             self.weight = None  # the int8 copy is the weight now
 
     def weights_kind(self) -> str:
-        """``native``, ``int8``, ``int4`` or ``int6``: what this layer computes with."""
+        """``native``, ``int8``, ``int4`` (Q4_1 or Q4_K blocks) or ``int6``: what this layer computes with."""
         if self.qweight is None:
             return "native"
         if self.qweight.dtype != torch.uint8:
             return "int8"
         return "int6" if self.qweight.shape[-1] == Q6_BYTES else "int4"
+
+    def cuttable(self) -> bool:
+        """Whether ``rows`` can cut this layer without rounding again: float, or Q4_1-style 4-bit blocks."""
+        return self.qweight is None or (self.qweight.dtype == torch.uint8 and self.qweight.shape[-1] == 256)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -222,8 +263,9 @@ class Linear(nn.Linear):
             sub.weight = nn.Parameter(F.pad(self.weight.detach()[ids.to(self.weight.device)],
                                             (0, 0, 0, rows - len(ids))))  # fmt: skip
             return sub
-        if self.weights_kind() != "int4":
-            raise ValueError("an int8 layer keeps no float copy: its rows would be rounded again")
+        if not self.cuttable():
+            raise ValueError(f"an {self.weights_kind()} layer of {tuple(self.qweight.shape)} packed values is not cut "
+                             "into rows (only float layers and Q4_1-style 4-bit ones are)")  # fmt: skip
         sub.weight = None
         k = self.qweight.shape[1] * 32  # columns as packed (blocks of 32)
         q = torch.zeros(rows, k, dtype=torch.uint8)

@@ -16,7 +16,14 @@ import torch
 from shared import kernels
 from shared.errors import SplitspecError
 from shared.gguf import Checkpoint
-from shared.linear import dequantize_int4, dequantize_int6, pack_int4_blocks, pack_int6_blocks
+from shared.linear import (
+    dequantize_int4,
+    dequantize_int4k,
+    dequantize_int6,
+    pack_int4_blocks,
+    pack_int4k_blocks,
+    pack_int6_blocks,
+)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -79,6 +86,8 @@ def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
     values = (q.float().view(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, cols)
     assert torch.equal(values, want)
     assert torch.equal(ckpt.floats("t.weight"), want)
+    if kind == "Q4_K":  # served at its own 4.5 bits: the kernel's steps are the file's exactly
+        assert torch.equal(dequantize_int4k(*pack_int4k_blocks(*ckpt.k_blocks("t.weight"))), want)
     if kernels.available():
         half = (q.float().view(rows, -1, 32) * d.half().float()[..., None] + m.half().float()[..., None])
         assert torch.equal(dequantize_int4(*pack_int4_blocks(q, d, m)), half.view(rows, cols))
@@ -86,7 +95,8 @@ def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
 
 # the tiny model: GGUF tensor kinds per name (norms and biases stay F32)
 KINDS = {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0,
-         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q6_K, "output": Q.Q8_0}  # fmt: skip
+         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": (Q.Q6_K, Q.Q4_K), "output": Q.Q8_0}  # fmt: skip
+# (ffn_down: a kind per layer, as Q4_K_M files mix them)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +129,8 @@ def tiny_gguf(tmp_path_factory) -> Path:
         w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         if rows == 1:
             w = (1 + 0.1 * w[0]).astype(np.float32)
-        if kind == Q.Q6_K:  # (gguf quantises no k-quant kind: random blocks of the right size)
-            data = _random_q6k(rows, cols, rng)
+        if kind in (Q.Q6_K, Q.Q4_K):  # (gguf quantises no k-quant kind: random blocks of the right size)
+            data = _random_q6k(rows, cols, rng) if kind == Q.Q6_K else _random_q4k(rows, cols, rng)
         else:
             data = w.astype(np.float16) if kind == Q.F16 else w if kind == Q.F32 else gguf.quants.quantize(w, kind)
         writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
@@ -135,7 +145,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
         add(f"blk.{i}.ffn_norm.weight", 1, E)
         add(f"blk.{i}.ffn_gate.weight", F, E, KINDS["ffn_gate"])
         add(f"blk.{i}.ffn_up.weight", F, E, KINDS["ffn_up"])
-        add(f"blk.{i}.ffn_down.weight", E, F, KINDS["ffn_down"])
+        add(f"blk.{i}.ffn_down.weight", E, F, KINDS["ffn_down"][i])
     add("output_norm.weight", 1, E)
     add("output.weight", vocab, E, KINDS["output"])
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
@@ -179,9 +189,9 @@ def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
 
 @pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
 def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tiny_gguf, cache):
-    """lowbit: a projection made only of 4-bit kinds is int4 with the file's own values, one of Q6_K int6 with its
-    own, the others int8; a second load reads the cached packing and serves the same target; a tree verified at once
-    equals plain decoding."""
+    """lowbit: a projection made only of 4-bit kinds is int4 with the file's own values (Q4_K with its 6-bit scales),
+    one of Q6_K int6 with its own, the others int8; a second load reads the cached packing and serves the same
+    target; a tree verified at once equals plain decoding."""
     from shared.models import load_target
 
     first = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
@@ -193,6 +203,9 @@ def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tin
     assert torch.equal(dequantize_int4(block.mlp.gate_up.qweight, block.mlp.gate_up.qscale)[: len(gate)], gate)
     down = block.mlp.down_proj
     assert torch.equal(dequantize_int6(down.qweight, down.qscale), ckpt.floats("blk.0.ffn_down.weight"))
+    down = first.engine.layers[1].mlp.down_proj  # Q4_K: int4 at its own 4.5 bits
+    assert down.weights_kind() == "int4" and down.qweight.shape[-1] == 288
+    assert torch.equal(dequantize_int4k(down.qweight, down.qscale), ckpt.floats("blk.1.ffn_down.weight"))
     assert list((cache / "gguf").glob("tiny-llama-*/weights-lowbit-*/complete"))
     again = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
     assert _plain(first) == _plain(again)

@@ -9,7 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from shared import kernels
-from shared.linear import dequantize_int4, dequantize_int6, pack_int4, pack_int6_blocks, pack_int8, unpack_int6
+from shared.linear import (
+    dequantize_int4,
+    dequantize_int4k,
+    dequantize_int6,
+    pack_int4,
+    pack_int4k_blocks,
+    pack_int6_blocks,
+    pack_int8,
+    unpack_int6,
+)
 from shared.tree import path_to, tree_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")
@@ -69,6 +78,39 @@ def random_int6(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return pack_int6_blocks(q, scales, (torch.rand(n, k // 256, generator=gen) * 2e-3).half())
 
 
+def random_int4k(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q4_K weights [n, k] packed for the kernels: values, 6-bit scales and minimums, fp16 d and dmin."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sc, mn = (torch.randint(0, 64, (n, k // 32), generator=gen) for _ in range(2))
+    d, dmin = ((torch.rand(n, k // 256, generator=gen) * 1e-3).half() for _ in range(2))
+    return pack_int4k_blocks(q, sc, mn, d, dmin)
+
+
+def pack_int4k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q4_K weights of ``weight``'s shape (its columns padded to 256)."""
+    return random_int4k(weight.shape[0], -(-weight.shape[1] // 256) * 256, seed=weight.shape[0])
+
+
+def test_int4_from_q4_k_is_exact_on_its_blocks():
+    """Q4_K's blocks as they are: the kernel's step and minimum are d·sc and -dmin·mn in fp32, so its product is the
+    fp64 one of exactly the file's values and the block-wise quantised activations."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randint(0, 16, (32, 512), dtype=torch.uint8, generator=gen)
+    sc, mn = (torch.randint(0, 64, (32, 16), generator=gen) for _ in range(2))
+    d, dmin = ((torch.rand(32, 2, generator=gen) * 1e-3).half() for _ in range(2))
+    packed = pack_int4k_blocks(q, sc, mn, d, dmin)
+    weight = dequantize_int4k(*packed)
+    per_block = lambda a, b: a.float().repeat_interleave(256, 1) * b.float().repeat_interleave(32, 1)  # noqa: E731
+    assert torch.equal(weight, per_block(d, sc) * q.float() - per_block(dmin, mn))
+    x = torch.randn(7, 512)
+    blocks = x.view(7, 16, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    xq = (torch.round(blocks * (127 / amax)).clamp(-127, 127) * (amax / 127)).view(7, 512).double()
+    torch.testing.assert_close(ops.linear(x, *packed, None, None).double(), xq @ weight.double().T, atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+
+
 def pack_int6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Random 6-bit weights of ``weight``'s shape (its columns padded to 256): what the tests below multiply by."""
     return random_int6(weight.shape[0], -(-weight.shape[1] // 256) * 256, seed=weight.shape[0])
@@ -119,16 +161,16 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
     with pytest.raises(ValueError, match="rows 0..40 of a layer of 40"):
         floats.rows(torch.tensor([0, 40]))
     floats.quantize("int8")
-    with pytest.raises(ValueError, match="int8 layer keeps no float copy"):
+    with pytest.raises(ValueError, match="int8 layer .* is not cut into rows"):
         floats.rows(torch.tensor([0]))
 
 
-@pytest.mark.parametrize("pack", [pack_int8, pack_int4, pack_int6])
+@pytest.mark.parametrize("pack", [pack_int8, pack_int4, pack_int4k, pack_int6])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
 def test_a_row_never_depends_on_the_rows_beside_it(op, pack):
     """The exactness guarantee: any subset of rows, in any count, gives bit-identical rows."""
     torch.manual_seed(1)
-    E, Fh = (256, 256) if pack is pack_int6 else (96, 160)
+    E, Fh = (256, 256) if pack in (pack_int4k, pack_int6) else (96, 160)
     norm = torch.rand(E) + 0.5
     wq, sq = pack(torch.randn(3 * E, E) * 0.05)
     wgu, sgu = pack(torch.randn(2 * Fh, E) * 0.05)
@@ -209,9 +251,9 @@ def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
 
 def test_every_build_computes_the_same_bits():
     """The vector builds (avx512-vnni, avx-vnni, avx2: those this CPU runs) differ in speed only: linear layers (int8
-    in each build's own layout, int4, int6), the fused MLP and attention over fp32, fp16 and bf16 caches give identical
-    bits, so a client on one CPU and a server on another serve the same target. (The portable build's norms and exp
-    sum in another order: a target of its own, for CPUs without AVX2.)"""
+    in each build's own layout, int4 of Q4_1 and of Q4_K blocks, int6), the fused MLP and attention over fp32, fp16
+    and bf16 caches give identical bits, so a client on one CPU and a server on another serve the same target. (The
+    portable build's norms and exp sum in another order: a target of its own, for CPUs without AVX2.)"""
     builds = [b for b in kernels.builds() if b != "portable"]
     if len(builds) < 2:
         pytest.skip(f"one kernel build here ({builds}): nothing to compare")
@@ -225,6 +267,8 @@ def test_every_build_computes_the_same_bits():
         i8 = lambda t, layout=o.int8_layout(): pack_int8(t, layout)  # noqa: E731
         got = [o.linear(x, *i8(w), bias, res), o.linear(x, *pack_int4(w), bias, res),
                o.linear(torch.randn(T, 512, generator=torch.Generator().manual_seed(7)), *random_int6(Fh, 512), bias,
+                        res),
+               o.linear(torch.randn(T, 512, generator=torch.Generator().manual_seed(7)), *random_int4k(Fh, 512), bias,
                         res),
                o.mlp(x, norm, 1e-5, *i8(gate_up), None, *i8(down), None),
                o.mlp(x, norm, 1e-5, *pack_int4(gate_up), None, *pack_int4(down), None)]  # fmt: skip

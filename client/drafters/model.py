@@ -40,12 +40,12 @@ VOCAB = 16384  # the draft vocabulary's frequent tokens, where the model's own v
 @functools.cache
 def draft_head(lm, size: int) -> tuple[torch.Tensor, set[int], Linear] | None:
     """The draft vocabulary of ``size`` frequent tokens of ``lm`` (a ``Target``), as ids, a set, and its head's rows
-    (shared by every drafter of ``lm``); None where its vocabulary is under 4x ``size``, or its head int8 (whose rows
-    could not be cut without rounding them again)."""
+    (shared by every drafter of ``lm``); None where its vocabulary is under 4x ``size``, or its head's rows could not
+    be cut without rounding them again (``Linear.cuttable``: int8, say)."""
     from client.training.vocab import frequent_tokens
 
     head = lm.engine.lm_head
-    if head.out_features < 4 * size or head.weights_kind() == "int8":
+    if head.out_features < 4 * size or not head.cuttable():
         return None
     ids = frequent_tokens(lm.tokenizer, size)
     ids = ids[ids < head.out_features]

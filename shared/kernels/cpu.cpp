@@ -416,8 +416,13 @@ std::string int8_layout() { return "rows4"; }
 // Layout: tile t (16 columns), block b: 8 groups of 32 bytes; group g's byte 2c + e holds column c's value
 // 2g + e in its low nibble and value 2(g + 8) + e in its high nibble. Then 16 fp16 d, 16 fp16 m, in the
 // column order {0-3, 8-11, 4-7, 12-15} that widening the int16 sums produces (see q4_tile).
+//
+// Q4_K (KQ, served as it is at its own 4.5 bits): a block's step and minimum are 6-bit integers (its 16 columns' sc
+// and mn, 32 bytes after the values, 288 a block) times an fp16 d and -dmin per column and super-block of 256 values
+// ([N / 16, K / 256, 2, 16] apart): d·sc and -dmin·mn, exact in fp32, then the same float steps.
 
 constexpr int64_t Q4 = 16;  // columns per 4-bit tile
+constexpr int64_t Q4B = 8 * 32, Q4KB = Q4B + 2 * Q4;  // bytes a tile streams a block: Q4_1, Q4_K
 
 #if defined(SPLITSPEC_AVX512)
 // VNNI: a 32-bit lane multiplies 4 unsigned weights by 4 signed activations and adds them (vpdpbusd), so a
@@ -438,12 +443,13 @@ inline __m512i q4_pick() {
   return pick;
 }
 
-template <int R, int TN = 1>
+template <int R, int TN = 1, bool KQ = false>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
+  constexpr int64_t BB = KQ ? Q4KB : Q4B;
   const __m512i pick = q4_pick();
   const __m512i low = _mm512_set1_epi8(15);
-  const int64_t tile_bytes = Kb * 8 * 32, scale_halves = Kb * 2 * Q4;
+  const int64_t tile_bytes = Kb * BB, scale_halves = KQ ? Kb / 8 * 2 * Q4 : Kb * 2 * Q4;
   __m512 acc[R][TN];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < TN; ++u) acc[r][u] = _mm512_setzero_ps();
@@ -452,7 +458,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
   for (int64_t b = 0; b < Kb; ++b) {
     for (int u = 0; u < TN; ++u)
       for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * 256 + PREFETCH + 64 * line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * BB + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
     __m512i isum[R][TN];
     for (int r = 0; r < R; ++r)
@@ -460,7 +466,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     for (int g = 0; g < 8; g += 2) {
       __m512i wl[TN], wh[TN];
       for (int u = 0; u < TN; ++u) {
-        const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(w + u * tile_bytes + b * 256 + 32 * g));
+        const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(w + u * tile_bytes + b * BB + 32 * g));
         wl[u] = _mm512_and_si512(raw, low);
         wh[u] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       }
@@ -477,9 +483,17 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     }
     __m512 d[TN], m[TN];
     for (int u = 0; u < TN; ++u) {
-      const uint16_t* sb = dm + u * scale_halves + b * 2 * Q4;
+      const uint16_t* sb = dm + u * scale_halves + (KQ ? b / 8 : b) * 2 * Q4;
       d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
       m[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+      if constexpr (KQ) {  // times the block's 6-bit sc and mn
+        const uint8_t* k6 = w + u * tile_bytes + b * BB + Q4B;
+        const auto six = [](const uint8_t* p) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        };
+        d[u] = _mm512_mul_ps(six(k6), d[u]);
+        m[u] = _mm512_mul_ps(six(k6 + Q4), m[u]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm512_set1_ps(x.bsum[(r0 + r) * Kb + b]);
@@ -493,17 +507,18 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
       _mm512_storeu_ps(out + (r * TN + u) * Q4, _mm512_shuffle_f32x4(acc[r][u], acc[r][u], _MM_SHUFFLE(3, 1, 2, 0)));
 }
 #elif defined(SPLITSPEC_AVX2)
-template <int R, int TN = 1>
+template <int R, int TN = 1, bool KQ = false>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
   static_assert(TN == 1, "the AVX2 build runs one tile at a time");
+  constexpr int64_t BB = KQ ? Q4KB : Q4B;
   __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
   for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
   [[maybe_unused]] const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   for (int64_t b = 0; b < Kb; ++b) {
-    const uint8_t* qb = w + b * 8 * 32;
+    const uint8_t* qb = w + b * BB;
     for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
 #ifdef SPLITSPEC_AVXVNNI
     // Two steps' 16-bit pairs interleaved give each column's 4 values in a 32-bit lane (columns {0-3, 8-11} from
@@ -544,11 +559,14 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
       }
     }
 #endif
-    const uint16_t* sb = dm + b * 2 * Q4;
-    const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-    const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
-    const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
-    const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 24)));
+    const uint16_t* sb = dm + (KQ ? b / 8 : b) * 2 * Q4;
+    const auto scale = [&](int at) {  // 8 columns' step or minimum: fp16, times the 6-bit sc or mn for Q4_K
+      const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + at)));
+      if constexpr (!KQ) return f;
+      const __m128i k6 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + Q4B + at));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k6)), f);
+    };
+    const __m256 d_lo = scale(0), d_hi = scale(8), m_lo = scale(16), m_hi = scale(24);
     for (int r = 0; r < R; ++r) {
 #ifdef SPLITSPEC_AVXVNNI
       const __m256 lo = _mm256_cvtepi32_ps(isum_lo[r]), hi = _mm256_cvtepi32_ps(isum_hi[r]);
@@ -570,16 +588,17 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
 #else
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-template <int R, int TN = 1>
+template <int R, int TN = 1, bool KQ = false>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
   static_assert(TN == 1, "the portable build runs one tile at a time");
+  constexpr int64_t BB = KQ ? Q4KB : Q4B;
   static constexpr int slot[Q4] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};  // column -> scale slot
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < Q4; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < Kb; ++b) {
-        const uint8_t* qb = w + b * 8 * 32;
+        const uint8_t* qb = w + b * BB;
         const int8_t* xr = x.q.data() + (r0 + r) * x.Kp + b * KSTEP;
         int32_t s = 0;
         for (int g = 0; g < 8; ++g)
@@ -587,10 +606,15 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
             const uint8_t byte = qb[32 * g + 2 * c + e];
             s += (byte & 15) * xr[2 * g + e] + (byte >> 4) * xr[2 * (g + 8) + e];
           }
-        const uint16_t* sb = dm + b * 2 * Q4;
+        const uint16_t* sb = dm + (KQ ? b / 8 : b) * 2 * Q4;
         const int64_t i = (r0 + r) * Kb + b;
-        acc = std::fma(static_cast<float>(s) * half_to_float(sb[slot[c]]), x.scale[i], acc);
-        acc = std::fma(half_to_float(sb[Q4 + slot[c]]), x.bsum[i], acc);
+        float d = half_to_float(sb[slot[c]]), m = half_to_float(sb[Q4 + slot[c]]);
+        if (KQ) {
+          d = static_cast<float>(qb[Q4B + slot[c]]) * d;
+          m = static_cast<float>(qb[Q4B + Q4 + slot[c]]) * m;
+        }
+        acc = std::fma(static_cast<float>(s) * d, x.scale[i], acc);
+        acc = std::fma(m, x.bsum[i], acc);
       }
       out[r * Q4 + c] = acc;
     }
@@ -802,21 +826,26 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
 }
 #endif
 
-// y[M, N] = x · Wᵀ (+ bias) (+ residual) for 4-bit (SIX: 6-bit) weights of N rows (a multiple of Q4), their block
-// scales (4-bit: d and m a block) or super-block d (6-bit) in ``dm``.
-template <bool SIX>
+enum class Blocked { Q4_1, Q4_K, Q6_K };  // the block formats: 4-bit with fp16 scales, 4-bit with 6-bit ones, 6-bit
+
+// y[M, N] = x · Wᵀ (+ bias) (+ residual) for block-quantised weights of N rows (a multiple of Q4), their fp16 scales
+// in ``dm`` (Q4_1: d and m a block; Q4_K: d and -dmin a super-block; Q6_K: d a super-block).
+template <Blocked F>
 void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
                  int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
 #ifdef SPLITSPEC_AVX512
   // measured best on Zen 5 (4-bit 8 x 1: 5-10 % slower at 9-17 rows; 4 x 2 too); 6-bit: its two half blocks' sums
   // per row and tile stay in the 32 registers at 4 rows (6 x 2: 1.4x slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too)
+  constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   constexpr int64_t R = SIX ? 4 : 6, TN = 2;
 #else
+  constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   constexpr int64_t R = 4, TN = 1;
 #endif
-  // a tile's bytes: its blocks' values (and 6-bit scales), and its fp16 scales
-  const int64_t tile_bytes = Kb * (SIX ? Q6B : 8 * 32), tile_halves = SIX ? Kb / 8 * Q4 : Kb * 2 * Q4;
+  // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
+  const int64_t tile_bytes = Kb * (SIX ? Q6B : KQ ? Q4KB : Q4B);
+  const int64_t tile_halves = SIX ? Kb / 8 * Q4 : KQ ? Kb / 8 * 2 * Q4 : Kb * 2 * Q4;
   const int64_t step = balanced(M, R), tiles = N / Q4, units = (tiles + TN - 1) / TN;
   for_range(units, 1, split, [&](int64_t u0, int64_t u1) {
     float acc[R * TN * Q4];
@@ -842,8 +871,8 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
             if (tn == TN) q6_tile<RT, TN>(x, r0, wt, dt, Kb, ahead, acc);
             else q6_tile<RT, 1>(x, r0, wt, dt, Kb, ahead, acc);
           } else {
-            if (tn == TN) q4_tile<RT, TN>(x, r0, wt, dt, Kb, ahead, acc);
-            else q4_tile<RT, 1>(x, r0, wt, dt, Kb, ahead, acc);
+            if (tn == TN) q4_tile<RT, TN, KQ>(x, r0, wt, dt, Kb, ahead, acc);
+            else q4_tile<RT, 1, KQ>(x, r0, wt, dt, Kb, ahead, acc);
           }
         });
         for (int64_t r = 0; r < rows; ++r) {
@@ -1057,22 +1086,25 @@ void attend_query(const float* q, const Keys<T>& kv, float scale, float* p, floa
 // Argument checks: a wrong call names the tensor and what was expected.
 
 // A weight is int8 [N rounded up to C, K padded to 32] with fp32 scales [N]; 4-bit: uint8 quants
-// [N / 16, K / 32, 256] with fp16 scales [N / 16, K / 32, 2, 16] (d, then m; see gemm_blocks); or 6-bit: uint8
+// [N / 16, K / 32, 256] with fp16 scales [N / 16, K / 32, 2, 16] (d, then m; see q4_tile), or Q4_K's [N / 16,
+// K / 32, 288] (values, 6-bit sc and mn) with fp16 [N / 16, K / 256, 2, 16] (d, -dmin); or 6-bit: uint8
 // [N / 16, K / 32, 416] (values and scales; see Q6B) with fp16 d [N / 16, K / 256, 16]. Returns N.
 int64_t check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* what) {
   if (w.scalar_type() == at::kByte) {
-    const bool six = w.dim() == 3 && w.size(2) == Q6B;
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && (w.size(2) == 8 * 32 || six) && w.is_contiguous(), what,
-                ": expected contiguous 4-bit quants [N / ", Q4, ", K / 32, 256] or 6-bit [N / ", Q4, ", K / 32, ",
-                Q6B, "], got ", w.sizes());
+    const bool six = w.dim() == 3 && w.size(2) == Q6B, kq = w.dim() == 3 && w.size(2) == Q4KB;
+    TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && (w.size(2) == Q4B || kq || six) && w.is_contiguous(), what,
+                ": expected contiguous 4-bit quants [N / ", Q4, ", K / 32, ", Q4B, " or ", Q4KB, "] or 6-bit [N / ",
+                Q4, ", K / 32, ", Q6B, "], got ", w.sizes());
     TORCH_CHECK(w.size(1) * KSTEP == padded(K), what, ": weight rows hold ", w.size(1) * KSTEP,
                 " values; input has K = ", K, ", expected ", padded(K));
-    if (six) {
-      TORCH_CHECK(w.size(1) % 8 == 0, what, ": 6-bit weights come in super-blocks of 256 values; K = ", K);
-      TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 3 &&
-                      scale.size(0) == w.size(0) && scale.size(1) == w.size(1) / 8 && scale.size(2) == Q4,
-                  what, ": expected fp16 super-block scales [", w.size(0), ", ", w.size(1) / 8, ", ", Q4, "], got ",
-                  scale.scalar_type(), " ", scale.sizes());
+    if (six || kq) {
+      TORCH_CHECK(w.size(1) % 8 == 0, what, ": k-quant weights come in super-blocks of 256 values; K = ", K);
+      const int64_t parts = kq ? 2 : 1;
+      TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 2 + parts &&
+                      scale.size(0) == w.size(0) && scale.size(1) == w.size(1) / 8 && scale.size(-1) == Q4 &&
+                      (!kq || scale.size(2) == 2),
+                  what, ": expected fp16 super-block scales [", w.size(0), ", ", w.size(1) / 8, kq ? ", 2, " : ", ",
+                  Q4, "], got ", scale.scalar_type(), " ", scale.sizes());
       return w.size(0) * Q4;
     }
     TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.dim() == 4 &&
@@ -1121,7 +1153,7 @@ at::Tensor rows_of(const at::Tensor& x, const char* what) {
 
 // A projection as the kernels read it, checked once: int8, 4-bit or 6-bit weights, their scales, an optional bias.
 struct Weight {
-  enum Kind { INT8, INT4, INT6 };
+  enum Kind { INT8, INT4, INT4K, INT6 };
   const void* w = nullptr;
   const void* scale = nullptr;
   const float* bias = nullptr;
@@ -1135,7 +1167,10 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::option
   Weight r;
   r.N = check_weight(w, scale, K, what);
   r.K = K;
-  r.kind = w.scalar_type() != at::kByte ? Weight::INT8 : w.size(2) == Q6B ? Weight::INT6 : Weight::INT4;
+  r.kind = w.scalar_type() != at::kByte ? Weight::INT8
+           : w.size(2) == Q6B              ? Weight::INT6
+           : w.size(2) == Q4KB             ? Weight::INT4K
+                                           : Weight::INT4;
   r.w = w.data_ptr();
   r.scale = scale.data_ptr();
   r.bias = optional_vector(bias, r.N, "bias");
@@ -1148,9 +1183,11 @@ void multiply(const Rows& rows, const Weight& w, const float* residual, float* y
   const auto* wb = static_cast<const uint8_t*>(w.w);
   const auto* sb = static_cast<const uint16_t*>(w.scale);
   if (w.kind == Weight::INT4)
-    gemm_blocks<false>(rows, wb, sb, w.bias, residual, w.N, y, split);
+    gemm_blocks<Blocked::Q4_1>(rows, wb, sb, w.bias, residual, w.N, y, split);
+  else if (w.kind == Weight::INT4K)
+    gemm_blocks<Blocked::Q4_K>(rows, wb, sb, w.bias, residual, w.N, y, split);
   else if (w.kind == Weight::INT6)
-    gemm_blocks<true>(rows, wb, sb, w.bias, residual, w.N, y, split);
+    gemm_blocks<Blocked::Q6_K>(rows, wb, sb, w.bias, residual, w.N, y, split);
   else
     gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, y, split);
 }
