@@ -73,6 +73,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """A token drawn from ``p`` (weights over the vocabulary, not necessarily normalised) by inverting its cumulative
+    sum at one uniform: exactly p's distribution, a token of weight 0 never, and over a 150k vocabulary ~8x cheaper
+    than ``torch.multinomial`` (2.4 ms a draw here: a sampled plain-decoding step paid it every token)."""
+    cdf = p.detach().double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+
+
 def argmax(row: torch.Tensor) -> int:
     """The first index of the largest value (as torch's argmax). On a CPU through numpy: over a 49k vocabulary
     torch's costs several times numpy's, on a plain-decoding step of a few ms. Float first: bf16 is slow either way."""
@@ -122,7 +131,7 @@ def accept_tree(
                 break
             p /= total
         if match is None:
-            return accepted, int(torch.multinomial(p, 1, generator=generator).item())
+            return accepted, draw(p, generator)
         accepted.append(match)
         row = match + 1
 
@@ -152,4 +161,4 @@ def _typical(tokens: list[int], kids: list[list[int]], logits, params: SamplingP
 
     accepted = longest(0)
     row = accepted[-1] + 1 if accepted else 0
-    return accepted, int(torch.multinomial(p(row), 1, generator=generator).item())
+    return accepted, draw(p(row), generator)

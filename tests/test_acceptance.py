@@ -188,3 +188,17 @@ def test_typical_acceptance_keeps_the_longest_plausible_path():
     assert accept_tree([1], [-1], rows[1:3], lenient)[0] == [0]
     with pytest.raises(ValueError, match="acceptance"):
         SamplingParams(acceptance="medusa")
+
+
+def test_a_draw_follows_the_weights_and_never_takes_a_weightless_token():
+    """``draw`` (inverse CDF, unnormalised weights): frequencies within 6 standard deviations of the weights (seeded,
+    so deterministic), a token of weight 0 never, the last token reachable."""
+    from shared.acceptance import draw
+
+    weights = torch.tensor([0.2, 0.0, 1.2, 0.0, 0.6])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    for _ in range(20000):
+        counts[draw(weights, g)] += 1
+    assert counts[1] == 0 and counts[3] == 0 and counts[4] > 0
+    assert (counts / 20000 - weights / weights.sum()).abs().max() < 6 * (0.25 / 20000) ** 0.5
