@@ -455,6 +455,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     for (int u = 0; u < TN; ++u) acc[r][u] = _mm512_setzero_ps();
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
+  __m512 dsup[TN], msup[TN];
   for (int64_t b = 0; b < Kb; ++b) {
     for (int u = 0; u < TN; ++u)
       for (int line = 0; line < 4; ++line)
@@ -483,16 +484,16 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     }
     __m512 d[TN], m[TN];
     for (int u = 0; u < TN; ++u) {
-      const uint16_t* sb = dm + u * scale_halves + (KQ ? b / 8 : b) * 2 * Q4;
-      d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-      m[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+      if (!KQ || b % 8 == 0) {  // a block's scales (Q4_K: a super-block's d and -dmin)
+        const uint16_t* sb = dm + u * scale_halves + (KQ ? b / 8 : b) * 2 * Q4;
+        dsup[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+        msup[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+      }
+      d[u] = dsup[u], m[u] = msup[u];
       if constexpr (KQ) {  // times the block's 6-bit sc and mn
-        const uint8_t* k6 = w + u * tile_bytes + b * BB + Q4B;
-        const auto six = [](const uint8_t* p) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        };
-        d[u] = _mm512_mul_ps(six(k6), d[u]);
-        m[u] = _mm512_mul_ps(six(k6 + Q4), m[u]);
+        const __m256i k6 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + u * tile_bytes + b * BB + Q4B));
+        d[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(k6))), d[u]);
+        m[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(k6, 1))), m[u]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -643,6 +644,7 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
     for (int u = 0; u < TN; ++u) acc[r][u] = _mm512_setzero_ps();
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
+  __m512 d[TN];
   for (int64_t b = 0; b < Kb; ++b) {
     for (int u = 0; u < TN; ++u)
       for (int line = 0; line < 7; ++line)
@@ -675,10 +677,11 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
     }
     __m512 s0[TN], s1[TN];  // d·scale of each half block: exact in fp32
     for (int u = 0; u < TN; ++u) {
-      const uint8_t* sc = w + u * tile_bytes + b * Q6B + 384;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dsup + u * d_halves + b / 8 * Q4)));
-      s0[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))), d);
-      s1[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + Q4)))), d);
+      if (b % 8 == 0)  // a super-block's d
+        d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dsup + u * d_halves + b / 8 * Q4)));
+      const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + u * tile_bytes + b * Q6B + 384));
+      s0[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(sc))), d[u]);
+      s1[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d[u]);
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
