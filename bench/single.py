@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from bench.common import cell, environment, finish, mark_differences, median, save_figure, start, times
 from client.decode import generate
-from client.drafters import ALIASES, DRAFTERS, is_model, make_drafter
+from client.drafters import ALIASES, DRAFTERS, NoDrafter, is_model, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.acceptance import ACCEPTANCE, SamplingParams
@@ -213,14 +213,14 @@ def llama_runs(target, methods: list[Method], prompts: list[Prompt], args: argpa
     """llama.cpp on the same GGUFs and prompts: ``llama-bench``'s plain decoding, and ``llama-speculative`` with
     each model drafter that is a GGUF (greedy, ``--tree-depth`` tokens a round), as runs named
     ``llama.cpp <drafter>`` (never compared for identity: another engine's numerics)."""
-    from bench.llama import plain_tokens_per_s, speculative
+    from bench.llama import speculative
 
     model = gguf_of(args.model)
     if model is None:
         return {"error": f"{args.model} is not a GGUF: llama.cpp has nothing to run"}
     out: dict = {"target": model, "runs": []}
     if args.llama_bench:
-        out["plain_tokens_per_s"] = plain_tokens_per_s(args.llama_bench, model, args.max_new_tokens, args.threads)
+        out.update(plain_side_by_side(target, args.llama_bench, model, args))
     drafts = {m.name: gguf_of(m.name) for m in methods if m.sampling.greedy and is_model(m.name)}
     drafts = {n: g for n, g in drafts.items() if g is not None and not n.endswith("+lookup")}
     if not args.llama_speculative or not drafts:
@@ -242,6 +242,25 @@ def llama_runs(target, methods: list[Method], prompts: list[Prompt], args: argpa
     return out
 
 
+def plain_side_by_side(target, binary: str, model: str, args: argparse.Namespace) -> dict:
+    """llama.cpp's plain decoding against ours at the same moments: ``--llama-rounds`` times, ``llama-bench`` tg
+    (``max_new_tokens``, no prompt, one repeat) then our plain greedy decoding of as many tokens after a one-token
+    prompt (no stop: the same count), the pace after its first token. Each pair's ratio, then their median: on a
+    shared machine whose speed drifts by minutes, only ratios measured side by side mean something."""
+    from bench.llama import plain_tokens_per_s
+
+    bos = target.tokenizer.bos_token_id
+    prompt = [bos if bos is not None else target.tokenizer.encode("\n", add_special_tokens=False)[0]]
+    theirs, ours = [], []
+    for _ in tqdm(range(args.llama_rounds), desc="plain beside llama-bench", unit="round", file=sys.stderr):
+        theirs.append(plain_tokens_per_s(binary, model, args.max_new_tokens, args.threads, repeats=1))
+        s = generate(LocalVerifier(target), NoDrafter(), prompt, args.max_new_tokens, stop_ids=[]).stats
+        ours.append((s.new_tokens - 1) / (s.wall_s - s.ttft_s))
+    return {"plain_tokens_per_s": median(theirs), "plain_side_by_side": {
+        "llama_tokens_per_s": [round(t, 3) for t in theirs], "ours_tokens_per_s": [round(t, 3) for t in ours],
+        "median_ratio": round(median([o / t for o, t in zip(ours, theirs, strict=True)]), 4)}}  # fmt: skip
+
+
 def llama_lines(llama: dict) -> str:
     if not llama:
         return ""
@@ -249,6 +268,12 @@ def llama_lines(llama: dict) -> str:
     if "plain_tokens_per_s" in llama:
         lines.append(f"llama.cpp plain decoding (llama-bench tg, same GGUF, same threads; no prompt: a decode pace): "
                      f"{llama['plain_tokens_per_s']:.2f} tok/s.")  # fmt: skip
+    if "plain_side_by_side" in llama:
+        side = llama["plain_side_by_side"]
+        ours, theirs = median(side["ours_tokens_per_s"]), median(side["llama_tokens_per_s"])
+        lines.append(f"Side by side ({len(side['ours_tokens_per_s'])} rounds alternating llama-bench and our plain "
+                     f"decoding of as many tokens after a one-token prompt): ours {ours:.2f} tok/s against "
+                     f"{theirs:.2f}, **{side['median_ratio']:.3f}× llama.cpp** (median of the rounds' ratios).")
     if "draft_max" in llama:
         lines.append(f"`llama.cpp <drafter>` rows: llama-speculative -md <drafter's GGUF>, greedy, "
                      f"{llama['draft_max']} draft tokens a round; its own numerics, so not compared for identity.")
@@ -418,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: measured)")
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                    help="llama-bench binary: llama.cpp's plain decoding on the target's GGUF (default $LLAMA_BENCH)")
+    p.add_argument("--llama-rounds", type=int, default=5,
+                   help="rounds of llama-bench alternating with our plain decoding (their ratios' median is reported)")
     p.add_argument("--llama-speculative", default=os.environ.get("LLAMA_SPECULATIVE"),
                    help="llama-speculative binary: llama.cpp's speculative decoding with each GGUF model drafter "
                    "(default $LLAMA_SPECULATIVE)")  # fmt: skip
