@@ -174,13 +174,13 @@ class Checkpoint:
         gguf = _gguf()
         Q = gguf.GGMLQuantizationType
         t = self._tensor(name)
+        if t.tensor_type == Q.Q4_K:  # its block step d·sc and minimum -dmin·mn, in fp32
+            q, sc, mn, d, dmin = self.k_blocks(name, heads)
+            d, dmin = d.float().repeat_interleave(8, dim=1), dmin.float().repeat_interleave(8, dim=1)
+            return q, d * sc.float(), -(dmin * mn.float())
         rows, cols = self._rows(name)
         n = rows.shape[0]
-        if t.tensor_type == Q.Q4_K:
-            q, sc, mn, d, dmin = (t.numpy() for t in self.k_blocks(name))
-            d, dmin = d.astype(np.float32).repeat(8, axis=1), dmin.astype(np.float32).repeat(8, axis=1)
-            scale, low = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
-        elif t.tensor_type in (Q.Q4_0, Q.Q4_1):  # 32-value blocks: d (fp16), Q4_1's m (fp16), 16 bytes of values
+        if t.tensor_type in (Q.Q4_0, Q.Q4_1):  # 32-value blocks: d (fp16), Q4_1's m (fp16), 16 bytes of values
             width = 18 if t.tensor_type == Q.Q4_0 else 20
             b = rows.reshape(-1, width)
             scale = b[:, 0:2].copy().view(np.float16).astype(np.float32)
@@ -192,7 +192,6 @@ class Checkpoint:
         per_block = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(n, cols // 32))  # noqa: E731
         q = torch.from_numpy(np.ascontiguousarray(q))
         return tuple(self._hf_order(t, heads) for t in (q, per_block(scale), per_block(low)))
-
 
     def k_blocks(self, name: str, heads: int | None = None, span: tuple[int, int] | None = None):
         """A Q4_K tensor (or its rows ``span``) as it is: (q uint8 [rows, cols] in 0..15, sc, mn uint8 [rows, cols / 32]

@@ -2,8 +2,8 @@
 
 ``Linear`` multiplies rows independently of how many share a call (the engine's exactness rests on it) and can
 hold its weight as int8 (a scale per row) or 4-bit Q4_1 blocks, packed in the layout each kernel build streams
-(``pack_int8``, ``pack_int4``; a GGUF's own 4-bit blocks by ``pack_int4_blocks``). ``quantize`` makes a whole
-model's layers low-bit.
+(``pack_int8``, ``pack_int4``; a GGUF's own 4-bit blocks by ``pack_int4_blocks``), or a GGUF's k-quants as they are:
+Q4_K (``pack_int4k_blocks``) and Q6_K (``pack_int6_blocks``). ``quantize`` makes a whole model's layers low-bit.
 """
 
 from __future__ import annotations
@@ -61,6 +61,13 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_int4_blocks(q.view(n, k), d, m)
 
 
+def _nibble_pairs(v: torch.Tensor) -> torch.Tensor:
+    """Values [out, in] as ``pack_int4_blocks`` pairs them: [out / 16, in / 32, 16, 32], step j of a block holding
+    each row's values 2j, 2j + 1 side by side, row after row (steps 0-7 go in low nibbles, 8-15 in high ones)."""
+    n, k = v.shape
+    return v.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+
+
 def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit values q [out, in] (0..15) with each 32-value block's step d and minimum m [out, in / 32] (value =
     d·q + m; d and m are stored in fp16) in ``pack_int4``'s layout: how a GGUF's own 4-bit blocks are served."""
@@ -69,13 +76,10 @@ def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
         raise ValueError(f"4-bit blocks: values {tuple(q.shape)} (rows in multiples of 16, columns of 32) with "
                          f"scales and minimums [{n}, {k // 32}]; got {tuple(d.shape)}, {tuple(m.shape)}")  # fmt: skip
     d, m = d.half(), m.half()
-    pairs = q.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    pairs = _nibble_pairs(q)
     quants = (pairs[:, :, :8] | (pairs[:, :, 8:] << 4)).reshape(n // 16, k // 32, 256).contiguous()
     dm = torch.stack([d, m], dim=-1).view(n // 16, 16, k // 32, 2).permute(0, 2, 3, 1)
     return quants, dm[..., list(_Q4_SLOTS)].contiguous()
-
-
-Q4K_BYTES = 256 + 32  # a Q4_K tile's bytes a block: its values, then the 16 rows' 6-bit scales and minimums
 
 
 def pack_int4k_blocks(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
@@ -132,13 +136,6 @@ def dequantize_int4(quants: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 Q6_BYTES = 256 + 128 + 32  # a 6-bit tile's bytes a block: low nibbles, high bits, the two half blocks' scales
-
-
-def _nibble_pairs(v: torch.Tensor) -> torch.Tensor:
-    """Values [out, in] as ``pack_int4_blocks`` pairs them: [out / 16, in / 32, 16, 32], step j of a block holding
-    each row's values 2j, 2j + 1 side by side, row after row (steps 0-7 go in low nibbles, 8-15 in high ones)."""
-    n, k = v.shape
-    return v.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
 
 
 def pack_int6_blocks(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
