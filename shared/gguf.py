@@ -34,7 +34,8 @@ import torch
 from shared.errors import SplitspecError
 
 POINTER = "gguf.json"
-FORMAT = 4  # of the cached weights: bump when the conversion changes
+FORMAT = 5  # of the cached weights: bump when the conversion changes
+EMBEDDINGS = "embeddings.npy"  # the cached low-bit weights' fp32 embeddings (memory-mapped)
 
 # the engine's projections and the GGUF tensors they are made of (blk.N.<name>.weight / .bias)
 PROJECTIONS = {
@@ -256,7 +257,9 @@ def load(folder: Path, model, weights: str) -> None:
     if not (cached / "complete").is_file():
         tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        parts = _converted(Checkpoint(source_of(folder)), model.cfg, weights)
+        ckpt = Checkpoint(source_of(folder))
+        _write_rows(ckpt, "token_embd.weight", tmp / EMBEDDINGS)
+        parts = _converted(ckpt, model.cfg, weights, embeddings=False)
         for k in itertools.count():  # (not enumerate: its reused tuple would keep the last part alive)
             part = next(parts, None)
             if part is None:
@@ -272,11 +275,25 @@ def load(folder: Path, model, weights: str) -> None:
     state = {}
     for f in sorted(cached.glob("part-*.pt")):  # memory-mapped: a load reads only what it touches
         state.update(torch.load(f, mmap=True, weights_only=True))
+    # (copy-on-write: a writable array torch takes as it is; nothing writes to it)
+    state["embed_tokens.weight"] = torch.from_numpy(np.load(cached / EMBEDDINGS, mmap_mode="c"))
     _assign(model, state)
 
 
-def _converted(ckpt: Checkpoint, cfg, weights: str):
-    """The engine's tensors made from the GGUF's, a layer at a time, then the norm, embeddings and head."""
+def _write_rows(ckpt: Checkpoint, name: str, path: Path, step: int = 8192) -> None:
+    """A tensor dequantised to fp32 into a ``.npy`` file a slice of rows at a time: the embeddings (150k x 1536 fp32,
+    0.9 GB on the 1.5B) never whole in memory, and a load maps them and reads only the rows it looks up."""
+    t = ckpt._tensor(name)
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_2_0(f, {"descr": "<f4", "fortran_order": False, "shape": (rows, cols)})
+        for r in range(0, rows, step):
+            f.write(ckpt.floats(name, span=(r, min(rows, r + step))).numpy().tobytes())
+
+
+def _converted(ckpt: Checkpoint, cfg, weights: str, embeddings: bool = True):
+    """The engine's tensors made from the GGUF's, a layer at a time, then the norm, embeddings (unless ``embeddings``
+    is False: ``_write_rows`` writes them) and head."""
     lowbit = weights in ("int8", "int4", "lowbit")
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     started = time.monotonic()
@@ -295,7 +312,9 @@ def _converted(ckpt: Checkpoint, cfg, weights: str):
                                                                 zip(names, parts, strict=True)])  # fmt: skip
         yield state
     _progress(cfg.num_layers, cfg.num_layers, started)
-    yield {"norm.weight": ckpt.floats("output_norm.weight"), "embed_tokens.weight": ckpt.floats("token_embd.weight")}
+    yield {"norm.weight": ckpt.floats("output_norm.weight")}
+    if embeddings:
+        yield {"embed_tokens.weight": ckpt.floats("token_embd.weight")}
     if not cfg.tie_embeddings and lowbit:  # packed at once: a float copy of a 150k-token head would double the memory
         qweight, qscale = _head_rows(ckpt, "output.weight", weights)
         yield {"lm_head.qweight": qweight, "lm_head.qscale": qscale}
