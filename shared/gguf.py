@@ -229,15 +229,27 @@ class Checkpoint:
         return tuple(self._hf_order(torch.from_numpy(np.ascontiguousarray(a)), heads) for a in (q, scales, d))
 
 
-def four_bit_share(folder: str | os.PathLike) -> float:
-    """The share of a GGUF's projection weights stored in 4-bit kinds: what int4 serves as it is."""
+def served_share(folder: str | os.PathLike) -> float:
+    """The share of a GGUF's projection weights stored in kinds the low-bit path serves as they are (4-bit blocks,
+    Q6_K). Counted once and kept in ``folder``: parsing a GGUF's header reads its whole vocabulary (~10 s for 150k
+    tokens), which every later load would pay for one number."""
+    record = Path(folder) / "served_share.json"
+    try:
+        return float(json.loads(record.read_text())["share"])
+    except (OSError, ValueError, KeyError):
+        pass
     ckpt = Checkpoint(source_of(folder))
-    total = four = 0
+    total = kept = 0
     for name, t in ckpt.tensors.items():
         if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2:
             total += int(t.n_elements)
-            four += int(t.n_elements) if ckpt.is_four_bit(name) else 0
-    return four / total if total else 0.0
+            kept += int(t.n_elements) if ckpt.is_four_bit(name) or ckpt.is_six_bit(name) else 0
+    share = kept / total if total else 0.0
+    try:
+        record.write_text(json.dumps({"share": share}) + "\n")
+    except OSError:
+        pass  # a read-only cache: counted again next time
+    return share
 
 
 def load(folder: Path, model, weights: str) -> None:

@@ -109,13 +109,14 @@ def _provision_builtin(name: str, root: Path) -> Path:
 def on_q4_grid(path: str | os.PathLike) -> bool:
     """Whether a checkpoint's projections already lie on a Q4_1 grid (it was dequantised from a 4-bit GGUF), judged
     on its first layer's down projection: int4 then serves its own values, with no second rounding. A GGUF is when
-    most of its projection weights are 4-bit blocks (``shared.gguf``: those are served as they are)."""
+    most of its projection weights are of kinds the low-bit path serves as they are (``shared.gguf``: 4-bit blocks,
+    Q6_K)."""
     from safetensors import safe_open
 
     from shared import gguf
 
     if gguf.source_of(path) is not None:
-        return gguf.four_bit_share(path) >= 0.5
+        return gguf.served_share(path) >= 0.5
 
     from shared.linear import dequantize_int4, pack_int4
 
