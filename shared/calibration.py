@@ -125,7 +125,10 @@ def _model(cfg, path: str, layers: int, rows: int):
     from shared.layers import Rotary
     from shared.models import DTYPES
 
-    small = dataclasses.replace(cfg, num_layers=layers, vocab_size=rows, max_positions=PREFIX + max(SIZES) + 1)
+    # tied: one random [rows, hidden] table for the embeddings and the head (the timed forward reads the head's rows
+    # either way), not two — the first load of a 1.5B model peaked at 2.8 GB here with both
+    small = dataclasses.replace(cfg, num_layers=layers, vocab_size=rows, max_positions=PREFIX + max(SIZES) + 1,
+                                tie_embeddings=True)  # fmt: skip
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
     torch.manual_seed(0)
     model = Transformer(small, Rotary(inv_freq, 1.0, small.max_positions))
