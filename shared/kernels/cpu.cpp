@@ -443,6 +443,16 @@ inline __m512i q4_pick() {
   return pick;
 }
 
+// a block's activations 2g..2g+3 (xl) and 2g+16..2g+19 (xh), each broadcast to every 32-bit lane: what the 4 values
+// a lane holds of its column (low and high nibbles of steps g, g + 1) are multiplied by
+inline void broadcast_steps(const int8_t* block, int g, __m512i& xl, __m512i& xh) {
+  int32_t lo4, hi4;
+  std::memcpy(&lo4, block + 2 * g, 4);
+  std::memcpy(&hi4, block + 16 + 2 * g, 4);
+  xl = _mm512_set1_epi32(lo4);
+  xh = _mm512_set1_epi32(hi4);
+}
+
 template <int R, int TN = 1, bool KQ = false>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
@@ -472,10 +482,8 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
         wh[u] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       }
       for (int r = 0; r < R; ++r) {
-        int32_t lo4, hi4;  // activations 2g..2g+3 and 2g+16..2g+19
-        std::memcpy(&lo4, xq[r] + b * KSTEP + 2 * g, 4);
-        std::memcpy(&hi4, xq[r] + b * KSTEP + 16 + 2 * g, 4);
-        const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+        __m512i xl, xh;
+        broadcast_steps(xq[r] + b * KSTEP, g, xl, xh);
         for (int u = 0; u < TN; ++u) {
           isum[r][u] = _mm512_dpbusd_epi32(isum[r][u], wl[u], xl);
           isum[r][u] = _mm512_dpbusd_epi32(isum[r][u], wh[u], xh);
@@ -665,10 +673,8 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
                                 _mm512_and_si512(_mm512_slli_epi16(h, 2), top));  // fmt: skip
       }
       for (int r = 0; r < R; ++r) {
-        int32_t lo4, hi4;  // activations 2g..2g+3 and 2g+16..2g+19
-        std::memcpy(&lo4, xq[r] + b * KSTEP + 2 * g, 4);
-        std::memcpy(&hi4, xq[r] + b * KSTEP + 16 + 2 * g, 4);
-        const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+        __m512i xl, xh;
+        broadcast_steps(xq[r] + b * KSTEP, g, xl, xh);
         for (int u = 0; u < TN; ++u) {
           first[r][u] = _mm512_dpbusd_epi32(first[r][u], wl[u], xl);
           second[r][u] = _mm512_dpbusd_epi32(second[r][u], wh[u], xh);
@@ -837,13 +843,12 @@ template <Blocked F>
 void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
                  int64_t N, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
+  constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
 #ifdef SPLITSPEC_AVX512
   // measured best on Zen 5 (4-bit 8 x 1: 5-10 % slower at 9-17 rows; 4 x 2 too); 6-bit: its two half blocks' sums
   // per row and tile stay in the 32 registers at 4 rows (6 x 2: 1.4x slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too)
-  constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   constexpr int64_t R = SIX ? 4 : 6, TN = 2;
 #else
-  constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   constexpr int64_t R = 4, TN = 1;
 #endif
   // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
