@@ -839,18 +839,11 @@ enum class Blocked { Q4_1, Q4_K, Q6_K };  // the block formats: 4-bit with fp16 
 
 // y[M, N] = x · Wᵀ (+ bias) (+ residual) for block-quantised weights of N rows (a multiple of Q4), their fp16 scales
 // in ``dm`` (Q4_1: d and m a block; Q4_K: d and -dmin a super-block; Q6_K: d a super-block).
-template <Blocked F>
-void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
-                 int64_t N, float* y, const Split& split = {}) {
+template <Blocked F, int64_t R, int64_t TN>
+void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
+                int64_t N, float* y, const Split& split) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
   constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
-#ifdef SPLITSPEC_AVX512
-  // measured best on Zen 5 (4-bit 8 x 1: 5-10 % slower at 9-17 rows; 4 x 2 too); 6-bit: its two half blocks' sums
-  // per row and tile stay in the 32 registers at 4 rows (6 x 2: 1.4x slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too)
-  constexpr int64_t R = SIX ? 4 : 6, TN = 2;
-#else
-  constexpr int64_t R = 4, TN = 1;
-#endif
   // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
   const int64_t tile_bytes = Kb * (SIX ? Q6B : KQ ? Q4KB : Q4B);
   const int64_t tile_halves = SIX ? Kb / 8 * Q4 : KQ ? Kb / 8 * 2 * Q4 : Kb * 2 * Q4;
@@ -895,6 +888,25 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
       }
     }
   });
+}
+
+// R rows x TN tiles a pass, as measured on Zen 5 (avx512; a 1.5B's projections, one to 17 rows): on a short K (the
+// activations a few KB) one tile at a time, 8 rows (4-bit) or 4 (6-bit) a pass: the 1.5B's gate_up projection and
+// head took 1.07-1.15x as long two tiles at a time at 1-8 rows; on a long K, or more rows, two tiles share each
+// activation broadcast (1.05-1.3x faster at 1-8 rows on ffn_down's K of 8960), 6 rows of 4-bit (8 x 1: 5-10 %
+// slower at 9-17 rows) or 4 of 6-bit, whose two half-block sums a row and tile fill the 32 registers (6 x 2: 1.4x
+// slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too).
+template <Blocked F>
+void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
+                 int64_t N, float* y, const Split& split = {}) {
+#ifdef SPLITSPEC_AVX512
+  constexpr bool SIX = F == Blocked::Q6_K;
+  const bool short_k = x.Kp <= 2048;
+  if (short_k && x.M <= (SIX ? 4 : 8)) gemm_tiles<F, SIX ? 4 : 8, 1>(x, w, dm, bias, residual, N, y, split);
+  else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, y, split);
+#else
+  gemm_tiles<F, 4, 1>(x, w, dm, bias, residual, N, y, split);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
