@@ -34,7 +34,7 @@ import torch
 from shared.errors import SplitspecError
 
 POINTER = "gguf.json"
-FORMAT = 5  # of the cached weights: bump when the conversion changes
+FORMAT = 6  # of the cached weights: bump when the conversion changes
 EMBEDDINGS = "embeddings.npy"  # the cached low-bit weights' fp32 embeddings (memory-mapped)
 
 # the engine's projections and the GGUF tensors they are made of (blk.N.<name>.weight / .bias)
@@ -364,39 +364,62 @@ def _head_rows(ckpt: Checkpoint, name: str, weights: str) -> tuple[torch.Tensor,
 
 def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tensor]:
     """One fused projection packed for the kernels: int4 from its 4-bit blocks as they are (``int4``, ``lowbit``; Q4_K
-    at its own 4.5 bits), int6 from Q6_K as it is (``lowbit``), else int8 (or int4 when pinned) from its exact fp32
-    values."""
+    at its own 4.5 bits), int6 from Q6_K as it is (``lowbit``), two of those side by side where the tensors are of two
+    such kinds (q and k Q4_K, v Q6_K: the rows after the first kind's are the layer's ``tail``), else int8 (or int4
+    when pinned) from its exact fp32 values."""
     from shared.linear import pack_int4, pack_int4_blocks, pack_int4k_blocks, pack_int6_blocks, pack_int8
 
-    def joined(read) -> list[torch.Tensor]:
-        return [torch.cat(t) for t in zip(*(read(n, heads.get(p)) for n, p in zip(names, parts, strict=True)),
-                                          strict=True)]  # fmt: skip
-
-    rows = sum(int(ckpt.tensors[n].shape[1]) for n in names)
     Q4_K = _gguf().GGMLQuantizationType.Q4_K
-    if weights in ("int4", "lowbit") and all(ckpt.tensors[n].tensor_type == Q4_K for n in names) and rows % 16 == 0:
-        qweight, qscale = pack_int4k_blocks(*joined(ckpt.k_blocks))
-    elif weights in ("int4", "lowbit") and all(ckpt.is_four_bit(n) for n in names):
-        qweight, qscale = pack_int4_blocks(*joined(ckpt.blocks))
-    elif weights == "lowbit" and all(ckpt.is_six_bit(n) for n in names) and rows % 16 == 0:
-        qweight, qscale = pack_int6_blocks(*joined(ckpt.six_bits))
-    else:
-        w = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in zip(names, parts, strict=True)])
-        fits = w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
-        qweight, qscale = pack_int4(w) if weights == "int4" and fits else pack_int8(w)
+
+    def kind(name: str) -> str | None:  # how a tensor is served as it is, if it can be
+        if weights in ("int4", "lowbit") and ckpt.tensors[name].tensor_type == Q4_K:
+            return "int4k"
+        if weights in ("int4", "lowbit") and ckpt.is_four_bit(name):
+            return "int4"
+        return "int6" if weights == "lowbit" and ckpt.is_six_bit(name) else None
+
+    def pack(how: str, ns, ps) -> tuple[torch.Tensor, torch.Tensor] | None:
+        read = {"int4k": ckpt.k_blocks, "int4": ckpt.blocks, "int6": ckpt.six_bits}[how]
+        if sum(int(ckpt.tensors[n].shape[1]) for n in ns) % 16:
+            return None  # the kernels' tiles are 16 rows
+        pack_as = {"int4k": pack_int4k_blocks, "int4": pack_int4_blocks, "int6": pack_int6_blocks}[how]
+        return pack_as(*[torch.cat(t) for t in zip(*(read(n, heads.get(p)) for n, p in zip(ns, ps, strict=True)),
+                                                   strict=True)])  # fmt: skip
+
+    kinds = [kind(n) for n in names]
+    if None not in kinds and len(set(kinds)) == 1 or set(kinds) == {"int4k", "int4"}:  # one format for all
+        packed = pack(kinds[0] if len(set(kinds)) == 1 else "int4", names, parts)
+        if packed is not None:
+            return {f"{prefix}.qweight": packed[0], f"{prefix}.qscale": packed[1]}
+    cut = next((i for i in range(1, len(names)) if kinds[i] != kinds[0]), len(names))
+    if None not in kinds and len(set(kinds[cut:])) == 1:  # two formats, one after the other: a head and a tail
+        head, tail = pack(kinds[0], names[:cut], parts[:cut]), pack(kinds[cut], names[cut:], parts[cut:])
+        if head is not None and tail is not None:
+            return {f"{prefix}.qweight": head[0], f"{prefix}.qscale": head[1],
+                    f"{prefix}.tail.qweight": tail[0], f"{prefix}.tail.qscale": tail[1]}  # fmt: skip
+    w = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in zip(names, parts, strict=True)])
+    fits = w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+    qweight, qscale = pack_int4(w) if weights == "int4" and fits else pack_int8(w)
     return {f"{prefix}.qweight": qweight, f"{prefix}.qscale": qscale}
 
 
 def _assign(model, state: dict[str, torch.Tensor]) -> None:
     """Put float tensors in as parameters and packed ones into their ``Linear``s."""
     from shared import kernels
+    from shared.linear import Linear
 
-    packed = {k.rsplit(".", 1)[0] for k in state if k.endswith(".qweight")}
+    packed = {k.rsplit(".", 1)[0] for k in state if k.endswith(".qweight") and ".tail." not in k}
     for name in packed:
         layer = model.get_submodule(name)
         layer.qweight, layer.qscale = state.pop(f"{name}.qweight"), state.pop(f"{name}.qscale")
         layer.kernel_build = kernels.active()
         layer.weight = None
+        if f"{name}.tail.qweight" in state:  # the rows after the head's, in another format
+            qweight, qscale = state.pop(f"{name}.tail.qweight"), state.pop(f"{name}.tail.qscale")
+            rows = qweight.shape[0] * 16  # block formats: tiles of 16 rows
+            tail = Linear(layer.in_features, rows, bias=False, device="meta")
+            tail.weight, tail.qweight, tail.qscale, tail.kernel_build = None, qweight, qscale, layer.kernel_build
+            layer.tail = tail
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in packed and k != "lm_head.weight"]
     if missing or unexpected:

@@ -335,12 +335,22 @@ def kernel_blocks(blocks: list[Block]):
         if b.cross or any(m.qweight is None for m in layers) or not kernels.available():
             return None
         ln1, ln2 = b.input_layernorm, b.post_attention_layernorm
-        qkv, o, gate_up, down = ((m.qweight, m.qscale, _NO_BIAS if m.bias is None else m.int8_bias()) for m in layers)
+        qkv, o, gate_up, down = (_kernel_tensors(m) for m in layers)
         tensors += [ln1.weight.detach(), *qkv, *o, ln2.weight.detach(), *gate_up, *down]
         eps += [ln1.eps, ln2.eps]
     heads, kv_heads, head_dim = blocks[0]._shape
     build = blocks[0].mlp.down_proj.kernel_build
     return kernels.Blocks(tensors, eps, heads, kv_heads, head_dim**-0.5, tag=build)
+
+
+def _kernel_tensors(layer) -> list[torch.Tensor]:
+    """A low-bit projection as ``shared.kernels.Blocks`` takes it: weight, scales and bias of its own rows, then of its
+    ``tail`` (empty tensors: no bias, no tail)."""
+    parts = [layer] if layer.tail is None else [layer, layer.tail]
+    tensors = []
+    for part, bias in zip(parts, layer.int8_biases(), strict=False):
+        tensors += [part.qweight, part.qscale, _NO_BIAS if bias is None else bias]
+    return tensors + [_NO_BIAS] * (6 - len(tensors))
 
 
 def run_blocks(stack, x: torch.Tensor, rope: tuple, caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -205,6 +205,12 @@ class Linear(nn.Linear):
     kernel_build: str | None = None  # the kernel build that packed it (``shared.kernels``)
     qscale: torch.Tensor | None = None  # fp32 [out], or int4 block scales
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # the output rows after qweight's, packed in another block format: a GGUF projection fused from tensors of
+        # two kinds (q and k in Q4_K, v in Q6_K), each served as it is; this layer's bias covers both
+        self.tail: Linear | None = None
+
     def quantize(self, kind: str = "int8", keep_weight: bool = False) -> None:
         """Make this layer ``int8``, ``int4`` (where the shape allows, else int8) or ``lowbit`` (int4 where the weight
         already lies on a Q4_1 grid, so nothing changes, else int8); CPU only. ``keep_weight`` keeps the float
@@ -225,7 +231,8 @@ class Linear(nn.Linear):
             self.weight = None  # the int8 copy is the weight now
 
     def weights_kind(self) -> str:
-        """``native``, ``int8``, ``int4`` (Q4_1 or Q4_K blocks) or ``int6``: what this layer computes with."""
+        """``native``, ``int8``, ``int4`` (Q4_1 or Q4_K blocks) or ``int6``: what this layer's own rows compute
+        with (a ``tail`` says its own)."""
         if self.qweight is None:
             return "native"
         if self.qweight.dtype != torch.uint8:
@@ -234,7 +241,8 @@ class Linear(nn.Linear):
 
     def cuttable(self) -> bool:
         """Whether ``rows`` can cut this layer without rounding again: float, or Q4_1-style 4-bit blocks."""
-        return self.qweight is None or (self.qweight.dtype == torch.uint8 and self.qweight.shape[-1] == 256)
+        return self.qweight is None or (
+            self.tail is None and self.qweight.dtype == torch.uint8 and self.qweight.shape[-1] == 256)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -281,8 +289,13 @@ class Linear(nn.Linear):
         sub.kernel_build = self.kernel_build
         return sub
 
-    def int8_bias(self) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.float().contiguous()
+    def int8_biases(self) -> list[torch.Tensor | None]:
+        """The fp32 bias of this layer's own rows, and of its tail's if it has one, as the kernels take them."""
+        own = self.out_features - (0 if self.tail is None else self.tail.out_features)
+        bias = None if self.bias is None else self.bias.detach().float()
+        if self.tail is None:
+            return [None if bias is None else bias.contiguous()]
+        return [None, None] if bias is None else [bias[:own].contiguous(), bias[own:].contiguous()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
@@ -290,8 +303,11 @@ class Linear(nn.Linear):
                 raise RuntimeError(f"a low-bit layer computes on the CPU; its input is on {x.device}")
             if x.shape[-1] != self.in_features:  # the kernel sees only the padded width
                 raise ValueError(f"input of width {x.shape[-1]} for a layer of {self.in_features} inputs")
-            out = kernels_ops(self.kernel_build).linear(x.float(), self.qweight, self.qscale, self.int8_bias(), None)
-            return out.to(x.dtype)
+            linear = kernels_ops(self.kernel_build).linear
+            parts = [self] if self.tail is None else [self, self.tail]
+            out = [linear(x.float(), p.qweight, p.qscale, b, None) for p, b in zip(parts, self.int8_biases(),
+                                                                                    strict=True)]  # fmt: skip
+            return torch.cat(out, dim=-1).to(x.dtype) if len(out) > 1 else out[0].to(x.dtype)
         single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])
         if single:

@@ -94,17 +94,18 @@ def test_four_bit_blocks_are_the_values_gguf_stands_for(tmp_path, kind):
 
 
 # the tiny model: GGUF tensor kinds per name (norms and biases stay F32)
-KINDS = {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0,
-         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": (Q.Q6_K, Q.Q4_K), "output": Q.Q8_0}  # fmt: skip
-# (ffn_down: a kind per layer, as Q4_K_M files mix them)
+KINDS = {"token_embd": Q.F16, "attn_q": (Q.Q4_K, Q.Q8_0), "attn_k": (Q.Q4_K, Q.Q8_0), "attn_v": (Q.Q6_K, Q.Q8_0),
+         "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": (Q.Q6_K, Q.Q4_K),
+         "output": Q.Q8_0}  # fmt: skip
+# (a kind per layer where a tuple, as Q4_K_M files mix them: layer 0's q and k Q4_K with its v Q6_K)
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    """A 2-layer llama GGUF (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer and random weights."""
+    """A 2-layer llama GGUF (hidden 256, 4 heads, 2 KV heads) with SmolLM2's tokenizer and random weights."""
     source = gguf.GGUFReader(_builtin_gguf())
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
-    vocab, E, F, layers = 49152, 64, 256, 2
+    vocab, E, F, layers = 49152, 256, 256, 2
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(layers)
     writer.add_context_length(512)
@@ -138,9 +139,9 @@ def tiny_gguf(tmp_path_factory) -> Path:
     add("token_embd.weight", vocab, E, KINDS["token_embd"], 0.5)
     for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", 1, E)
-        add(f"blk.{i}.attn_q.weight", E, E, KINDS["attn_q"])
-        add(f"blk.{i}.attn_k.weight", 32, E, KINDS["attn_k"])
-        add(f"blk.{i}.attn_v.weight", 32, E, KINDS["attn_v"])
+        add(f"blk.{i}.attn_q.weight", E, E, KINDS["attn_q"][i])
+        add(f"blk.{i}.attn_k.weight", E // 2, E, KINDS["attn_k"][i])
+        add(f"blk.{i}.attn_v.weight", E // 2, E, KINDS["attn_v"][i])
         add(f"blk.{i}.attn_output.weight", E, E, KINDS["attn_output"])
         add(f"blk.{i}.ffn_norm.weight", 1, E)
         add(f"blk.{i}.ffn_gate.weight", F, E, KINDS["ffn_gate"])
@@ -171,6 +172,16 @@ def _plain(target, n: int = 12) -> list[int]:
     return generate(LocalVerifier(target), NoDrafter(), encode_prompt(target.tokenizer, PROMPT, False), n).token_ids
 
 
+def _logits(target, ids: list[int]) -> torch.Tensor:
+    from shared.tree import causal_from
+
+    engine = target.engine
+    with torch.no_grad():
+        hidden = engine(torch.tensor([ids]), torch.tensor([list(range(len(ids)))]), causal_from(0, len(ids)),
+                        engine.new_cache(len(ids)), 0)[0]  # fmt: skip
+        return engine.logits(hidden).float()
+
+
 def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
     """Read a tensor at a time (llama's q and k rows put back in a checkpoint's order), the fp32 engine decodes what
     transformers' own GGUF loader and ``generate`` decode."""
@@ -190,15 +201,28 @@ def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
 @pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
 def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tiny_gguf, cache):
     """lowbit: a projection made only of 4-bit kinds is int4 with the file's own values (Q4_K with its 6-bit scales),
-    one of Q6_K int6 with its own, the others int8; a second load reads the cached packing and serves the same
-    target; a tree verified at once equals plain decoding."""
-    from shared.models import load_target
+    one of Q6_K int6 with its own, one fused from both (q, k Q4_K; v Q6_K) the two side by side, the others int8; a
+    second load reads the cached packing and serves the same target; a tree verified at once equals plain
+    decoding."""
+    from shared.models import encode_prompt, load_target
 
     first = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
     block = first.engine.layers[0]
     assert block.mlp.gate_up.weights_kind() == "int4" and block.mlp.down_proj.weights_kind() == "int6"
-    assert block.self_attn.qkv.weights_kind() == "int8"  # Q8_0: re-quantised to a scale per row
     ckpt = Checkpoint(tiny_gguf)
+    qkv = block.self_attn.qkv  # q and k Q4_K, then v Q6_K in its tail: every value the file's
+    assert qkv.weights_kind() == "int4" and qkv.tail.weights_kind() == "int6" and qkv.tail.out_features == 128
+    qk = torch.cat([ckpt.floats("blk.0.attn_q.weight", 4), ckpt.floats("blk.0.attn_k.weight", 2)])
+    assert torch.equal(dequantize_int4k(qkv.qweight, qkv.qscale), qk)
+    assert torch.equal(dequantize_int6(qkv.tail.qweight, qkv.tail.qscale), ckpt.floats("blk.0.attn_v.weight"))
+    x = torch.randn(3, 256)  # the layer alone: both parts, int8 activations
+    want = x @ torch.cat([qk, ckpt.floats("blk.0.attn_v.weight")]).T
+    assert (qkv(x) - want).norm() < 0.02 * want.norm()
+    native = load_target(str(tiny_gguf), dtype="float32", weights="native", cache=cache)  # the file's values in fp32
+    ids = encode_prompt(first.tokenizer, PROMPT, False)
+    low, exact = (_logits(t, ids) for t in (first, native))  # the fused stack, its head and tail wired as they are
+    assert (low - exact).norm() < 0.05 * exact.norm()
+    assert first.engine.layers[1].self_attn.qkv.weights_kind() == "int8"  # Q8_0: re-quantised to a scale per row
     gate = ckpt.floats("blk.0.ffn_gate.weight")  # Q4_1: d and m are fp16 already, so int4 is exact
     assert torch.equal(dequantize_int4(block.mlp.gate_up.qweight, block.mlp.gate_up.qscale)[: len(gate)], gate)
     down = block.mlp.down_proj

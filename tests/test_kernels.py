@@ -139,6 +139,26 @@ def test_int6_is_exact_on_its_half_blocks_and_packs_a_gguf_q6_k_as_it_is():
         pack_int6_blocks(q[:, :128], scales[:, :8], d[:, :1])
 
 
+def test_a_projection_of_two_formats_computes_both_parts_with_its_bias():
+    """A fused projection whose rows come in two block formats (a GGUF's q and k in Q4_K, v in Q6_K: ``Linear.tail``)
+    gives each part's product plus its share of the bias, and hands the fused block stack each part's weight, scales
+    and bias."""
+    from shared.layers import _kernel_tensors
+    from shared.linear import Linear
+
+    head, tail = random_int4k(32, 256, seed=1), random_int6(16, 256, seed=2)
+    layer = Linear(256, 48, bias=True)
+    layer.qweight, layer.qscale, layer.weight = *head, None
+    layer.tail = Linear(256, 16, bias=False, device="meta")
+    layer.tail.qweight, layer.tail.qscale, layer.tail.weight = *tail, None
+    x = torch.randn(5, 256)
+    got = layer(x)
+    want = torch.cat([ops.linear(x, *head, None, None), ops.linear(x, *tail, None, None)], dim=-1) + layer.bias
+    torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
+    assert not layer.cuttable() and len(_kernel_tensors(layer)) == 6
+    assert torch.equal(_kernel_tensors(layer)[5], layer.bias.detach()[32:])
+
+
 def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
     """``Linear.rows``: a draft vocabulary's head. Its 4-bit blocks are the whole layer's own (a GGUF's blocks need not
     span their 16 steps, which packing them anew from floats would round again), so its outputs are the same bits;

@@ -279,10 +279,10 @@ void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead
     _mm512_storeu_si512(out + r * W8, _mm512_sub_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), correction));
 }
 
-// y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual) for "cols16" weights: threads split the tiles; a tile's weights
-// (Kp · 16 bytes) stay in L1 while every pass of up to 8 activation rows goes over them.
+// y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual), rows ld apart, for "cols16" weights: threads split the tiles; a
+// tile's weights (Kp · 16 bytes) stay in L1 while every pass of up to 8 activation rows goes over them.
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
-          int64_t N, float* y, const Split& split = {}) {
+          int64_t N, int64_t ld, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kp = x.Kp;
   constexpr int64_t R = 8;
   const int64_t tiles = (N + W8 - 1) / W8, step = balanced(M, R);
@@ -302,12 +302,12 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
         ahead.first = r0 / step * pairs;
         with_rows<R>(rows, [&](auto tile) { i8_tile<decltype(tile)::value>(x, r0, w + n * Kp, Kp, ahead, acc); });
         for (int64_t r = 0; r < rows; ++r) {
-          float* yr = y + (r0 + r) * N + n;
+          float* yr = y + (r0 + r) * ld + n;
           const float sx = x.scale[r0 + r];
           for (int64_t c = 0; c < cols; ++c) {  // the float steps of every build, in the same order
             float v = static_cast<float>(acc[r * W8 + c]) * (sx * w_scale[n + c]);
             if (bias) v += bias[n + c];
-            if (residual) v += residual[(r0 + r) * N + n + c];
+            if (residual) v += residual[(r0 + r) * ld + n + c];
             yr[c] = v;
           }
         }
@@ -368,12 +368,12 @@ void dot_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, int32_t* o
 }
 #endif
 
-// y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual). Threads split the output columns, so one row
+// y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual), rows ld apart. Threads split the output columns, so one row
 // streams the weights once; for many rows a tile of weight rows stays in L1 while every activation
 // row passes over it. w holds N rows rounded up to a multiple of C (zeros past N), tiled: tile t's K
 // step k is its C rows' 32 values each, contiguous ([N / C, Kp / 32, C, 32]), one sequential stream.
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
-          int64_t N, float* y, const Split& split = {}) {
+          int64_t N, int64_t ld, float* y, const Split& split = {}) {
   const int64_t M = x.M, Kp = x.Kp;
   constexpr int64_t R = 2;
   const int64_t tiles = (N + C - 1) / C;
@@ -385,12 +385,12 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
         const int64_t rows = std::min<int64_t>(R, M - r0);
         with_rows<R>(rows, [&](auto tile) { dot_tile<decltype(tile)::value>(x, r0, w + n * Kp, Kp, acc); });
         for (int64_t r = 0; r < rows; ++r) {
-          float* yr = y + (r0 + r) * N + n;
+          float* yr = y + (r0 + r) * ld + n;
           const float sx = x.scale[r0 + r];
           for (int64_t c = 0; c < cols; ++c) {
             float v = static_cast<float>(acc[r * C + c]) * (sx * w_scale[n + c]);
             if (bias) v += bias[n + c];
-            if (residual) v += residual[(r0 + r) * N + n + c];
+            if (residual) v += residual[(r0 + r) * ld + n + c];
             yr[c] = v;
           }
         }
@@ -838,10 +838,11 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
 enum class Blocked { Q4_1, Q4_K, Q6_K };  // the block formats: 4-bit with fp16 scales, 4-bit with 6-bit ones, 6-bit
 
 // y[M, N] = x · Wᵀ (+ bias) (+ residual) for block-quantised weights of N rows (a multiple of Q4), their fp16 scales
-// in ``dm`` (Q4_1: d and m a block; Q4_K: d and -dmin a super-block; Q6_K: d a super-block).
+// in ``dm`` (Q4_1: d and m a block; Q4_K: d and -dmin a super-block; Q6_K: d a super-block); y's and the residual's
+// rows ``ld`` apart (N, or a wider output this weight is a part of).
 template <Blocked F, int64_t R, int64_t TN>
 void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
-                int64_t N, float* y, const Split& split) {
+                int64_t N, int64_t ld, float* y, const Split& split) {
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
   constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
@@ -877,11 +878,11 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
           }
         });
         for (int64_t r = 0; r < rows; ++r) {
-          float* yr = y + (r0 + r) * N + n;
+          float* yr = y + (r0 + r) * ld + n;
           for (int64_t c = 0; c < cols; ++c) {
             float v = acc[r * tn * Q4 + c];  // the activations' block scales are inside
             if (bias) v += bias[n + c];
-            if (residual) v += residual[(r0 + r) * N + n + c];
+            if (residual) v += residual[(r0 + r) * ld + n + c];
             yr[c] = v;
           }
         }
@@ -898,14 +899,14 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
 // slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too).
 template <Blocked F>
 void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
-                 int64_t N, float* y, const Split& split = {}) {
+                 int64_t N, int64_t ld, float* y, const Split& split = {}) {
 #ifdef SPLITSPEC_AVX512
   constexpr bool SIX = F == Blocked::Q6_K;
   const bool short_k = x.Kp <= 2048;
-  if (short_k && x.M <= (SIX ? 4 : 8)) gemm_tiles<F, SIX ? 4 : 8, 1>(x, w, dm, bias, residual, N, y, split);
-  else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, y, split);
+  if (short_k && x.M <= (SIX ? 4 : 8)) gemm_tiles<F, SIX ? 4 : 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
+  else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
 #else
-  gemm_tiles<F, 4, 1>(x, w, dm, bias, residual, N, y, split);
+  gemm_tiles<F, 4, 1>(x, w, dm, bias, residual, N, ld, y, split);
 #endif
 }
 
@@ -1198,18 +1199,49 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& scale, const std::option
 }
 
 // y[M, N] = x[M, K] · Wᵀ (+ bias) (+ residual [M, N]; y may be the residual itself: each output reads only its own)
-// y = rows · Wᵀ (+ bias) (+ residual) for quantised rows, over every thread or a Split's share of the columns
-void multiply(const Rows& rows, const Weight& w, const float* residual, float* y, const Split& split = {}) {
+// y = rows · Wᵀ (+ bias) (+ residual) for quantised rows, over every thread or a Split's share of the columns; y's
+// rows ld apart (0: w.N)
+void multiply(const Rows& rows, const Weight& w, const float* residual, float* y, const Split& split = {},
+              int64_t ld = 0) {
   const auto* wb = static_cast<const uint8_t*>(w.w);
   const auto* sb = static_cast<const uint16_t*>(w.scale);
+  ld = ld ? ld : w.N;
   if (w.kind == Weight::INT4)
-    gemm_blocks<Blocked::Q4_1>(rows, wb, sb, w.bias, residual, w.N, y, split);
+    gemm_blocks<Blocked::Q4_1>(rows, wb, sb, w.bias, residual, w.N, ld, y, split);
   else if (w.kind == Weight::INT4K)
-    gemm_blocks<Blocked::Q4_K>(rows, wb, sb, w.bias, residual, w.N, y, split);
+    gemm_blocks<Blocked::Q4_K>(rows, wb, sb, w.bias, residual, w.N, ld, y, split);
   else if (w.kind == Weight::INT6)
-    gemm_blocks<Blocked::Q6_K>(rows, wb, sb, w.bias, residual, w.N, y, split);
+    gemm_blocks<Blocked::Q6_K>(rows, wb, sb, w.bias, residual, w.N, ld, y, split);
   else
-    gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, y, split);
+    gemm(rows, static_cast<const int8_t*>(w.w), static_cast<const float*>(w.scale), w.bias, residual, w.N, ld, y,
+         split);
+}
+
+// A fused projection: one weight, or two side by side (``tail``: the output rows after ``head``'s, in another format
+// whose activations are quantised alike: a GGUF's q and k in Q4_K fused with its v in Q6_K, each served as it is).
+struct Projection {
+  Weight head, tail;  // tail.N == 0: none
+  int64_t N = 0;
+  bool blocks() const { return head.blocks(); }
+};
+
+Projection projection_of(const at::Tensor* w, int64_t K, const char* what) {
+  auto bias = [&](int i) { return w[i].numel() ? std::optional<at::Tensor>(w[i]) : std::nullopt; };
+  Projection p;
+  p.head = weight_of(w[0], w[1], bias(2), K, what);
+  if (w[3].numel()) {
+    p.tail = weight_of(w[3], w[4], bias(5), K, what);
+    TORCH_CHECK(p.tail.blocks() == p.head.blocks(), what, ": its two parts quantise their inputs differently (",
+                p.head.blocks() ? "blocks" : "rows", " and ", p.tail.blocks() ? "blocks" : "rows",
+                "); expected two block formats or none");  // fmt: skip
+  }
+  p.N = p.head.N + p.tail.N;
+  return p;
+}
+
+void multiply(const Rows& rows, const Projection& p, const float* residual, float* y, const Split& split) {
+  multiply(rows, p.head, residual, y, split, p.N);
+  if (p.tail.N) multiply(rows, p.tail, residual ? residual + p.head.N : nullptr, y + p.head.N, split, p.N);
 }
 
 void project(const float* x, int64_t M, const Weight& w, const float* residual, float* y, Rows& rows) {
@@ -1439,13 +1471,14 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 // once; each block runs the same four functions the single ops do, so both give the same bits.
 
 struct Blocks : torch::CustomClassHolder {
-  // per block: norm1, qkv (w, scale, bias), o, norm2, gate_up, down; an empty tensor stands for no bias
-  static constexpr int64_t PER_BLOCK = 14;
+  // per block: norm1, qkv, o, norm2, gate_up, down; a projection is 6 tensors (w, scale, bias of its head, then of
+  // its tail); an empty tensor stands for no bias, or no tail
+  static constexpr int64_t PER_PROJECTION = 6, PER_BLOCK = 2 + 4 * PER_PROJECTION;
   struct Layer {
     const float* norm1;
     const float* norm2;
     float eps1, eps2;
-    Weight qkv, o, gate_up, down;
+    Projection qkv, o, gate_up, down;
   };
   std::vector<at::Tensor> t;  // owns what the layers point into
   std::vector<Layer> layers;
@@ -1455,8 +1488,8 @@ struct Blocks : torch::CustomClassHolder {
   Blocks(std::vector<at::Tensor> tensors, std::vector<double> eps, int64_t heads, int64_t kv_heads, double scale)
       : t(std::move(tensors)), heads(heads), kv_heads(kv_heads), scale(scale) {
     TORCH_CHECK(!t.empty() && t.size() % PER_BLOCK == 0, "Blocks: expected ", PER_BLOCK,
-                " tensors a block (norm, qkv w/scale/bias, o w/scale/bias, norm, gate_up w/scale/bias, "
-                "down w/scale/bias), got ", t.size());
+                " tensors a block (norm, qkv, o, norm, gate_up, down; a projection's w/scale/bias and its tail's), "
+                "got ", t.size());
     const int64_t n = static_cast<int64_t>(t.size()) / PER_BLOCK;
     TORCH_CHECK(static_cast<int64_t>(eps.size()) == 2 * n, "Blocks: expected 2 norm epsilons a block, got ",
                 eps.size(), " for ", n, " blocks");
@@ -1465,21 +1498,21 @@ struct Blocks : torch::CustomClassHolder {
     E = t[0].numel();
     for (int64_t l = 0; l < n; ++l) {
       at::Tensor* w = t.data() + l * PER_BLOCK;
-      for (int i : {0, 7}) {
+      constexpr int norm2 = 1 + 2 * PER_PROJECTION;  // norm1, qkv, o, norm2, gate_up, down
+      for (int i : {0, norm2}) {
         w[i] = w[i].contiguous();
         optional_vector(w[i], E, "Blocks norm weight");
       }
-      auto bias = [&](int i) { return w[i].numel() ? std::optional<at::Tensor>(w[i]) : std::nullopt; };
-      Layer L{w[0].data_ptr<float>(), w[7].data_ptr<float>(), static_cast<float>(eps[2 * l]),
-              static_cast<float>(eps[2 * l + 1]), weight_of(w[1], w[2], bias(3), E, "Blocks qkv weight"), {}, {}, {}};
+      Layer L{w[0].data_ptr<float>(), w[norm2].data_ptr<float>(), static_cast<float>(eps[2 * l]),
+              static_cast<float>(eps[2 * l + 1]), projection_of(w + 1, E, "Blocks qkv weight"), {}, {}, {}};
       TORCH_CHECK(L.qkv.N % (heads + 2 * kv_heads) == 0, "Blocks qkv weight: ", L.qkv.N, " outputs do not split into ",
                   heads, " + 2 x ", kv_heads, " heads");
       d = L.qkv.N / (heads + 2 * kv_heads);
-      L.o = weight_of(w[4], w[5], bias(6), heads * d, "Blocks o weight");
+      L.o = projection_of(w + 1 + PER_PROJECTION, heads * d, "Blocks o weight");
       TORCH_CHECK(L.o.N == E, "Blocks o weight: expected ", E, " outputs, got ", L.o.N);
-      L.gate_up = weight_of(w[8], w[9], bias(10), E, "Blocks gate_up weight");
+      L.gate_up = projection_of(w + norm2 + 1, E, "Blocks gate_up weight");
       F = L.gate_up.N / 2;
-      L.down = weight_of(w[11], w[12], bias(13), F, "Blocks down weight");
+      L.down = projection_of(w + norm2 + 1 + PER_PROJECTION, F, "Blocks down weight");
       TORCH_CHECK(L.down.N == E, "Blocks down weight: expected ", E, " outputs, got ", L.down.N);
       layers.push_back(L);
     }
