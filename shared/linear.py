@@ -242,7 +242,8 @@ class Linear(nn.Linear):
     def cuttable(self) -> bool:
         """Whether ``rows`` can cut this layer without rounding again: float, or Q4_1-style 4-bit blocks."""
         return self.qweight is None or (
-            self.tail is None and self.qweight.dtype == torch.uint8 and self.qweight.shape[-1] == 256)
+            self.tail is None and self.qweight.dtype == torch.uint8 and self.qweight.shape[-1] == 256
+        )
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
