@@ -41,7 +41,8 @@ JOBS = {"decode": (1,), "verify": (5, 17)}  # the sizes whose summed cost a job 
 PREFIX = 128  # cached tokens every timed forward attends to
 SPILL_BYTES = 96 << 20  # built layers (and head rows) hold at least this much weight: past any L3 cache
 REPEATS = 5
-VERSION = 1  # bump when what is measured changes: old tables are then measured anew
+CLOSE = 1.2  # paths within this factor of each other for a job are timed twice (``close_calls``)
+VERSION = 2  # bump when what is measured changes: old tables are then measured anew
 
 
 @dataclasses.dataclass
@@ -174,8 +175,25 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
         if progress:
             progress(path)
         ms[path] = _time_path(cfg, path, clock, repeats)
-    return Table(ms, kernels.cpu_label(), kernels.active() if kernels.available() else None,
-                 torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    table = Table(ms, kernels.cpu_label(), kernels.active() if kernels.available() else None,
+                  torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    for path in reversed(close_calls(table)):  # timed again, in the other order, and the faster timing kept
+        again = _time_path(cfg, path, clock, repeats)
+        ms[path] = {n: min(ms[path][n], again[n]) for n in ms[path]}
+    return table
+
+
+def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
+    """The paths that come first and second for a job within ``margin`` of each other, in the order measured: a busy
+    machine slows one path's few seconds of timing and can flip such a choice (on a shared 2-vCPU VM the 0.5B's
+    int4 once measured 12.2 ms a token against int8's 11.5, where int4 is 0.84x int8 timed side by side), and a
+    table is kept for good, so they are timed again."""
+    close = set()
+    for job in JOBS:
+        first, *rest = sorted(table.ms, key=lambda p: table.cost(p, job))
+        if rest and table.cost(rest[0], job) < margin * table.cost(first, job):
+            close |= {first, rest[0]}
+    return [p for p in table.ms if p in close]
 
 
 def cache_file(cfg, cache: str | Path | None = None) -> Path:
