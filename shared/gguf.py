@@ -387,7 +387,7 @@ def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tenso
                                                    strict=True)])  # fmt: skip
 
     kinds = [kind(n) for n in names]
-    if None not in kinds and len(set(kinds)) == 1 or set(kinds) == {"int4k", "int4"}:  # one format for all
+    if (None not in kinds and len(set(kinds)) == 1) or set(kinds) == {"int4k", "int4"}:  # one format for all
         packed = pack(kinds[0] if len(set(kinds)) == 1 else "int4", names, parts)
         if packed is not None:
             return {f"{prefix}.qweight": packed[0], f"{prefix}.qscale": packed[1]}

@@ -348,7 +348,7 @@ def _kernel_tensors(layer) -> list[torch.Tensor]:
     ``tail`` (empty tensors: no bias, no tail)."""
     parts = [layer] if layer.tail is None else [layer, layer.tail]
     tensors = []
-    for part, bias in zip(parts, layer.int8_biases(), strict=False):
+    for part, bias in zip(parts, layer.int8_biases(), strict=True):
         tensors += [part.qweight, part.qscale, _NO_BIAS if bias is None else bias]
     return tensors + [_NO_BIAS] * (6 - len(tensors))
 
