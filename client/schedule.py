@@ -45,7 +45,7 @@ MIN_REHEARSALS = 3
 # tokens a stream's server may copy by prompt lookup and verify in one step (``DecodeRequest.lookup``): a CPU
 # forward's cost grows with its rows past a few, so a long copy that misses late costs more than it gains. The 1.5B
 # over 4g, HumanEval (4 prompts, server on one core): server ms a token 0.545x the API's at 10, 0.522x at 8,
-# 0.504-0.515x at 6, 0.542x at 4; MT-Bench 1.01-1.05x at each
+# 0.504-0.515x at 6, 0.542x at 4; MT-Bench 1.01-1.05x at each (whole bench-pair-network runs: 0.536x -> 0.530x)
 LOOKUP = 6
 MODES = ("auto", "draft", "stream")
 STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
