@@ -186,7 +186,7 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
 def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
     """The paths that come first and second for a job within ``margin`` of each other, in the order measured: a busy
     machine slows one path's few seconds of timing and can flip such a choice (on a shared 2-vCPU VM the 0.5B's
-    int4 once measured 12.2 ms a token against int8's 11.5, where int4 is 0.84x int8 timed side by side), and a
+    int4 once measured 12.2 ms a token against int8's 11.5, where int4 is 0.71x int8 timed side by side), and a
     table is kept for good, so they are timed again."""
     close = set()
     for job in JOBS:
