@@ -378,11 +378,13 @@ def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tenso
             return "int4"
         return "int6" if weights == "lowbit" and ckpt.is_six_bit(name) else None
 
+    formats = {"int4k": (ckpt.k_blocks, pack_int4k_blocks), "int4": (ckpt.blocks, pack_int4_blocks),
+               "int6": (ckpt.six_bits, pack_int6_blocks)}  # fmt: skip
+
     def pack(how: str, ns, ps) -> tuple[torch.Tensor, torch.Tensor] | None:
-        read = {"int4k": ckpt.k_blocks, "int4": ckpt.blocks, "int6": ckpt.six_bits}[how]
         if sum(int(ckpt.tensors[n].shape[1]) for n in ns) % 16:
             return None  # the kernels' tiles are 16 rows
-        pack_as = {"int4k": pack_int4k_blocks, "int4": pack_int4_blocks, "int6": pack_int6_blocks}[how]
+        read, pack_as = formats[how]
         return pack_as(*[torch.cat(t) for t in zip(*(read(n, heads.get(p)) for n, p in zip(ns, ps, strict=True)),
                                                    strict=True)])  # fmt: skip
 
