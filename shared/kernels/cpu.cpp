@@ -238,8 +238,11 @@ struct Ahead {
 };
 
 constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's reduction over a short K
-constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight stream to ask for: one thread alone cannot
-                                    // keep enough reads in flight to stream DRAM at full speed
+// Bytes ahead of the weight stream to ask for: one thread alone cannot keep enough reads in flight to stream DRAM at
+// full speed. Far enough to cover the memory's latency at the pace of a pass of 8 rows (the compute of a verified
+// tree), not only at one row's, when the hardware's own prefetch keeps up: with 1024 a 7-row forward of a 1.5B took
+// compute time + memory time; with 8192 1.32x less (Zen 5, 36.3 -> 27.5 ms; 4096 and 16384 close, 2048 halfway).
+constexpr int64_t PREFETCH = 8192;
 
 #if defined(SPLITSPEC_AVX512)
 // The VNNI build lays int8 weights out by columns (pack_int8's "cols16"): tiles of W8 = 16 weight rows, each K
@@ -891,19 +894,16 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
   });
 }
 
-// R rows x TN tiles a pass, as measured on Zen 5 (avx512; a 1.5B's projections, one to 17 rows): on a short K (the
-// activations a few KB) one tile at a time, 8 rows (4-bit) or 4 (6-bit) a pass: the 1.5B's gate_up projection and
-// head took 1.07-1.15x as long two tiles at a time at 1-8 rows; on a long K, or more rows, two tiles share each
-// activation broadcast (1.05-1.3x faster at 1-8 rows on ffn_down's K of 8960), 6 rows of 4-bit (8 x 1: 5-10 %
-// slower at 9-17 rows) or 4 of 6-bit, whose two half-block sums a row and tile fill the 32 registers (6 x 2: 1.4x
-// slower at 17 rows; 3 x 2, 6 x 1, 8 x 1 too).
+// R rows x TN tiles a pass, as measured on Zen 5 (avx512; a 1.5B's projections, 1 to 150 rows): up to 32 rows one
+// tile at a time, 8 rows a pass (with the prefetch above, 0.6-0.85x the time of two tiles side by side at 7-17 rows;
+// as fast at 1-4); past that two tiles share each activation broadcast, 6 rows of 4-bit or 4 of 6-bit, whose two
+// half-block sums a row and tile fill the 32 registers (a prompt's prefill: 4-6 % faster than 8 x 1).
 template <Blocked F>
 void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
                  int64_t N, int64_t ld, float* y, const Split& split = {}) {
 #ifdef SPLITSPEC_AVX512
   constexpr bool SIX = F == Blocked::Q6_K;
-  const bool short_k = x.Kp <= 2048;
-  if (short_k && x.M <= (SIX ? 4 : 8)) gemm_tiles<F, SIX ? 4 : 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
+  if (x.M <= 32) gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
 #else
   gemm_tiles<F, 4, 1>(x, w, dm, bias, residual, N, ld, y, split);
