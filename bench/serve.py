@@ -293,7 +293,8 @@ def markdown(points: list[Point], args, recordings: list[Recording], cpus: str, 
     rounds = sum(r.rounds() for r in recordings)
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
     lines = [
-        f"# Serving many clients\n\n`{env['command']}`\n\n{env['date']}, {args.model}, {env['cpu_count']} CPUs "
+        f"# Serving many clients\n\n`{env['command']}`\n\n{env['date']}, {args.model} on {args.device} "
+        f"(dtype {args.dtype}), {env['cpu_count']} CPUs "
         f"({env['cpu']}). Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} "
         f"{DATASETS[args.dataset]} prompts, ≤ 16 nodes, "
         f"{args.max_new_tokens} tokens each); server child {args.server_threads} threads; "
@@ -332,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")
     p.add_argument("--server-threads", type=int, default=2, help="torch threads of the server child (default 2)")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default="cpu", help="where the server (and the recording target) runs: cpu, cuda "
+                   "or cuda:N (default cpu); the trees are recorded on the same device and dtype, so a replay's "
+                   "tokens are the served target's")
+    p.add_argument("--dtype", default="auto", help="the served target's dtype (default auto)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; expected some of {', '.join(MODES)}")
 
-    target = load_target(args.model, dtype="auto")
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
     prompts = [encode_prompt(target.tokenizer, text, chat=True) for text in prompt_texts(args.dataset, args.prompts)]
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
     del target
@@ -348,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = two_machines(args.server_threads, 1)  # the replaying clients on a core of their own, if one is left
     with tempfile.TemporaryDirectory(prefix="splitspec-serve-") as workdir:
         for mode in modes:
-            serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--max-sessions",
+            serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+                          "--threads", str(args.server_threads), "--max-sessions",
                           str(2 * max(counts)), "--metrics-port", "0", *MODES[mode]]  # fmt: skip
             child = ServerChild(serve_args, Path(workdir) / mode, cpus=cpus and cpus[0])
             (Path(workdir) / mode).mkdir()
