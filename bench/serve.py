@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(str(points[-1]), file=sys.stderr)
             finally:
                 child.stop()
-    env = environment(args.server_threads)
+    env = environment(args.server_threads, args.device)
     md = markdown(points, args, recordings, cpus_label(cpus), env)
     print(md)
     result = {"environment": env, "args": vars(args) | {"out": str(args.out)},
