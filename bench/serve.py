@@ -293,7 +293,7 @@ def markdown(points: list[Point], args, recordings: list[Recording], cpus: str, 
     rounds = sum(r.rounds() for r in recordings)
     tau = sum(len(r.tokens) - 1 for r in recordings) / max(rounds, 1)
     lines = [
-        f"# Serving many clients\n\n`{env['command']}`\n\n{env['date']}, {args.model} on {args.device} "
+        f"# Serving many clients\n\n`{env['command']}`\n\n{env['date']}, {args.model} on {env.get('gpu', args.device)} "
         f"(dtype {args.dtype}), {env['cpu_count']} CPUs "
         f"({env['cpu']}). Replayed {args.drafter} trees (τ {tau:.2f} over {len(recordings)} "
         f"{DATASETS[args.dataset]} prompts, ≤ 16 nodes, "
