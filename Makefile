@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train fuzz clean
+.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -30,8 +30,12 @@ demo-pair: pair
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not timing"
+	$(PY) -m pytest -q -m "not timing and not pair"
 	$(PY) -m pytest -q -m timing  # wall-clock measurements, apart: nothing else of the suite running beside them
+
+# Opt-in: the realistic pair's own tests (its GGUFs served as they are, lossless drafting local and split, ~1 min)
+test-pair: pair
+	$(PY) -m pytest -q -m pair
 
 lint: setup
 	$(PY) -m ruff check .

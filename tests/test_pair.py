@@ -1,0 +1,83 @@
+"""The realistic pair, opt-in (`make test-pair`, after `make pair`): Qwen2.5-Coder-1.5B served from its GGUF, its
+0.5B sibling drafting. Kept out of `make test` (marker ``pair``): the suite's budget has no room for a 1.5B model,
+and a fresh machine has not downloaded it. The benchmarks (`make bench-pair*`) measure the pair; these tests check
+that what they measure is right: the file's own values served, every output lossless, the tokenizer check."""
+
+from __future__ import annotations
+
+import pytest
+
+from client.decode import generate
+from client.drafters import NoDrafter, make_drafter
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
+from shared.errors import SplitspecError
+from shared.linear import Linear
+from shared.models import cache_dir, encode_prompt, load_target
+from shared.pull import gguf_path
+from tests.conftest import served
+
+pytestmark = pytest.mark.pair
+
+TARGET, DRAFTER = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+PROMPT = (
+    "Complete this Python function.\n\n"
+    "def has_close_elements(numbers: list[float], threshold: float) -> bool:\n"
+    '    """Check if in the given list of numbers, any two numbers are closer to each other than threshold."""\n'
+)
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The 1.5B as `splitspec serve` loads it by default (``auto``: the path measured fastest here), the prompt, and
+    its plain greedy decoding: what every other way of generating must give."""
+    try:
+        for name in (TARGET, DRAFTER):
+            gguf_path(name, cache_dir())
+    except SplitspecError as exc:
+        pytest.skip(str(exc))
+    target = load_target(TARGET, dtype="auto")
+    ids = encode_prompt(target.tokenizer, PROMPT, chat=True)
+    plain = generate(LocalVerifier(target), NoDrafter(), ids, NEW_TOKENS)
+    assert len(plain.token_ids) == NEW_TOKENS
+    return target, ids, plain.token_ids
+
+
+def test_every_projection_is_served_at_the_files_values(pair):
+    """Q4_K_M stores every projection as Q4_K or Q6_K blocks: none may be re-quantised to int8 (a second rounding)."""
+    target, _, _ = pair
+    kinds = {}
+    for name, module in target.engine.named_modules():
+        if isinstance(module, Linear) and not name.endswith(".tail"):
+            kinds[name] = {module.weights_kind()} | ({module.tail.weights_kind()} if module.tail is not None else set())
+    assert kinds, "no projections found"
+    assert {k for v in kinds.values() for k in v} <= {"int4", "int6"}, {n: v for n, v in kinds.items()
+                                                                       if not v <= {"int4", "int6"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("drafter", [DRAFTER, f"{DRAFTER}+lookup"])
+def test_the_sibling_drafts_most_of_the_answer_and_changes_no_token(pair, drafter):
+    target, ids, plain = pair
+    gen = generate(LocalVerifier(target), make_drafter(drafter, target=target), ids, NEW_TOKENS)
+    assert gen.token_ids == plain
+    assert gen.stats.acceptance_length > 2.0, gen.stats.acceptance_length  # 82-91 % of its drafts are taken on code
+
+
+def test_split_over_loopback_gives_the_plain_tokens(pair):
+    target, ids, plain = pair
+    drafter = make_drafter(DRAFTER, target=target)
+    with served(target, max_sessions=2) as (address, _):
+        remote = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=drafter)
+        try:
+            gen = generate(remote, drafter, ids, NEW_TOKENS)
+        finally:
+            remote.shutdown()
+    assert gen.token_ids == plain
+    assert gen.stats.server_calls >= 2
+
+
+def test_a_drafter_with_another_tokenizer_is_refused(pair):
+    target, _, _ = pair
+    with pytest.raises(SplitspecError, match="has another tokenizer than the target's"):
+        make_drafter("smollm2-135m", target=target)
