@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train fuzz clean
+.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train bench-one-answer fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -107,6 +107,10 @@ bench-foundation: setup
 # The single-device table (MoA paper, Table 2): every drafter on MT-Bench + HumanEval, target in-process.
 bench-single: setup
 	$(PY) -m bench.single
+
+# Defaults only, held-out prompts: every drafter, --local and through a server, gives plain decoding's tokens
+bench-one-answer: setup
+	$(PY) -m bench.one_answer --out bench/results/one-answer
 
 bench-typical: setup
 	for t in 0.7 1.0; do $(PY) -m bench.single --drafters eagle,medusa,moa-tli1 --temperature $$t --acceptance exact,typical \

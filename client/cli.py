@@ -104,8 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="--local only: cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="the in-process target's (--local, or a trained drafter's frozen parts) and the drafter's: "
-                        "auto (default, with --weights auto) = the path measured fastest on this machine (`splitspec "
-                        "kernels`); float32 + native weights gives transformers' own greedy output")  # fmt: skip
+                        "auto (default, with --weights auto) = the one path this model is served on on this machine, "
+                        "whatever the drafter and as `serve` serves it (`splitspec kernels`); float32 + native "
+                        "weights gives transformers' own greedy output")  # fmt: skip
     p.add_argument("--weights", default="auto", choices=["auto", "native", "int8", "int4"],
                    help="the in-process target's projections: auto (measured with --dtype auto), native, or int8/int4 "
                         "with per-token int8 activations on splitspec's CPU kernels (--local: a different served "
@@ -227,9 +228,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     drafter = None
     trained = args.baseline is None and needs_target(args.drafter)
     if args.local or trained:  # a trained drafter reuses the target's frozen embeddings, last layers and head
-        job = "verify" if args.local and args.baseline is None and args.drafter != "none" else "decode"
         target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                             weights=args.weights, job=job)  # fmt: skip
+                             weights=args.weights)  # fmt: skip
         tokenizer = target.tokenizer
         if args.local and not args.json:
             print(f"splitspec: {target.name} on {target.describe()}", file=sys.stderr)
@@ -303,6 +303,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     "drafter": drafter_name,
                     "acceptance": sampling.acceptance,  # "typical": the output is not the target's own distribution
                     "verifier": "local" if args.local else "remote",
+                    "served": {"dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights}
+                    if args.local else None,  # the path the target ran on: the same whatever the drafter
                     "network": args.via_netsim,
                     "payload": None if args.local or not gen.spec
                     else {"mode": gen.spec.mode, "precision": gen.spec.precision},

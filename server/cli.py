@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-        help="activations (and native weights): auto (default, with --weights auto) = the path measured fastest "
-             "for verification on this machine (`splitspec kernels`); float32 + native weights gives transformers' "
-             "own greedy output"
+        help="activations (and native weights): auto (default, with --weights auto) = the one path this model is "
+             "served on on this machine, the same as `generate --local` with any drafter (`splitspec kernels`); "
+             "float32 + native weights gives transformers' own greedy output"
     )
     p.add_argument("--weights", default="auto", choices=["auto", "native", "int8", "int4"],
                    help="auto (default: measured with --dtype auto; native with a pinned dtype), native, or int8/int4 "
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_server, _ = service.metrics.serve(args.metrics_host, args.metrics_port)
         print(f"splitspec: metrics on http://{args.metrics_host}:{metrics_server.server_port}/metrics", flush=True)
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                         weights=args.weights, job="verify")  # fmt: skip
+                         weights=args.weights)  # fmt: skip
     service.attach(target)
     print(
         f"splitspec: serving {target.name} on {args.host}:{port} ({target.describe()}, "

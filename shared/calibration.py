@@ -9,10 +9,12 @@ overflow the caches; the whole model's cost is extrapolated from them (layers sc
 head with its rows). A few seconds, once: the table is cached per CPU, torch version, thread count, kernel build
 and model shape in the model cache's ``calibration/``.
 
-A job picks from the table: plain decoding by the one-token cost, verification (the server, a drafter's
-rounds) by its trees'. Every path is exact relative to itself (a tree verified in one forward equals the
-same tokens decoded one by one), so the choice changes speed, never the rule that makes output lossless.
-``splitspec kernels`` prints the table.
+One path serves a model on a machine, whatever runs it: plain decoding, every drafter, the server (its verification
+and its own decoding), the edge and the offline bridge. Each path is exact relative to itself (a tree verified in
+one forward equals the same tokens decoded one by one), but two paths are two models: a drafter or a server that
+ran on another path than plain decoding would change the answer. So the path is chosen once, by its cost over the
+work a served model does (``MIX``: one token, a small tree, a full one), never per job; which paths may be chosen
+at all (the file's own values first) is ``shared.models.served_paths``. ``splitspec kernels`` prints the table.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ PATHS: dict[str, tuple[str, str]] = {
     "fp32": ("float32", "native"),
 }
 SIZES = (1, 5, 17)  # tokens a timed forward verifies: plain decoding, a small tree, a full one
-JOBS = {"decode": (1,), "verify": (5, 17)}  # the sizes whose summed cost a job minimises
+MIX = (1, 5, 17)  # the forwards whose summed cost the served path minimises: one token, a small tree, a full one
 PREFIX = 128  # cached tokens every timed forward attends to
 SPILL_BYTES = 96 << 20  # built layers (and head rows) hold at least this much weight: past any L3 cache
 REPEATS = 5
-CLOSE = 1.2  # paths within this factor of each other for a job are timed twice (``close_calls``)
+CLOSE = 1.2  # paths within this factor of each other are timed twice (``close_calls``)
 VERSION = 2  # bump when what is measured changes: old tables are then measured anew
 
 
@@ -55,32 +57,32 @@ class Table:
     threads: int
     measured: str
 
-    def cost(self, path: str, job: str) -> float:
-        return sum(self.ms[path][n] for n in JOBS[job])
+    def cost(self, path: str) -> float:
+        """ms of the work mix on ``path``: one forward of each size in ``MIX``."""
+        return sum(self.ms[path][n] for n in MIX)
 
-    def choose(self, job: str, allowed: list[str] | None = None) -> str:
-        """The fastest path for ``job`` among ``allowed`` (default: every path measured)."""
-        if job not in JOBS:
-            raise ValueError(f"unknown job {job!r}; expected one of {', '.join(JOBS)}")
+    def choose(self, allowed: list[str] | None = None) -> str:
+        """The path with the cheapest work mix among ``allowed`` (default: every path measured)."""
         candidates = [p for p in (allowed or self.ms) if p in self.ms]
         if not candidates:
             raise ValueError(f"none of the paths {allowed} was measured; measured: {', '.join(self.ms)}")
-        return min(candidates, key=lambda p: self.cost(p, job))
+        return min(candidates, key=self.cost)
 
-    def line(self, chosen: str, job: str) -> str:
-        """The start-up line: the choice and the figures behind it."""
-        figures = ", ".join(f"{p} {self.ms[p][1]:.1f}" for p in sorted(self.ms, key=lambda p: self.ms[p][1]))
-        trees = ", ".join(f"{p} {self.ms[p][17] / self.ms[p][1]:.1f}x" for p in self.ms)
-        return (f"splitspec: {job} path {chosen}, measured on {self.cpu} ({self.threads} threads): ms a token "
-                f"{figures}; 17 tokens {trees} (`splitspec kernels` for the table)")  # fmt: skip
+    def line(self, chosen: str, why: str = "") -> str:
+        """The start-up line: the choice, why only some paths were candidates, and the figures behind it."""
+        mix = " + ".join(str(n) for n in MIX)
+        figures = ", ".join(f"{p} {self.cost(p):.1f}" for p in sorted(self.ms, key=self.cost))
+        return (f"splitspec: serving path {chosen}{f' ({why})' if why else ''}; ms of a {mix}-token mix on "
+                f"{self.cpu} ({self.threads} threads): {figures} (`splitspec kernels` for the table)")  # fmt: skip
 
     def markdown(self) -> str:
         head = "| path | " + " | ".join(f"{n} token{'s' * (n > 1)} ms" for n in SIZES)
-        head += " | " + " | ".join(f"{n} / 1" for n in SIZES[1:]) + " |"
-        rows = [head, "|---" * (1 + 2 * len(SIZES) - 1) + "|"]
-        for p, ms in sorted(self.ms.items(), key=lambda kv: kv[1][1]):
-            rows.append(f"| {p} | " + " | ".join(f"{ms[n]:.2f}" for n in SIZES) + " | "
-                        + " | ".join(f"{ms[n] / ms[1]:.2f}x" for n in SIZES[1:]) + " |")  # fmt: skip
+        head += " | " + " | ".join(f"{n} / 1" for n in SIZES[1:]) + f" | mix ({' + '.join(map(str, MIX))}) ms |"
+        rows = [head, "|---" * (2 * len(SIZES) + 1) + "|"]
+        for p in sorted(self.ms, key=self.cost):
+            ms = self.ms[p]
+            ratios = " | ".join(f"{ms[n] / ms[1]:.2f}x" for n in SIZES[1:])
+            rows.append(f"| {p} | " + " | ".join(f"{ms[n]:.2f}" for n in SIZES) + f" | {ratios} | {self.cost(p):.2f} |")
         return "\n".join(rows)
 
     def to_json(self) -> dict:
@@ -184,15 +186,12 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
 
 
 def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
-    """The paths that come first and second for a job within ``margin`` of each other, in the order measured: a busy
+    """The paths that come first and second within ``margin`` of each other, in the order measured: a busy
     machine slows one path's few seconds of timing and can flip such a choice (on a shared 2-vCPU VM the 0.5B's
     int4 once measured 12.2 ms a token against int8's 11.5, where int4 is 0.71x int8 timed side by side), and a
     table is kept for good, so they are timed again."""
-    close = set()
-    for job in JOBS:
-        first, *rest = sorted(table.ms, key=lambda p: table.cost(p, job))
-        if rest and table.cost(rest[0], job) < margin * table.cost(first, job):
-            close |= {first, rest[0]}
+    first, *rest = sorted(table.ms, key=table.cost)
+    close = {first, rest[0]} if rest and table.cost(rest[0]) < margin * table.cost(first) else set()
     return [p for p in table.ms if p in close]
 
 
@@ -232,16 +231,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared import kernels
-    from shared.models import DEFAULT_MODEL, model_config, resolve_model
+    from shared.models import DEFAULT_MODEL, model_config, resolve_model, served_paths
 
     spec = args.model or DEFAULT_MODEL
-    cfg = model_config(resolve_model(spec, args.cache_dir))
+    folder = resolve_model(spec, args.cache_dir)
+    cfg = model_config(folder)
     loaded = kernels.builds()
     seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
     table = table_for(cfg, args.cache_dir, refresh=args.refresh)
-    choice = {job: table.choose(job) for job in JOBS}
+    allowed, why = served_paths(folder)
+    chosen = table.choose(allowed)
     if args.json:
-        print(json.dumps({**table.to_json(), "model": spec, "chosen": choice,
+        print(json.dumps({**table.to_json(), "model": spec, "chosen": chosen, "candidates": allowed, "why": why,
                           "builds": {t: 1e3 * s for t, s in seconds.items()}}, indent=1))  # fmt: skip
         return 0
     print(f"# {spec} on {table.cpu}, {table.threads} threads (measured {table.measured})\n")
@@ -252,5 +253,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {t:12s} {state}{'   <- used' if t == kernels.active() else ''}")
     print("\nPaths (one forward of the whole model after a 128-token prefix, extrapolated from a slice):\n")
     print(table.markdown())
-    print("\n" + "\n".join(f"{job}: {path}" for job, path in choice.items()))
+    print(f"\nserved: {chosen}, the cheapest {' + '.join(map(str, MIX))}-token mix of {', '.join(allowed)} ({why}); "
+          "every drafter, the server and plain decoding use it")
     return 0

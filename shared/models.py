@@ -131,16 +131,30 @@ def on_q4_grid(path: str | os.PathLike) -> bool:
     return False
 
 
+def served_paths(path: str | os.PathLike, rounding: bool = False) -> tuple[list[str], str]:
+    """The paths ``auto`` may serve the model at ``path`` on, and why those: a path that rounds a quantised model's
+    weights again is a worse copy of the model the user chose, so it is served only when pinned. ``rounding``: a
+    drafter, whose drafts never change an output, may take any path."""
+    from shared.calibration import runnable_paths
+
+    runnable = runnable_paths()
+    if rounding:
+        return runnable, "a drafter: any path, its drafts never change an output"
+    if on_q4_grid(path):
+        kept = [p for p in ("int4", "fp32") if p in runnable]
+        return kept, "the file's own values; int8, bf16 round them again: pin --weights int8 / --dtype bfloat16"
+    return [p for p in runnable if p != "int4"], "not on a 4-bit grid: int4 only when pinned (--weights int4)"
+
+
 def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "auto", path: str | None = None,
-                      job: str = "decode", cache: str | os.PathLike | None = None,
-                      rounding: bool = False) -> tuple[str, str]:  # fmt: skip
+                      cache: str | os.PathLike | None = None, rounding: bool = False) -> tuple[str, str]:  # fmt: skip
     """(dtype, weights) for the ``auto`` settings: what the CLIs serve by default.
 
-    On CUDA: bf16 where supported (else fp16), native weights. On a CPU, with both ``auto``, the path measured
-    fastest for ``job`` on the model at ``path`` (``shared.calibration``; int4 only for a checkpoint already on its
-    grid, so auto never rounds a model twice); a pinned dtype means native weights; pinned low-bit weights take
-    fp32 activations (the kernels' input); native weights with ``auto`` dtype take the faster of bf16 and fp32.
-    ``rounding``: int4 may round the weights again (a drafter: its drafts never change an output).
+    On CUDA: bf16 where supported (else fp16), native weights. On a CPU, with both ``auto``, the one path that
+    serves this model on this machine (``shared.calibration``): the cheapest work mix among ``served_paths`` — the
+    same for plain decoding, every drafter and the server, so a drafter or the side never changes the answer. A
+    pinned dtype means native weights; pinned low-bit weights take fp32 activations (the kernels' input); native
+    weights with ``auto`` dtype take the cheaper of bf16 and fp32.
     """
     from shared.engine import WEIGHTS
 
@@ -156,14 +170,12 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
         return "float32", weights
     if path is None:
         raise SplitspecError("choosing a path by measurement needs the model's folder")
-    from shared.calibration import PATHS, runnable_paths, table_for
+    from shared.calibration import PATHS, table_for
 
-    allowed = runnable_paths() if weights == "auto" else ["bf16", "fp32"]
-    if "int4" in allowed and not rounding and not on_q4_grid(path):
-        allowed.remove("int4")
+    allowed, why = served_paths(path, rounding) if weights == "auto" else (["bf16", "fp32"], "native weights")
     table = table_for(model_config(path), cache)
-    chosen = table.choose(job, allowed)
-    print(table.line(chosen, job), file=sys.stderr)
+    chosen = table.choose(allowed)
+    print(table.line(chosen, why), file=sys.stderr)
     dtype, weights = PATHS[chosen]
     if chosen == "int4" and not rounding:
         return dtype, "lowbit"  # int4 wherever it changes nothing
@@ -186,15 +198,13 @@ def load_target(
     cache: str | os.PathLike | None = None,
     max_context: int | None = None,
     weights: str = "auto",
-    job: str = "decode",
     rounding: bool = False,
 ):
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
     ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8``, ``int4`` (see
-    ``shared.engine.load_engine``) or ``auto``: ``resolve_precision`` chooses by measuring this machine for
-    ``job`` (``decode``: plain decoding; ``verify``: trees), int4 only where it rounds nothing again unless
-    ``rounding`` (a drafter).
+    ``shared.engine.load_engine``) or ``auto``: ``resolve_precision`` chooses the one path that serves this model on
+    this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -208,7 +218,7 @@ def load_target(
     if not (Path(path) / "config.json").is_file():
         raise SplitspecError(f"model {spec!r}: no local folder with config.json (no model hub is reachable); "
                              f"pass a local Hugging Face folder or the built-in {DEFAULT_MODEL!r}")  # fmt: skip
-    dtype, weights = resolve_precision(device, dtype, weights, path, job, cache, rounding)
+    dtype, weights = resolve_precision(device, dtype, weights, path, cache, rounding)
     if dtype not in DTYPES:
         raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
     hf_logging.set_verbosity_error()

@@ -19,8 +19,9 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0) -> Path:
-    """A real (tiny, random) Llama checkpoint with a real word-level tokenizer, saved as an HF folder."""
+def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0, q4: bool = False) -> Path:
+    """A real (tiny, random) Llama checkpoint with a real word-level tokenizer, saved as an HF folder; ``q4``: its
+    blocks' projections on the Q4_1 grid, as a model dequantised from a 4-bit GGUF is (the built-in target)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -41,6 +42,12 @@ def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # an untied, sharpened head: varied greedy paths, not a copy of the last token
         model.lm_head.weight.mul_(8.0)
+        if q4:
+            from shared.linear import dequantize_int4, pack_int4
+
+            for name, module in model.model.layers.named_modules():
+                if name.endswith("_proj"):
+                    module.weight.copy_(dequantize_int4(*pack_int4(module.weight)))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -49,6 +56,11 @@ def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def q4_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-q4"), q4=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 from shared import calibration, kernels
 from shared.calibration import PATHS, Table
 from shared.engine import ModelConfig
-from shared.models import on_q4_grid, resolve_precision
+from shared.models import on_q4_grid, resolve_precision, served_paths
 
 
 def table(ms: dict[str, tuple[float, float, float]]) -> Table:
@@ -24,19 +24,22 @@ ZEN5 = table({"int4": (3.3, 4.3, 9.1), "int8": (4.4, 5.5, 11.3), "bf16": (17, 18
 AVX2 = table({"int4": (7, 12, 30), "int8": (10, 15, 40), "bf16": (50, 60, 142), "fp32": (80, 120, 176)})
 
 
-def test_each_job_takes_the_path_measured_fastest_for_it():
-    assert (AMX.choose("decode"), AMX.choose("verify")) == ("int4", "bf16")  # a flag would have said bf16 for both
-    assert (ZEN5.choose("decode"), ZEN5.choose("verify")) == ("int4", "int4")  # avx512_bf16 without AMX: slow
-    assert AVX2.choose("verify", ["int8", "bf16", "fp32"]) == "int8"
-    with pytest.raises(ValueError, match="unknown job"):
-        ZEN5.choose("train")
+def test_one_path_serves_every_job_the_cheapest_work_mix():
+    """Plain decoding and trees may be fastest on different paths (AMX: int4 for one token, bf16 for trees; AVX2:
+    int4 and int8): one path is chosen for both, by the summed cost of a 1-, 5- and 17-token forward."""
+    assert AMX.choose() == "bf16"  # 46 ms of mix against int4's 53
+    assert AMX.choose(["int4", "fp32"]) == "int4"  # the file's own values: bf16 would round them again
+    assert ZEN5.choose() == "int4"  # avx512_bf16 without AMX: slow
+    assert AVX2.choose() == "int4" and AVX2.choose(["int8", "bf16", "fp32"]) == "int8"
     with pytest.raises(ValueError, match="none of the paths"):
-        ZEN5.choose("decode", ["fp16"])
+        ZEN5.choose(["fp16"])
 
 
-def test_the_start_up_line_names_the_choice_and_its_figures():
-    line = ZEN5.line("int4", "decode")
-    assert "decode path int4" in line and "int4 3.3" in line and "bf16 17.0" in line and "splitspec kernels" in line
+def test_the_start_up_line_names_the_choice_why_and_its_figures():
+    line = ZEN5.line("int4", "the file's own values")
+    assert "serving path int4 (the file's own values)" in line and "int4 16.7" in line and "bf16 58.0" in line
+    assert "splitspec kernels" in line
+    assert "| int4 | 3.30 | 4.30 | 9.10 | 1.30x | 2.76x | 16.70 |" in ZEN5.markdown()
 
 
 def test_a_table_survives_its_json_and_an_old_version_is_measured_anew():
@@ -46,21 +49,25 @@ def test_a_table_survives_its_json_and_an_old_version_is_measured_anew():
         Table.from_json({**ZEN5.to_json(), "version": 0})
 
 
-def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir):
-    """With both auto the measured path is served; a pinned dtype is served as pinned; int4 only for a checkpoint
-    already on the Q4_1 grid (the tiny random model is not: its int4 would be a second rounding)."""
+def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir, q4_model_dir):
+    """With both auto the measured path is served; a pinned dtype is served as pinned; a checkpoint on the Q4_1 grid
+    keeps its own values (int4 or fp32, never int8 or bf16 unless pinned), one that is not never gets int4 (a second
+    rounding), and a drafter may take any path."""
     monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: AMX)
-    path = str(tiny_model_dir)
-    assert not on_q4_grid(path)
-    assert resolve_precision("cpu", "auto", "auto", path, "verify") == PATHS["bf16"]
-    if kernels.available():
-        assert resolve_precision("cpu", "auto", "auto", path, "decode") == PATHS["int8"]  # int4 ruled out
+    path, q4 = str(tiny_model_dir), str(q4_model_dir)
+    assert not on_q4_grid(path) and on_q4_grid(q4)
+    assert resolve_precision("cpu", "auto", "auto", path) == PATHS["bf16"]
     assert resolve_precision("cpu", "bfloat16", "auto", path) == ("bfloat16", "native")
     assert resolve_precision("cpu", "float32", "native", path) == ("float32", "native")
     assert resolve_precision("cpu", "auto", "int4", path) == ("float32", "int4")
-    assert resolve_precision("cpu", "auto", "native", path, "decode") == ("bfloat16", "native")  # bf16 14 < fp32 30
-    monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: ZEN5)
-    assert resolve_precision("cpu", "auto", "native", path, "verify") == ("bfloat16", "native")
+    assert resolve_precision("cpu", "auto", "native", path) == ("bfloat16", "native")  # bf16 46 < fp32 130
+    if kernels.available():
+        assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")  # not bf16, though cheaper
+        assert resolve_precision("cpu", "auto", "auto", q4, rounding=True) == PATHS["bf16"]
+        assert served_paths(q4)[0] == ["int4", "fp32"] and "int4" not in served_paths(path)[0]
+        monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: AVX2)
+        assert resolve_precision("cpu", "auto", "auto", path) == PATHS["int8"]  # int4 ruled out
+        assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")
 
 
 def test_a_slice_is_timed_and_extrapolated_to_the_whole_model(monkeypatch, tiny_model_dir):
@@ -98,7 +105,7 @@ def test_a_close_call_is_timed_again_and_the_faster_timing_kept(monkeypatch):
     table = calibration.measure(None, ["int4", "int8", "bf16"])
     assert calls == ["int4", "int8", "bf16", "int8", "int4"]
     assert table.ms["int4"][1] == 9.4 and table.ms["int8"][1] == 11.5 and table.ms["bf16"][1] == 45.0
-    assert table.choose("decode") == "int4" and calibration.close_calls(table) == []
+    assert table.choose() == "int4" and calibration.close_calls(table) == []
 
 
 def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_model_dir):

@@ -30,8 +30,8 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def pair():
-    """The 1.5B as `splitspec serve` loads it by default (``auto``: the path measured fastest here), the prompt, and
-    its plain greedy decoding: what every other way of generating must give."""
+    """The 1.5B as `splitspec serve` loads it by default (``auto``: the one path served here, the file's own values),
+    the prompt, and its plain greedy decoding: what every other way of generating must give."""
     try:
         for name in (TARGET, DRAFTER):
             gguf_path(name, cache_dir())
