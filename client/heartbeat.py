@@ -23,6 +23,10 @@ are sent (the reconnection poll takes over) until ``revive``.
 ``close`` may come while the thread is reconnecting (waiting for a new connection to come up, seconds on a dead
 link): the wait is cancelled, the thread joined, and a connection swapped in after ``close`` is impossible (the
 swap and every probe happen under the lock, after checking that the heartbeat is not closed).
+
+Nothing here waits on gRPC's housekeeping: a replaced or closed connection is closed off this thread
+(``close_soon``: ``grpc.Channel.close`` has been seen to block for good), and a probe gRPC never ends — its
+callback never comes — is counted unanswered by the thread itself once its deadline is ``GRACE_S`` past.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from collections.abc import Callable
 
 import grpc
 
+from client.deadlines import GRACE_S
 from client.endpoint import Endpoint
 from client.link import LinkMonitor
-from shared.channel import RECONNECT_OPTIONS
+from shared.channel import RECONNECT_OPTIONS, close_soon, off_thread
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
@@ -69,6 +74,7 @@ class Heartbeat:
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # guards channel, stub, generation, the readiness wait and dead/reason
         self._readying: grpc.Future | None = None  # the wait for a connection to come up, which close cancels
+        self._pending: dict[grpc.Future, tuple[float, float, int]] = {}  # probes out: (sent, deadline, generation)
         self._stop = threading.Event()
         self._fresh = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-heartbeat")
@@ -103,10 +109,10 @@ class Heartbeat:
             self._stop.set()
             readying, channel = self._readying, self.channel
         if readying is not None:
-            readying.cancel()
+            off_thread(readying.cancel)
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=timeout_s)
-        channel.close()
+        close_soon(channel)
 
     def _connect(self) -> grpc.Channel:
         # a TCP connection of its own, not the Verify one
@@ -121,7 +127,8 @@ class Heartbeat:
             self.generation += 1
             self.channel = self._connect()
             self.stub = pb_grpc.SplitSpecStub(self.channel)
-        old.close()
+            self._pending.clear()  # about the old connection: not news
+        close_soon(old)
         self._ready("reconnect")
 
     def _ready(self, doing: str) -> None:
@@ -138,7 +145,7 @@ class Heartbeat:
         except grpc.FutureCancelledError:
             return  # closing
         except grpc.FutureTimeoutError:
-            ready.cancel()  # (it would go on watching the channel)
+            off_thread(ready.cancel)  # (it would go on watching the channel)
             self._mark_dead(f"heartbeat could not {doing} within {1000 * wait:.0f} ms", generation)
         finally:
             with self._lock:
@@ -153,7 +160,19 @@ class Heartbeat:
             quiet = time.monotonic() - self.heard() >= self.interval_s()  # (a stream's chunks say the link is up)
             if not self.dead.is_set() and self.busy() and quiet:
                 self._probe()
+            self._overdue()
             self._stop.wait(self.interval_s())
+
+    def _overdue(self) -> None:
+        """A probe still out ``GRACE_S`` past its deadline: gRPC did not end it, so it is counted unanswered here."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(f, d, g) for f, (t, d, g) in self._pending.items() if now - t > d + GRACE_S]
+            for future, _, _ in late:
+                del self._pending[future]
+        for future, deadline, generation in late:
+            off_thread(future.cancel)
+            self._mark_dead(f"heartbeat unanswered within {1000 * deadline:.0f} ms (no end from gRPC)", generation)
 
     def _probe(self) -> None:
         """Send one probe; its answer (or its failure) comes to ``_answered`` on a gRPC thread."""
@@ -163,10 +182,14 @@ class Heartbeat:
                 return
             generation = self.generation
             future = self.stub.Probe.future(pb.ProbeRequest(), timeout=deadline)
+            self._pending[future] = (sent, deadline, generation)
         future.add_done_callback(lambda f, d=deadline, g=generation, t=sent: self._answered(f, d, g, t))
         self.probes += 1
 
     def _answered(self, future: grpc.Future, deadline: float, generation: int, sent: float) -> None:
+        with self._lock:
+            if self._pending.pop(future, None) is None:
+                return  # counted already (``_overdue``), or about a replaced connection
         if self._stop.is_set() or future.cancelled():
             return
         exc = future.exception()

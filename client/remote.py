@@ -1,10 +1,17 @@
 """The remote ``Verifier``: a splitspec server over gRPC. It times every call it makes, so its ``link`` knows the
-round-trip time and bandwidth, and maps failed calls to ``client.failures``."""
+round-trip time and bandwidth, and maps failed calls to ``client.failures``.
+
+No wait here is unbounded: every call has a bound from what was measured (``client.deadlines``), enforced in this
+process as well as by gRPC's deadline (a wait outlasts it by ``GRACE_S``, then the call is abandoned), a stream's
+messages are awaited one gap at a time, and channels are closed off the caller's thread (``close_soon``). A call
+that misses its bound is lost: ``LinkDown`` if the server does not answer a probe either, ``SessionLost`` if it does
+(its session went with a replica that died behind a live proxy; the next calls take a new route)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import random
 import secrets
 import sys
@@ -15,13 +22,14 @@ from typing import TypeVar
 
 import grpc
 
+from client.deadlines import GRACE_S, Bounds
 from client.endpoint import Endpoint
-from client.failures import LinkDown, ServerFull, rpc_error
+from client.failures import LinkDown, ServerFull, SessionLost, rpc_error
 from client.link import PROBE_MAX_BYTES, LinkMonitor
 from client.verifiers import NO_PAYLOAD, LinkCounters, Verifier
 from shared import payload
 from shared.acceptance import SamplingParams
-from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY
+from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY, close_soon, off_thread
 from shared.codec import CodecError
 from shared.errors import SplitspecError
 from shared.features import Features
@@ -45,6 +53,7 @@ PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many
 ADMISSION_TRIES = 32  # a full server's refusals (with a retry hint) an opening call sits out at most
 ADMISSION_FIRST_S = 0.05  # the first wait after one; doubling, never past the server's hint
 SHUTDOWN_JOIN_S = 2.0  # how long shutdown waits for a reconnection poll's thread to end
+_END = object()  # a stream's end, as its reader thread hands it over
 
 
 def _say(message: str) -> None:
@@ -88,6 +97,7 @@ class RemoteVerifier(Verifier):
         self.say = say
         self.counters = LinkCounters()
         self.link = LinkMonitor()
+        self.bounds = Bounds(self.link, rpc_timeout_s)  # how long each call may take before it is lost
         self.session_id = ""
         self.route = ""  # the session's route key (``ROUTE_KEY``), drawn anew for each session opened
         self.length = 0
@@ -104,14 +114,14 @@ class RemoteVerifier(Verifier):
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
-            self.channel.close()
+            close_soon(self.channel)
             raise SplitspecError(
                 f"cannot reach a splitspec server at {address} within {connect_timeout_s:g}s; "
                 "start one with `splitspec serve` or check --server"
             ) from None
         self.stub = pb_grpc.SplitSpecStub(self.channel)
         self.hello = pb.HandshakeRequest(client="splitspec", tokenizer_fingerprint=fingerprint)
-        self.info = self._call("Handshake", self.hello)
+        self.info = self._call("Handshake", self.hello, timeout_s=connect_timeout_s)
         self.lsa_drafter = ""  # whose LSA the server runs for us (mode lsa), if any
         lsa = [s for s in (drafter.payload_specs() if drafter is not None else []) if s.mode == "lsa"]
         if spec.mode == "lsa" or (lsa and not spec):
@@ -134,7 +144,7 @@ class RemoteVerifier(Verifier):
         hello.CopyFrom(self.hello)
         hello.drafter, hello.drafter_digest = name, weights_digest(bundle)
         try:
-            self._call("Handshake", hello)
+            self._call("Handshake", hello, timeout_s=self.rpc_timeout_s)  # the server loads the drafter's LSA
         except LinkDown:
             raise
         except SplitspecError as exc:
@@ -173,15 +183,41 @@ class RemoteVerifier(Verifier):
             self._inflight = None
             return self._aborted
 
-    def _failed(self, call, exc: Exception, budget_s: float | None = None) -> Exception:
-        """What a failed ``call`` raises: LinkDown naming why it was abandoned (``abort``); past a measurement's
-        ``budget_s``, a TimeoutError (an answer rather than a failure); else the call's own error (``rpc_error``)."""
+    def _failed(self, call, exc: Exception, rpc: str, bound_s: float, budget: bool = False) -> Exception:
+        """What a failed ``call`` of ``rpc`` raises: LinkDown naming why it was abandoned (``abort``); past its bound
+        (``bound_s``), a TimeoutError for a measurement's ``budget`` (an answer rather than a failure), else a lost
+        call (``_lost``); else the call's own error (``rpc_error``)."""
         reason = self._end(call)
         if reason or not isinstance(exc, grpc.RpcError):
             return LinkDown(f"server {self.address}: call abandoned: {reason or 'cancelled'}")
-        if budget_s is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return TimeoutError(f"probe took longer than {budget_s:.3f}s")
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(f"probe took longer than {bound_s:.3f}s") if budget else self._lost(rpc, bound_s)
         return rpc_error(self.address, exc)
+
+    def _lost(self, rpc: str, bound_s: float) -> SplitspecError:
+        """A call of ``rpc`` unanswered within ``bound_s``. If the server answers a probe now, the link is up and the
+        call's session is what is gone (a replica that died behind a proxy that keeps the connection open answers no
+        call ever): SessionLost, and the session's later calls take a new route key, so they reach a live replica,
+        which says at once that it has no such session, and the client reopens it there. Else LinkDown."""
+        if rpc in SESSION_CALLS and self._answers_probe():
+            self.route = secrets.token_hex(8)
+            return SessionLost(f"server {self.address}: {rpc} unanswered within {bound_s:.2f}s while the server "
+                               "answers probes: its session is presumed lost with its replica")  # fmt: skip
+        return LinkDown(f"server {self.address}: {rpc} unanswered within {bound_s:.2f}s")
+
+    def _answers_probe(self) -> bool:
+        """One Probe within a call's bound for a call with no compute: does the server answer at all?"""
+        bound = self.bounds.exchange_s()
+        with self._lock:
+            if self._shut.is_set():
+                return False
+            probe = self.stub.Probe.future(pb.ProbeRequest(), timeout=bound)
+        try:
+            probe.result(timeout=bound + GRACE_S)
+            return True
+        except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+            off_thread(probe.cancel)
+            return False
 
     def _count(self, sent=None, received=None) -> int:
         """Count what crossed the link in ``counters``: a call made with request ``sent``; a message ``received`` (a
@@ -199,39 +235,75 @@ class RemoteVerifier(Verifier):
 
     def _timed(self, rpc: str, request, timeout_s: float, budget: bool = False):
         """One unary call: (reply, wall seconds). A failure becomes a SplitspecError naming the server, except
-        running past a measurement ``budget``: that is a TimeoutError, an answer rather than a failure."""
+        running past a measurement ``budget``: that is a TimeoutError, an answer rather than a failure. The wait
+        here outlasts gRPC's deadline by ``GRACE_S`` at most: a call gRPC never ends is abandoned all the same."""
         start = time.perf_counter()
         future = self._start(rpc, request, timeout_s)
         try:
-            reply = future.result()
+            reply = future.result(timeout=timeout_s + GRACE_S)
+        except grpc.FutureTimeoutError:
+            self._end(future)
+            off_thread(future.cancel)
+            raise (TimeoutError(f"probe took longer than {timeout_s:.3f}s") if budget
+                   else self._lost(rpc, timeout_s)) from None  # fmt: skip
         except (grpc.RpcError, grpc.FutureCancelledError) as exc:
-            raise self._failed(future, exc, timeout_s if budget else None) from None
+            raise self._failed(future, exc, rpc, timeout_s, budget) from None
         self._end(future)
         return reply, time.perf_counter() - start
 
     def _call(self, rpc: str, request, timeout_s: float | None = None):
-        """One unary call, timed for the link and counted (once it succeeded)."""
-        reply, wall_s = self._timed(rpc, request, timeout_s or self.rpc_timeout_s)
+        """One unary call, timed for the link and counted (once it succeeded); ``timeout_s``: its bound (default: a
+        call with no model compute, ``Bounds.exchange_s``)."""
+        reply, wall_s = self._timed(rpc, request, timeout_s or self.bounds.exchange_s(request.ByteSize()))
         self.link.observe(wall_s, getattr(reply, "compute_s", 0.0), request.ByteSize(), reply.ByteSize())
         self._count(request, reply)
         return reply
 
-    def _stream(self, rpc: str, request, timeout_s: float, watched: bool = True, opens: bool = False):
-        """Start reply stream ``rpc`` and wait for its first message (a full server refuses before any): (the call,
-        when it was sent, all its messages). ``opens``: the call takes a place on the server, so a refusal for want
-        of one is waited out (``_admitted``)."""
+    def _stream(self, rpc: str, request, timeout_s: float, gap_s: Callable[[int], float], watched: bool = True,
+                opens: bool = False):  # fmt: skip
+        """Start reply stream ``rpc`` (``timeout_s``: gRPC's deadline for all of it) and wait for its first message (a
+        full server refuses before any): (the call, when it was sent, all its messages, each awaited at most
+        ``gap_s(i)``, see ``_messages``). ``opens``: the call takes a place on the server, so a refusal for want of one
+        is waited out (``_admitted``)."""
 
         def attempt():
             self._count(request)
             sent = time.perf_counter()
             call = self._start(rpc, request, timeout_s, stream=True, watched=watched)
-            try:
-                first = next(call, None)
-            except grpc.RpcError as exc:
-                raise self._failed(call, exc) from None
-            return call, sent, itertools.chain([] if first is None else [first], call)
+            messages = self._messages(call, rpc, gap_s)
+            first = next(messages, _END)
+            return call, sent, itertools.chain([] if first is _END else [first], messages)
 
         return self._admitted(attempt) if opens else attempt()
+
+    def _messages(self, call, rpc: str, gap_s: Callable[[int], float]) -> Iterator:
+        """The messages of stream ``call``, message ``i`` awaited at most ``gap_s(i)`` after the one before: one late
+        past that abandons the call (``_lost``); a failed stream raises what ``_failed`` says. A daemon thread reads the
+        stream, so that no wait here depends on gRPC ending it."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                for message in call:
+                    inbox.put(message)
+                inbox.put(_END)
+            except Exception as exc:  # noqa: BLE001 - handed to the reader
+                inbox.put(exc)
+
+        off_thread(read, name="splitspec-stream")
+        for i in itertools.count():
+            bound = gap_s(i)
+            try:
+                item = inbox.get(timeout=bound)
+            except queue.Empty:
+                self._end(call)
+                off_thread(call.cancel)
+                raise self._lost(rpc, bound) from None
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise self._failed(call, item, rpc, bound) from None
+            yield item
 
     def _admitted(self, attempt: Callable[[], T]) -> T:
         """``attempt()``, a call that takes a place on the server, again while a full server refuses it with a retry
@@ -290,15 +362,16 @@ class RemoteVerifier(Verifier):
             poll = self.stub.Handshake.future(self.hello, timeout=timeout_s)
             self._polls[poll] = threading.current_thread()
         try:
-            poll.result()
+            poll.result(timeout=timeout_s + GRACE_S)
             return True
-        except (grpc.RpcError, grpc.FutureCancelledError):
+        except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+            off_thread(poll.cancel)
             with self._lock:
                 if self._shut.is_set():
                     return False
                 old, self.channel = self.channel, self.endpoint.channel(self._options)
                 self.stub = pb_grpc.SplitSpecStub(self.channel)
-            old.close()
+            close_soon(old)
             return False
         finally:
             with self._lock:
@@ -325,10 +398,12 @@ class RemoteVerifier(Verifier):
                                         payload=spec.to_msg())  # fmt: skip
         self._backlog = int(len(prompt_ids) * self.payload_bytes_per_token(spec))
         self.route = secrets.token_hex(8)
+        bound = self.bounds.call_s(len(prompt_ids), request.ByteSize(), self._backlog)
         try:
-            reply = self._admitted(lambda: self._call("OpenSession", request))
+            reply = self._admitted(lambda: self._call("OpenSession", request, timeout_s=bound))
         finally:
             self._backlog = 0
+        self.bounds.observe(len(prompt_ids), reply.compute_s)
         self.session_id, self.length = reply.session_id, reply.length
         before = self.counters.payload_bytes
         features = self._features(reply.payload, spec)
@@ -336,10 +411,13 @@ class RemoteVerifier(Verifier):
         return Verdict([], [reply.first_token], reply.compute_s, features, load=reply.load)
 
     def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
-        """One round; ``timeout_s`` overrides the call's deadline (a dead link is noticed by it)."""
+        """One round; ``timeout_s`` overrides the call's bound (default: ``Bounds.call_s`` for the tree)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
                                    length=self.length, payload=spec.to_msg())  # fmt: skip
-        reply = self._call("Verify", request, timeout_s=timeout_s)
+        down = int((len(tree) + 1) * self.payload_bytes_per_token(spec))
+        bound = timeout_s or self.bounds.call_s(len(tree) + 1, request.ByteSize(), down)
+        reply = self._call("Verify", request, timeout_s=bound)
+        self.bounds.observe(len(tree) + 1, reply.compute_s)
         self.length = reply.length
         accepted = list(reply.accepted)
         new = [tree.tokens[i] for i in accepted] + [reply.bonus_token]
@@ -374,12 +452,20 @@ class RemoteVerifier(Verifier):
         features come with the first payload; a full server's refusal is waited out)."""
         c = self.counters
         timeout_s = timeout_s or self.rpc_timeout_s + request.max_new_tokens
-        self._backlog = int((prompt + payload_every) * self.payload_bytes_per_token(spec))
+        per_token = self.payload_bytes_per_token(spec)
+        self._backlog = int((prompt + payload_every) * per_token)
+        first_bound = self.bounds.call_s(max(prompt, 1), request.ByteSize(), self._backlog)
+        steps = max(1, request.lookup + 1)  # a chunk may wait for a verified guess of the server's own lookup
+
+        def gap_s(i: int) -> float:  # the first chunk waits for the prefill (or a step), the others for a step each
+            return first_bound if i == 0 else self.bounds.call_s(steps, 0, self._backlog)  # (the prompt's features)
+
         call = None
         try:
-            call, start, chunks = self._stream("Decode", request, timeout_s, opens=bool(prompt))
+            call, start, chunks = self._stream("Decode", request, timeout_s, gap_s, opens=bool(prompt))
             for i, chunk in enumerate(chunks):
                 size, arrived = chunk.ByteSize(), time.perf_counter()
+                self.bounds.observe(prompt if i == 0 and prompt else 1, chunk.compute_s)
                 if i == 0:  # the first token is one round trip around a step; later ones are pipelined
                     self.link.observe(arrived - start, chunk.compute_s, request.ByteSize(), size)
                     self.session_id = chunk.session_id or self.session_id
@@ -397,13 +483,11 @@ class RemoteVerifier(Verifier):
                         self._backlog = int(payload_every * self.payload_bytes_per_token(spec))
                 yield Verdict([], [chunk.token], chunk.compute_s, features,
                             load=chunk.load if chunk.HasField("load") else None)  # fmt: skip
-        except grpc.RpcError as exc:
-            raise self._failed(call, exc) from None
         finally:
             self._backlog = 0
             if call is not None:
                 self._end(call)
-                call.cancel()  # the consumer stopped early (a stop string, a switch): end the stream (no-op once ended)
+                off_thread(call.cancel)  # the consumer stopped early (a stop string, a switch): end the stream
 
     def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
         """Raw bytes (before zstd) one token's payload takes in ``spec`` on this server's target."""
@@ -437,13 +521,13 @@ class RemoteVerifier(Verifier):
         request = pb.FetchPayloadRequest(session_id=self.session_id, start=start, end=end, spec=spec.to_msg())
         self._count(request)
         parts = []
-        try:  # not a link sample: the stream's time includes server work it does not report
-            for chunk in self._start("FetchPayload", request, self.rpc_timeout_s, stream=True, watched=False):
-                self.counters.payload_bytes += self._count(received=chunk)
-                shapes = payload.expected_shapes(spec, chunk.count, *self.dims)
-                parts.append(payload.decode(chunk, shapes))
-        except grpc.RpcError as exc:
-            raise rpc_error(self.address, exc) from None
+        # each chunk may take what encoding and moving all the range would (the server reports no compute for it)
+        bound = self.bounds.call_s(end - start, 0, int((end - start) * self.payload_bytes_per_token(spec)))
+        call = self._start("FetchPayload", request, self.rpc_timeout_s, stream=True, watched=False)
+        for chunk in self._messages(call, "FetchPayload", lambda i: bound):  # not a link sample: see above
+            self.counters.payload_bytes += self._count(received=chunk)
+            shapes = payload.expected_shapes(spec, chunk.count, *self.dims)
+            parts.append(payload.decode(chunk, shapes))
         features = payload.concat(parts)
         if features.start != start or len(features) != end - start:
             got = f"[{features.start}, {features.start + len(features)})"
@@ -459,14 +543,14 @@ class RemoteVerifier(Verifier):
             self._call("CloseSession", request, timeout_s=timeout_s)
             return
         self._count(request)
-        self._closing = self._start("CloseSession", request, timeout_s or self.rpc_timeout_s, watched=False)
+        self._closing = self._start("CloseSession", request, timeout_s or self.bounds.exchange_s(), watched=False)
 
     def _closed(self) -> None:
-        """Wait for a close sent without waiting, however it ended: the next session should not find the server's
-        store still holding this one's place."""
+        """Wait for a close sent without waiting, however it ended (within its bound): the next session should not
+        find the server's store still holding this one's place."""
         if self._closing is not None:
-            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
-                self._closing.result()
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+                self._closing.result(timeout=self.bounds.exchange_s() + GRACE_S)
             self._closing = None
 
     def api_tokens(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int]):
@@ -477,18 +561,20 @@ class RemoteVerifier(Verifier):
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_ids,
         )
-        call = None
-        try:
-            # the deadline covers the whole stream: allow a generous second per requested token
-            call, start, chunks = self._stream("Generate", request, self.rpc_timeout_s + max_new_tokens,
-                                               watched=False, opens=True)  # fmt: skip
-            for i, chunk in enumerate(chunks):
-                size = self._count(received=chunk)
-                if i == 0:  # the first chunk is one round trip around the prefill; later ones are pipelined
-                    self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
-                yield list(chunk.tokens)
-        except grpc.RpcError as exc:
-            raise self._failed(call, exc) from None
+        first_bound = self.bounds.call_s(len(prompt_ids), request.ByteSize())
+
+        def gap_s(i: int) -> float:  # the first chunk waits for the prefill, the others for a step each
+            return first_bound if i == 0 else self.bounds.call_s(1)
+
+        # gRPC's deadline covers the whole stream: allow a generous second per requested token
+        call, start, chunks = self._stream("Generate", request, self.rpc_timeout_s + max_new_tokens, gap_s,
+                                           watched=False, opens=True)  # fmt: skip
+        for i, chunk in enumerate(chunks):
+            size = self._count(received=chunk)
+            self.bounds.observe(len(prompt_ids) if i == 0 else max(1, len(chunk.tokens)), chunk.compute_s)
+            if i == 0:  # the first chunk is one round trip around the prefill; later ones are pipelined
+                self.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+            yield list(chunk.tokens)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_JOIN_S) -> None:
         """Close the connection for good. A reconnection poll racing it (``client.offline``'s thread) is cancelled and
@@ -498,8 +584,8 @@ class RemoteVerifier(Verifier):
             self._shut.set()
             polls, channel = dict(self._polls), self.channel
         for poll in polls:
-            poll.cancel()
-        channel.close()
+            off_thread(poll.cancel)
+        close_soon(channel)
         deadline = time.monotonic() + timeout_s
         for thread in set(polls.values()) - {threading.current_thread()}:
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -30,3 +30,20 @@ PUSHBACK = "grpc-retry-pushback-ms"
 # sends on every call of that session; `splitspec serve --ray` routes by it (Ray Serve's multiplexed model id), one
 # server process ignores it
 ROUTE_KEY = "multiplexed_model_id"
+
+
+
+def off_thread(action, name: str = "splitspec-close") -> None:
+    """Run ``action()`` on a daemon thread of its own and return at once: for gRPC housekeeping nobody should wait
+    for. ``grpc.Channel.close`` waits for the channel's calls and connectivity watches to wind down and has been seen
+    to block for good (grpc/grpc#20026; a client reconnecting after a replica died, on a slow CPU), and a call's
+    ``cancel`` takes the same locks: a reconnection, a probe or the end of a generation must not wait behind them. A
+    thread each, so one that never returns holds nothing else up."""
+    import threading
+
+    threading.Thread(target=action, daemon=True, name=name).start()
+
+
+def close_soon(channel) -> None:
+    """Close ``channel`` off the caller's thread (``off_thread``)."""
+    off_thread(channel.close)

@@ -316,10 +316,12 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
         assert beat.deadline_s() >= 0.25
         sent = time.monotonic()
         heard[0] = sent + 0.2  # a chunk of the stream arrived after the probe went out
-        beat._answered(Failed(), 0.1, beat.generation, sent)
+        beat._pending[first := Failed()] = (sent, 0.1, beat.generation)  # out, as ``_probe`` sends one
+        beat._answered(first, 0.1, beat.generation, sent)
         assert not beat.dead.is_set()
         heard[0] = sent - 1.0  # nothing since
-        beat._answered(Failed(), 0.1, beat.generation, sent)
+        beat._pending[second := Failed()] = (sent, 0.1, beat.generation)
+        beat._answered(second, 0.1, beat.generation, sent)
         assert beat.dead.is_set()
     finally:
         beat.close()

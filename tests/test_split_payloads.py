@@ -147,7 +147,7 @@ class Tampered:
         inner, change = self.call.future(request, **kw), self.change
 
         class Future:
-            def result(self):
+            def result(self, timeout=None):
                 return change(inner.result())
 
             def cancel(self):
