@@ -156,6 +156,7 @@ bench-scale: setup
 # return, every output equal its recording (~15-30 min on 2 cores).
 bench-kills: setup
 	$(PY) -m bench.scale --clients 1 --replicas 2 --no-serve --kills 100 --out bench/results/scale-kills
+	$(PY) -m bench.scale --clients 1 --replicas 2 --no-serve --kills 50 --kill-clients 6 --pin 0 --out bench/results/scale-kills-one-core
 
 # Training throughput: target tokens/s of a training step per drafter and all five together, and the data side.
 bench-train: setup

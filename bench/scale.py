@@ -11,10 +11,13 @@ The router's cost: one client's sequential Verify of a one-node tree (the sessio
 time, so every call does the same work) through Serve's proxy against the same call on one server,
 and Probe calls per second through each with 16 threads (the proxy's ceiling on this machine).
 
-Kills: ``--kills`` rounds of 4 clients running the real decode loop (replaying, default resilience)
-on 2 replicas; in each, the replica holding client 0's session is killed before its third Verify.
-Every output must equal the recording; reported per round: client 0's time off its server (local
-generation until the reopened session settled) and Serve's time to bring the replica back.
+Kills: ``--kills`` rounds of ``--kill-clients`` clients (default 4) running the real decode loop (replaying,
+default resilience) on 2 replicas; in each, the replica holding client 0's session is killed before its third
+Verify. Every client must return and every output equal the recording; reported per round: client 0's time off its
+server (local generation until the reopened session settled), Serve's time to bring the replica back, and the
+longest any client went on after that (its remaining tokens included: a client stuck behind the dead replica shows
+here). A client still running ``HUNG_AFTER_S`` after the replica is back is counted as never returning. ``--pin
+CPUS`` puts this process, Ray and every replica on those CPUs (``--pin 0``: all on one core, a loaded slow machine).
 
 Run:  .venv/bin/python -m bench.scale [--clients 1,2,4,8,16] [--replicas 1,2] [--kills 17] [--prompts 4]
       [--max-new-tokens 48] [--drafter eagle]
@@ -44,14 +47,14 @@ from client.training.datasets import mtbench_questions
 from server.limits import ServerLimits
 from shared.channel import ROUTE_KEY
 from shared.models import DEFAULT_MODEL, encode_prompt, load_target, resolve_model
-from shared.server_process import ServerChild
+from shared.server_process import ServerChild, pin_process
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 OVERHEAD_CALLS = 200
 PROBE_THREADS, PROBE_CALLS = 16, 40  # Probe calls per thread
-KILL_CLIENTS = 4
+HUNG_AFTER_S = 60.0  # a kill round's client still running this long after the replica is back never returned
 
 
 @dataclass
@@ -86,7 +89,9 @@ class Kill:
     disconnects: int  # client 0's
     off_server_s: float  # client 0: from the failed call to its reopened session settling (local generation between)
     replaced_s: float  # from the kill until Serve reports both replicas running again
-    wall_s: float  # the round's, all 4 clients
+    wall_s: float  # the round's, all clients
+    after_back_s: float | None = None  # the last client's end after the replica was back (None: one never returned)
+    returned: int = 0  # clients that returned
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -164,12 +169,14 @@ def route_misses() -> int:
     return sum(f["misses"] for f in cluster.figures())
 
 
-def kill_round(address: str, round_no: int, recordings: list[Recording]) -> Kill:
-    """``KILL_CLIENTS`` decode loops replaying; the replica of client 0's session killed before its third Verify."""
+def kill_round(address: str, round_no: int, recordings: list[Recording], clients: int) -> Kill:
+    """``clients`` decode loops replaying; the replica of client 0's session killed before its third Verify. The
+    clients are waited for only so long after the replica is back: one that hangs is reported, never waited on."""
     from server import cluster
     from server.routing import owner
 
-    results, errors, killed = [None] * KILL_CLIENTS, [], []
+    results, errors, killed, ended = [None] * clients, [], [], [None] * clients
+    kill_done = threading.Event()
 
     def client(i: int) -> None:
         rec = recordings[i % len(recordings)]
@@ -184,6 +191,7 @@ def kill_round(address: str, round_no: int, recordings: list[Recording]) -> Kill
                         victim = owner(verifier.route, list(cluster.replicas()))
                         cluster.kill(victim)
                         killed.append((victim, time.monotonic()))
+                        kill_done.set()
                     return verify(tree, **kw)
 
                 verifier.verify = verify_and_kill
@@ -192,15 +200,34 @@ def kill_round(address: str, round_no: int, recordings: list[Recording]) -> Kill
         except Exception as exc:  # noqa: BLE001 - a round with an error is reported as not exact
             errors.append(exc)
             tqdm.write(f"round {round_no}, client {i}: {exc!r}", file=sys.stderr)
+        finally:
+            ended[i] = time.monotonic()
+            if i == 0:
+                kill_done.set()  # (a client 0 that ended before its third Verify killed nothing)
 
-    wall = run_clients(client, KILL_CLIENTS)
-    victim, at = killed[0] if killed else ("", time.monotonic())
-    replaced = cluster.wait_running(2, timeout_s=300) + (time.monotonic() - at if killed else 0.0)
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    kill_done.wait(HUNG_AFTER_S)
+    for _ in range(300):  # until Serve has noticed the death (or every client is done): at most 30 s
+        if cluster.running() < 2 or not any(t.is_alive() for t in threads):
+            break
+        time.sleep(0.1)
+    cluster.wait_running(2, timeout_s=300)
+    back = time.monotonic()
+    for t in threads:
+        t.join(max(0.0, back + HUNG_AFTER_S - time.monotonic()))
+    victim, at = killed[0] if killed else ("", back)
+    returned = sum(e is not None for e in ended)
     exact = not errors and all(r is not None and r.token_ids == recordings[i % len(recordings)].tokens
                                for i, r in enumerate(results))  # fmt: skip
     first = results[0].stats if results[0] is not None else None
+    after = max(0.0, max(e for e in ended if e is not None) - back) if returned == clients else None
     return Kill(round_no, victim, exact and bool(killed), first.disconnects if first else 0,
-                round(first.offline_s, 3) if first else 0.0, round(replaced, 2), round(wall, 2))  # fmt: skip
+                round(first.offline_s, 3) if first else 0.0, round(back - at, 2),
+                round(max(e for e in ended if e is not None) - start if returned else 0.0, 2),
+                None if after is None else round(after, 2), returned)  # fmt: skip
 
 
 def arithmetic(costs: list[Overhead], tau: float) -> list[str]:
@@ -258,14 +285,23 @@ def markdown(points: list[Point], costs: list[Overhead], kills: list[Kill], args
     if kills:
         off = [k.off_server_s for k in kills]
         back = [k.replaced_s for k in kills]
-        lines += ["", f"Replica kills: {len(kills)} rounds of {KILL_CLIENTS} clients on ray×2, "
+        waits = [k.after_back_s for k in kills if k.after_back_s is not None]
+        hung = sum(args.kill_clients - k.returned for k in kills)
+        pinned = f", everything pinned to CPU {args.pin}" if args.pin else ""
+        lines += ["", f"Replica kills: {len(kills)} rounds of {args.kill_clients} clients on ray×2{pinned}, "
                   f"{sum(k.exact for k in kills)}/{len(kills)} rounds with every output equal to the recording; "
-                  f"client 0 off its server median {median(off):.2f} s (max {max(off):.2f}); "
-                  f"replica back in median {median(back):.1f} s (max {max(back):.1f}).", "",
-                  "| round | replica killed | exact | disconnects | off server s | replaced s | round wall s |",
-                  "|---:|---|---|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {k.round} | {k.replica} | {'yes' if k.exact else 'NO'} | {k.disconnects} | {k.off_server_s:.2f} "
-                  f"| {k.replaced_s:.1f} | {k.wall_s:.1f} |" for k in kills]  # fmt: skip
+                  f"{hung} generations never returned (none waited on past {HUNG_AFTER_S:.0f} s after the replica was "
+                  f"back); client 0 off its server median {median(off):.2f} s (max {max(off):.2f}); "
+                  f"replica back in median {median(back):.1f} s (max {max(back):.1f}); the last client's end after "
+                  f"the replica was back: median {cell(median(waits), '.2f')} s, **longest "
+                  f"{cell(max(waits, default=None), '.2f')} s** (its remaining tokens included).", "",
+                  "| round | replica killed | exact | returned | disconnects | off server s | replaced s | "
+                  "last client after back s | round wall s |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {k.round} | {k.replica} | {'yes' if k.exact else 'NO'} | {k.returned}/{args.kill_clients} | "
+                  f"{k.disconnects} | {k.off_server_s:.2f} | {k.replaced_s:.1f} | "
+                  f"{'never' if k.after_back_s is None else f'{k.after_back_s:.2f}'} | {k.wall_s:.1f} |"
+                  for k in kills]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -283,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="1,2,4,8,16", help="comma list of concurrent client counts")
     p.add_argument("--replicas", default="1,2", help="comma list of replica counts")
     p.add_argument("--kills", type=int, default=17, help="replica-kill rounds on 2 replicas (default 17; 0: none)")
+    p.add_argument("--kill-clients", type=int, default=4, help="clients in each kill round (default 4)")
+    p.add_argument("--pin", default="", help="CPUs (comma list) for this process, Ray and the replicas (default: all); "
+                   "0 puts clients and replicas on one core, as on a loaded slow machine")
     p.add_argument("--prompts", type=int, default=4, help="MT-Bench prompts to record trees on (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per client (default 48)")
     p.add_argument("--drafter", default="eagle", help="whose trees to replay (default eagle)")
@@ -296,14 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
     replica_counts = [int(r) for r in args.replicas.split(",")]
-    cpus = os.cpu_count() or 1
+    if args.pin:
+        pin_process({int(c) for c in args.pin.split(",")})  # Ray's processes, started later, inherit the set
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     target = load_target(args.model, dtype="auto")
     questions = mtbench_questions()[: args.prompts]
     prompts = [encode_prompt(target.tokenizer, q["turns"][0], chat=True) for q in questions]
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
     del target
-    limits = ["--max-sessions", str(2 * max(counts + [KILL_CLIENTS]))]
+    limits = ["--max-sessions", str(2 * max(counts + [args.kill_clients]))]
     points, costs, kills = [], [], []
 
     if not args.no_serve:
@@ -343,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 tqdm.write(str(points[-1]), file=sys.stderr)
             if r == 2 and args.kills:
                 for k in tqdm(range(args.kills), desc="replica kills", unit="kill", file=sys.stderr):
-                    kills.append(kill_round(address, k, recordings))
+                    kills.append(kill_round(address, k, recordings, args.kill_clients))
                     tqdm.write(str(kills[-1]), file=sys.stderr)
             serve.delete(cluster.APP)
     finally:
