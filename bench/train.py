@@ -4,8 +4,11 @@ Per configuration — each drafter alone (moa-tli0, moa-tli1, moa-tli3, eagle, i
 trained together, as `splitspec train` does — the trainer runs ``--warmup`` steps, then ``--steps`` timed
 steps on the same pre-drawn batches of real ShareGPT conversations in the target's chat template. Reported:
 target tokens per second of training step (the teacher's forward included, once per batch however many
-drafters learn from it) and the median step. The data side apart: sequences and tokens per second of the
-on-the-fly stream (tokenising each conversation) and of pre-tokenised shards (``client.training.shards``).
+drafters learn from it) and the median step, for each teacher in ``--teachers``: ``native`` (the float model the
+drafters borrow their frozen parts from) and ``served`` (the target as `splitspec serve` serves it: on a CPU its
+low-bit path). ``--draft-vocab N`` gives the drafters a head of N rows (the first N ids: the cost depends only on
+the size), as `splitspec train` does with its most frequent ones. The data side apart: sequences and tokens per
+second of the on-the-fly stream (tokenising each conversation) and of pre-tokenised shards (``client.training.shards``).
 
 Run:  .venv/bin/python -m bench.train [--device cpu|cuda] [--seq-len 256] [--batch-size 2] [--steps 3]
 Writes train.json, train.md and train.png under --out (default bench/results).
@@ -35,11 +38,11 @@ CONFIGS = {
 }
 
 
-def time_steps(target, drafters, batches, warmup: int, autocast: str) -> dict:
+def time_steps(target, drafters, batches, warmup: int, autocast: str, teacher=None, vocab_ids=None) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(drafters, 10**9, Path(out), seq_len=max(len(s[0]) for b in batches for s in b),
                           batch_size=len(batches[0]), autocast=autocast)  # fmt: skip
-        trainer = Trainer(target, cfg)
+        trainer = Trainer(target, cfg, vocab_ids, teacher)
         for batch in batches[:warmup]:
             trainer.step(batch)
         times, tokens = [], 0
@@ -76,20 +79,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--teachers", default="native", help="comma list of native, served (default native)")
+    p.add_argument("--draft-vocab", type=int, default=0, help="rows of the drafters' head (default 0: all)")
     p.add_argument("--data-sequences", type=int, default=200, help="sequences to time the data side on")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}; expected some of {', '.join(CONFIGS)}")
+    teachers = args.teachers.split(",")
+    if set(teachers) - {"native", "served"}:
+        p.error(f"--teachers takes native and/or served, got {args.teachers!r}")
 
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, weights="native")
+    served = load_target(args.model, device=args.device, dtype="auto") if "served" in teachers else None
+    vocab_ids = torch.arange(args.draft_vocab) if args.draft_vocab else None
     stream = TrainingStream(target.tokenizer, args.seq_len, seed=1)
     batches = [[next(stream) for _ in range(args.batch_size)] for _ in range(args.warmup + args.steps)]
     rows = {}
     for name in args.configs.split(","):
-        rows[name] = time_steps(target, CONFIGS[name], batches, args.warmup, args.autocast)
-        print(name, rows[name], flush=True)
+        for teacher in teachers:  # side by side, per configuration
+            row = f"{name}, {teacher} teacher" if len(teachers) > 1 else name
+            rows[row] = time_steps(target, CONFIGS[name], batches, args.warmup, args.autocast,
+                                   served if teacher == "served" else None, vocab_ids)  # fmt: skip
+            print(row, rows[row], flush=True)
     data = {"stream": time_stream(TrainingStream(target.tokenizer, args.seq_len, seed=2), args.data_sequences)}
     try:
         from client.training.shards import ShardStream, write_shards
@@ -108,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{env['cpu_count']} CPUs ({env['cpu']}).",
              f"Target tokens per second of a training step on {target.device} ({args.dtype}, autocast "
              f"{args.autocast}), batches of {args.batch_size} × ≤ {args.seq_len} ShareGPT tokens, {args.steps} "
-             f"timed steps after {args.warmup}.", "", "| drafters | target tok/s | median step s |", "|---|---:|---:|"]
+             f"timed steps after {args.warmup}; draft vocabulary {args.draft_vocab or 'all'}"
+             + (f"; served teacher: {served.describe()}" if served is not None else "") + ".", "",
+             "| drafters | target tok/s | median step s |", "|---|---:|---:|"]
     lines += [f"| {n} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} |" for n, r in rows.items()]
     lines += ["", "| data | sequences/s | tokens/s |", "|---|---:|---:|"]
     lines += [f"| {n} | {d['sequences_per_s']:.0f} | {d['tokens_per_s']:.0f} |" for n, d in data.items()]

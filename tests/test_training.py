@@ -53,6 +53,37 @@ def test_training_lowers_every_drafters_loss(tiny_target, tmp_path):
         assert last[name]["loss"] < 0.7 * first[name]["loss"], (name, first[name], last[name])
 
 
+def test_a_served_low_bit_teacher_teaches_as_the_float_model_does(q4_model_dir, tmp_path):
+    """The target as served (int4 on the kernels: the checkpoint's own 4-bit values) as the teacher, its frozen parts
+    from the float model: the teacher's features and logits match the float model's to the kernels' int8 activations,
+    and every drafter, TLI through the float layers included, learns from it."""
+    from client.training.teacher import pad_batch, run_teacher
+    from shared import kernels
+    from shared.models import load_target
+
+    if not kernels.available():
+        pytest.skip(f"the low-bit teacher needs the kernels: {kernels.unavailable_reason()}")
+    native = load_target(str(q4_model_dir), dtype="float32", weights="native")
+    served = load_target(str(q4_model_dir), dtype="auto", weights="auto")
+    assert served.weights == "int4"
+    batch = [next(stream(native.tokenizer)) for _ in range(2)]
+    vocab = torch.arange(0, 200)
+    low, ref = (run_teacher(t, *pad_batch(batch), vocab_ids=vocab) for t in (served, native))
+    assert low.keys.dtype == ref.keys.dtype == torch.float32 and low.teacher_logits.shape == ref.teacher_logits.shape
+    assert torch.allclose(low.hidden[-1], ref.hidden[-1], atol=0.1, rtol=0.05)
+    agree = (low.teacher_logits.argmax(-1) == ref.teacher_logits.argmax(-1)).float().mean()
+    assert agree > 0.9, agree
+    cfg = TrainConfig(list(DRAFTERS[:3]), 10_000, tmp_path, seq_len=64, batch_size=2, lr=2e-3, warmup_tokens=50)
+    trainer = Trainer(native, cfg, vocab, teacher=served)
+    trainer.seen, trainer.cfg.min_lr_ratio = 10**9, 1.0
+    first = trainer.step(batch)
+    for _ in range(15):
+        last = trainer.step(batch)
+    for name in first:
+        assert last[name]["loss"] < 0.7 * first[name]["loss"], (name, first[name], last[name])
+    assert "int4" in trainer.budget()["teacher"]
+
+
 def test_resume_continues_exactly(tiny_target, tmp_path):
     whole = make_trainer(tiny_target, tmp_path / "whole", 600, drafters=[("moa", 1), ("eagle", 0)])
     whole.run(stream(tiny_target.tokenizer), progress=False)

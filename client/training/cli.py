@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --self-distill: the target answers greedily (0, default) or samples at this temperature")
     p.add_argument("--distill-batch", type=int, default=64, help="with --self-distill: sequences per generation "
                    "forward (default 64)")
+    p.add_argument("--teacher", choices=["served", "native"], default="served",
+                   help="whose forward the drafters learn from: served (default) = the target as `splitspec serve` "
+                        "serves it (on a CPU its low-bit path: the file's own 4-bit values on the kernels, several "
+                        "times cheaper), native = the float model the drafters borrow their frozen parts from")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
     p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints (default 600)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default smollm2-135m)")
@@ -163,7 +167,11 @@ def run(args: argparse.Namespace) -> int:
 
         vocab_ids, coverage = draft_vocab(target.tokenizer, args.draft_vocab, seq_len=args.seq_len, seed=args.seed)
         print(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.2%} of sampled assistant tokens")
-    trainer = Trainer(target, cfg, vocab_ids.to(target.device) if vocab_ids is not None else None)
+    teacher = None
+    if args.teacher == "served":
+        teacher = load_target(args.model, device=args.device, dtype="auto", cache=args.cache_dir)
+        print(f"teacher: {teacher.name} as served ({teacher.describe()})")
+    trainer = Trainer(target, cfg, vocab_ids.to(target.device) if vocab_ids is not None else None, teacher)
     if args.resume and trainer.resume():
         print(f"resuming at {trainer.seen} tokens, step {trainer.steps}")
     stream = None

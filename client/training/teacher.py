@@ -2,7 +2,9 @@
 
 On a CPU the target's forward is the expensive part of training, so it runs once per batch and
 everything any drafter may learn from is kept: per-layer KV, hidden states, and the teacher's
-logits at the positions that predict an assistant token.
+logits at the positions that predict an assistant token. The teacher may be the target as it is
+served (low-bit, on the CPU kernels): no gradient flows into it, and its forward is several times
+cheaper than the dequantised fp32 model's; the drafters' frozen parts then come from a float copy.
 """
 
 from __future__ import annotations
@@ -79,8 +81,16 @@ def run_teacher(target, input_ids: torch.Tensor, valid: torch.Tensor, loss_mask:
     positions = torch.arange(T, device=dev).expand(B, T)
     final = engine(input_ids, positions, causal_mask(T, dev), cache, 0, trace=trace)
     hidden = (*trace, final)
-    head = engine.lm_head.weight
-    if vocab_ids is not None:
-        head = head[vocab_ids.to(head.device)]
-    teacher = F.linear(final[rows, cols], head).float()
-    return TargetBatch(input_ids, valid, hidden, cache.k, cache.v, rows, cols, teacher)
+    if engine.lm_head.qweight is not None:  # a low-bit target (as served): its own head, cut to the draft vocabulary
+        teacher = engine.lm_head(final[rows, cols]).float()
+        if vocab_ids is not None:
+            teacher = teacher[:, vocab_ids.to(teacher.device)]
+    else:
+        head = engine.lm_head.weight
+        if vocab_ids is not None:
+            head = head[vocab_ids.to(head.device)]
+        teacher = F.linear(final[rows, cols], head).float()
+    keys, values = cache.k, cache.v
+    if keys.dtype != final.dtype:  # a low-bit engine caches fp16: the drafters learn in the hidden states' dtype
+        keys, values = keys.to(final.dtype), values.to(final.dtype)
+    return TargetBatch(input_ids, valid, hidden, keys, values, rows, cols, teacher)

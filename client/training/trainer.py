@@ -109,10 +109,16 @@ def bundle_vocab(out: Path, drafters: list[tuple[str, int]]) -> torch.Tensor | N
 
 
 class Trainer:
-    def __init__(self, target, cfg: TrainConfig, vocab_ids: torch.Tensor | None = None):
+    def __init__(self, target, cfg: TrainConfig, vocab_ids: torch.Tensor | None = None, teacher=None):
+        """``target``: the float model whose frozen parts the drafters borrow (their gradients flow through its TLI
+        layers); ``teacher``: the model whose forward they learn from (default ``target``; the target as served,
+        low-bit, where it has the same values and a cheaper forward)."""
         if not cfg.drafters:
             raise SplitspecError("nothing to train: pass --drafter")
         self.target, self.cfg = target, cfg
+        self.teacher = teacher or target
+        if self.teacher.fingerprint != target.fingerprint:
+            raise SplitspecError("the teacher and the target must share a tokenizer (another model was given)")
         classes = model_classes()
         self.models, self.optims = {}, {}
         torch.manual_seed(cfg.seed)
@@ -219,7 +225,7 @@ class Trainer:
             "trained_together_with": sorted(self.models), "seed": self.cfg.seed,
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
             "on_policy": self.cfg.on_policy, "staircase": self.cfg.staircase,
-            "long_drafts": self.cfg.long_drafts,
+            "long_drafts": self.cfg.long_drafts, "teacher": self.teacher.describe(),
             "data_position": self.position, "planned_tokens": self.cfg.tokens,
         }  # fmt: skip
 
@@ -235,8 +241,10 @@ class Trainer:
 
     def step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict[str, torch.Tensor]]:
         """One optimizer step of every drafter on one teacher forward; the metrics stay on the device (0-d tensors)."""
-        with self._autocast():
-            tb = run_teacher(self.target, *pad_batch(sequences), vocab_ids=self.vocab_ids)
+        lowbit = self.teacher.engine.lm_head.qweight is not None  # the kernels compute in their own precision
+        with torch.autocast(self.teacher.device.type, dtype=torch.bfloat16,
+                            enabled=self.cfg.autocast == "bf16" and not lowbit):  # fmt: skip
+            tb = run_teacher(self.teacher, *pad_batch(sequences), vocab_ids=self.vocab_ids)
         lr = lr_at(self.cfg, self.seen)
         metrics = {}
         for name, model in self.models.items():
