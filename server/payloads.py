@@ -42,8 +42,9 @@ class LSARegistry:
                              "at most 64 characters), like 'moa-tli1'")  # fmt: skip
         with self._lock:
             if name not in self._loaded:
-                path = find_bundle(name, self.bundle_dirs)
-                if path is None or path.parent.resolve() not in {d.resolve() for d in self.bundle_dirs}:
+                path = find_bundle(name, self.bundle_dirs, self.target.fingerprint)
+                inside = path is not None and any(path.resolve().is_relative_to(d.resolve()) for d in self.bundle_dirs)
+                if not inside:
                     where = ", ".join(str(d) for d in self.bundle_dirs)
                     raise SplitspecError(f"the server has no drafter bundle {name!r} (looked in {where})")
                 lsa, _ = load_lsa(path, self.target)

@@ -10,6 +10,7 @@ mean something else.
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
@@ -19,12 +20,33 @@ FORMAT = "splitspec-drafter/1"
 SHIPPED = Path(__file__).resolve().parent.parent / "client" / "drafters" / "bundles"  # trained ones in git
 
 
-def find_bundle(name_or_path: str, search: tuple[Path, ...] = (SHIPPED,)) -> Path | None:
-    """A bundle by name in the ``search`` folders, or a folder path holding config.json; None when neither."""
-    for candidate in (*(Path(d) / name_or_path for d in search), Path(name_or_path).expanduser()):
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
+def find_bundle(name_or_path: str, search: tuple[Path, ...] = (SHIPPED,),
+                fingerprint: str | None = None) -> Path | None:  # fmt: skip
+    """A bundle by name in the ``search`` folders — directly in one (``bundles/moa-tli1``) or in a target's folder
+    there (``bundles/qwen2.5-coder-1.5b/moa-tli1``), the one trained for tokenizer ``fingerprint`` first, so one name
+    serves every target that has a bundle of it — or a folder path holding config.json; None when neither. A name
+    whose bundles were all trained for other targets gives one of them: ``read_bundle`` then says which target."""
+    named = []
+    if name_or_path and "/" not in name_or_path and not name_or_path.startswith("."):
+        for d in map(Path, search):
+            candidates = (d / name_or_path, *sorted(d.glob(f"*/{glob.escape(name_or_path)}")))
+            named += [c for c in candidates if (c / "config.json").is_file()]
+    if fingerprint is not None:
+        for candidate in named:
+            if trained_for(candidate) == fingerprint:
+                return candidate
+    if named:
+        return named[0]
+    path = Path(name_or_path).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
+def trained_for(path: Path) -> str | None:
+    """The tokenizer fingerprint of the target a bundle was trained for (None: no readable config)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())["target"]["tokenizer_fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_bundle(path: Path, target) -> dict:

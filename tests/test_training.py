@@ -143,6 +143,30 @@ def test_bundles_for_another_target_are_refused(tiny_target, tmp_path):
         make_drafter(str(tmp_path / "nowhere"), target=tiny_target)
 
 
+def test_a_name_picks_the_bundle_trained_for_the_target(tiny_target, tmp_path):
+    """Bundles of one name for several targets live in the targets' folders (``bundles/<target>/moa-tli0``): the name
+    finds the one whose tokenizer is the target's; with none for it, the error names the target it was trained for."""
+    import shutil
+
+    from shared.bundles import find_bundle
+
+    trainer = make_trainer(tiny_target, tmp_path / "run", 100, drafters=[("moa", 0)])
+    trainer.run(stream(tiny_target.tokenizer), progress=False)
+    shelf = tmp_path / "bundles"
+    for folder, fingerprint in (("another-model", "0123456789abcdef"), ("tiny", tiny_target.fingerprint)):
+        shutil.copytree(tmp_path / "run" / "moa-tli0", shelf / folder / "moa-tli0")
+        config = json.loads((shelf / folder / "moa-tli0" / "config.json").read_text())
+        config["target"]["tokenizer_fingerprint"], config["target"]["name"] = fingerprint, folder
+        (shelf / folder / "moa-tli0" / "config.json").write_text(json.dumps(config))
+    assert find_bundle("moa-tli0", (shelf,), tiny_target.fingerprint) == shelf / "tiny" / "moa-tli0"
+    assert find_bundle("moa-tli0", (shelf,)) == shelf / "another-model" / "moa-tli0"  # (sorted; no target named)
+    shutil.rmtree(shelf / "tiny")
+    only = find_bundle("moa-tli0", (shelf,), tiny_target.fingerprint)
+    with pytest.raises(SplitspecError, match="trained for target 'another-model'"):
+        load_bundle(only, tiny_target)
+    assert find_bundle("moa-tli9", (shelf,), tiny_target.fingerprint) is None
+
+
 def test_generate_local_with_a_bundle_path(tiny_target, tiny_model_dir, tmp_path, capsys):
     trainer = make_trainer(tiny_target, tmp_path, 100, drafters=[("moa", 1)])
     trainer.run(stream(tiny_target.tokenizer), progress=False)

@@ -80,7 +80,7 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         return ModelDrafter(lm, lookup=name.endswith("+lookup"), **tree)
     from client.drafters.bundle import find_bundle, load_bundle
 
-    path = find_bundle(name)
+    path = find_bundle(name, target)
     if path is None:
         known = ", ".join([*DRAFTERS, *ALIASES, *TRAINED])
         raise SplitspecError(f"unknown drafter {name!r}: expected one of {known}, or the path of a drafter bundle")

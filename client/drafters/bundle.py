@@ -76,9 +76,11 @@ def save_bundle(model, path: Path, target, training: dict, dtype: torch.dtype = 
     return path
 
 
-def find_bundle(name_or_path: str) -> Path | None:
-    """A shipped bundle by name, or a folder holding config.json; None when neither."""
-    return shared_bundles.find_bundle(name_or_path, (SHIPPED,))
+def find_bundle(name_or_path: str, target=None) -> Path | None:
+    """A shipped bundle by name (the one trained for ``target``, where several targets have one of that name), or a
+    folder holding config.json; None when neither."""
+    fingerprint = getattr(target, "fingerprint", None)
+    return shared_bundles.find_bundle(name_or_path, (SHIPPED,), fingerprint)
 
 
 def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = None,
