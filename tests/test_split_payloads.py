@@ -204,7 +204,7 @@ def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundl
 def test_handshake_refuses_a_bundle_that_does_not_fit(tiny_target, bundles, tmp_path):
     from server.service import build_server
 
-    foreign = tmp_path / "moa-tli0"
+    foreign = tmp_path / "moa-foreign"  # (a foreign bundle of a name the target has its own of would not be picked)
     foreign.mkdir()
     (foreign / "weights.safetensors").write_bytes((bundles / "moa-tli0" / "weights.safetensors").read_bytes())
     config = json.loads((bundles / "moa-tli0" / "config.json").read_text())
@@ -221,7 +221,7 @@ def test_handshake_refuses_a_bundle_that_does_not_fit(tiny_target, bundles, tmp_
     address = f"127.0.0.1:{port}"
     try:
         cases = [  # (drafter named, bundle the client holds, what the refusal says)
-            ("moa-tli0", "moa-tli0", "was trained for target .*tokenizer 0123456789abcdef"),  # the foreign one is first
+            ("moa-foreign", "moa-tli0", "was trained for target .*tokenizer 0123456789abcdef"),
             ("moa-tli1", "moa-tli0", "the server's bundle 'moa-tli1' has weights"),
             ("eagle", "eagle", "only MoA bundles have an LSA"),
             ("moa-tli9", "moa-tli0", "has no drafter bundle 'moa-tli9'"),
