@@ -184,15 +184,20 @@ def dequantize_int6(packed: torch.Tensor, dsup: torch.Tensor) -> torch.Tensor:
     return (step.repeat_interleave(16, dim=1) * (q.float() - 32)).view(n, k)
 
 
+BF16_ROWS = 16  # a bf16 GEMM on a CPU multiplies exactly this many rows per call (see ``Linear``)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
 
-    oneDNN's bf16 GEMM gives bit-identical rows for any M >= 2 but takes another path for a single
-    row with K = 1536 (SmolLM2's down projection), whose sums round differently: plain decoding
-    (one token) then drifted from tree verification (many) and greedy outputs parted at near-ties.
-    A single bf16 row is multiplied as two (the second a zero row): no slower, since the weights are
-    streamed once either way. fp32 rows are left alone: MKL's single-row path is a fast GEMV, and
-    its multi-row rounding differs anyway (fp32 exactness is against transformers, within ties).
+    A bf16 GEMM on a CPU rounds a row differently depending on how many rows share the call (oneDNN picks its
+    kernel and blocking by shape: on a Zen 5 a single row with K = 1536 went another way; on an Intel CPU with
+    AMX, torch 2.13, rows differ between M = 2, 16, 32 and 64 for SmolLM2's head): plain decoding (one token)
+    then drifts from tree verification (many) and greedy outputs part at near-ties. So bf16 rows on a CPU are
+    multiplied in blocks of exactly ``BF16_ROWS`` (the last padded with zero rows): every row goes through the
+    same call shape, whatever the forward. A forward of up to ``BF16_ROWS`` tokens is one call (one token: ~1.05x
+    its own cost on AMX, the weights are streamed once either way); a prefill is several (~2.5x). fp32 rows are
+    left alone: MKL's single-row path is a fast GEMV, and fp32 exactness is against transformers, within ties.
 
     ``quantize`` makes it low-bit on a CPU (``shared.kernels``): ``int8`` weights with one scale per output
     row (each input row quantised to int8 with its own scale: one exact integer sum a dot product), or
@@ -309,12 +314,15 @@ class Linear(nn.Linear):
             out = [linear(x.float(), p.qweight, p.qscale, b, None) for p, b in zip(parts, self.int8_biases(),
                                                                                     strict=True)]  # fmt: skip
             return torch.cat(out, dim=-1).to(x.dtype) if len(out) > 1 else out[0].to(x.dtype)
-        single = x.numel() == x.shape[-1] and x.device.type == "cpu" and x.dtype == torch.bfloat16
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if single:
-            rows = torch.cat([rows, rows.new_zeros(rows.shape)])
-        out = F.linear(rows, self.weight, self.bias)
-        return out[: rows.shape[0] - single].view(*x.shape[:-1], -1)
+        count = rows.shape[0]
+        if count % BF16_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(BF16_ROWS - count % BF16_ROWS, rows.shape[1])])
+        blocks = [F.linear(rows[i : i + BF16_ROWS], self.weight, self.bias) for i in range(0, len(rows), BF16_ROWS)]
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return out[:count].view(*x.shape[:-1], -1)
 
 
 def quantize(module: nn.Module, kind: str = "int8", skip: tuple[nn.Module, ...] = ()) -> int:

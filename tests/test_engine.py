@@ -182,3 +182,19 @@ def test_int8_drafter_weights_leave_the_target_untouched(tiny_target, tmp_path):
     got = generate(LocalVerifier(tiny_target), MoADrafter(model, width=3, depth=3), prompt, 24,
                                max_tree_nodes=8)  # fmt: skip
     assert got.token_ids == plain.token_ids
+
+
+def test_a_bf16_linear_rows_do_not_depend_on_how_many_share_the_call():
+    """bf16 GEMMs on a CPU pick kernels by shape (here, an Intel CPU with AMX: rows of a [1536 x 576] product differ
+    between 16, 32 and 64 rows; a Zen 5: a single row with K = 1536): ``Linear`` multiplies bf16 rows in fixed
+    blocks, so each row comes out the same alone, in a tree or in a prefill, wherever it sits."""
+    from shared.linear import Linear
+
+    torch.manual_seed(0)
+    for k, n in ((576, 1536), (1536, 576), (576, 4096)):
+        layer = Linear(k, n, bias=False).to(torch.bfloat16)
+        x = torch.randn(80, k, dtype=torch.bfloat16)
+        whole = layer(x)
+        for m, at in ((1, 0), (1, 7), (2, 3), (5, 0), (16, 1), (17, 0), (32, 5), (33, 2), (64, 16)):
+            assert torch.equal(layer(x[at : at + m]), whole[at : at + m]), (k, n, m, at)
+        assert torch.equal(layer(x[None, 3:9])[0], whole[3:9])  # [B, T, K] as the engine passes it
