@@ -55,8 +55,9 @@ def time_steps(target, drafters, batches, warmup: int, autocast: str, teacher=No
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             tokens += sum(len(ids) for ids, _ in batch)
+        params = sum(p.numel() for m in trainer.models.values() for p in m.parameters() if p.requires_grad)
     return {"tokens_per_s": round(tokens / sum(times), 1), "step_s": round(statistics.median(times), 3),
-            "steps": len(times)}  # fmt: skip
+            "steps": len(times), "trainable_params": params}  # fmt: skip
 
 
 def time_stream(stream, n: int) -> dict:
@@ -123,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.autocast}), batches of {args.batch_size} × ≤ {args.seq_len} ShareGPT tokens, {args.steps} "
              f"timed steps after {args.warmup}; draft vocabulary {args.draft_vocab or 'all'}"
              + (f"; served teacher: {served.describe()}" if served is not None else "") + ".", "",
-             "| drafters | target tok/s | median step s |", "|---|---:|---:|"]
-    lines += [f"| {n} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} |" for n, r in rows.items()]
+             "| drafters | target tok/s | median step s | trainable parameters |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | {r['trainable_params'] / 1e6:.1f} M |"
+              for n, r in rows.items()]  # fmt: skip
     lines += ["", "| data | sequences/s | tokens/s |", "|---|---:|---:|"]
     lines += [f"| {n} | {d['sequences_per_s']:.0f} | {d['tokens_per_s']:.0f} |" for n, d in data.items()]
     md = "\n".join(lines)
