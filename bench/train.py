@@ -38,10 +38,11 @@ CONFIGS = {
 }
 
 
-def time_steps(target, drafters, batches, warmup: int, autocast: str, teacher=None, vocab_ids=None) -> dict:
+def time_steps(target, drafters, batches, warmup: int, autocast: str, teacher=None, vocab_ids=None,
+               mlp_hidden: int | None = None) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(drafters, 10**9, Path(out), seq_len=max(len(s[0]) for b in batches for s in b),
-                          batch_size=len(batches[0]), autocast=autocast)  # fmt: skip
+                          batch_size=len(batches[0]), autocast=autocast, mlp_hidden=mlp_hidden)  # fmt: skip
         trainer = Trainer(target, cfg, vocab_ids, teacher)
         for batch in batches[:warmup]:
             trainer.step(batch)
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--teachers", default="native", help="comma list of native, served (default native)")
     p.add_argument("--draft-vocab", type=int, default=0, help="rows of the drafters' head (default 0: all)")
+    p.add_argument("--mlp-hidden", type=int, help="the drafters' MLP width (default: the target's)")
     p.add_argument("--data-sequences", type=int, default=200, help="sequences to time the data side on")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args(argv)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         for teacher in teachers:  # side by side, per configuration
             row = f"{name}, {teacher} teacher" if len(teachers) > 1 else name
             rows[row] = time_steps(target, CONFIGS[name], batches, args.warmup, args.autocast,
-                                   served if teacher == "served" else None, vocab_ids)  # fmt: skip
+                                   served if teacher == "served" else None, vocab_ids, args.mlp_hidden)  # fmt: skip
             print(row, rows[row], flush=True)
     data = {"stream": time_stream(TrainingStream(target.tokenizer, args.seq_len, seed=2), args.data_sequences)}
     try:
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{env['cpu_count']} CPUs ({env['cpu']}).",
              f"Target tokens per second of a training step on {target.device} ({args.dtype}, autocast "
              f"{args.autocast}), batches of {args.batch_size} × ≤ {args.seq_len} ShareGPT tokens, {args.steps} "
-             f"timed steps after {args.warmup}; draft vocabulary {args.draft_vocab or 'all'}"
+             f"timed steps after {args.warmup}; draft vocabulary {args.draft_vocab or 'all'}; drafters' MLP "
+             f"{args.mlp_hidden or 'as the target'}"
              + (f"; served teacher: {served.describe()}" if served is not None else "") + ".", "",
              "| drafters | target tok/s | median step s | trainable parameters |", "|---|---:|---:|---:|"]
     lines += [f"| {n} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | {r['trainable_params'] / 1e6:.1f} M |"

@@ -101,6 +101,22 @@ def test_resume_continues_exactly(tiny_target, tmp_path):
             assert torch.allclose(value, resumed.models[name].trainable_state()[key], atol=1e-6), (name, key)
 
 
+def test_a_narrow_drafter_is_smaller_and_its_bundle_says_so(tiny_target, tmp_path):
+    """``mlp_hidden``: the drafters' MLP narrower than the target's (a 1.5B's would make bundles of hundreds of MB);
+    the bundle carries the width, so it loads and drafts as trained."""
+    drafters = [("moa", 1), ("eagle", 0), ("independent", 0)]
+    wide = make_trainer(tiny_target, tmp_path / "wide", 100, drafters=drafters)
+    cfg = TrainConfig(drafters, 100, tmp_path / "narrow", seq_len=64, batch_size=2, lr=2e-3, warmup_tokens=50,
+                      mlp_hidden=32)  # fmt: skip
+    narrow = Trainer(tiny_target, cfg)
+    narrow.run(stream(tiny_target.tokenizer), progress=False)
+    for name, model in narrow.models.items():
+        count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+        assert count(model) < count(wide.models[name]) and model.cfg.mlp_hidden == 32, name
+        loaded, config = load_bundle(tmp_path / "narrow" / name, tiny_target)
+        assert config["model"]["mlp_hidden"] == 32 and count(loaded) == count(model)
+
+
 def test_a_checkpoint_refuses_other_drafters(tiny_target, tmp_path):
     make_trainer(tiny_target, tmp_path, 100, drafters=[("eagle", 0)]).run(stream(tiny_target.tokenizer), progress=False)
     other = make_trainer(tiny_target, tmp_path, 200, drafters=[("moa", 0)])

@@ -26,8 +26,8 @@ class IndependentConfig(BlockShape):
     layers: int = 2
 
     @classmethod
-    def for_target(cls, parts: TargetParts, layers: int = 2) -> IndependentConfig:
-        return super().for_target(parts, layers=layers)
+    def for_target(cls, parts: TargetParts, mlp_hidden: int | None = None, layers: int = 2) -> IndependentConfig:
+        return super().for_target(parts, mlp_hidden, layers=layers)
 
 
 class Independent(nn.Module):

@@ -46,11 +46,12 @@ class MoAConfig:
     eps: float
 
     @classmethod
-    def for_target(cls, parts: TargetParts, tli: int, lsa_dim: int = 128) -> MoAConfig:
-        """Target-sized SA/CA; a narrow LSA: it runs over every layer of every token (30x the tokens in
-        training), and at Ekv wide it cost ~10x an EAGLE step on a CPU for little gain."""
+    def for_target(cls, parts: TargetParts, tli: int, lsa_dim: int = 128, mlp_hidden: int | None = None) -> MoAConfig:
+        """Target-sized SA/CA (their MLP ``mlp_hidden`` wide, default the target's); a narrow LSA: it runs over every
+        layer of every token (30x the tokens in training), and at Ekv wide it cost ~10x an EAGLE step on a CPU for
+        little gain."""
         kv_width = 2 * parts.num_kv_heads * parts.head_dim
-        heads = (parts.num_heads, parts.num_kv_heads, parts.head_dim, parts.mlp_hidden)
+        heads = (parts.num_heads, parts.num_kv_heads, parts.head_dim, mlp_hidden or parts.mlp_hidden)
         lsa = (lsa_dim, max(1, lsa_dim // 64), 2 * lsa_dim)
         return cls(tli, parts.num_layers, parts.hidden_size, kv_width, *heads, *lsa, parts.eps)
 

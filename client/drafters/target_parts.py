@@ -30,9 +30,12 @@ class BlockShape:
     eps: float
 
     @classmethod
-    def for_target(cls, parts: TargetParts, **more):
+    def for_target(cls, parts: TargetParts, mlp_hidden: int | None = None, **more):
+        """``mlp_hidden``: the blocks' MLP width (default the target's; a 1.5B's 8,960 makes a bundle of hundreds of
+        MB, so a drafter for it takes a narrower one)."""
         return cls(hidden_size=parts.hidden_size, heads=parts.num_heads, kv_heads=parts.num_kv_heads,
-                   head_dim=parts.head_dim, mlp_hidden=parts.mlp_hidden, eps=parts.eps, **more)  # fmt: skip
+                   head_dim=parts.head_dim, mlp_hidden=mlp_hidden or parts.mlp_hidden, eps=parts.eps,
+                   **more)  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -57,6 +57,7 @@ class TrainConfig:
     staircase: bool = False  # MoA's SA curriculum: own draft only, with probability 1 - 2·(budget spent), then none
     long_drafts: float = 0.0  # share of MoA sequences cut into 32..64-token drafts (the offline horizon)
     data: str = SHAREGPT_DATA  # what the sequences are (a bundle's config says it)
+    mlp_hidden: int | None = None  # the drafters' MLP width (None: the target's)
     extra: dict = field(default_factory=dict)
 
 
@@ -126,7 +127,12 @@ class Trainer:
         for kind, tli in cfg.drafters:
             model_cls, cfg_cls = classes[kind]
             parts = TargetParts(target, tli, vocab_ids)
-            model_cfg = cfg_cls.for_target(parts, tli) if kind == "moa" else cfg_cls.for_target(parts)
+            if kind == "moa":
+                model_cfg = cfg_cls.for_target(parts, tli, mlp_hidden=cfg.mlp_hidden)
+            elif kind == "medusa":
+                model_cfg = cfg_cls.for_target(parts)
+            else:
+                model_cfg = cfg_cls.for_target(parts, cfg.mlp_hidden)
             model = model_cls(model_cfg, parts).to(target.device, target.dtype).train()
             params = [p for p in model.parameters() if p.requires_grad]
             name = bundle_name(kind, tli)
