@@ -26,6 +26,7 @@ FLOOR_S = 0.5  # no bound is shorter (a scheduler's hiccup, a garbage collection
 DECAY = 0.95  # what a high figure keeps per later observation
 UNMEASURED_RTT_S = 1.0  # stands in for the RTT bound before the link has been measured
 GRACE_S = 1.0  # a wait in this process outlasts gRPC's own deadline by this much before it abandons the call
+PROBE_MARGIN_S = 0.05  # a Probe's bound past the RTT bound (as the heartbeat's: the server answers one at once)
 
 
 @dataclass
@@ -62,9 +63,13 @@ class Bounds:
         compute = self.compute_s(tokens)
         if compute is None:
             return self.cap_s
+        return min(self.cap_s, self.exchange_s(up_bytes, down_bytes) + SLACK * compute)
+
+    def probe_s(self) -> float:
+        """A Probe: no compute, answered at once even mid-verification, so only the RTT bound and a margin — asked
+        after a call was lost, on a link that may be cut, it must not add a floor's worth of waiting."""
         rtt = self.link.timeout_s()
-        rtt = UNMEASURED_RTT_S if rtt is None else rtt
-        return min(self.cap_s, rtt + self.link.transfer_s(up_bytes, down_bytes) + SLACK * compute + FLOOR_S)
+        return (UNMEASURED_RTT_S if rtt is None else rtt) + PROBE_MARGIN_S
 
     def exchange_s(self, up_bytes: int = 0, down_bytes: int = 0) -> float:
         """A call with no model compute (a Handshake, a Probe, a CloseSession, a payload fetched from the cache)."""

@@ -206,8 +206,8 @@ class RemoteVerifier(Verifier):
         return LinkDown(f"server {self.address}: {rpc} unanswered within {bound_s:.2f}s")
 
     def _answers_probe(self) -> bool:
-        """One Probe within a call's bound for a call with no compute: does the server answer at all?"""
-        bound = self.bounds.exchange_s()
+        """One Probe within ``Bounds.probe_s``: does the server answer at all?"""
+        bound = self.bounds.probe_s()
         with self._lock:
             if self._shut.is_set():
                 return False

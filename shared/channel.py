@@ -6,6 +6,8 @@ ends raise it to the same ``MAX_MESSAGE_BYTES``. A client's channels also reconn
 
 from __future__ import annotations
 
+import threading
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # the largest message either end sends or accepts (server and client alike)
@@ -39,8 +41,6 @@ def off_thread(action, name: str = "splitspec-close") -> None:
     to block for good (grpc/grpc#20026; a client reconnecting after a replica died, on a slow CPU), and a call's
     ``cancel`` takes the same locks: a reconnection, a probe or the end of a generation must not wait behind them. A
     thread each, so one that never returns holds nothing else up."""
-    import threading
-
     threading.Thread(target=action, daemon=True, name=name).start()
 
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from client.adaptive import AdaptivePolicy
-from client.deadlines import FLOOR_S, SLACK, UNMEASURED_RTT_S, Bounds
+from client.deadlines import FLOOR_S, PROBE_MARGIN_S, SLACK, UNMEASURED_RTT_S, Bounds
 from client.decode import Resilience, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
@@ -186,6 +186,7 @@ def test_bounds_follow_what_was_measured():
     assert bounds.step_s == 0.2
     assert link.observe(0.03, 0.01, 100, 100)  # a round trip measured: 20 ms
     assert bounds.exchange_s() == pytest.approx(link.timeout_s() + FLOOR_S)
+    assert bounds.probe_s() == pytest.approx(link.timeout_s() + PROBE_MARGIN_S)  # after a lost call: no floor
     bounds.observe(5, 100.0)
     assert bounds.call_s(5) == 60.0  # never past the cap
 
