@@ -17,6 +17,8 @@ from pathlib import Path
 from shared.errors import SplitspecError
 
 FORMAT = "splitspec-drafter/1"
+SCALE = ".int8_scale"  # an int8 weight ``w`` is stored as ``w`` (int8 rows) and ``w.int8_scale`` (one float16 per row)
+MIN_INT8 = 4096  # smaller tensors (norms, biases, position tables) stay float16
 SHIPPED = Path(__file__).resolve().parent.parent / "client" / "drafters" / "bundles"  # trained ones in git
 
 
@@ -71,3 +73,38 @@ def read_bundle(path: Path, target) -> dict:
                 f"drafter bundle {path} expects a target with {key}={want[key]}, this one has {getattr(target, key)}"
             )
     return config
+
+
+def pack_weights(state: dict, dtype: str) -> dict:
+    """A drafter's weights as a bundle stores them: ``float16``/``float32`` as they are, or ``int8`` — each
+    matrix of at least MIN_INT8 values rounded per row to 127 levels of its largest magnitude, half the bytes of
+    float16, so a drafter for a 1.5B target fits a small bundle. A drafter's precision changes how often it is
+    right, never what the target accepts."""
+    import torch
+
+    if dtype not in ("float16", "float32", "int8"):
+        raise SplitspecError(f"bundle weights dtype {dtype!r}; expected float16, float32 or int8")
+    out = {}
+    for name, v in state.items():
+        v = v.detach().to("cpu")
+        if not v.is_floating_point():
+            out[name] = v.contiguous()
+        elif dtype == "int8" and v.dim() == 2 and v.numel() >= MIN_INT8:
+            scale = (v.float().abs().amax(dim=1) / 127).to(torch.float16).clamp_min(2**-24)  # as stored
+            out[name] = torch.round(v.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            out[name + SCALE] = scale
+        else:
+            out[name] = v.to(torch.float32 if dtype == "float32" else torch.float16).contiguous()
+    return out
+
+
+def read_weights(path: Path) -> dict:
+    """A bundle's weights as float tensors (int8 ones multiplied back by their row scales), ids as stored."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(path) / "weights.safetensors"))
+    for name in [k for k in state if k.endswith(SCALE)]:
+        base = name.removesuffix(SCALE)
+        state[base] = state[base].float() * state.pop(name).float()[:, None]
+    return {k: v.float() if v.is_floating_point() and v.dtype != torch.float32 else v for k, v in state.items()}

@@ -14,10 +14,9 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from shared.bundles import read_bundle
+from shared.bundles import read_bundle, read_weights
 from shared.errors import SplitspecError
 from shared.layers import Block, RMSNorm
 
@@ -55,7 +54,7 @@ def load_lsa(path: Path, target, device=None, dtype: torch.dtype | None = None) 
     if config["kind"] != "moa":
         raise SplitspecError(f"drafter bundle {path} is a {config['kind']!r} drafter; only MoA bundles have an LSA")
     lsa = LayerSelfAttention(**LayerSelfAttention.dims(config["model"]))
-    state = {k: v for k, v in load_file(str(Path(path) / "weights.safetensors")).items() if k.startswith(WEIGHTS)}
+    state = {k: v for k, v in read_weights(path).items() if k.startswith(WEIGHTS)}
     missing, unexpected = lsa.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise SplitspecError(f"{path}: LSA weights do not fit: missing {missing}, unexpected {unexpected}")

@@ -44,12 +44,11 @@ LSA_NEW = 12  # tokens per generation of the payload-mode test: what it checks i
 @pytest.fixture(scope="module")
 def bundles(tiny_target, tmp_path_factory):
     """A random MoA bundle for the tiny target, in a folder the replicas read (payload mode lsa)."""
-    import torch
 
     from client.drafters.bundle import save_bundle
 
     root = tmp_path_factory.mktemp("cluster-bundles")
-    save_bundle(make_moa(tiny_target, 1, seed=1), root / "moa-tli1", tiny_target, {}, torch.float32)
+    save_bundle(make_moa(tiny_target, 1, seed=1), root / "moa-tli1", tiny_target, {}, "float32")
     return root
 
 

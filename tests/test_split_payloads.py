@@ -11,7 +11,6 @@ import json
 
 import grpc
 import pytest
-import torch
 
 from client.decode import generate
 from client.drafters import drafter_for
@@ -34,8 +33,8 @@ def bundles(tiny_target, tmp_path_factory):
     """Random MoA TLI 0/1 and EAGLE bundles for the tiny target, in one folder the server reads."""
     root = tmp_path_factory.mktemp("bundles")
     for tli in (0, 1):
-        save_bundle(make_moa(tiny_target, tli, seed=tli), root / f"moa-tli{tli}", tiny_target, {}, torch.float32)
-    save_bundle(make_model(tiny_target, "eagle"), root / "eagle", tiny_target, {}, torch.float32)
+        save_bundle(make_moa(tiny_target, tli, seed=tli), root / f"moa-tli{tli}", tiny_target, {}, "float32")
+    save_bundle(make_model(tiny_target, "eagle"), root / "eagle", tiny_target, {}, "float32")
     return root
 
 

@@ -129,7 +129,7 @@ def test_bundle_round_trip_gives_the_same_drafts(tiny_target, tmp_path, kind, tl
     trainer = make_trainer(tiny_target, tmp_path, 200, drafters=[(kind, tli)])
     trainer.run(stream(tiny_target.tokenizer), progress=False)
     name = next(iter(trainer.models))
-    path = save_bundle(trainer.models[name], tmp_path / "b", tiny_target, trainer.budget(), dtype=torch.float32)
+    path = save_bundle(trainer.models[name], tmp_path / "b", tiny_target, trainer.budget(), dtype="float32")
     config = json.loads((path / "config.json").read_text())
     assert config["training"]["tokens"] == trainer.seen and config["kind"] == kind and config["tli"] == tli
     assert not any(k.startswith("parts.") for k in load_file(str(path / "weights.safetensors")))
@@ -367,3 +367,44 @@ def test_interrupted_shards_continue_where_they_stopped(tiny_target, tmp_path):
 def test_self_distillation_needs_a_shards_folder(tmp_path, capsys):
     code = splitspec(["train", "--drafter", "medusa", "--self-distill", "--tokens", "10", "--out", str(tmp_path)])
     assert code != 0 and "--shards" in capsys.readouterr().err
+
+
+def test_int8_bundles_are_half_the_bytes_and_draft_losslessly(tiny_target, tmp_path):
+    """``bundle_dtype="int8"``: each matrix rounded per row (a 1.5B's MoA fits 40 MB only so); the weights come back
+    within half a rounding step, warm start and the server's LSA read them, and the drafter stays lossless. A zero
+    sitting only writes the bundles again (how a trained run is packed for shipping); history keeps a curve."""
+    from shared.bundles import SCALE, read_weights
+    from shared.lsa import load_lsa
+
+    drafters = [("moa", 1), ("eagle", 0)]
+    first = make_trainer(tiny_target, tmp_path, 200, drafters=drafters)
+    first.cfg.history = True
+    first.run(stream(tiny_target.tokenizer), progress=False)
+    sizes16 = {n: (tmp_path / n / "weights.safetensors").stat().st_size for n in first.models}
+    assert sorted(p.name for p in (tmp_path / "history").iterdir()) == [f"{first.seen:09d}"]
+    packed = make_trainer(tiny_target, tmp_path, 200, drafters=drafters)
+    packed.cfg.bundle_dtype = "int8"
+    assert packed.resume()
+    packed.run(stream(tiny_target.tokenizer), progress=False, time_limit_s=0)
+    assert packed.steps == first.steps
+    prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
+    for name, model in first.models.items():
+        path = tmp_path / name
+        assert json.loads((path / "config.json").read_text())["weights_dtype"] == "int8"
+        assert (path / "weights.safetensors").stat().st_size < 0.65 * sizes16[name], name
+        stored = load_file(str(path / "weights.safetensors"))
+        weights = read_weights(path)
+        assert not any(k.endswith(SCALE) for k in weights)
+        for key, value in model.trainable_state().items():
+            step = stored[key + SCALE].float()[:, None] if key + SCALE in stored else None
+            if step is not None:
+                assert stored[key].dtype == torch.int8
+                assert ((weights[key] - value.float()).abs() <= 0.51 * step + 1e-7).all(), key
+        loaded = load_bundle(path, tiny_target)[0]
+        assert generate(LocalVerifier(tiny_target), drafter_for(loaded, name), prompt, 24,
+                        max_tree_nodes=8).token_ids == plain.token_ids  # fmt: skip
+    lsa, _ = load_lsa(tmp_path / "moa-tli1", tiny_target)
+    assert torch.equal(lsa.lsa_in.weight.float(), read_weights(tmp_path / "moa-tli1")["lsa_in.weight"])
+    (tmp_path / "checkpoint.pt").unlink()
+    assert make_trainer(tiny_target, tmp_path, 200, drafters=drafters).resume()  # warm start from int8 bundles

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from shared import bundles as shared_bundles
 from shared.bundles import FORMAT, SHIPPED
@@ -41,8 +41,9 @@ def bundle_name(kind: str, tli: int = 0) -> str:
     return f"moa-tli{tli}" if kind == "moa" else kind
 
 
-def save_bundle(model, path: Path, target, training: dict, dtype: torch.dtype = torch.float16) -> Path:
-    """Write a bundle atomically (a temporary folder renamed into place)."""
+def save_bundle(model, path: Path, target, training: dict, dtype: str = "float16") -> Path:
+    """Write a bundle atomically (a temporary folder renamed into place); ``dtype``: float16, float32 or int8
+    (``shared.bundles.pack_weights``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {
@@ -53,10 +54,10 @@ def save_bundle(model, path: Path, target, training: dict, dtype: torch.dtype = 
         "model": model.cfg.to_dict(),
         "target": {"name": target.name, "tokenizer_fingerprint": target.fingerprint, "vocab_size": target.vocab_size,
                    "hidden_size": target.hidden_size, "num_layers": target.num_layers},  # fmt: skip
-        "weights_dtype": str(dtype).removeprefix("torch."),
+        "weights_dtype": dtype,
         "training": training,
     }
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.trainable_state().items()}
+    state = shared_bundles.pack_weights(model.trainable_state(), dtype)
     if model.parts.vocab_ids is not None:
         state[DRAFT_VOCAB] = model.parts.vocab_ids.detach().to("cpu").contiguous()
         config["draft_vocab_size"] = len(model.parts.vocab_ids)
@@ -99,7 +100,7 @@ def load_bundle(path: Path, target, device=None, dtype: torch.dtype | None = Non
         raise SplitspecError(f"{path}: unknown drafter kind {config['kind']!r}; expected one of {sorted(classes)}")
     model_cls, cfg_cls = classes[config["kind"]]
     cfg = cfg_cls(**config["model"])
-    state = load_file(str(path / "weights.safetensors"))
+    state = shared_bundles.read_weights(path)
     saved = state.pop(DRAFT_VOCAB, None)
     vocab_ids = saved if vocab_ids is None else vocab_ids
     model = model_cls(cfg, TargetParts(target, getattr(cfg, "tli", 0), vocab_ids))

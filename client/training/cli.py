@@ -47,7 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="whose forward the drafters learn from: served (default) = the target as `splitspec serve` "
                         "serves it (on a CPU its low-bit path: the file's own 4-bit values on the kernels, several "
                         "times cheaper), native = the float model the drafters borrow their frozen parts from")
-    p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting")
+    p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting "
+                   "(0 with --resume: only write the bundles again, e.g. in another --bundle-dtype)")
+    p.add_argument("--bundle-dtype", choices=["float16", "int8"], default="float16",
+                   help="how the bundles store the weights: float16 (default) or int8 rows with a scale each (half "
+                        "the bytes: a drafter for a 1.5B target in a small bundle); the checkpoint keeps float32")
+    p.add_argument("--history", action="store_true", help="keep every checkpoint's bundles in --out/history/<tokens> "
+                   "for a learning curve (python -m bench.curve)")
     p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints (default 600)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default smollm2-135m)")
     p.add_argument("--cache-dir", help="where converted models are kept")
@@ -158,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         drafters, args.tokens, args.out, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup_tokens=args.warmup_tokens, seed=args.seed, checkpoint_every_s=args.checkpoint_every,
         autocast=args.autocast or ("bf16" if _bf16_fast(args.device) else "none"), on_policy=args.on_policy,
-        staircase=args.staircase, long_drafts=args.long_drafts, mlp_hidden=args.mlp_hidden,
+        staircase=args.staircase, long_drafts=args.long_drafts, mlp_hidden=args.mlp_hidden, history=args.history,
+        bundle_dtype=args.bundle_dtype,
         data=SELF_DISTILLED.format(args.distill_temperature) if args.self_distill else SHAREGPT_DATA,
     )  # fmt: skip
     vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None

