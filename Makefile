@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train bench-one-answer fuzz clean
+.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train bench-one-answer fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -72,7 +72,21 @@ bench-pair-quality: pair
 	$(PY) -m bench.quality --model qwen2.5-coder-1.5b --weights lowbit,int8,int4 --limit 3 --max-new-tokens 64 --conversations 6 --seq-len 256 --out bench/results/pair-quality
 
 bench-pair-train: pair
-	$(PY) -m bench.train --model qwen2.5-coder-1.5b --seq-len 128 --batch-size 1 --steps 2 --warmup 1 --out bench/results/pair-train
+	$(PY) -m bench.train --model qwen2.5-coder-1.5b --configs moa-tli0,moa-tli1,eagle --teachers served --mlp-hidden 2048 --draft-vocab 16384 --seq-len 256 --batch-size 2 --steps 2 --warmup 1 --out bench/results/pair-train
+
+# One resumable sitting (SITTING_S seconds) of the pair's drafters' training, toward a 4 M-token budget: it goes on
+# from the checkpoint in PAIR_TRAIN, else warm-starts from the shipped bundles (docs/training.md, "A 1.5B target")
+PAIR_TRAIN ?= $(HOME)/.cache/splitspec/train/qwen2.5-coder-1.5b
+PAIR_BUNDLES := client/drafters/bundles/qwen2.5-coder-1.5b
+SITTING_S ?= 7200
+train-pair: pair
+	@mkdir -p $(PAIR_TRAIN)
+	@[ -e $(PAIR_TRAIN)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN)/
+	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 4000000 --bundle-dtype int8 --history --checkpoint-every 900 --time-limit $(SITTING_S) --out $(PAIR_TRAIN) --resume
+
+# The learning curve of the pair's training (every checkpoint kept under PAIR_TRAIN/history)
+bench-pair-curve: pair
+	$(PY) -m bench.curve --model qwen2.5-coder-1.5b --history $(PAIR_TRAIN)/history --limit 2 --max-new-tokens 64 --out bench/results/pair-curve
 
 bench-engine: setup
 	$(PY) -m bench.engine
