@@ -320,11 +320,11 @@ def summarize(runs: list[DecodeRun]) -> dict[str, dict]:
 
 
 @torch.inference_mode()
-def draft_steps(method: Method, prompt_ids: list[int], rounds: int) -> dict | None:
-    """A tree drafter's depth steps (its ``root_logprobs``/``expand`` calls) while drafting ``rounds`` trees after
-    ``prompt_ids`` through a ``LocalVerifier``: median ms per step and steps per tree. None for a drafter without
-    such steps (plain decoding, prompt lookup)."""
-    drafter, steps = method.drafter, ("root_logprobs", "expand")
+def draft_steps(target, drafter, max_tree_nodes: int, prompt_ids: list[int], rounds: int) -> dict | None:
+    """A tree drafter's depth steps (its ``root_logprobs``/``expand`` calls) while drafting ``rounds`` trees of
+    ≤ ``max_tree_nodes`` after ``prompt_ids`` through a ``LocalVerifier`` of ``target``: median ms per step and
+    steps per tree. None for a drafter without such steps (plain decoding, prompt lookup)."""
+    steps = ("root_logprobs", "expand")
     if not all(callable(getattr(drafter, name, None)) for name in steps):
         return None
     spent: list[float] = []
@@ -339,7 +339,7 @@ def draft_steps(method: Method, prompt_ids: list[int], rounds: int) -> dict | No
 
         return call
 
-    verifier = LocalVerifier(method.target)
+    verifier = LocalVerifier(target)
     spec = first_spec(verifier, drafter.payload_specs())
     opened = verifier.open(list(prompt_ids), SamplingParams(), spec=spec)
     drafter.begin(list(prompt_ids) + opened.new_tokens, opened.features)
@@ -347,7 +347,7 @@ def draft_steps(method: Method, prompt_ids: list[int], rounds: int) -> dict | No
         setattr(drafter, name, timed(getattr(drafter, name)))
     try:
         for _ in range(rounds):
-            result = verifier.verify(drafter.propose(method.max_tree_nodes), spec=spec)
+            result = verifier.verify(drafter.propose(max_tree_nodes), spec=spec)
             drafter.absorb(result.new_tokens, result.features)
     finally:
         for name in steps:
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {}
     for m in methods:
         bar.set_postfix_str(f"draft steps {m.label}")
-        steps[m.label] = draft_steps(m, prompts[0], DRAFT_STEP_ROUNDS)
+        steps[m.label] = draft_steps(m.target, m.drafter, m.max_tree_nodes, prompts[0], DRAFT_STEP_ROUNDS)
         bar.update()
 
     llama: dict = {}

@@ -374,6 +374,36 @@ def markdown(summary: dict[str, dict[str, dict]], greedy: bool = True) -> str:
     return "\n".join(lines)
 
 
+def draft_step_costs(target, methods: list[Method], prompts: list[Prompt], rounds: int) -> dict[str, dict]:
+    """{method: median ms of one drafting step (a tree level: ``root_logprobs``/``expand``), steps per tree} for
+    each tree drafter, over ``rounds`` static trees after the first HumanEval prompt (the last prompt without one)."""
+    from bench.engine import draft_steps
+
+    if rounds < 1:
+        return {}
+    prompt = next((q for q in prompts if q.dataset == "humaneval"), prompts[-1])
+    out, seen = {}, set()
+    for m in methods:
+        if m.name == REFERENCE or id(m.drafter) in seen:
+            continue
+        seen.add(id(m.drafter))
+        cost = draft_steps(target, m.drafter, m.max_tree_nodes, prompt.ids, rounds)
+        if cost is not None:
+            out[m.name] = cost
+    return out
+
+
+def step_lines(steps: dict[str, dict]) -> str:
+    """The drafting-step table, each step also as a share of the costliest drafter's (a whole model, where run)."""
+    if not steps:
+        return ""
+    costliest = max(v["ms_per_step"] for v in steps.values())
+    lines = ["", "", "| drafter | draft step ms | × the costliest | steps per tree |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {v['ms_per_step']:.2f} | {v['ms_per_step'] / costliest:.2f} | {v['steps_per_tree']:.1f} |"
+              for n, v in steps.items()]  # fmt: skip
+    return "\n".join(lines)
+
+
 def training_lines(methods: list[Method]) -> list[str]:
     """One line per trained drafter: its training budget as its bundle records it."""
     lines = []
@@ -435,6 +465,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run drafters under the adaptive policy (trees sized by measured costs, drafting paused while "
                         "it loses), as `splitspec generate --local` does by default, each prompt's policy starting "
                         "from the previous one's (as in a serving process); else static trees")
+    p.add_argument("--draft-step-rounds", type=int, default=8,
+                   help="static trees each tree drafter drafts after a HumanEval prompt to time its steps (default 8; "
+                        "0: no step table)")
     p.add_argument("--limit", type=int, help="first K prompts of each dataset (default all: 80 + 164)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per generation (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -504,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     for method in tqdm(methods, desc="warm-up", unit="method", file=sys.stderr):
         run_method(target, method, warm_ids, 8)  # first calls pay one-off costs (allocator, kernels, caches)
     runs = benchmark(target, methods, prompts, args.max_new_tokens)
+    steps = draft_step_costs(target, methods, prompts, args.draft_step_rounds)
     llama = llama_runs(target, methods, prompts, args) if args.llama_speculative or args.llama_bench else {}
     runs += llama.pop("runs", [])
     names += list(dict.fromkeys(r.method for r in runs if r.method not in names))
@@ -532,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     mismatches = sum(s["mismatches"] for per in summary.values() for s in per.values())
     result = {"environment": env, "settings": settings, "summary": summary, "mismatches": mismatches,
-              "llama_cpp": llama}  # fmt: skip
+              "llama_cpp": llama, "draft_steps": steps}  # fmt: skip
     result["prompts"] = [
         {"dataset": p.dataset, "index": p.index, "id": p.id, "prompt_tokens": len(p.ids), "text": p.text}
         for p in prompts
@@ -561,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, args.out / "single.png", title)
     notes = [f"skipped (no bundle): {', '.join(skipped)}"] if skipped else []
     notes += [f"WARNING: {mismatches} run(s) produced token ids different from {REFERENCE}"] if mismatches else []
+    table += step_lines(steps)
     return finish(args.out, "single", result, header + table, table, notes)
 
 
