@@ -408,3 +408,22 @@ def test_int8_bundles_are_half_the_bytes_and_draft_losslessly(tiny_target, tmp_p
     assert torch.equal(lsa.lsa_in.weight.float(), read_weights(tmp_path / "moa-tli1")["lsa_in.weight"])
     (tmp_path / "checkpoint.pt").unlink()
     assert make_trainer(tiny_target, tmp_path, 200, drafters=drafters).resume()  # warm start from int8 bundles
+
+
+def test_a_bundle_says_how_it_was_made_and_its_curve(tiny_target, tmp_path):
+    """Each sitting's command and the drafters' loss between checkpoints go into the bundle, across a warm start."""
+    first = make_trainer(tiny_target, tmp_path, 400, drafters=[("eagle", 0)])
+    first.cfg.checkpoint_every_s = 0.0  # a checkpoint after every step: a point of the curve each
+    first.run(stream(tiny_target.tokenizer), progress=False, until_tokens=200)
+    (tmp_path / "checkpoint.pt").unlink()
+    again = make_trainer(tiny_target, tmp_path, 400, drafters=[("eagle", 0)])
+    again.cfg.checkpoint_every_s = 0.0
+    assert again.resume()
+    again.run(stream(tiny_target.tokenizer, skip=again.position), progress=False)
+    training = json.loads((tmp_path / "eagle" / "config.json").read_text())["training"]
+    assert [s["from_tokens"] for s in training["sittings"]] == [0, first.seen]
+    assert all("pytest" in s["command"] or "python" in s["command"] for s in training["sittings"])
+    curve = training["curve"]
+    assert len(curve) >= again.steps - 1 and curve[-1]["tokens"] == again.seen
+    assert [c["tokens"] for c in curve] == sorted(c["tokens"] for c in curve)
+    assert curve[-1]["loss"] < curve[0]["loss"]

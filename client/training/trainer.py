@@ -15,6 +15,8 @@ import json
 import math
 import os
 import platform
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +151,9 @@ class Trainer:
         self.data = cfg.data  # what every token so far came from (a warm start may have begun on other data)
         self.generator = torch.Generator(device=target.device).manual_seed(cfg.seed)  # noise drawn where it is used
         self.ranks: dict[str, list[torch.Tensor]] = {}  # Medusa: the newest positions' head ranks (medusa_loss)
+        self.sittings: list[dict] = []  # each sitting's command and where it began: how the bundle was made
+        self.curve: dict[str, list[dict]] = {}  # per drafter: mean loss and top-1 agreement between checkpoints
+        self._since: dict[str, dict] = {}  # metric sums since the last checkpoint (device tensors: no sync per step)
 
     # --- checkpoints ---
 
@@ -160,9 +165,11 @@ class Trainer:
             "position": self.position, "data": self.data, "generator": self.generator.get_state(),
             "drafters": self.cfg.drafters, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
             "fingerprint": self.target.fingerprint, "vocab_ids": self.vocab_ids, "ranks": self.ranks,
+            "sittings": self.sittings, "curve": self.curve,
         }  # fmt: skip
 
     def save(self) -> None:
+        self._close_curve()
         out = self.cfg.out
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{CHECKPOINT}.tmp"
@@ -172,9 +179,10 @@ class Trainer:
             ranks = self.ranks.get(name)
             if ranks and sum(len(r) for r in ranks) >= MIN_MEASURED:
                 model.cfg.tree, model.cfg.tree_probs = sparse_tree(torch.cat(ranks).long())
-            save_bundle(model, out / name, self.target, self.budget(), self.cfg.bundle_dtype)
+            training = self.budget() | {"curve": self.curve.get(name, [])}
+            save_bundle(model, out / name, self.target, training, self.cfg.bundle_dtype)
             if self.cfg.history:  # the learning curve: every checkpoint's bundles, by tokens seen
-                save_bundle(model, out / HISTORY / f"{self.seen:09d}" / name, self.target, self.budget(),
+                save_bundle(model, out / HISTORY / f"{self.seen:09d}" / name, self.target, training,
                             self.cfg.bundle_dtype)
 
     def resume(self) -> bool:
@@ -198,6 +206,7 @@ class Trainer:
         for key in ("seen", "trained", "steps", "wall_s", "position"):
             setattr(self, key, state[key])
         self.ranks = {name: [r.cpu() for r in ranks] for name, ranks in state.get("ranks", {}).items()}
+        self.sittings, self.curve = state.get("sittings", []), state.get("curve", {})
         self.data = state.get("data", self.cfg.data)
         self.generator.set_state(state["generator"].cpu())  # map_location moved it; a state is a CPU tensor
         return True
@@ -222,6 +231,8 @@ class Trainer:
                 saved = configs[name]["model"]
                 model.cfg.tree, model.cfg.tree_probs = saved["tree"], saved["tree_probs"]
         training = min((c["training"] for c in configs.values()), key=lambda t: t["tokens"])
+        self.sittings = training.get("sittings", [])
+        self.curve = {name: c["training"].get("curve", []) for name, c in configs.items()}
         self.seen, self.trained, self.steps = training["tokens"], training["trained_positions"], training["steps"]
         self.wall_s, self.position = training["wall_s"], training.get("data_position", 0)
         if training["data"] != self.cfg.data:  # the bundle says where every one of its tokens came from
@@ -238,7 +249,7 @@ class Trainer:
             "draft_vocab": None if self.vocab_ids is None else len(self.vocab_ids), "autocast": self.cfg.autocast,
             "on_policy": self.cfg.on_policy, "staircase": self.cfg.staircase,
             "long_drafts": self.cfg.long_drafts, "teacher": self.teacher.describe(),
-            "data_position": self.position, "planned_tokens": self.cfg.tokens,
+            "data_position": self.position, "planned_tokens": self.cfg.tokens, "sittings": self.sittings,
         }  # fmt: skip
 
     # --- the loop ---
@@ -274,10 +285,24 @@ class Trainer:
             if ranks is not None:
                 self._measure(name, ranks)
             metrics[name] = {"loss": loss.detach(), **m}
+            since = self._since.setdefault(name, {"steps": 0, "loss": 0.0, "acc": 0.0})
+            since["steps"] += 1
+            since["loss"] = since["loss"] + metrics[name]["loss"]
+            since["acc"] = since["acc"] + metrics[name]["acc"]
         self.seen += sum(len(ids) for ids, _ in sequences)
         self.trained += tb.tokens
         self.steps += 1
         return metrics
+
+    def _close_curve(self) -> None:
+        """A point of each drafter's training curve: its mean loss and agreement over the steps since the last."""
+        for name, since in self._since.items():
+            if since["steps"]:
+                n = since["steps"]
+                self.curve.setdefault(name, []).append({"tokens": self.seen, "steps": n,
+                                                        "loss": round(float(since["loss"]) / n, 4),
+                                                        "acc": round(float(since["acc"]) / n, 4)})  # fmt: skip
+        self._since = {}
 
     def _measure(self, name: str, ranks: torch.Tensor) -> None:
         """Keep the newest ``MEASURED`` positions' head ranks (scored before their step: held out)."""
@@ -297,6 +322,8 @@ class Trainer:
                    disable=not progress, desc="train", smoothing=0.05)  # fmt: skip
         last_save = time.monotonic()
         metrics: dict[str, dict] = {}
+        self.sittings.append({"command": shlex.join(sys.orig_argv), "from_tokens": self.seen,
+                              "hardware": hardware(self.target.device)})  # fmt: skip
         try:
             while self.seen < stop_at and time.monotonic() < deadline:
                 start = time.perf_counter()
