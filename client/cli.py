@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-cap", type=float, default=0.05, metavar="P",
                    help="while local tokens are to be verified, stop making more once the chance that all of them "
                         "survive falls below P (the drafter's own calibrated confidence; 0: never stop; default 0.05)")
+    p.add_argument("--offline-drafter", metavar="MODEL",
+                   help="when the link fails, have this model write the local tokens instead of --drafter (e.g. "
+                        "qwen2.5-coder-0.5b beside moa-tli1: a whole model's text survives a long cut better than a "
+                        "drafter's alone); it reads the context at the cut. Default: the drafter itself")
     add_mode_argument(p)
     p.add_argument(
         "--static",
@@ -242,6 +246,15 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth,
                                weights=args.drafter_weights, tokenizer=tokenizer, device=args.device,
                                **options)  # fmt: skip
+    offline_writer = None
+    if args.offline_drafter:
+        if args.local or args.baseline:
+            raise SplitspecError("--offline-drafter writes while the link to a server is down: drop --local / "
+                                 "--baseline")  # fmt: skip
+        offline_writer = make_drafter(args.offline_drafter, target=target, tokenizer=tokenizer, device=args.device)
+        if offline_writer.payload_specs():
+            raise SplitspecError(f"--offline-drafter {args.offline_drafter} reads the target's features, which a cut "
+                                 "keeps away; give a model that reads tokens only (e.g. qwen2.5-coder-0.5b)")
     if args.local and args.on_reconnect:
         raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
     if args.keep_after is not None and (args.keep_after < 0 or (args.on_reconnect or "verify") != "verify"):
@@ -286,7 +299,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         gen = generate(
             verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
-            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, local_cap=args.local_cap),
+            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, local_cap=args.local_cap,
+                                  offline=offline_writer),
             on_update=stream, spec=specs[0] if specs else None,
         )  # fmt: skip
         drafter_name = drafter.name

@@ -68,6 +68,8 @@ class Resilience:
     drafter's own probabilities, calibrated by its measured acceptance — falls below this (0: never
     waits): what comes after would almost surely be thrown away. ``stop``: set when the process is stopping
     (the edge on SIGTERM): a generation waiting for the link ends at once, its local tail unverified.
+    ``offline``: the drafter that writes the local tokens (default None: the generation's own drafter) — a whole
+    model (the 0.5B beside a MoA drafter), which writes text a long cut can keep; it reads the context at the cut.
     """
 
     on_reconnect: str = "verify"
@@ -78,6 +80,7 @@ class Resilience:
     keep_after_s: float | None = None
     local_cap: float = 0.05
     stop: threading.Event | None = None
+    offline: Drafter | None = None
 
     def __post_init__(self) -> None:
         if self.on_reconnect not in ON_RECONNECT:

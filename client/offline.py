@@ -194,9 +194,14 @@ def _keeping(run: Bridged, began: float) -> bool:
 
 
 def _generate_locally(run: Bridged, reconnector: Reconnector, began: float) -> None:
+    """Local tokens until the link is back: the drafter's own (or ``resilience.offline``'s, which reads the context
+    first and whose tokens the drafter then takes as it takes its own, so the settlement goes as ever)."""
     t0, survival, capped = time.perf_counter(), 1.0, False
-    calibration = min(1.0, run.policy.calibration) if run.policy is not None else 1.0
+    writer = run.resilience.offline or run.drafter
+    calibration = min(1.0, run.policy.calibration) if run.policy is not None and writer is run.drafter else 1.0
     try:
+        if writer is not run.drafter:
+            writer.begin(run.prompt_ids + run.out)
         while not reconnector.up.is_set():
             stopping = run.resilience.stop is not None and run.resilience.stop.is_set()
             if stopping or run.finished() or time.perf_counter() - began > run.resilience.max_offline_s:
@@ -206,10 +211,13 @@ def _generate_locally(run: Bridged, reconnector: Reconnector, began: float) -> N
                 capped = True
                 reconnector.up.wait(0.05)
                 continue
-            token, p = local_draw(run.drafter, run.sampling, run.generator)
+            token, p = local_draw(writer, run.sampling, run.generator)
             if token is None:  # nothing to offer offline (prompt lookup without a match): wait
                 reconnector.up.wait(0.05)
                 continue
+            if writer is not run.drafter:
+                run.drafter.propose(1, 1)  # the drafter stands in its own features for the target's, as offline
+                run.drafter.absorb([token])
             survival *= 1.0 if p is None else calibration * p
             run.stats.local_tokens += 1
             run.commit(run.out + [token], run.verified + [False])

@@ -171,3 +171,12 @@ def test_json_counts_the_tokens_never_verified(tiny_model_dir):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["unverified_tokens"] == out["verified"].count(False) == 0 and len(out["verified"]) >= 1
+
+
+def test_an_offline_drafter_needs_a_link(tiny_model_dir, capsys):
+    from shared.cli import main
+
+    code = main(["generate", "--local", "--model", str(tiny_model_dir), "--prompt", "hi", "--offline-drafter",
+                 str(tiny_model_dir)])  # fmt: skip
+    assert code == 2
+    assert "--offline-drafter writes while the link to a server is down" in capsys.readouterr().err

@@ -80,3 +80,70 @@ def test_a_drafter_with_another_tokenizer_is_refused(pair):
     target, _, _ = pair
     with pytest.raises(SplitspecError, match="has another tokenizer than the target's"):
         make_drafter("smollm2-135m", target=target)
+
+
+OWN = ["moa-tli0", "moa-tli1", "eagle"]  # drafters trained for the 1.5B (client/drafters/bundles/qwen2.5-coder-1.5b)
+
+
+def own_drafter(target, name: str):
+    """The shipped bundle of ``name`` trained for the 1.5B, as ``--drafter NAME`` finds it; skips where none is."""
+    from client.drafters.bundle import find_bundle
+
+    path = find_bundle(name, target)
+    if path is None or path.parent.name != TARGET:
+        pytest.skip(f"no {name} bundle for {TARGET} is shipped (train one: make train-pair)")
+    return make_drafter(name, target=target)
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_its_own_drafters_pick_their_bundle_and_change_no_token(pair, name):
+    target, ids, plain = pair
+    drafter = own_drafter(target, name)
+    gen = generate(LocalVerifier(target), drafter, ids, NEW_TOKENS)
+    assert gen.token_ids == plain
+    assert gen.stats.acceptance_length > 1.2, gen.stats.acceptance_length  # trained: more than a token a round
+
+
+@pytest.mark.parametrize(("name", "mode"), [("moa-tli1", "kv"), ("moa-tli1", "lsa"), ("moa-tli0", "lsa"),
+                                            ("eagle", "hidden")])  # fmt: skip
+def test_its_own_drafters_split_over_loopback_with_payloads(pair, name, mode):
+    """Payloads sized for the 1.5B's 28 layers (kv: every layer's keys and values; lsa: the server's LSA memory)."""
+    target, ids, plain = pair
+    drafter = own_drafter(target, name)
+    spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == mode)
+    with served(target, max_sessions=2) as (address, _):  # the shipped bundles, as `splitspec serve` reads them
+        remote = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=drafter, spec=spec)
+        try:
+            gen = generate(remote, drafter, ids, NEW_TOKENS)
+        finally:
+            remote.shutdown()
+    assert gen.token_ids == plain
+    assert gen.stats.payload_bytes > 0
+
+
+@pytest.mark.parametrize("name", ["moa-tli1", "eagle"])
+def test_its_own_drafters_generate_through_a_cut_and_settle_to_the_plain_tokens(pair, name):
+    """Offline: the drafter alone (MoA-TLI1 through the target's last layer) writes 12 tokens, then the target
+    verifies them: the answer ends as plain decoding's."""
+    from client.offline import local_token, reconcile_verify
+    from client.verifiers import first_spec
+    from shared.acceptance import SamplingParams
+
+    target, ids, plain = pair
+    drafter = own_drafter(target, name)
+    verifier = LocalVerifier(target)
+    opened = verifier.open(ids, SamplingParams(), spec=first_spec(verifier, drafter.payload_specs()))
+    drafter.begin(ids + opened.new_tokens, opened.features)
+    out = list(opened.new_tokens)
+    while len(out) < 8:
+        result = verifier.verify(drafter.propose(16))
+        drafter.absorb(result.new_tokens, result.features)
+        out += result.new_tokens
+    local = [local_token(drafter) for _ in range(12)]
+    assert None not in local
+    out += reconcile_verify(verifier, drafter, local, max_nodes=16)
+    while len(out) < NEW_TOKENS:
+        result = verifier.verify(drafter.propose(16))
+        drafter.absorb(result.new_tokens, result.features)
+        out += result.new_tokens
+    assert out[:NEW_TOKENS] == plain
