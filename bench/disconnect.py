@@ -140,13 +140,22 @@ def next_token_accuracy(drafter, target, prompt_ids, reference, cut_at, window) 
 
 
 def make_drafters(names: list[str], target) -> dict:
+    """{method: (drafter, the model that writes during the cut or None)}; ``DRAFTER:MODEL`` has MODEL write
+    (``Resilience.offline``: the 0.5B beside MoA), ``DRAFTER`` alone writes itself."""
     width, depth, _ = STATIC_TREE
-    return {n: make_drafter(n, target=target, width=width, depth=depth) for n in names if n != "api"}
+    out = {}
+    for name in names:
+        if name != "api":
+            drafter, _, writer = name.partition(":")
+            out[name] = (make_drafter(drafter, target=target, width=width, depth=depth),
+                         make_drafter(writer, target=target) if writer else None)  # fmt: skip
+    return out
 
 
-def one_run(name, drafter, upstream, netsim, target, prompt, problem, n, reference, args) -> Run:
+def one_run(name, drafters, upstream, netsim, target, prompt, problem, n, reference, args) -> Run:
     from netsim import simulated_link
 
+    drafter, writer = drafters or (None, None)
     profile = PROFILES[args.profile]
     bound_ms = 2 * profile.rtt_ms + 100
     limit = n + args.window + TAU_SLACK
@@ -161,7 +170,7 @@ def one_run(name, drafter, upstream, netsim, target, prompt, problem, n, referen
                 verifier, drafter, prompt.ids, limit, max_tree_nodes=STATIC_TREE[2],
                 # the link never returns: every token after the cut is local (no cap waiting for a server to verify)
                 resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n),
-                                      local_cap=0.0),
+                                      local_cap=0.0, offline=writer),
             )  # fmt: skip
         finally:
             verifier.shutdown()
@@ -174,7 +183,7 @@ def one_run(name, drafter, upstream, netsim, target, prompt, problem, n, referen
     text = target.tokenizer.decode(out, skip_special_tokens=True)
     accuracy = None
     if cut_at is not None:
-        accuracy = next_token_accuracy(drafter, target, prompt.ids, reference, cut_at, args.window)
+        accuracy = next_token_accuracy(writer or drafter, target, prompt.ids, reference, cut_at, args.window)
     return Run(prompt.index, problem["task_id"], n, name, cut_at, len(out), s.local_tokens,
                None if switch is None else round(switch, 1), bound_ms,
                round(s.local_tokens_per_s, 2) if s.local_tokens else None,
@@ -284,7 +293,9 @@ def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list (default {','.join(DEFAULT_METHODS)})"
+        "--methods", default=",".join(DEFAULT_METHODS),
+        help=f"comma list (default {','.join(DEFAULT_METHODS)}); DRAFTER:MODEL drafts with DRAFTER and has MODEL "
+             "write after the cut (e.g. moa-tli1:qwen2.5-coder-0.5b)",
     )
     p.add_argument(
         "--cuts", default=",".join(map(str, DEFAULT_CUTS)), help="new tokens before the cut (default 0,25,50,100)"
