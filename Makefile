@@ -82,7 +82,7 @@ SITTING_S ?= 7200
 train-pair: pair
 	@mkdir -p $(PAIR_TRAIN)
 	@[ -e $(PAIR_TRAIN)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN)/
-	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 4000000 --warmup-tokens 50000 --bundle-dtype int8 --history --checkpoint-every 900 --time-limit $(SITTING_S) --out $(PAIR_TRAIN) --resume
+	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 4000000 --warmup-tokens 50000 --autocast none --bundle-dtype int8 --history --checkpoint-every 900 --time-limit $(SITTING_S) --out $(PAIR_TRAIN) --resume
 
 # The learning curve of the pair's training (every checkpoint kept under PAIR_TRAIN/history)
 bench-pair-curve: pair
