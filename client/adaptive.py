@@ -114,6 +114,15 @@ class AdaptivePolicy:
         else:
             self.schedule.plain(tokens, seconds)
 
+    def pipelines(self, on: bool) -> None:
+        """The loop drafts ahead while a Verify is in flight (``client.decode``): drafting costs less than it takes."""
+        self.sizing.pipelined = on
+
+    def ahead(self, path_taken: bool, held: bool, seconds: float) -> None:
+        """A pipelined round's guess: its likeliest path accepted or not, its next tree ready or not, the seconds
+        drafting ahead took."""
+        self.sizing.ahead(path_taken, held, seconds)
+
     def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
         """A stretch of a stream: ``tokens`` in ``seconds``, ``compute_s`` of them the server's compute."""
         self.sizing.streamed(tokens, compute_s)

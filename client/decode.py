@@ -6,6 +6,13 @@ the verifier verifies → the drafter absorbs the kept tokens → they are emitt
 the round gained and cost. It knows nothing about which drafter proposes
 or where verification happens; both are interfaces (``Drafter``, ``Verifier``).
 
+Over a link, rounds are pipelined: while a Verify is in flight the drafter drafts ahead — it takes the tree's
+likeliest path as accepted (``Drafter.assume``) and drafts the tree after it, whose first level holds its guesses
+for the server's bonus token. When the verdict is that path and a bonus it guessed, the subtree under that bonus is
+the next round's tree, ready at once: a round then costs the longer of drafting and the wire, not their sum. When
+it is not, the guess is taken back (``rewind``) and the round goes on as it would have. Nothing the server sees
+depends on the guess but which tree it verifies, so every output is as without it.
+
 Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
 server-side continuation): its tokens stream in with their payloads, the drafter absorbs them as they
 come, so drafting can resume — or the link fail — at any token.
@@ -27,6 +34,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -52,6 +61,9 @@ UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has bee
 # better; a cut may keep the last (up to this many tokens') from arriving, and the settlement fetches them then.
 PAYLOAD_EVERY = 8
 OPEN_TRIES = 3  # a session lost as it opened (a replica died under it) is opened again, up to this many tries in all
+AHEAD_NODES = 1.5  # a tree drafted ahead holds this many times a round's budget: its likeliest root's subtree is sent
+FLIGHT_GRACE_S = 2.0  # a Verify in flight is bounded by the verifier itself; this wait outlasts that bound
+UNBOUNDED_FLIGHT_S = 300.0  # (no deadline: on_reconnect fail) the most a wait for a Verify in flight lasts
 
 
 @dataclass
@@ -112,6 +124,9 @@ class GenerationStats:
     server_compute_s: float = 0.0
     ttft_s: float = 0.0
     draft_s: float = 0.0
+    ahead_s: float = 0.0  # drafting ahead while a Verify was in flight (pipelined rounds)
+    guesses: int = 0  # rounds that drafted ahead
+    guesses_held: int = 0  # of which the verdict was the path guessed and a bonus guessed: the next tree was ready
     tree_nodes: list[int] = field(default_factory=list)  # nodes verified in each round
     rtt_ms: float | None = None  # the link as the client saw it at the end (None: no link, or not measured yet)
     bandwidth_mbps: float | None = None  # downlink, Mbit/s
@@ -160,6 +175,7 @@ def generate(
     on_update: Callable[[list[int], list[bool]], None] | None = None,
     stop_when: Callable[[list[int], list[bool]], bool] | None = None,
     spec: PayloadSpec | None = None,
+    pipeline: bool | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
 
@@ -171,13 +187,16 @@ def generate(
     when the server is back (``verify``) — a stream prints what is verified, or everything under ``keep``.
     ``stop_when(tokens, verified)``: the generation ends ("stop") once it says so (a stop sequence in the text).
     ``spec``: the payload to start with (default: the first the drafter takes that the verifier can send).
+    ``pipeline``: draft the next tree while a Verify is in flight (default: over a link; in process the target and
+    the drafter would share the same cores).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
     run = Run(verifier=verifier, drafter=drafter, prompt_ids=list(prompt_ids), limit=max_new_tokens, sampling=sampling,
               stop=stop, policy=policy, max_nodes=max_tree_nodes, resilience=resilience or Resilience(),
-              on_update=on_update, stop_when=stop_when, spec=spec_for(verifier, drafter, spec))  # fmt: skip
+              on_update=on_update, stop_when=stop_when, spec=spec_for(verifier, drafter, spec),
+              pipeline=verifier.link is not None if pipeline is None else pipeline)  # fmt: skip
     return run.generate()
 
 
@@ -204,7 +223,7 @@ class Run:
                  sampling: SamplingParams, stop: set[int], policy: AdaptivePolicy | None, max_nodes: int,
                  resilience: Resilience, on_update: Callable[[list[int], list[bool]], None] | None = None,
                  stop_when: Callable[[list[int], list[bool]], bool] | None = None,
-                 spec: PayloadSpec = NO_PAYLOAD) -> None:  # fmt: skip
+                 spec: PayloadSpec = NO_PAYLOAD, pipeline: bool = False) -> None:  # fmt: skip
         self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
         self.sampling, self.stop, self.policy, self.max_nodes = sampling, stop, policy, max_nodes
         self.resilience, self.on_update, self.stop_when = resilience, on_update, stop_when
@@ -218,6 +237,9 @@ class Run:
         # running estimates of one verification, for its deadline
         self.verify_s, self.reply_bytes = 0.0, 0.0
         self.unfeatured: tuple[int, int] | None = None  # cached tokens whose features a cut mid-stream kept away
+        self.pipeline = pipeline
+        self.flights: ThreadPoolExecutor | None = None  # where a pipelined round's Verify waits for its verdict
+        self.ready: DraftTree | None = None  # the next round's tree, drafted while the last one was verified
 
     def generate(self) -> Generation:
         """prompt → prefill → {decide → (stream | draft → size → verify → accept → absorb) → emit} → text; a link
@@ -233,12 +255,17 @@ class Run:
         if policy is not None and (spec := policy.prompt_spec(len(self.prompt_ids))):
             self.spec = spec  # sized for the link: the prompt's features are the largest payload
         opens = 0  # tries to open the session
+        if self.pipeline:
+            self.flights = ThreadPoolExecutor(1, thread_name_prefix="splitspec-verify")
+        if policy is not None:
+            policy.pipelines(self.pipeline)
         try:
             # the session is opened first, whatever the prompt: one that fills the context is refused there, clearly
             while not self.out or not (reason := self.finished()):
                 call = time.perf_counter()
                 try:
                     if policy is not None and (stretch := policy.stretch()):
+                        self.ready = None  # the stream moves the drafter on: a tree drafted ahead is stale
                         # a stretch that starts the generation opens the session in the same call
                         self.continuation(stretch, start if not self.out else None)
                     elif not self.out:  # the prefill: its compute is the first guess at a round's
@@ -258,8 +285,11 @@ class Run:
                                              "(on_reconnect fail)") from None  # fmt: skip
                     stats.disconnects += 1
                     stats.switch_s.append(time.perf_counter() - call)
+                    self.ready = None
                     offline.bridge(self)
         finally:
+            if self.flights is not None:
+                self.flights.shutdown(wait=False)  # its one call is over (answered, or lost and bounded)
             if self.heartbeat:
                 self.heartbeat.close()
                 stats.heartbeat_probes = self.heartbeat.probes
@@ -284,14 +314,19 @@ class Run:
         verifier, drafter, policy, stats = self.verifier, self.drafter, self.policy, self.stats
         t0 = time.perf_counter()
         drafting = policy is None or policy.drafts()
-        if drafting:
+        ready, self.ready = self.ready, None
+        if drafting and ready is not None:
+            tree = ready  # drafted while the last round was verified
+        elif drafting:
             tree = drafter.propose(self.budget(), policy.depth if policy is not None else None)
         else:
             tree = DraftTree()  # a plain step: drafting has not been paying
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
-        # the levels a search drafted each cost a step (a tree with no scores is a copy: prompt lookup, free)
-        levels = max(depths(tree.parents), default=0) if tree.scores is not None else 0
+        # the levels a search drafted each cost a step (a tree with no scores is a copy: prompt lookup, free; a
+        # tree drafted ahead was paid for during the last round)
+        drafted_now = tree.scores is not None and (ready is None or not drafting)
+        levels = max(depths(tree.parents), default=0) if drafted_now else 0
         decision = None
         if policy is not None:
             self.spec = policy.round_spec() or self.spec
@@ -299,7 +334,11 @@ class Run:
             tree = tree.head(decision.nodes)
         self.check_heartbeat()
         received = verifier.counters.bytes_received
-        result = verifier.verify(tree, timeout_s=self.deadline(len(tree)), spec=self.spec)
+        if self.pipeline and drafting:
+            result = self.pipelined(tree)
+        else:
+            result = verifier.verify(tree, timeout_s=self.deadline(len(tree)), spec=self.spec)
+            drafter.absorb(result.new_tokens, result.features)
         compute = max(result.compute_s, 0.0)
         self.verify_s = max(compute, 0.8 * self.verify_s + 0.2 * compute)  # up at once, down slowly
         self.reply_bytes = 0.8 * self.reply_bytes + 0.2 * (verifier.counters.bytes_received - received)
@@ -308,12 +347,54 @@ class Run:
         stats.rounds += 1
         stats.tree_nodes.append(len(tree))
         self.gained += len(result.new_tokens)
-        drafter.absorb(result.new_tokens, result.features)
         self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
         if policy is not None:
             policy.loaded(result.load)
             policy.rounded(decision, tree, len(result.accepted), len(result.new_tokens), result.compute_s, draft_s,
                            levels, time.perf_counter() - t0, drafting)  # fmt: skip
+
+    def pipelined(self, tree: DraftTree) -> Verdict:
+        """Verify ``tree`` while drafting ahead of its verdict; the drafter ends having absorbed the verdict, and
+        ``self.ready`` holds the next tree when the guess held."""
+        drafter, stats = self.drafter, self.stats
+        deadline = self.deadline(len(tree))
+        flight = self.flights.submit(self.verifier.verify, tree, timeout_s=deadline, spec=self.spec)
+        t0 = time.perf_counter()
+        path = [tree.tokens[i] for i in tree.chain_of_firsts()]  # the likeliest outcome: its path, then a bonus
+        drafter.assume(path)
+        depth = self.depth()  # one level more: the first holds the guesses for the bonus
+        ahead = drafter.propose(max(1, round(AHEAD_NODES * self.budget())), None if depth is None else depth + 1)
+        drafter.discard()  # verified, if at all, as the next round's tree
+        ahead_s = time.perf_counter() - t0
+        stats.ahead_s += ahead_s
+        stats.guesses += 1
+        try:
+            result = flight.result(timeout=(deadline or UNBOUNDED_FLIGHT_S) + FLIGHT_GRACE_S)
+        except FutureTimeout:
+            drafter.rewind(len(path))
+            raise LinkDown(f"server {self.verifier.address}: a Verify unanswered past its bound") from None
+        except BaseException:
+            drafter.rewind(len(path))
+            raise
+        bonus = result.new_tokens[-1]
+        first = next((i for i, (t, p) in enumerate(zip(ahead.tokens, ahead.parents, strict=True))
+                      if p == -1 and t == bonus), None)  # fmt: skip
+        taken = result.new_tokens[:-1] == path
+        ready = ahead.subtree(first) if taken and first is not None else None
+        if self.policy is not None:
+            self.policy.ahead(taken, bool(ready), ahead_s)
+        if ready:  # (an empty one is no guess: the drafter stopped at the bonus's level, unsure of it)
+            drafter.absorb([bonus], result.features)  # the target's features replace the stand-ins
+            self.ready = ready
+            stats.guesses_held += 1
+        else:
+            drafter.rewind(len(path))
+            drafter.absorb(result.new_tokens, result.features)
+        return result
+
+    def depth(self) -> int | None:
+        """How deep the next tree is drafted (None: the drafter's own depth)."""
+        return self.policy.depth if self.policy is not None else None
 
     def budget(self) -> int:
         """The most tree nodes a round may send now."""

@@ -181,9 +181,7 @@ def _catch_up(run: Bridged) -> None:
         return  # the settlement fetches them
     tokens = (run.prompt_ids + run.out)[start + 1 : end + 1]
     run.drafter.rewind(len(tokens))
-    for token in tokens:
-        run.drafter.propose(1, 1)
-        run.drafter.absorb([token])
+    run.drafter.assume(tokens)
 
 
 def _keeping(run: Bridged, began: float) -> bool:
@@ -216,8 +214,7 @@ def _generate_locally(run: Bridged, reconnector: Reconnector, began: float) -> N
                 reconnector.up.wait(0.05)
                 continue
             if writer is not run.drafter:
-                run.drafter.propose(1, 1)  # the drafter stands in its own features for the target's, as offline
-                run.drafter.absorb([token])
+                run.drafter.assume([token])
             survival *= 1.0 if p is None else calibration * p
             run.stats.local_tokens += 1
             run.commit(run.out + [token], run.verified + [False])

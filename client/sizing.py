@@ -11,7 +11,12 @@ A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate
 * ``verify(n)`` — the server reports its compute time per call; running averages per size, interpolated
   between sizes and extended by a least-squares line, predict it for any n (``CostCurve``).
 * ``RTT``, rates — the link monitor (``client.link``).
-* ``draft`` — measured per depth step. This round's drafting is spent when its tree is cut, but the next
+* ``draft`` — measured per depth step; with pipelined rounds (``client.decode``) only the part not hidden behind
+  the wire: a round whose likeliest path is accepted (the drafter's own probability of it, calibrated) and whose
+  bonus it guessed (``hit``, measured) finds its next tree drafted during the flight, so drafting costs only what
+  drafting ahead (``ahead_s``, measured) takes past the wire; the others draft as ever. A cut that ends the tree's
+  likeliest path deeper is worth more tokens but holds less often. This round's drafting is spent when its tree is
+  cut, but the next
   tree's depth is a choice: the cut that would be best had each level cost its step (the deepest level it keeps,
   one more if it keeps every level drafted). A draft step that costs a good share of a target step (a whole model
   drafting) then stops at the depth where one more level costs more time than its tokens save.
@@ -91,6 +96,9 @@ class Sizing:
     # the drafter drafted the round before (so it has fed every token but that round's): a drafted round's time is
     # then its levels'; after plain rounds, a stream or a copied draft it also feeds every token it missed
     current: bool = False
+    pipelined: bool = False  # the loop drafts the next tree while a Verify is in flight
+    hit: float = 0.8  # of the rounds whose likeliest path was accepted, the share whose bonus was among the guesses
+    ahead_s: float | None = None  # drafting ahead, a round (running average)
 
     def __post_init__(self) -> None:
         self.depth = self.depth or self.pin_depth or min(self.max_depth, START_DEPTH)
@@ -122,6 +130,16 @@ class Sizing:
             return load.step_s + (nodes + 1) * load.node_s
         return self.token_s or UNMEASURED_STEP_S
 
+    def exposed_s(self, draft_s: float, path_score: float, wire_s: float) -> float:
+        """What drafting ``draft_s`` a round adds to it: all of it, or when pipelined, only where the guess fails
+        (its likeliest path of log-probability ``path_score`` not taken, or the bonus not guessed) plus any drafting
+        ahead that outlasts the wire (``wire_s``)."""
+        if not self.pipelined:
+            return draft_s
+        held = min(1.0, self.calibration * math.exp(path_score)) * self.hit
+        late = max(0.0, (draft_s if self.ahead_s is None else self.ahead_s) - wire_s)
+        return (1 - held) * draft_s + held * late
+
     def payload_per_token(self, spec: PayloadSpec) -> float:
         """Raw payload bytes per token in ``spec`` (0: unsized)."""
         return self.raw_bytes_per_token(spec) if self.raw_bytes_per_token and spec else 0.0
@@ -146,16 +164,21 @@ class Sizing:
         drafted = max(levels)
         best, best_rate, best_gain, cumulative = 0, 0.0, 1.0, 0.0
         deep, deepest, deepest_rate = 0, 0, 0.0  # the levels a cut keeps; the best cut had each level cost its step
+        leaf, path = -1, 0.0  # the end of the cut's likeliest path (each node's first child) and its log-probability
         for n in range(0, len(tree) + 1):
             if n:
                 cumulative += math.exp(tree.scores[n - 1])
                 deep = max(deep, levels[n - 1])
+                if tree.parents[n - 1] == leaf:
+                    leaf, path = n - 1, tree.scores[n - 1]
             gain = 1.0 + self.calibration * cumulative
             wire = self.round_s(n, gain * payload, draft_levels=0)
-            rate = gain / (wire + step * drafted) if wire + step * drafted > 0 else gain
+            cost = wire + self.exposed_s(step * drafted, path, wire)
+            rate = gain / cost if cost > 0 else gain
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate, best_gain = n, rate, gain
-            rate = gain / (wire + step * deep) if wire + step * deep > 0 else gain
+            cost = wire + self.exposed_s(step * deep, path, wire)
+            rate = gain / cost if cost > 0 else gain
             if rate > deepest_rate * (1 + 1e-9):
                 deepest, deepest_rate = deep, rate
         depth = deepest + 1 if deepest >= drafted else deepest  # every level drafted pays: try one more
@@ -219,6 +242,13 @@ class Sizing:
             if predicted > 0.05:
                 ratio = min(3.0, max(0.2, accepted / predicted))
                 self.calibration = (1 - GAIN) * self.calibration + GAIN * ratio
+
+    def ahead(self, path_taken: bool, held: bool, seconds: float) -> None:
+        """A pipelined round: its likeliest path was accepted (``path_taken``), its next tree was ready (``held``),
+        drafting ahead took ``seconds``."""
+        if path_taken:
+            self.hit = (1 - GAIN) * self.hit + GAIN * float(held)
+        self.ahead_s = seconds if self.ahead_s is None else (1 - GAIN) * self.ahead_s + GAIN * seconds
 
     def streamed(self, tokens: int, compute_s: float) -> None:
         """A stretch of a stream: ``tokens`` decoded by the server in ``compute_s`` of its compute (its pace)."""

@@ -32,6 +32,29 @@ class DraftTree:
         """The first ``k`` nodes: itself a tree when nodes come parents first (EAGLE-2's rank order)."""
         return DraftTree(self.tokens[:k], self.parents[:k], None if self.scores is None else self.scores[:k])
 
+    def subtree(self, node: int) -> DraftTree:
+        """The nodes under ``node`` as a tree rooted at it (its children hang from the root), in the same order, scores
+        counted from it: the tree a drafter would have drafted had ``node`` been committed (rank order kept)."""
+        index, tokens, parents, scores = {node: ROOT}, [], [], []
+        for i in range(node + 1, len(self.tokens)):
+            if self.parents[i] in index:
+                index[i] = len(tokens)
+                tokens.append(self.tokens[i])
+                parents.append(index[self.parents[i]])
+                if self.scores is not None:
+                    scores.append(self.scores[i] - self.scores[node])
+        return DraftTree(tokens, parents, None if self.scores is None else scores)
+
+    def chain_of_firsts(self) -> list[int]:
+        """From the root down, each node's first child (in rank order its likeliest): the path a confident target
+        takes, node indices, ending at a leaf."""
+        path, at = [], ROOT
+        for i, parent in enumerate(self.parents):
+            if parent == at:
+                path.append(i)
+                at = i
+        return path
+
     @classmethod
     def chain(cls, tokens: list[int]) -> DraftTree:
         """A linear draft: each token is the child of the one before."""

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from client.adaptive import AdaptivePolicy
-from client.costs import LineFit
+from client.costs import GAIN, LineFit
 from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase, Schedule
 from client.sizing import EXPLORE, Decision, Sizing
 from shared.payload import PayloadSpec
@@ -113,6 +113,30 @@ def test_the_next_depth_is_the_cut_that_pays_for_its_drafting():
     dear.sizing.draft_step_s, cheap.sizing.draft_step_s = 0.03, 0.001
     cut(dear, TREE), cut(cheap, TREE)
     assert dear.depth < cheap.depth
+
+
+def test_pipelined_drafting_costs_only_where_the_guess_fails():
+    """Pipelined rounds hide a held guess's drafting behind the wire: a dear draft step sends as much of the tree as a
+    free one would where the drafter is sure of its path, and the exposed drafting grows as the path's chance falls."""
+    def sizing(pipelined: bool, step: float) -> AdaptivePolicy:
+        policy = trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003)
+        policy.sizing.draft_step_s, policy.sizing.ahead_s = step, 5 * step
+        policy.pipelines(pipelined)
+        policy.sizing.hit = 1.0
+        return policy
+
+    sure = ranked_tree([0.999 ** k for k in range(1, 17)])
+    free, dear, piped = sizing(False, 0.0), sizing(False, 0.02), sizing(True, 0.02)
+    assert dear.size(sure).nodes <= piped.size(sure).nodes == free.size(sure).nodes
+    assert piped.size(sure).expected_round_s < dear.size(sure).expected_round_s
+    s = piped.sizing
+    assert s.exposed_s(0.1, math.log(0.99), 0.2) < s.exposed_s(0.1, math.log(0.5), 0.2) < s.exposed_s(0.1, -9, 0.2)
+    assert s.exposed_s(0.1, 0.0, 0.02) == pytest.approx(0.1 - 0.02)  # a sure guess: only what ahead (0.1) outlasts
+    assert dear.sizing.exposed_s(0.1, 0.0, 0.2) == 0.1  # not pipelined: all of it
+    piped.ahead(path_taken=True, held=False, seconds=0.1)
+    assert piped.sizing.hit < 1.0
+    piped.ahead(path_taken=False, held=False, seconds=0.1)  # a path not taken says nothing of the bonus guesses
+    assert piped.sizing.hit == pytest.approx(1.0 - GAIN)
 
 
 def test_exploration_rounds_vary_the_size_then_pins_hold():

@@ -54,6 +54,14 @@ class Drafter(ABC):
     def rewind(self, n: int) -> None:
         """Forget the last ``n`` committed tokens (reconciliation after a divergence)."""
 
+    def assume(self, tokens: list[int]) -> None:
+        """Take ``tokens`` as committed before the target has seen them (a cut, or drafting ahead of a verdict):
+        a drafter fed by the target's features stands in its own — a drafting step a token, as when it writes
+        alone — until ``absorb`` brings the target's for them (or ``rewind`` takes the tokens back)."""
+        for token in tokens:
+            self.propose(1, 1)
+            self.absorb([token])
+
     def discard(self) -> None:
         """The last proposal will not be verified (a rehearsal during a stream): the tokens absorbed next are not
         its verdict. Only a drafter that learns from its verdicts needs to forget it."""

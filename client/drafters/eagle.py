@@ -100,6 +100,8 @@ class EagleDrafter(TreeDrafter):
         hidden = features.hidden.to(self._device, self._dtype)
         self.known = torch.cat([self.known[: self.cached], hidden])
         self.cached = features.start + hidden.shape[0]
+        # positions fed on stand-ins (``assume``) are fed again on the target's features: position p reads f_{p-1}
+        self.fed = min(self.fed, features.start + 1)
 
     def rewind(self, n: int) -> None:
         if n > 0:

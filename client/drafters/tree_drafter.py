@@ -93,6 +93,9 @@ class TokenCache:
     def absorb(self, tokens: list[int], features=None) -> None:
         self.tokens += tokens  # the target's features are of no use here
 
+    def assume(self, tokens: list[int]) -> None:
+        self.absorb(tokens)  # tokens are all it reads: nothing to stand in for
+
     def rewind(self, n: int) -> None:
         if n > 0:
             self.tokens = self.tokens[:-n]

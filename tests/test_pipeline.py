@@ -1,0 +1,143 @@
+"""Pipelined rounds: drafting the next tree while a Verify is in flight changes no token, for any drafter.
+
+A verifier whose Verify takes a little while (an injected delay, standing in for the link) is verified in a worker
+thread while the drafter drafts ahead; nothing here bounds wall-clock time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from client.decode import Resilience, generate
+from client.drafters import make_drafter
+from client.drafters.base import NoDrafter
+from client.drafters.eagle import EagleDrafter
+from client.drafters.independent import IndependentDrafter
+from client.drafters.moa import MoADrafter
+from client.drafters.model import ModelDrafter
+from client.failures import LinkDown
+from client.offline import Backoff
+from client.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
+from shared.models import load_target
+from shared.tree import DraftTree
+from tests.test_eagle_independent import make_model
+from tests.test_moa import make_moa
+
+PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
+NEW = 40
+DELAY_S = 0.002  # each Verify's "link": long enough that the drafter drafts while it waits
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW).token_ids
+
+
+@pytest.fixture(scope="module")
+def twin(tiny_model_dir):
+    """The tiny target loaded a second time, to draft for the first: a drafter that is always right."""
+    return load_target(str(tiny_model_dir))
+
+
+def slow(verifier: LocalVerifier) -> LocalVerifier:
+    verify = verifier.verify
+
+    def delayed(tree, **kw):
+        time.sleep(DELAY_S)
+        return verify(tree, **kw)
+
+    verifier.verify = delayed
+    return verifier
+
+
+def drafter(tiny_target, twin, kind: str):
+    if kind == "model":
+        return ModelDrafter(twin, width=2, depth=4, vocab=None, floor=0.0)  # (a random model is never sure)
+    if kind.startswith("moa"):
+        return MoADrafter(make_moa(tiny_target, int(kind[-1])), width=3, depth=3)
+    if kind in ("eagle", "independent"):
+        cls = EagleDrafter if kind == "eagle" else IndependentDrafter
+        return cls(make_model(tiny_target, kind), width=3, depth=3)
+    return make_drafter(kind)
+
+
+KINDS = ["model", "prompt-lookup", "moa-tli0", "moa-tli1", "eagle", "independent", "none"]
+
+
+def test_subtree_and_chain_of_firsts():
+    # root -> 10 (0) -> 11 (2) -> 13 (4); root -> 20 (1) -> 21 (3)
+    tree = DraftTree([10, 20, 11, 21, 13], [-1, -1, 0, 1, 2], [-0.1, -1.0, -0.3, -1.5, -0.6])
+    assert tree.chain_of_firsts() == [0, 2, 4]
+    sub = tree.subtree(0)
+    assert (sub.tokens, sub.parents) == ([11, 13], [-1, 0])
+    assert sub.scores == pytest.approx([-0.2, -0.5])
+    assert tree.subtree(1).tokens == [21] and tree.subtree(4).tokens == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pipelined_rounds_give_the_plain_tokens(tiny_target, twin, plain, kind):
+    d = drafter(tiny_target, twin, kind)
+    gen = generate(slow(LocalVerifier(tiny_target)), d, PROMPT, NEW, max_tree_nodes=8, pipeline=True)
+    assert gen.token_ids == plain
+    s = gen.stats
+    assert s.guesses == s.rounds and 0 <= s.guesses_held <= s.guesses
+    if kind == "model":  # always right: every verdict is the path guessed and a bonus guessed
+        assert s.guesses_held >= s.rounds - 1 and s.acceptance_length > 3
+
+
+def test_a_held_guess_sends_the_tree_drafted_ahead(tiny_target, twin, plain):
+    """With an always-right drafter, every round after the first sends a tree drafted during the round before:
+    drafting time is spent ahead, almost none between rounds."""
+    gen = generate(slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
+                   max_tree_nodes=8, pipeline=True)  # fmt: skip
+    unpiped = generate(slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
+                       max_tree_nodes=8, pipeline=False)  # fmt: skip
+    assert gen.token_ids == unpiped.token_ids == plain
+    assert gen.stats.ahead_s > 0 and unpiped.stats.ahead_s == 0 and unpiped.stats.guesses == 0
+    assert gen.stats.rounds == unpiped.stats.rounds  # the same trees, only drafted earlier
+
+
+@pytest.mark.parametrize("kind", ["moa-tli1", "eagle", "model"])
+def test_a_cut_with_a_tree_in_flight_ends_as_plain(tiny_target, twin, plain, kind):
+    """The Verify in flight fails for the link while the drafter is ahead of it: the guess is taken back, local
+    generation and the settlement go on as without pipelining."""
+    verifier, calls, back = slow(LocalVerifier(tiny_target)), [], threading.Event()
+    verify = verifier.verify
+
+    def cut_on_the_fourth(tree, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise LinkDown("cut by the test")
+        return verify(tree, **kw)
+
+    def seen(tokens, verified):
+        if verified.count(False) >= 5:
+            back.set()
+
+    verifier.verify = cut_on_the_fourth
+    verifier.reachable = lambda timeout_s=1.0: back.is_set()
+    resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, local_cap=0.0,
+                            heartbeat=False)  # fmt: skip
+    gen = generate(verifier, drafter(tiny_target, twin, kind), PROMPT, NEW, max_tree_nodes=8, pipeline=True,
+                   resilience=resilience, on_update=seen)  # fmt: skip
+    assert gen.token_ids == plain and all(gen.verified)
+    assert gen.stats.disconnects == 1 and gen.stats.local_tokens >= 5
+
+
+@pytest.mark.parametrize("kind", ["moa-tli1", "model"])
+def test_over_grpc_pipelining_is_the_default_and_changes_no_token(tiny_target, tiny_server, twin, plain, kind):
+    from client.adaptive import AdaptivePolicy
+
+    d = drafter(tiny_target, twin, kind)
+    verifier = RemoteVerifier(tiny_server[0], drafter=d)
+    try:
+        policy = AdaptivePolicy.for_run(verifier, d.payload_specs(), mode="draft")
+        gen = generate(verifier, d, PROMPT, NEW, policy=policy)
+    finally:
+        verifier.shutdown()
+    assert gen.token_ids == plain
+    assert gen.stats.guesses > 0
