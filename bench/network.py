@@ -18,6 +18,8 @@ generates greedily, interleaved and rotated as in ``bench.single``:
                      itself (server-side continuation) and drafting is tried between them, kept where it is faster
 * ``<drafter>-stream`` ``--mode stream``: the server decodes everything after the prompt, streaming payloads the
                      drafter absorbs (what it costs over the API: the payloads; what it buys: local generation on a cut)
+* ``<method>-serial`` the method without pipelined rounds: the client waits for each verdict before drafting the
+                     next tree (every method over a link is pipelined by default, ``client.decode``)
 * ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no local generation to fall back
                      on): every other method survives link drops as ``splitspec generate`` does by default,
                      so ``X`` beside ``X-fail`` is what that costs on a healthy link
@@ -25,7 +27,8 @@ generates greedily, interleaved and rotated as in ``bench.single``:
 ``plain-local`` — plain decoding with the target in this process on the whole machine — is the
 single-device reference ("recovers single-device speed"). Per run: tokens/s, τ, server calls per 100
 tokens, server compute seconds per token, bytes per token up and down, payload bytes per token, time to
-first token, and whether the ids equal the API's (the target's greedy).
+first token, the share of pipelined rounds whose guess held, how busy each side was (the client drafting, the
+server computing, as shares of the wall time), and whether the ids equal the API's (the target's greedy).
 
 Run:  .venv/bin/python -m bench.network [--profiles none,5g,4g,lte,3g] [--limit K] [--methods a,b]
 Writes network.json, network.md and network.png under --out (default bench/results).
@@ -85,6 +88,9 @@ class Run:
     ttft_s: float
     payload: str
     streamed_tokens: int = 0
+    guesses: int = 0  # pipelined rounds that drafted ahead
+    guesses_held: int = 0  # of which the next tree was ready when the verdict came
+    client_busy_s: float = 0.0  # drafting, ahead or not
     matches_reference: bool | None = None
     first_difference: int | None = None
 
@@ -96,8 +102,11 @@ class Method:
         self.name, self.target = name, target
         self.drafter, self.nodes = None, STATIC_TREE[2]
         self.resilience = Resilience("fail", heartbeat=False) if name.endswith("-fail") else Resilience()
-        self.mode = next((mode for suffix, mode in MODES.items() if name.removesuffix("-fail").endswith(suffix)), None)
-        base = name.removesuffix("-fail").removesuffix("-paper")
+        stem = name.removesuffix("-fail")
+        self.pipeline = not stem.endswith("-serial")
+        stem = stem.removesuffix("-serial")
+        self.mode = next((mode for suffix, mode in MODES.items() if stem.endswith(suffix)), None)
+        base = stem.removesuffix("-paper")
         base = next((base.removesuffix(suffix) for suffix in MODES if base.endswith(suffix)), base)
         if name != "api":
             tree = PAPER_TREE if "-paper" in name else STATIC_TREE
@@ -118,8 +127,8 @@ class Method:
         # a fresh policy per generation: what it learns is this generation's
         policy = AdaptivePolicy.for_run(self.verifier, self.specs, mode=self.mode) if self.mode else None
         return generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=self.nodes,
-                        policy=policy, resilience=self.resilience,
-                        spec=self.specs[0] if self.specs else None)  # fmt: skip
+                        policy=policy, resilience=self.resilience, spec=self.specs[0] if self.specs else None,
+                        pipeline=self.pipeline)  # fmt: skip
 
     def close(self) -> None:
         self.verifier.shutdown()
@@ -150,7 +159,8 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                     round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, s.server_calls,
                     round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
                     s.prefill_payload_bytes, round(s.ttft_s, 4),
-                    f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens,
+                    f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens, s.guesses,
+                    s.guesses_held, round(s.draft_s + s.ahead_s, 4),
                 )  # fmt: skip
                 runs.append(run)
                 done[m.name] = (run, gen.token_ids)
@@ -200,6 +210,10 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
                 "prefill_payload_bytes": median([r.prefill_payload_bytes for r in mine]),
                 "median_ttft_s": median([r.ttft_s for r in mine]),
                 "streamed_share": round(sum(r.streamed_tokens for r in mine) / sum(tokens), 3),
+                "held_share": round(sum(r.guesses_held for r in mine) / sum(r.guesses for r in mine), 3)
+                if any(r.guesses for r in mine) else None,
+                "client_busy": median([r.client_busy_s / r.wall_s for r in mine if r.wall_s > 0]),
+                "server_busy": median([r.server_compute_s / r.wall_s for r in mine if r.wall_s > 0]),
                 "mismatches": sum(r.matches_reference is False for r in mine),
             }
     return out
@@ -256,8 +270,8 @@ def markdown_against_api(compared: dict[str, dict[str, dict[str, dict]]]) -> str
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     lines = [
         "| profile | method | tok/s | τ | calls/100 tok | server ms/tok | B/tok up | B/tok down | payload B/tok "
-        "| prefill payload KB | TTFT s | streamed | ≠ api |",
-        "|---|---|" + "---:|" * 11,
+        "| prefill payload KB | TTFT s | streamed | guess held | client busy | server busy | ≠ api |",
+        "|---|---|" + "---:|" * 14,
     ]
     for profile, methods in summary.items():
         for m, s in methods.items():
@@ -268,6 +282,9 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
                 cell(s["bytes_down_per_token"], ".0f"), cell(s["payload_bytes_per_token"], ".0f"),
                 cell(None if s["prefill_payload_bytes"] is None else s["prefill_payload_bytes"] / 1024, ".0f"),
                 cell(s["median_ttft_s"], ".2f"), f"{s['streamed_share']:.0%}" if s["streamed_share"] else "–",
+                "–" if s.get("held_share") is None else f"{s['held_share']:.0%}",
+                "–" if s.get("client_busy") is None else f"{s['client_busy']:.0%}",
+                "–" if s.get("server_busy") is None else f"{s['server_busy']:.0%}",
                 "–" if m in (REFERENCE, "plain-local") else str(s["mismatches"]),
             ]  # fmt: skip
             lines.append(f"| {profile} | {m} | " + " | ".join(cells) + " |")
