@@ -115,17 +115,21 @@ class Schedule:
 
     def rehearsed_rate(self) -> float | None:
         """Tokens/s drafting would reach by the rehearsals: for each tree size n, 1 + the nodes their ranked first n
-        would have had accepted, over a round's predicted time (its drafting, a round trip, the server's verification
-        of n nodes, the transfers); the best n. None until there are MIN_REHEARSALS."""
+        would have had accepted, over a round's predicted time (its drafting — pipelined, what the rehearsals' paths
+        say a guess would have hidden of it —, a round trip, the server's verification of n nodes, the transfers);
+        the best n. None until there are MIN_REHEARSALS."""
         if len(self.rehearsals) < MIN_REHEARSALS:
             return None
         costs = self.costs
-        largest = max(1, max(nodes for nodes, _, _ in self.rehearsals))
-        draft_s = statistics.median(seconds for _, _, seconds in self.rehearsals)  # (the first may catch up a prompt)
+        largest = max(1, max(nodes for nodes, _, _, _ in self.rehearsals))
+        draft_s = statistics.median(r[2] for r in self.rehearsals)  # (the first may catch up a prompt)
         rtt, best = costs.transfer_s(0, 0)[0], 0.0
         for n in range(1, largest + 1):  # a path's nodes come in rank order: those below n are what head(n) keeps
-            gain = 1 + sum(sum(i < n for i in path) for _, path, _ in self.rehearsals) / len(self.rehearsals)
-            seconds = draft_s + rtt + costs.verify_s(n) + costs.transfer_s(verify_request_bytes(n), 0)[1]
+            gain = 1 + sum(sum(i < n for i in path) for _, path, _, _ in self.rehearsals) / len(self.rehearsals)
+            taken = statistics.fmean(set(i for i in chain if i < n) <= set(path) for _, path, _, chain in
+                                     self.rehearsals)  # fmt: skip
+            wire = rtt + costs.verify_s(n) + costs.transfer_s(verify_request_bytes(n), 0)[1]
+            seconds = wire + costs.exposed_s(draft_s, taken, wire)
             best = max(best, gain / seconds)
         return best
 
@@ -141,7 +145,8 @@ class Schedule:
         if (rate := self.rehearsed_rate()) is not None:
             return rate < self.plain_seen
         gain = 1 + costs.depth if self.drafted_gain is None else min(1 + costs.depth, 2 * self.drafted_gain)
-        seconds = rtt + (costs.draft_step_s or 0.0) * costs.depth + costs.verify_fit(1, default=0.0)
+        wire = rtt + costs.verify_fit(1, default=0.0)
+        seconds = wire + costs.exposed_s((costs.draft_step_s or 0.0) * costs.depth, 1.0, wire)  # at best: all hidden
         return gain / seconds < self.plain_seen
 
     def spare_server(self) -> bool:
@@ -201,7 +206,7 @@ class Schedule:
 
     def rehearsed(self, tree: DraftTree, path: list[int], draft_s: float) -> None:
         """A rehearsal's outcome: ``path``, the nodes of ``tree`` the streamed tokens went through."""
-        self.rehearsals.append((len(tree), path, draft_s))
+        self.rehearsals.append((len(tree), path, draft_s, tree.chain_of_firsts()))
 
     def _skip_hopeless(self) -> None:
         """Mode auto, in a trial that could not pay (``hopeless``) and no busy server asks for drafting: stream on

@@ -130,13 +130,13 @@ class Sizing:
             return load.step_s + (nodes + 1) * load.node_s
         return self.token_s or UNMEASURED_STEP_S
 
-    def exposed_s(self, draft_s: float, path_score: float, wire_s: float) -> float:
+    def exposed_s(self, draft_s: float, taken: float, wire_s: float) -> float:
         """What drafting ``draft_s`` a round adds to it: all of it, or when pipelined, only where the guess fails
-        (its likeliest path of log-probability ``path_score`` not taken, or the bonus not guessed) plus any drafting
+        (the round's likeliest path, taken with probability ``taken``, or the bonus not guessed) plus any drafting
         ahead that outlasts the wire (``wire_s``)."""
         if not self.pipelined:
             return draft_s
-        held = min(1.0, self.calibration * math.exp(path_score)) * self.hit
+        held = min(1.0, taken) * self.hit
         late = max(0.0, (draft_s if self.ahead_s is None else self.ahead_s) - wire_s)
         return (1 - held) * draft_s + held * late
 
@@ -173,11 +173,12 @@ class Sizing:
                     leaf, path = n - 1, tree.scores[n - 1]
             gain = 1.0 + self.calibration * cumulative
             wire = self.round_s(n, gain * payload, draft_levels=0)
-            cost = wire + self.exposed_s(step * drafted, path, wire)
+            taken = self.calibration * math.exp(path)
+            cost = wire + self.exposed_s(step * drafted, taken, wire)
             rate = gain / cost if cost > 0 else gain
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate, best_gain = n, rate, gain
-            cost = wire + self.exposed_s(step * deep, path, wire)
+            cost = wire + self.exposed_s(step * deep, taken, wire)
             rate = gain / cost if cost > 0 else gain
             if rate > deepest_rate * (1 + 1e-9):
                 deepest, deepest_rate = deep, rate

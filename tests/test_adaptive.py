@@ -130,9 +130,9 @@ def test_pipelined_drafting_costs_only_where_the_guess_fails():
     assert dear.size(sure).nodes <= piped.size(sure).nodes == free.size(sure).nodes
     assert piped.size(sure).expected_round_s < dear.size(sure).expected_round_s
     s = piped.sizing
-    assert s.exposed_s(0.1, math.log(0.99), 0.2) < s.exposed_s(0.1, math.log(0.5), 0.2) < s.exposed_s(0.1, -9, 0.2)
-    assert s.exposed_s(0.1, 0.0, 0.02) == pytest.approx(0.1 - 0.02)  # a sure guess: only what ahead (0.1) outlasts
-    assert dear.sizing.exposed_s(0.1, 0.0, 0.2) == 0.1  # not pipelined: all of it
+    assert s.exposed_s(0.1, 0.99, 0.2) < s.exposed_s(0.1, 0.5, 0.2) < s.exposed_s(0.1, 1e-4, 0.2)
+    assert s.exposed_s(0.1, 1.0, 0.02) == pytest.approx(0.1 - 0.02)  # a sure guess: only what ahead (0.1) outlasts
+    assert dear.sizing.exposed_s(0.1, 1.0, 0.2) == 0.1  # not pipelined: all of it
     piped.ahead(path_taken=True, held=False, seconds=0.1)
     assert piped.sizing.hit < 1.0
     piped.ahead(path_taken=False, held=False, seconds=0.1)  # a path not taken says nothing of the bonus guesses

@@ -69,7 +69,7 @@ def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, se
         assert s.streamed_tokens == NEW and s.rounds == 0 and s.streams == 1 and s.server_calls == 2
     else:  # a random drafter's rehearsals during the stream say drafting would not pay: it is never tried
         assert s.streamed_tokens == NEW and s.rounds == 0 and len(policy.schedule.rehearsals) >= 3
-        assert all(path == [] for _, path, _ in policy.schedule.rehearsals)
+        assert all(path == [] for _, path, _, _ in policy.schedule.rehearsals)
 
 
 class Oracle(NoDrafter):
@@ -106,7 +106,7 @@ def test_auto_drafts_once_its_rehearsals_say_drafting_pays(tiny_target, server, 
     s = gen.stats
     assert gen.token_ids == plain and s.streamed_tokens >= PAUSE and s.rounds >= 1
     assert s.streamed_tokens + round(s.acceptance_length * s.rounds) >= NEW  # (the last round may overshoot)
-    assert all(len(path) == nodes for nodes, path, _ in policy.schedule.rehearsals)
+    assert all(len(path) == nodes for nodes, path, _, _ in policy.schedule.rehearsals)
 
 
 def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_target, server, plain):
