@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-cap", type=float, default=0.05, metavar="P",
                    help="while local tokens are to be verified, stop making more once the chance that all of them "
                         "survive falls below P (the drafter's own calibrated confidence; 0: never stop; default 0.05)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="wait for each verdict before drafting the next tree (default over a link: draft it while "
+                        "the last one is verified, guessing its outcome)")
     p.add_argument("--offline-drafter", metavar="MODEL",
                    help="when the link fails, have this model write the local tokens instead of --drafter (e.g. "
                         "qwen2.5-coder-0.5b beside moa-tli1: a whole model's text survives a long cut better than a "
@@ -301,7 +304,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
             resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, local_cap=args.local_cap,
                                   offline=offline_writer),
-            on_update=stream, spec=specs[0] if specs else None,
+            on_update=stream, spec=specs[0] if specs else None, pipeline=False if args.no_pipeline else None,
         )  # fmt: skip
         drafter_name = drafter.name
     if stream:
