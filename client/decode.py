@@ -46,12 +46,13 @@ from client.costs import verify_request_bytes
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
 from client.heartbeat import Heartbeat
+from client.sizing import likeliest_outcome
 from client.verifiers import NO_PAYLOAD, Verifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
 from shared.target import Verdict
-from shared.tree import DraftTree, depths
+from shared.tree import DraftTree, depths, path_to
 
 ON_RECONNECT = ("verify", "keep", "fail")
 MIN_DEADLINE_S = 0.1
@@ -360,7 +361,9 @@ class Run:
         deadline = self.deadline(len(tree))
         flight = self.flights.submit(self.verifier.verify, tree, timeout_s=deadline, spec=self.spec)
         t0 = time.perf_counter()
-        path = [tree.tokens[i] for i in tree.chain_of_firsts()]  # the likeliest outcome: its path, then a bonus
+        node, _ = likeliest_outcome(tree, self.policy.calibration if self.policy is not None else 1.0,
+                                    self.sampling.temperature == 0)
+        path = [tree.tokens[i] for i in path_to(tree.parents, node)] if node >= 0 else []
         drafter.assume(path)
         depth = self.depth()  # one level more: the first holds the guesses for the bonus
         ahead = drafter.propose(max(1, round(AHEAD_NODES * self.budget())), None if depth is None else depth + 1)

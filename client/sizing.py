@@ -55,6 +55,24 @@ STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's 
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
 
 
+def likeliest_outcome(tree: DraftTree, calibration: float = 1.0, greedy: bool = True) -> tuple[int, float]:
+    """The verdict to draft ahead for: (leaf, the chance its whole path is accepted by the drafter's calibrated
+    probabilities); (-1, 1.0) for an empty tree. Greedy, the end of the drafter's own first choices (each node's first
+    child, ``chain_of_firsts``): a greedy target takes a node only where it is its own first choice too, which a good
+    drafter's first choice is far more often than its probability says. Sampling, the leaf those probabilities reach
+    most likely. Only a leaf: after it any token may be the bonus, so the drafter's own first guesses there are worth
+    drafting from; a verdict that stops inside the tree has a bonus the tree lacked at that node, which the same
+    guesses would only repeat. A tree without probabilities (a copy) is one chain."""
+    if tree.scores is None or not tree.tokens:
+        return (tree.chain_of_firsts() or [-1])[-1], 1.0
+    if greedy:
+        leaf = tree.chain_of_firsts()[-1]
+    else:
+        parents = set(tree.parents)
+        leaf = max((i for i in range(len(tree)) if i not in parents), key=tree.scores.__getitem__)
+    return leaf, min(1.0, calibration * math.exp(tree.scores[leaf]))
+
+
 @dataclass
 class Decision:
     """What ``Sizing.size`` chose for a round: send the tree's first ``nodes`` nodes, expecting ``expected_gain``
@@ -132,8 +150,8 @@ class Sizing:
 
     def exposed_s(self, draft_s: float, taken: float, wire_s: float) -> float:
         """What drafting ``draft_s`` a round adds to it: all of it, or when pipelined, only where the guess fails
-        (the round's likeliest path, taken with probability ``taken``, or the bonus not guessed) plus any drafting
-        ahead that outlasts the wire (``wire_s``)."""
+        (the verdict drafted ahead for, ``likeliest_outcome``, has chance ``taken``; the bonus may be missed) plus
+        any drafting ahead that outlasts the wire (``wire_s``)."""
         if not self.pipelined:
             return draft_s
         held = min(1.0, taken) * self.hit
@@ -164,16 +182,13 @@ class Sizing:
         drafted = max(levels)
         best, best_rate, best_gain, cumulative = 0, 0.0, 1.0, 0.0
         deep, deepest, deepest_rate = 0, 0, 0.0  # the levels a cut keeps; the best cut had each level cost its step
-        leaf, path = -1, 0.0  # the end of the cut's likeliest path (each node's first child) and its log-probability
         for n in range(0, len(tree) + 1):
             if n:
                 cumulative += math.exp(tree.scores[n - 1])
                 deep = max(deep, levels[n - 1])
-                if tree.parents[n - 1] == leaf:
-                    leaf, path = n - 1, tree.scores[n - 1]
             gain = 1.0 + self.calibration * cumulative
             wire = self.round_s(n, gain * payload, draft_levels=0)
-            taken = self.calibration * math.exp(path)
+            taken = likeliest_outcome(tree.head(n), self.calibration)[1] if self.pipelined else 0.0
             cost = wire + self.exposed_s(step * drafted, taken, wire)
             rate = gain / cost if cost > 0 else gain
             if rate > best_rate * (1 + 1e-9):

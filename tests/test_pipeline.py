@@ -6,6 +6,7 @@ thread while the drafter drafts ahead; nothing here bounds wall-clock time.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -76,6 +77,19 @@ def test_subtree_and_chain_of_firsts():
     assert (sub.tokens, sub.parents) == ([11, 13], [-1, 0])
     assert sub.scores == pytest.approx([-0.2, -0.5])
     assert tree.subtree(1).tokens == [21] and tree.subtree(4).tokens == []
+
+
+def test_the_outcome_drafted_ahead_for_is_a_leaf():
+    """Greedy: the end of the drafter's first choices; sampling: the leaf its probabilities reach most likely."""
+    from client.sizing import likeliest_outcome
+
+    # root -> 10 (0, p .5) -> 11 (2, .5·.3) ; root -> 20 (1, .4, a leaf)
+    tree = DraftTree([10, 20, 11], [-1, -1, 0], [math.log(0.5), math.log(0.4), math.log(0.15)])
+    assert likeliest_outcome(tree) == (2, pytest.approx(0.15))
+    assert likeliest_outcome(tree, greedy=False) == (1, pytest.approx(0.4))
+    assert likeliest_outcome(tree, calibration=2.0, greedy=False)[1] == pytest.approx(0.8)
+    assert likeliest_outcome(DraftTree()) == (-1, 1.0)
+    assert likeliest_outcome(DraftTree.chain([3, 4, 5])) == (2, 1.0)  # a copy: its chain
 
 
 @pytest.mark.parametrize("kind", KINDS)
