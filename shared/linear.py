@@ -295,6 +295,31 @@ class Linear(nn.Linear):
         sub.kernel_build = self.kernel_build
         return sub
 
+    def float_rows(self, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        """The fp32 weight rows ``ids`` [len(ids), in]: the float weight's, or what this layer's 4- or 6-bit blocks
+        stand for (the tiles of 16 rows holding them unpacked, ``chunk`` tiles at a time) — the values its kernels
+        compute with, for a drafter that borrows a few thousand rows of a low-bit head. An int8 layer's packing
+        depends on its kernel build, and a fused one holds two formats: neither is unpacked here."""
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise ValueError(f"rows {int(ids.min())}..{int(ids.max())} of a layer of {self.out_features} outputs")
+        if self.weight is not None:
+            return self.weight.detach()[ids.to(self.weight.device)].float()
+        width = self.qweight.shape[-1] if self.qweight.dtype == torch.uint8 else None
+        unpack = {256: dequantize_int4, 256 + 32: dequantize_int4k, Q6_BYTES: dequantize_int6}.get(width)
+        if unpack is None or self.tail is not None:
+            raise ValueError(f"an {self.weights_kind()} layer of {tuple(self.qweight.shape)} packed values"
+                             f"{' and a tail' if self.tail is not None else ''} is not unpacked into float rows")
+        out = torch.empty(len(ids), self.in_features)
+        tiles = torch.unique(ids // 16)
+        for i in range(0, len(tiles), chunk):
+            some = tiles[i : i + chunk]
+            block = unpack(self.qweight[some.to(self.qweight.device)].cpu(), self.qscale[some.to(self.qscale.device)]
+                           .cpu())  # fmt: skip
+            inside = ((ids // 16 >= some[0]) & (ids // 16 <= some[-1])).nonzero().flatten()
+            out[inside] = block[torch.searchsorted(some, ids[inside] // 16) * 16 + ids[inside] % 16]
+        return out.to(self.qscale.device)
+
     def int8_biases(self) -> list[torch.Tensor | None]:
         """The fp32 bias of this layer's own rows, and of its tail's if it has one, as the kernels take them."""
         own = self.out_features - (0 if self.tail is None else self.tail.out_features)

@@ -185,6 +185,29 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
         floats.rows(torch.tensor([0]))
 
 
+@pytest.mark.parametrize("blocks", ["q4_1", "q4_k", "q6_k"])
+def test_float_rows_are_the_values_a_low_bit_layer_computes_with(blocks):
+    """``Linear.float_rows``: a drafter's head cut from a GGUF's low-bit head, as the float rows its blocks stand for
+    (the native model converted from the same file has the same values), a few tiles unpacked at a time."""
+    from shared.linear import Linear, dequantize_int4, dequantize_int4k, dequantize_int6
+
+    packed = {"q4_1": lambda: pack_int4(torch.randn(160, 256)), "q4_k": lambda: random_int4k(160, 256),
+              "q6_k": lambda: random_int6(160, 256)}[blocks]()  # fmt: skip
+    unpack = {"q4_1": dequantize_int4, "q4_k": dequantize_int4k, "q6_k": dequantize_int6}[blocks]
+    layer = Linear(256, 160, bias=False, device="meta")
+    layer.weight, (layer.qweight, layer.qscale), layer.kernel_build = None, packed, kernels.active()
+    whole = unpack(*packed)
+    ids = torch.tensor([5, 17, 159, 0, 64, 33, 34])
+    assert torch.equal(layer.float_rows(ids, chunk=2), whole[ids])
+    with pytest.raises(ValueError, match="rows 0..160 of a layer of 160"):
+        layer.float_rows(torch.tensor([0, 160]))
+    floats = Linear(96, 40)
+    assert torch.equal(floats.float_rows(torch.tensor([3, 1])), floats.weight.detach()[[3, 1]])
+    floats.quantize("int8")
+    with pytest.raises(ValueError, match="int8 layer .* is not unpacked"):
+        floats.float_rows(torch.tensor([0]))
+
+
 @pytest.mark.parametrize("pack", [pack_int8, pack_int4, pack_int4k, pack_int6])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
 def test_a_row_never_depends_on_the_rows_beside_it(op, pack):

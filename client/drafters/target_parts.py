@@ -69,15 +69,20 @@ class TargetParts(nn.Module):
         self.layers = nn.ModuleList(engine.layers[cfg.num_layers - tli :])
         self.vocab_ids: torch.Tensor | None = None
         self.head: Linear | None = None  # set by quantize_head
-        self.head_weight = engine.lm_head.weight
-        if self.head_weight is None:
-            raise ValueError("this target's LM head is int8 only (a GGUF served low-bit keeps no float copy of an "
-                             "untied head): a drafter borrowing the head needs the target served with native weights")
-        if vocab_ids is not None and len(vocab_ids):
-            self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=self.head_weight.device)
-            if int(self.vocab_ids.max()) >= self.head_weight.shape[0] or int(self.vocab_ids.min()) < 0:
-                raise ValueError(f"draft vocabulary ids must lie in [0, {self.head_weight.shape[0]})")
-            self.head_weight = nn.Parameter(self.head_weight[self.vocab_ids].detach().clone())
+        head = engine.lm_head
+        self.head_weight = head.weight
+        drafting = vocab_ids is not None and len(vocab_ids) > 0
+        if drafting:
+            self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=engine.norm.weight.device)
+            if int(self.vocab_ids.max()) >= head.out_features or int(self.vocab_ids.min()) < 0:
+                raise ValueError(f"draft vocabulary ids must lie in [0, {head.out_features})")
+            # a low-bit head (a GGUF served on the kernels keeps no float copy) gives the rows its blocks stand for
+            rows = head.float_rows(self.vocab_ids).to(engine.norm.weight.device, engine.norm.weight.dtype)
+            self.head_weight = nn.Parameter(rows)
+        elif self.head_weight is None:
+            raise ValueError("this target's LM head is low-bit only (served from a GGUF on the kernels, no float "
+                             "copy): a drafter borrowing all of it needs a draft vocabulary, or the target served "
+                             "with native weights")
         for p in self.parameters():
             p.requires_grad_(False)
 
