@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train bench-one-answer fuzz clean
+.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -50,23 +50,24 @@ proto: setup
 pair: setup
 	$(PY) -m shared.cli pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 
-# Plain decoding, prompt lookup and the 0.5B drafter on the 1.5B target, --local under the adaptive policy, greedy
-# and at T = 0.7; llama.cpp's plain and speculative decoding on the same GGUFs when LLAMA_BENCH / LLAMA_SPECULATIVE
-# name its binaries (`make llama-bench` builds both).
+# Plain decoding, prompt lookup, the 0.5B drafter and the 1.5B's own MoA and EAGLE on the 1.5B target, --local under
+# the adaptive policy, greedy and at T = 0.7 (with each tree drafter's step cost); llama.cpp's plain and speculative
+# decoding on the same GGUFs when LLAMA_BENCH / LLAMA_SPECULATIVE name its binaries (`make llama-bench` builds both).
+PAIR_DRAFTERS := none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup,moa-tli0,moa-tli1,eagle
 bench-pair: pair
-	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --out bench/results/pair
+	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters $(PAIR_DRAFTERS) --adaptive --limit 8 --out bench/results/pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --temperature 0.7 --llama-bench= --llama-speculative= --out bench/results/pair-sampled
 
 # The pair's other tables: split vs the API over each link, server capacity at 1/4/16 clients, the link cut for good
 # (HumanEval pass@1), quality of the served weights against the GGUF dequantised to fp32, training throughput.
 bench-pair-network: pair
-	$(PY) -m bench.network --model qwen2.5-coder-1.5b --profiles none,wifi,5g,4g,lte,3g --methods api,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup-auto --limit 4 --out bench/results/pair-network
+	$(PY) -m bench.network --model qwen2.5-coder-1.5b --profiles none,wifi,5g,4g,lte,3g --methods api,qwen2.5-coder-0.5b-adaptive,qwen2.5-coder-0.5b-adaptive-serial,moa-tli1-adaptive,moa-tli1-adaptive-serial,eagle-adaptive,qwen2.5-coder-0.5b+lookup-auto --limit 4 --out bench/results/pair-network
 
 bench-pair-serve: pair
 	$(PY) -m bench.serve --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --dataset humaneval --prompts 4 --clients 1,4,16 --modes batched,api,auto --max-new-tokens 64 --out bench/results/pair-serve
 
 bench-pair-disconnect: pair
-	$(PY) -m bench.disconnect --model qwen2.5-coder-1.5b --methods api,qwen2.5-coder-0.5b --cuts 0,50 --limit 40 --window 192 --profile 4g --out bench/results/pair-disconnect
+	$(PY) -m bench.disconnect --model qwen2.5-coder-1.5b --methods api,qwen2.5-coder-0.5b,moa-tli1,moa-tli1:qwen2.5-coder-0.5b --cuts 0,50 --limit 40 --window 192 --profile 4g --out bench/results/pair-disconnect
 
 bench-pair-quality: pair
 	$(PY) -m bench.quality --model qwen2.5-coder-1.5b --weights lowbit,int8,int4 --limit 3 --max-new-tokens 64 --conversations 6 --seq-len 256 --out bench/results/pair-quality
@@ -123,6 +124,10 @@ bench-single: setup
 	$(PY) -m bench.single
 
 # Defaults only, held-out prompts: every drafter, --local and through a server, gives plain decoding's tokens
+# Link cuts with a tree in flight (pipelined rounds): 100 generations, each cut once, every output exact
+bench-cuts: setup
+	$(PY) -m bench.cuts --runs 100 --out bench/results/cuts
+
 bench-one-answer: setup
 	$(PY) -m bench.one_answer --out bench/results/one-answer
 
