@@ -46,7 +46,7 @@ from client.costs import verify_request_bytes
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
 from client.heartbeat import Heartbeat
-from client.sizing import likeliest_outcome
+from client.sizing import outcomes
 from client.verifiers import NO_PAYLOAD, Verifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.errors import SplitspecError
@@ -63,6 +63,7 @@ UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has bee
 PAYLOAD_EVERY = 8
 OPEN_TRIES = 3  # a session lost as it opened (a replica died under it) is opened again, up to this many tries in all
 AHEAD_NODES = 1.5  # a tree drafted ahead holds this many times a round's budget: its likeliest root's subtree is sent
+HEDGES = 3  # outcomes a round drafts ahead for, the likeliest first, the others only while its verdict is not in
 FLIGHT_GRACE_S = 2.0  # a Verify in flight is bounded by the verifier itself; this wait outlasts that bound
 UNBOUNDED_FLIGHT_S = 300.0  # (no deadline: on_reconnect fail) the most a wait for a Verify in flight lasts
 
@@ -355,44 +356,44 @@ class Run:
                            levels, time.perf_counter() - t0, drafting)  # fmt: skip
 
     def pipelined(self, tree: DraftTree) -> Verdict:
-        """Verify ``tree`` while drafting ahead of its verdict; the drafter ends having absorbed the verdict, and
-        ``self.ready`` holds the next tree when the guess held."""
+        """Verify ``tree`` while drafting ahead of its verdict, for its likeliest outcomes in turn (the first always,
+        the next ones while the verdict is not in); the drafter ends having absorbed the verdict, and ``self.ready``
+        holds the next tree when one of the guesses held."""
         drafter, stats = self.drafter, self.stats
         deadline = self.deadline(len(tree))
         flight = self.flights.submit(self.verifier.verify, tree, timeout_s=deadline, spec=self.spec)
         t0 = time.perf_counter()
-        node, _ = likeliest_outcome(tree, self.policy.calibration if self.policy is not None else 1.0,
-                                    self.sampling.temperature == 0)
-        path = [tree.tokens[i] for i in path_to(tree.parents, node)] if node >= 0 else []
-        drafter.assume(path)
         depth = self.depth()  # one level more: the first holds the guesses for the bonus
-        ahead = drafter.propose(max(1, round(AHEAD_NODES * self.budget())), None if depth is None else depth + 1)
-        drafter.discard()  # verified, if at all, as the next round's tree
+        depth, size = None if depth is None else depth + 1, max(1, round(AHEAD_NODES * self.budget()))
+        aheads: list[tuple[list[int], DraftTree]] = []  # (a path guessed accepted, the tree drafted after it)
+        calibration = self.policy.calibration if self.policy is not None else 1.0
+        for leaf, _ in outcomes(tree, calibration, self.sampling.temperature == 0)[:HEDGES]:
+            if aheads and flight.done():
+                break
+            path = [tree.tokens[i] for i in path_to(tree.parents, leaf)] if leaf >= 0 else []
+            drafter.assume(path)
+            aheads.append((path, drafter.propose(size, depth)))
+            drafter.discard()  # verified, if at all, as the next round's tree
+            drafter.rewind(len(path))
         ahead_s = time.perf_counter() - t0
         stats.ahead_s += ahead_s
         stats.guesses += 1
         try:
             result = flight.result(timeout=(deadline or UNBOUNDED_FLIGHT_S) + FLIGHT_GRACE_S)
         except FutureTimeout:
-            drafter.rewind(len(path))
             raise LinkDown(f"server {self.verifier.address}: a Verify unanswered past its bound") from None
-        except BaseException:
-            drafter.rewind(len(path))
-            raise
-        bonus = result.new_tokens[-1]
-        first = next((i for i, (t, p) in enumerate(zip(ahead.tokens, ahead.parents, strict=True))
-                      if p == -1 and t == bonus), None)  # fmt: skip
-        taken = result.new_tokens[:-1] == path
-        ready = ahead.subtree(first) if taken and first is not None else None
+        drafter.absorb(result.new_tokens, result.features)
+        bonus, ready = result.new_tokens[-1], None
+        taken = next((ahead for path, ahead in aheads if result.new_tokens[:-1] == path), None)
+        if taken is not None:
+            first = next((i for i, (t, p) in enumerate(zip(taken.tokens, taken.parents, strict=True))
+                          if p == -1 and t == bonus), None)  # fmt: skip
+            ready = taken.subtree(first) if first is not None else None
         if self.policy is not None:
-            self.policy.ahead(taken, bool(ready), ahead_s)
+            self.policy.ahead(taken is not None, bool(ready), ahead_s)
         if ready:  # (an empty one is no guess: the drafter stopped at the bonus's level, unsure of it)
-            drafter.absorb([bonus], result.features)  # the target's features replace the stand-ins
             self.ready = ready
             stats.guesses_held += 1
-        else:
-            drafter.rewind(len(path))
-            drafter.absorb(result.new_tokens, result.features)
         return result
 
     def depth(self) -> int | None:

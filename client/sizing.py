@@ -55,22 +55,27 @@ STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's 
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
 
 
-def likeliest_outcome(tree: DraftTree, calibration: float = 1.0, greedy: bool = True) -> tuple[int, float]:
-    """The verdict to draft ahead for: (leaf, the chance its whole path is accepted by the drafter's calibrated
-    probabilities); (-1, 1.0) for an empty tree. Greedy, the end of the drafter's own first choices (each node's first
-    child, ``chain_of_firsts``): a greedy target takes a node only where it is its own first choice too, which a good
-    drafter's first choice is far more often than its probability says. Sampling, the leaf those probabilities reach
-    most likely. Only a leaf: after it any token may be the bonus, so the drafter's own first guesses there are worth
-    drafting from; a verdict that stops inside the tree has a bonus the tree lacked at that node, which the same
-    guesses would only repeat. A tree without probabilities (a copy) is one chain."""
+def outcomes(tree: DraftTree, calibration: float = 1.0, greedy: bool = True) -> list[tuple[int, float]]:
+    """The verdicts to draft ahead for, likeliest first: (leaf, the chance its whole path is accepted by the drafter's
+    calibrated probabilities); [(-1, 1.0)] for an empty tree. Greedy, the end of the drafter's own first choices
+    (each node's first child, ``chain_of_firsts``) comes first: a greedy target takes a node only where it is its own
+    first choice too, which a good drafter's first choice is far more often than its probability says; then the
+    other leaves by probability. Only leaves: after one any token may be the bonus, so the drafter's own first guesses
+    there are worth drafting from; a verdict that stops inside the tree has a bonus the tree lacked at that node,
+    which the same guesses would only repeat. A tree without probabilities (a copy) is one chain."""
     if tree.scores is None or not tree.tokens:
-        return (tree.chain_of_firsts() or [-1])[-1], 1.0
+        return [((tree.chain_of_firsts() or [-1])[-1], 1.0)]
+    parents = set(tree.parents)
+    leaves = sorted((i for i in range(len(tree)) if i not in parents), key=lambda i: -tree.scores[i])
     if greedy:
-        leaf = tree.chain_of_firsts()[-1]
-    else:
-        parents = set(tree.parents)
-        leaf = max((i for i in range(len(tree)) if i not in parents), key=tree.scores.__getitem__)
-    return leaf, min(1.0, calibration * math.exp(tree.scores[leaf]))
+        chain = tree.chain_of_firsts()[-1]
+        leaves = [chain] + [i for i in leaves if i != chain]
+    return [(i, min(1.0, calibration * math.exp(tree.scores[i]))) for i in leaves]
+
+
+def likeliest_outcome(tree: DraftTree, calibration: float = 1.0, greedy: bool = True) -> tuple[int, float]:
+    """The first of ``outcomes``."""
+    return outcomes(tree, calibration, greedy)[0]
 
 
 @dataclass
