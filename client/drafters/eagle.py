@@ -20,6 +20,7 @@ from client.drafters.target_parts import BlockShape, TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.features import Features
 from shared.layers import Block, KVCache
+from shared.linear import Linear
 from shared.tree import causal_from, causal_mask
 
 
@@ -39,7 +40,7 @@ class Eagle(nn.Module):
             raise ValueError(f"EAGLE predicts the target's final hidden state: it needs tli=0, got {parts.tli}")
         self.cfg = cfg
         E = cfg.hidden_size
-        self.fc = nn.Linear(2 * E, E)
+        self.fc = Linear(2 * E, E)  # (ours: int8 with the rest of a drafter's own layers, ``quantize_drafter``)
         self.block = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
         self.parts = parts
 

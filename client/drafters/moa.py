@@ -26,6 +26,7 @@ from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.features import Features, split_kv
 from shared.layers import Block, KVCache, RMSNorm
+from shared.linear import Linear
 from shared.lsa import LayerSelfAttention
 from shared.tree import causal_from, causal_mask
 
@@ -74,7 +75,7 @@ class MoA(LayerSelfAttention):
         self.sa = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
         self.ca = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps, source_dim=E)
         self.out_norm = RMSNorm(E, cfg.eps)
-        self.out = nn.Linear(E, E)
+        self.out = Linear(E, E)  # (ours: int8 with the rest of a drafter's own layers, ``quantize_drafter``)
         nn.init.normal_(self.null_memory, std=0.02)
         self.parts = parts
 
