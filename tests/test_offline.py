@@ -134,33 +134,40 @@ def test_offline_sampling_draws_from_the_drafters_top_level_reproducibly(tiny_ta
     assert draws <= set(first_level) and len(draws) >= 2
 
 
+def cut_until_local(verifier: LocalVerifier, call_no: int, local: int):
+    """``verifier`` with its ``call_no``-th Verify failing for the link, unreachable until the output holds ``local``
+    unverified tokens (told through the ``on_update`` returned with it): a cut of a set length, no clock involved."""
+    import threading
+
+    from client.failures import LinkDown
+
+    calls, back, verify = [], threading.Event(), verifier.verify
+
+    def cut(tree, **kw):
+        calls.append(1)
+        if len(calls) == call_no:
+            raise LinkDown("cut by the test")
+        return verify(tree, **kw)
+
+    def seen(tokens, verified):
+        if verified.count(False) >= local:
+            back.set()
+
+    verifier.verify = cut
+    verifier.reachable = lambda timeout_s=1.0: back.is_set()
+    return verifier, seen
+
+
 @pytest.mark.parametrize("writer", ["drafter", "model"])
 def test_another_drafter_may_write_the_local_tokens_and_the_answer_ends_as_plain(tiny_target, plain, writer):
     """``Resilience.offline``: a whole model writes the cut's tokens instead of the drafter (the 0.5B beside MoA on
     the pair). Here the model is the target itself, so every local token it writes is kept; the drafter follows its
     tokens, so the settlement and the rounds after go on as ever. The link is down until 10 local tokens exist."""
-    import threading
-
     from client.decode import Resilience
     from client.drafters.model import ModelDrafter
-    from client.failures import LinkDown
     from client.offline import Backoff
 
-    verifier, calls, back = LocalVerifier(tiny_target), [], threading.Event()
-    verify = verifier.verify
-
-    def cut_on_the_third(tree, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise LinkDown("cut by the test")
-        return verify(tree, **kw)
-
-    def seen(tokens, verified):
-        if verified.count(False) >= 10:
-            back.set()
-
-    verifier.verify = cut_on_the_third
-    verifier.reachable = lambda timeout_s=1.0: back.is_set()
+    verifier, seen = cut_until_local(LocalVerifier(tiny_target), 3, 10)
     offline = ModelDrafter(tiny_target, width=1, vocab=None) if writer == "model" else None
     resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, local_cap=0.0,
                             heartbeat=False, offline=offline)  # fmt: skip

@@ -7,7 +7,6 @@ thread while the drafter drafts ahead; nothing here bounds wall-clock time.
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import pytest
@@ -19,7 +18,6 @@ from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.model import ModelDrafter
-from client.failures import LinkDown
 from client.offline import Backoff
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
@@ -27,6 +25,7 @@ from shared.models import load_target
 from shared.tree import DraftTree
 from tests.test_eagle_independent import make_model
 from tests.test_moa import make_moa
+from tests.test_offline import cut_until_local
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
 NEW = 40
@@ -119,21 +118,7 @@ def test_a_held_guess_sends_the_tree_drafted_ahead(tiny_target, twin, plain):
 def test_a_cut_with_a_tree_in_flight_ends_as_plain(tiny_target, twin, plain, kind):
     """The Verify in flight fails for the link while the drafter is ahead of it: the guess is taken back, local
     generation and the settlement go on as without pipelining."""
-    verifier, calls, back = slow(LocalVerifier(tiny_target)), [], threading.Event()
-    verify = verifier.verify
-
-    def cut_on_the_fourth(tree, **kw):
-        calls.append(1)
-        if len(calls) == 4:
-            raise LinkDown("cut by the test")
-        return verify(tree, **kw)
-
-    def seen(tokens, verified):
-        if verified.count(False) >= 5:
-            back.set()
-
-    verifier.verify = cut_on_the_fourth
-    verifier.reachable = lambda timeout_s=1.0: back.is_set()
+    verifier, seen = cut_until_local(slow(LocalVerifier(tiny_target)), 4, 5)
     resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, local_cap=0.0,
                             heartbeat=False)  # fmt: skip
     gen = generate(verifier, drafter(tiny_target, twin, kind), PROMPT, NEW, max_tree_nodes=8, pipeline=True,
