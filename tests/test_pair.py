@@ -147,3 +147,30 @@ def test_its_own_drafters_generate_through_a_cut_and_settle_to_the_plain_tokens(
         drafter.absorb(result.new_tokens, result.features)
         out += result.new_tokens
     assert out[:NEW_TOKENS] == plain
+
+
+def test_the_edge_endpoint_drafts_with_its_own_moa(pair):
+    """`splitspec edge --model qwen2.5-coder-1.5b --drafter moa-tli1`: the OpenAI-compatible endpoint drafting with
+    the bundle trained for the 1.5B answers greedily as plain decoding does, and samples with a seed."""
+    import openai
+
+    from client.edge_pool import Edge
+    from tests.test_edge import serve
+
+    target, ids, plain = pair
+    own_drafter(target, "moa-tli1")  # skips where it is not shipped
+    with served(target, max_sessions=4) as (address, _):
+        edge = Edge(address, "moa-tli1", model=TARGET, mode="draft")
+        server, thread, url = serve(edge)
+        try:
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+            reply = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": PROMPT}],
+                                                   max_tokens=NEW_TOKENS, temperature=0)  # fmt: skip
+            assert reply.choices[0].message.content == target.tokenizer.decode(plain, skip_special_tokens=True)
+            assert reply.model_extra["splitspec"]["rounds"] >= 1
+            sampled = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": PROMPT}],
+                                                     max_tokens=16, temperature=0.7, seed=3)  # fmt: skip
+            assert sampled.usage.completion_tokens >= 1
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
