@@ -140,3 +140,25 @@ def test_over_grpc_pipelining_is_the_default_and_changes_no_token(tiny_target, t
         verifier.shutdown()
     assert gen.token_ids == plain
     assert gen.stats.guesses > 0
+
+
+def test_sampled_pipelined_generations_follow_the_targets_distribution(tiny_target, twin):
+    """Sampling: which tree the server verifies (drafted ahead or not) changes no distribution. Many seeded 4-token
+    continuations, pipelined (an always-right drafter at a low temperature: a fifth of its trees drafted ahead) and
+    not, compared by a two-sample chi-square over the continuations seen often enough."""
+    from collections import Counter
+
+    from shared.acceptance import SamplingParams
+    from tests.test_acceptance import chi2_critical
+
+    def continuations(pipeline: bool, seeds: range) -> Counter:
+        d = drafter(tiny_target, twin, "model")
+        return Counter(tuple(generate(LocalVerifier(tiny_target), d, PROMPT, 4, SamplingParams(temperature=0.1, seed=s),
+                                      max_tree_nodes=8, pipeline=pipeline).token_ids) for s in seeds)  # fmt: skip
+
+    piped, serial = continuations(True, range(300)), continuations(False, range(1000, 1300))
+    common = [c for c in set(piped) | set(serial) if piped[c] + serial[c] >= 10]
+    rest = (sum(piped.values()) - sum(piped[c] for c in common), sum(serial.values()) - sum(serial[c] for c in common))
+    pairs = [(piped[c], serial[c]) for c in common] + [rest]
+    stat = sum((a - b) ** 2 / (a + b) for a, b in pairs if a + b)
+    assert len(pairs) >= 3 and stat < chi2_critical(len(pairs) - 1), f"chi-square {stat:.1f} over {len(pairs)} bins"
