@@ -318,7 +318,7 @@ class Run:
         drafting = policy is None or policy.drafts()
         ready, self.ready = self.ready, None
         if drafting and ready is not None:
-            tree = ready  # drafted while the last round was verified
+            tree = ready.head(self.budget())  # drafted while the last round was verified (with room to spare)
         elif drafting:
             tree = drafter.propose(self.budget(), policy.depth if policy is not None else None)
         else:
@@ -327,8 +327,7 @@ class Run:
         stats.draft_s += draft_s
         # the levels a search drafted each cost a step (a tree with no scores is a copy: prompt lookup, free; a
         # tree drafted ahead was paid for during the last round)
-        drafted_now = tree.scores is not None and (ready is None or not drafting)
-        levels = max(depths(tree.parents), default=0) if drafted_now else 0
+        levels = max(depths(tree.parents), default=0) if tree.scores is not None and ready is None else 0
         decision = None
         if policy is not None:
             self.spec = policy.round_spec() or self.spec

@@ -114,6 +114,15 @@ def test_a_held_guess_sends_the_tree_drafted_ahead(tiny_target, twin, plain):
     assert gen.stats.rounds == unpiped.stats.rounds  # the same trees, only drafted earlier
 
 
+def test_a_tree_drafted_ahead_is_cut_to_the_rounds_budget(tiny_target, twin, plain):
+    """A tree drafted ahead holds more nodes than a round may send (its bonus guesses' subtrees); the one sent is cut
+    to the budget, as a fresh tree would be."""
+    gen = generate(slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
+                   max_tree_nodes=3, pipeline=True)  # fmt: skip
+    assert gen.token_ids == plain and gen.stats.guesses_held > 0
+    assert max(gen.stats.tree_nodes) <= 3
+
+
 @pytest.mark.parametrize("kind", ["moa-tli1", "eagle", "model"])
 def test_a_cut_with_a_tree_in_flight_ends_as_plain(tiny_target, twin, plain, kind):
     """The Verify in flight fails for the link while the drafter is ahead of it: the guess is taken back, local
