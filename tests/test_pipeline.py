@@ -16,6 +16,7 @@ from client.drafters import make_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
+from client.drafters.medusa import MedusaDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.model import ModelDrafter
 from client.offline import Backoff
@@ -24,6 +25,7 @@ from client.verifiers import LocalVerifier
 from shared.models import load_target
 from shared.tree import DraftTree
 from tests.test_eagle_independent import make_model
+from tests.test_medusa import make_model as make_medusa
 from tests.test_moa import make_moa
 from tests.test_offline import cut_until_local
 
@@ -59,13 +61,15 @@ def drafter(tiny_target, twin, kind: str):
         return ModelDrafter(twin, width=2, depth=4, vocab=None, floor=0.0)  # (a random model is never sure)
     if kind.startswith("moa"):
         return MoADrafter(make_moa(tiny_target, int(kind[-1])), width=3, depth=3)
+    if kind == "medusa":
+        return MedusaDrafter(make_medusa(tiny_target))
     if kind in ("eagle", "independent"):
         cls = EagleDrafter if kind == "eagle" else IndependentDrafter
         return cls(make_model(tiny_target, kind), width=3, depth=3)
     return make_drafter(kind)
 
 
-KINDS = ["model", "prompt-lookup", "moa-tli0", "moa-tli1", "eagle", "independent", "none"]
+KINDS = ["model", "prompt-lookup", "moa-tli0", "moa-tli1", "eagle", "independent", "medusa", "none"]
 
 
 def test_subtree_and_chain_of_firsts():
