@@ -109,6 +109,7 @@ class RemoteVerifier(Verifier):
         self._heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
         self._backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
+        self._broken = False  # a call was lost for the link on this channel: the next poll opens another
         self._options = MESSAGE_OPTIONS + RECONNECT_OPTIONS
         self.channel = self.endpoint.channel(self._options)
         try:
@@ -189,6 +190,7 @@ class RemoteVerifier(Verifier):
         call (``_lost``); else the call's own error (``rpc_error``)."""
         reason = self._end(call)
         if reason or not isinstance(exc, grpc.RpcError):
+            self._broken = True
             return LinkDown(f"server {self.address}: call abandoned: {reason or 'cancelled'}")
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TimeoutError(f"probe took longer than {bound_s:.3f}s") if budget else self._lost(rpc, bound_s)
@@ -203,6 +205,7 @@ class RemoteVerifier(Verifier):
             self.route = secrets.token_hex(8)
             return SessionLost(f"server {self.address}: {rpc} unanswered within {bound_s:.2f}s while the server "
                                "answers probes: its session is presumed lost with its replica")  # fmt: skip
+        self._broken = True
         return LinkDown(f"server {self.address}: {rpc} unanswered within {bound_s:.2f}s")
 
     def _answers_probe(self) -> bool:
@@ -352,13 +355,17 @@ class RemoteVerifier(Verifier):
         """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this, from a thread
         of its own; the poll is not the call in flight.)
 
-        A failed poll replaces the channel, so the next one starts on a new connection: after a silent cut the old
-        one lost bytes mid-stream and would only fail again once the link is back. ``shutdown`` cancels a poll under
-        way and waits for its thread; after it, polls fail at once and open nothing.
+        A failed poll replaces the channel, so the next one starts on a new connection, and so does the first poll
+        after a call was lost for the link (``_broken``): a silent cut drops bytes mid-stream, and a connection that
+        lost some may still answer a Handshake while its HTTP/2 header tables no longer agree with the server's (seen:
+        an OpenSession after a restored silent cut reached the server as a malformed Handshake, INVALID_ARGUMENT).
+        ``shutdown`` cancels a poll under way and waits for its thread; after it, polls fail at once and open nothing.
         """
         with self._lock:
             if self._shut.is_set():
                 return False
+            if self._broken:
+                self._renew()
             poll = self.stub.Handshake.future(self.hello, timeout=timeout_s)
             self._polls[poll] = threading.current_thread()
         try:
@@ -369,13 +376,17 @@ class RemoteVerifier(Verifier):
             with self._lock:
                 if self._shut.is_set():
                     return False
-                old, self.channel = self.channel, self.endpoint.channel(self._options)
-                self.stub = pb_grpc.SplitSpecStub(self.channel)
-            close_soon(old)
+                self._renew()
             return False
         finally:
             with self._lock:
                 del self._polls[poll]
+
+    def _renew(self) -> None:
+        """A new channel (a new connection) in place of the old, which is closed soon (under the lock)."""
+        old, self.channel = self.channel, self.endpoint.channel(self._options)
+        self.stub, self._broken = pb_grpc.SplitSpecStub(self.channel), False
+        close_soon(old)
 
     def probe_link(self, budget_s: float = 1.5) -> dict[str, float | None]:
         """Measure the link now with Probe calls (see ``LinkMonitor.probe``); counted apart, in ``counters.probe_*``."""

@@ -231,6 +231,23 @@ def test_a_call_grpc_never_ends_is_abandoned_here(backend, probes_answered):
         verifier.shutdown()
 
 
+def test_a_connection_that_lost_a_call_is_not_used_again(backend):
+    """A call lost for the link may have left its connection half-read (a silent cut drops bytes mid-stream): the
+    next reconnection poll goes over a new connection, not the old one, even where the old would answer."""
+    verifier = RemoteVerifier(backend[0])
+    try:
+        verifier.route, verifier.stub = "old", _Stub(probes_answered=False)
+        old = verifier.channel
+        with pytest.raises(LinkDown):
+            verifier.verify(DraftTree.chain([5, 9]), timeout_s=0.01)
+        assert verifier.reachable(timeout_s=5.0)  # (the never-answering stub is gone with its channel)
+        assert verifier.channel is not old
+        renewed = verifier.channel
+        assert verifier.reachable(timeout_s=5.0) and verifier.channel is renewed  # a sound one is kept
+    finally:
+        verifier.shutdown()
+
+
 # --- the client's code: no wait without a bound ---
 
 WAITS = {"result", "wait", "join", "get"}  # a future's, an event's, a thread's, a queue's
