@@ -29,6 +29,7 @@ from client.drafters import make_drafter
 from client.offline import Backoff
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
+from shared.errors import SplitspecError
 from shared.models import DEFAULT_MODEL, load_target
 from shared.server_process import server_child
 
@@ -85,17 +86,25 @@ def main(argv: list[str] | None = None) -> int:
                     name, q = names[i % len(names)], prompts[rng.randrange(len(prompts))]
                     call_no, down_s, silent = rng.randint(2, 8), rng.uniform(0.05, 0.6), rng.random() < 0.5
                     cut_on_call(verifiers[name], link, call_no, down_s, silent)
-                    gen = generate(verifiers[name], drafters[name], q.ids, args.max_new_tokens,
-                                   resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)))  # fmt: skip
-                    s = gen.stats
-                    exact = gen.token_ids == plain[q.id] and all(gen.verified)
-                    rows.append({"run": i, "drafter": name, "prompt": q.id, "cut_at_call": call_no,
-                                 "down_s": round(down_s, 3), "silent": silent, "disconnects": s.disconnects,
-                                 "local_tokens": s.local_tokens, "guesses": s.guesses, "guesses_held": s.guesses_held,
-                                 "exact": exact})  # fmt: skip
-                    if not exact:
+                    row = {"run": i, "drafter": name, "prompt": q.id, "cut_at_call": call_no,
+                           "down_s": round(down_s, 3), "silent": silent, "disconnects": 0, "local_tokens": 0,
+                           "guesses": 0, "guesses_held": 0, "exact": False, "error": None}  # fmt: skip
+                    try:
+                        gen = generate(verifiers[name], drafters[name], q.ids, args.max_new_tokens,
+                                       resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)))
+                    except SplitspecError as exc:  # a failed generation is a failure too, and the next run goes on
+                        row["error"] = str(exc)
+                    else:
+                        s = gen.stats
+                        exact = gen.token_ids == plain[q.id] and all(gen.verified)
+                        row.update(disconnects=s.disconnects, local_tokens=s.local_tokens, guesses=s.guesses,
+                                   guesses_held=s.guesses_held, exact=exact)
+                    rows.append(row)
+                    if not row["exact"]:
                         failures.append(i)
-                        tqdm.write(f"MISMATCH: run {i} ({name}, {q.id}, cut at call {call_no})", file=sys.stderr)
+                        how = "silent" if silent else "loud"
+                        tqdm.write(f"FAILED: run {i} ({name}, {q.id}, cut at call {call_no}, {how}): "
+                                   f"{row['error'] or 'output differs from plain decoding'}", file=sys.stderr)
             finally:
                 for v in verifiers.values():
                     v.shutdown()
