@@ -53,6 +53,7 @@ PAYLOAD_RETRIES = 2  # a payload that does not decode is fetched again this many
 ADMISSION_TRIES = 32  # a full server's refusals (with a retry hint) an opening call sits out at most
 ADMISSION_FIRST_S = 0.05  # the first wait after one; doubling, never past the server's hint
 SHUTDOWN_JOIN_S = 2.0  # how long shutdown waits for a reconnection poll's thread to end
+POLL_GROWTH = 16  # a reconnection poll's time grows with the polls that failed before it, up to this many times
 _END = object()  # a stream's end, as its reader thread hands it over
 
 
@@ -110,6 +111,7 @@ class RemoteVerifier(Verifier):
         self._backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
         self._broken = False  # a call was lost for the link on this channel: the next poll opens another
+        self._missed = 0  # reconnection polls that failed in a row
         self._options = MESSAGE_OPTIONS + RECONNECT_OPTIONS
         self.channel = self.endpoint.channel(self._options)
         try:
@@ -366,12 +368,17 @@ class RemoteVerifier(Verifier):
                 return False
             if self._broken:
                 self._renew()
+            # each poll that failed in a row doubles the next one's time (at most POLL_GROWTH times): a poll opens a
+            # new connection, which on a starved machine may take longer than the round trips a poll is given
+            timeout_s *= min(2**self._missed, POLL_GROWTH)
             poll = self.stub.Handshake.future(self.hello, timeout=timeout_s)
             self._polls[poll] = threading.current_thread()
         try:
             poll.result(timeout=timeout_s + GRACE_S)
+            self._missed = 0
             return True
         except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+            self._missed += 1
             off_thread(poll.cancel)
             with self._lock:
                 if self._shut.is_set():

@@ -248,6 +248,30 @@ def test_a_connection_that_lost_a_call_is_not_used_again(backend):
         verifier.shutdown()
 
 
+def test_polls_that_keep_failing_wait_longer_each_time(backend):
+    """A reconnection poll that fails doubles the next one's time (up to POLL_GROWTH times): on a machine too busy to
+    open a connection within a few round trips, polls of a fixed time would fail for ever (seen: 10 minutes
+    offline on a restored link, the client at nice 19 beside a training run). An answered poll starts again."""
+    from client.remote import POLL_GROWTH
+
+    verifier, asked = RemoteVerifier(backend[0]), []
+
+    def handshake(*args, timeout=None, **kwargs):
+        asked.append(timeout)
+        return _Answered() if len(asked) == 7 else _Never()
+
+    try:
+        real = verifier.stub
+        verifier.stub = type("S", (), {"Handshake": type("M", (), {"future": staticmethod(handshake)})})()
+        verifier._renew = lambda: None  # keep the recording stub across failed polls
+        results = [verifier.reachable(timeout_s=0.001) for _ in range(8)]
+        assert results == [False] * 6 + [True, False]
+        assert asked == pytest.approx([0.001 * min(2**k, POLL_GROWTH) for k in range(7)] + [0.001])
+        verifier.stub = real
+    finally:
+        verifier.shutdown()
+
+
 # --- the client's code: no wait without a bound ---
 
 WAITS = {"result", "wait", "join", "get"}  # a future's, an event's, a thread's, a queue's
