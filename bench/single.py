@@ -119,13 +119,14 @@ def load_prompts(tokenizer, limit: int | None) -> list[Prompt]:
     return [ps[i] for i in range(longest) for ps in per_dataset.values() if i < len(ps)]
 
 
-def bundle_path(name: str, bundle_dir: Path | None) -> Path | None:
-    """A trained drafter's bundle: ``bundle_dir/name`` first, then what ``find_bundle`` finds; None if nowhere."""
+def bundle_path(name: str, bundle_dir: Path | None, target=None) -> Path | None:
+    """A trained drafter's bundle: ``bundle_dir/name`` first, then what ``find_bundle`` finds (the one trained for
+    ``target`` where several targets have one of that name); None if nowhere."""
     from client.drafters.bundle import find_bundle
 
     if bundle_dir is not None and (bundle_dir / name / "config.json").is_file():
         return bundle_dir / name
-    return find_bundle(name)
+    return find_bundle(name, target)
 
 
 def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[list[Method], dict[str, str]]:
@@ -141,7 +142,7 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
                                    device=args.device)  # fmt: skip
             methods.append(Method(name, drafter, args.max_tree_nodes))
             continue
-        path = bundle_path(name, args.bundle_dir)
+        path = bundle_path(name, args.bundle_dir, target)
         if path is None:
             where = f"{args.bundle_dir / name} nor " if args.bundle_dir else ""
             skipped[name] = f"no bundle: neither {where}a shipped bundle client/drafters/bundles/{name} exists"
