@@ -427,3 +427,35 @@ def test_a_bundle_says_how_it_was_made_and_its_curve(tiny_target, tmp_path):
     assert len(curve) >= again.steps - 1 and curve[-1]["tokens"] == again.seen
     assert [c["tokens"] for c in curve] == sorted(c["tokens"] for c in curve)
     assert curve[-1]["loss"] < curve[0]["loss"]
+
+
+def test_a_signal_ends_a_sitting_with_a_checkpoint(tiny_target, tmp_path):
+    """SIGTERM (the session ending, `kill`) or SIGINT (also where a background job ignores it) ends a sitting as its
+    time limit does: checkpoint and bundles written, nothing of the steps done lost."""
+    import os
+    import signal
+
+    from client.training.cli import stop_on_signals
+
+    trainer = make_trainer(tiny_target, tmp_path, 100_000, drafters=[("eagle", 0)])
+    done, real_step = [], trainer.step
+
+    def step(batch):
+        out = real_step(batch)
+        done.append(1)
+        if len(done) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.step = step
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        stop_on_signals()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            trainer.run(stream(tiny_target.tokenizer), progress=False)
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    bundle = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert state["steps"] == 2 and bundle["training"]["steps"] == 2

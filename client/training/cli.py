@@ -136,6 +136,21 @@ def write_data(args: argparse.Namespace, target) -> None:
     write_shards(stream, args.shards, tokens=tokens, about=about, per_shard=64, resume=resume)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT end a sitting as its time limit does: the step under way is dropped and the checkpoint and
+    bundles are written (``Trainer.run``'s ``finally``). SIGINT too, since a job started in the background by a
+    shell that has no job control ignores it, and Python then never turns it into KeyboardInterrupt."""
+    import signal
+    import threading
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}: checkpointing")
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -189,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
 
         write_data(args, target)
         stream = ShardStream(args.shards, skip=trainer.position)
+    stop_on_signals()
     metrics = trainer.run(stream, time_limit_s=args.time_limit)
     for name, m in metrics.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()) + f" -> {args.out / name}")
