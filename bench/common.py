@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from shared.kernels import cpu_label
+from shared.engine.kernels import cpu_label
 
 
 def machine() -> dict:
@@ -32,7 +32,7 @@ def environment(threads: int, device: str = "cpu") -> dict:
     import torch
     import transformers
 
-    from shared import kernels
+    from shared.engine import kernels
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads}
     if str(device).startswith("cuda"):
@@ -85,6 +85,27 @@ def mark_differences(done: dict[str, tuple[object, list[int]]], reference: str, 
                 f"({len(ids)} vs {len(ref_ids)} tokens)",
                 file=sys.stderr,
             )
+
+
+def bundle_problem(name: str, target) -> str | None:
+    """Why drafter ``name`` cannot draft for ``target``: a trained drafter with no bundle of that name, or whose
+    bundle was made for another target (the 1.5B's ``eagle`` on the 0.5B, which shares its tokenizer); None when it
+    can, or when ``name`` is no bundle (training-free, or a whole model: those are checked as they are made)."""
+    from client.drafters import needs_target
+    from client.drafters.bundle import find_bundle
+    from shared.bundles import read_bundle
+    from shared.errors import SplitspecError
+
+    if not needs_target(name):
+        return None
+    path = find_bundle(name, target)
+    if path is None:
+        return f"no bundle {name!r}: neither a shipped one nor a folder"
+    try:
+        read_bundle(path, target)
+    except SplitspecError as exc:
+        return str(exc)
+    return None
 
 
 def median(values: list[float]) -> float | None:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from bench.common import environment, finish, first_difference, save_figure, start
 from bench.single import DATASETS, REFERENCE, Method, load_prompts, run_method
 from client.drafters import NoDrafter, make_drafter
-from shared.models import DEFAULT_MODEL, load_target
+from shared.engine.models import DEFAULT_MODEL, load_target
 
 REPO = Path(__file__).resolve().parent.parent
 

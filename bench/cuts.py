@@ -24,13 +24,13 @@ from tqdm import tqdm
 
 from bench.common import environment, finish, start
 from bench.single import load_prompts
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters import make_drafter
-from client.offline import Backoff
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
+from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.errors import SplitspecError
-from shared.models import DEFAULT_MODEL, load_target
 from shared.server_process import server_child
 
 REPO = Path(__file__).resolve().parent.parent

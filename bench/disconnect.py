@@ -35,19 +35,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, finish, median, save_figure, start
+from bench.common import bundle_problem, cell, environment, finish, median, save_figure, start
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
-from client.decode import Resilience, api_generate, generate
-from client.drafters import make_drafter
-from client.offline import Backoff
+from client.decode import api_generate, generate
+from client.drafters import ALIASES, DRAFTERS, make_drafter
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems
 from client.verifiers import LocalVerifier, first_spec
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
-from shared.models import DEFAULT_MODEL, load_target
+from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
@@ -310,6 +310,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     args.methods = [x.strip() for x in args.methods.split(",") if x.strip()]
+    mute = [m for m in args.methods if ALIASES.get(m, m) in DRAFTERS]  # no ":MODEL" writer
+    if mute:  # once its lookups miss it offers nothing offline: the run would wait out Resilience.max_offline_s
+        p.error(f"{', '.join(mute)} cannot write after the cut on its own; give it a model that writes, e.g. "
+                f"{mute[0]}:qwen2.5-coder-0.5b")
     try:
         args.cuts = sorted({int(x) for x in args.cuts.split(",") if x.strip()})
     except ValueError:
@@ -330,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(target.dtype).removeprefix("torch.")
     problems = humaneval_problems()
     prompts = [p for p in load_prompts(target.tokenizer, args.limit) if p.dataset == "humaneval"]
+    skipped = {m: why for m in args.methods if m != "api" and (why := bundle_problem(m.partition(":")[0], target))}
+    for m, why in skipped.items():
+        print(f"WARNING: skipping {m}: {why}", file=sys.stderr)
+    args.methods = [m for m in args.methods if m not in skipped]
+    if not args.methods:
+        print(f"error: no method left to run on {args.model}", file=sys.stderr)
+        return 2
     drafters = make_drafters(args.methods, target)
     longest = max(args.cuts) + args.window + TAU_SLACK
     references, ceiling_runs = {}, {n: [] for n in args.cuts}
@@ -371,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, ceiling)
     env = {**environment(args.client_threads), "server_threads": args.server_threads, "cpus": cpus_label(cpus)}
     settings = {
-        "methods": args.methods, "cuts": args.cuts, "window": args.window, "profile": asdict(PROFILES[args.profile]),
+        "methods": args.methods, "skipped": skipped, "cuts": args.cuts, "window": args.window,
+        "profile": asdict(PROFILES[args.profile]),
         "problems": [p["task_id"] for p in problems[: args.limit]], "tree": STATIC_TREE, "payload": "lsa/fp16",
     }  # fmt: skip
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
@@ -383,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         f"first {len(prompts)} HumanEval problems, greedy, link {args.profile} cut silently after N new tokens and "
         f"never restored; agreement over the next {args.window} tokens against the target's own greedy "
         f"continuation; pass@1 at {args.window + TAU_SLACK} + N tokens; medians over problems (agreement: mean).\n\n"
+        + ("Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + "\n\n" if skipped else "")
     )
     plot(summary, args.out / "disconnect.png", f"{args.model}: the link cut for good after N tokens ({args.profile})")
     return finish(args.out, "disconnect", result, header + table, table)

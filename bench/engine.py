@@ -73,8 +73,10 @@ from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
+from shared.engine.decoder import DTYPES
+from shared.engine.gguf import source_of
+from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target, resolve_model
 from shared.errors import SplitspecError
-from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target, resolve_model
 from shared.tree import DraftTree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,11 +149,16 @@ def interleaved_ms(fns: dict[str, Callable[[], None]], repeats: int, warmup: int
 
 
 def load_hf(model: str, dtype: torch.dtype):
+    """transformers' own model of ``model``: from its folder's safetensors, or for a GGUF target (the pair) from the
+    GGUF itself, which transformers dequantises — the same values the engine serves, in transformers' hands."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its "Loading weights" bar would break ours
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype, attn_implementation="sdpa")
+    folder = resolve_model(model)
+    gguf = source_of(folder)
+    where, extra = (gguf.parent, {"gguf_file": gguf.name}) if gguf is not None else (folder, {})
+    hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **extra)
     return hf.eval()
 
 
@@ -550,7 +557,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--sizes must be positive integers")
     if args.dtypes is None:
         args.dtypes = "fp32,bf16,fp32+int8,fp32+int4"
-    from shared import kernels
+    from shared.engine import kernels
 
     specs = [d.strip().partition("@") for d in args.dtypes.split(",") if d.strip()]
     entries = [(d.split("+"), build) for d, _, build in specs]
@@ -571,7 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_dtype(model: str, spec: str, long: dict[str, str]):
     """The target a ``--dtypes`` entry names: "fp32+int8" is fp32 activations with int8 weights, "fp32+int4@avx2" the
     same on the avx2 kernel build (to time builds side by side in one run; default: the build chosen by timing)."""
-    from shared import kernels
+    from shared.engine import kernels
 
     spec, _, build = spec.partition("@")
     base, _, weights = spec.partition("+")

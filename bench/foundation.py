@@ -36,7 +36,7 @@ from client.decode import Generation, api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.remote import RemoteVerifier
 from client.verifiers import LinkCounters, LocalVerifier
-from shared.models import encode_prompt, load_target
+from shared.engine.models import encode_prompt, load_target
 from shared.server_process import server_child
 
 REPO = Path(__file__).resolve().parent.parent

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from shared.models import load_target
+    from shared.engine.models import load_target
     from shared.server_process import ServerChild
 
     target = load_target(args.model, dtype="auto")

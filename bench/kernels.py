@@ -8,7 +8,7 @@ the engine needs: checked, not assumed):
 
 * ``torch fp32``        ``F.linear`` (MKL on x86);
 * ``splitspec int8``    ``torch.ops.splitspec.linear``: int8 weights (a scale per row), each activation row
-                        int8 with its own scale, exact int32 sums (``shared/kernels/cpu.cpp``);
+                        int8 with its own scale, exact int32 sums (``shared/engine/kernels/cpu.cpp``);
 * ``splitspec int4``    the same kernels on Q4_1 weights (blocks of 32, fp16 scale and minimum);
 * ``fbgemm int8``       ``torch.ao`` dynamic quantisation (int8 weights, int8 activations with one scale for
                         the whole call, int32 sums) — when torch has the fbgemm engine;
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import environment, save_results
-from shared import kernels
-from shared.linear import pack_int4, pack_int8
+from shared.engine import kernels
+from shared.engine.quant import pack_int4, pack_int8
 
 REPO = Path(__file__).resolve().parents[1]
 E, FF, LAYERS = 576, 1536, 30
@@ -77,7 +77,8 @@ class SplitspecInt8(Candidate):
     bytes_per_weight = 1.0
 
     def __init__(self, ws):
-        self.packed = [(w.shape[1], *pack_int8(w)) for w in ws]
+        layout = kernels.ops().int8_layout()
+        self.packed = [(w.shape[1], *pack_int8(w, layout)) for w in ws]
 
     def run(self, xs):
         return [kernels.ops().linear(xs[k], q, s, None, None) for k, q, s in self.packed]

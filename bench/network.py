@@ -47,15 +47,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, finish, mark_differences, median, save_figure, start, times
+from bench.common import bundle_problem, cell, environment, finish, mark_differences, median, save_figure, start, times
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
-from client.decode import Resilience, api_generate, generate
+from client.decode import api_generate, generate
 from client.drafters import make_drafter
+from client.offline import Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim.profiles import PROFILES
-from shared.models import DEFAULT_MODEL, load_target
+from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,6 +96,12 @@ class Run:
     first_difference: int | None = None
 
 
+def drafter_name(method: str) -> str:
+    """The drafter a method runs: its name less the -fail, -serial, -paper and policy-mode suffixes."""
+    base = method.removesuffix("-fail").removesuffix("-serial").removesuffix("-paper")
+    return next((base.removesuffix(suffix) for suffix in MODES if base.endswith(suffix)), base)
+
+
 class Method:
     """One way to generate against the server: a drafter (or the API), its payload, tree and policy."""
 
@@ -106,8 +113,7 @@ class Method:
         self.pipeline = not stem.endswith("-serial")
         stem = stem.removesuffix("-serial")
         self.mode = next((mode for suffix, mode in MODES.items() if stem.endswith(suffix)), None)
-        base = stem.removesuffix("-paper")
-        base = next((base.removesuffix(suffix) for suffix in MODES if base.endswith(suffix)), base)
+        base = drafter_name(name)
         if name != "api":
             tree = PAPER_TREE if "-paper" in name else STATIC_TREE
             trained = base not in ("prompt-lookup", "none")
@@ -353,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
+    skipped = {m: why for m in args.methods if m != REFERENCE and (why := bundle_problem(drafter_name(m), target))}
+    for m, why in skipped.items():
+        print(f"WARNING: skipping {m}: {why}", file=sys.stderr)
+    args.methods = [m for m in args.methods if m not in skipped]
+    if not args.methods:
+        print(f"error: no method left to run on {args.model}", file=sys.stderr)
+        return 2
     runs = plain_local(target, prompts, args)
     cpus = two_machines(args.server_threads, args.client_threads)  # after plain-local, which runs on both shares
     torch.set_num_threads(args.client_threads)
@@ -377,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         table += markdown_against_api(compared)
     counts = {d: sum(p.dataset == d for p in prompts) for d in ("mt-bench", "humaneval")}
     settings = {
-        "profiles": args.profiles, "methods": args.methods, "max_new_tokens": args.max_new_tokens, "prompts": counts,
+        "profiles": args.profiles, "methods": args.methods, "skipped": skipped, "max_new_tokens": args.max_new_tokens,
+        "prompts": counts,
         "static_tree": STATIC_TREE, "paper_tree": PAPER_TREE,
         "profiles_set": {p: asdict(PROFILES[p]) for p in args.profiles if p in PROFILES},
     }  # fmt: skip
@@ -391,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{counts['humaneval']} HumanEval "
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
         f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"
+        + ("Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + "\n\n" if skipped else "")
     )
     plot(summary, args.out / "network.png", f"{args.model}: tokens/s by network profile (client and server on one CPU)")
     return finish(args.out, "network", result, header + table, table)

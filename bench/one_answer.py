@@ -28,7 +28,7 @@ from bench.common import environment, finish, start
 from bench.single import HUMANEVAL_TEMPLATE
 from client.training.datasets import humaneval_problems, mtbench_questions
 from shared.cli import main
-from shared.models import DEFAULT_MODEL
+from shared.engine.models import DEFAULT_MODEL
 from shared.server_process import server_child
 
 REPO = Path(__file__).resolve().parents[1]

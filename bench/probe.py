@@ -45,7 +45,9 @@ from client.drafters import NoDrafter
 from client.drafters.bundle import load_bundle
 from client.training.teacher import TargetBatch, pad_batch, run_teacher
 from client.verifiers import LocalVerifier
-from shared.models import DEFAULT_MODEL, DTYPES, load_target
+from shared.engine.decoder import DTYPES
+from shared.engine.models import DEFAULT_MODEL, load_target
+from shared.errors import SplitspecError
 from shared.tree import causal_mask
 
 REPO = Path(__file__).resolve().parent.parent
@@ -285,12 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     drafters, skipped = {}, {}
     for name in args.drafters:
-        path = bundle_path(name, args.bundle_dir)
+        path = bundle_path(name, args.bundle_dir, target)  # the one trained for this target, where several are
         if path is None:
             skipped[name] = "no bundle"
             print(f"WARNING: skipping {name}: no bundle", file=sys.stderr)
             continue
-        drafters[name] = load_bundle(path, target)[0]
+        try:
+            drafters[name] = load_bundle(path, target)[0]
+        except SplitspecError as exc:  # made for another target (the 1.5B's on the 0.5B: the same tokenizer)
+            skipped[name] = str(exc)
+            print(f"WARNING: skipping {name}: {exc}", file=sys.stderr)
     prompts = load_prompts(target.tokenizer, args.limit)
     result = probe(target, drafters, prompts, args.max_new_tokens, args.horizon)
     env = {**environment(args.threads), "device": args.device, "dtype": args.dtype}

@@ -30,7 +30,7 @@ from client.decode import generate
 from client.drafters import NoDrafter
 from client.training.datasets import encode_chat, is_contaminated, sharegpt_conversations
 from client.verifiers import LocalVerifier
-from shared.models import DEFAULT_MODEL, load_target
+from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.tree import causal_from
 
 REPO = Path(__file__).resolve().parents[1]

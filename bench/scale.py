@@ -46,7 +46,7 @@ from client.remote import RemoteVerifier
 from client.training.datasets import mtbench_questions
 from server.limits import ServerLimits
 from shared.channel import ROUTE_KEY
-from shared.models import DEFAULT_MODEL, encode_prompt, load_target, resolve_model
+from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target, resolve_model
 from shared.server_process import ServerChild, pin_process
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc

@@ -39,17 +39,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+import torch
 from tqdm import tqdm
 
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from client.adaptive import AdaptivePolicy
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
+from client.offline import Resilience
 from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
-from shared.models import DEFAULT_MODEL, encode_prompt, load_target
+from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target
 from shared.server_process import ServerChild, cpus_label, two_machines
 from shared.tree import ROOT, DraftTree, children
 from shared.wire import splitspec_pb2 as pb
@@ -345,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; expected some of {', '.join(MODES)}")
 
+    # the child's thread count here too: ``auto`` chooses the served path by timing at that count (a GGUF off the
+    # 4-bit grid gets fp32 on 2 threads, int8 on 1), so the recording is made on the path the server serves
+    torch.set_num_threads(args.server_threads)
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     prompts = [encode_prompt(target.tokenizer, text, chat=True) for text in prompt_texts(args.dataset, args.prompts)]
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)

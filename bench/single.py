@@ -36,7 +36,6 @@ Writes single.json, single.md and single.png under --out (default bench/results)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,7 +52,10 @@ from client.drafters import ALIASES, DRAFTERS, NoDrafter, is_model, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.acceptance import ACCEPTANCE, SamplingParams
-from shared.models import DEFAULT_MODEL, DTYPES, encode_prompt, load_target
+from shared.bundles import read_bundle
+from shared.engine.decoder import DTYPES
+from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target
+from shared.errors import SplitspecError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTERS = ["none", "prompt-lookup", "eagle", "medusa", "independent", "moa-tli0", "moa-tli1", "moa-tli3"]
@@ -148,8 +150,12 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
             skipped[name] = f"no bundle: neither {where}a shipped bundle client/drafters/bundles/{name} exists"
             print(f"WARNING: skipping {name}: {skipped[name]} (train one, or pass --bundle-dir)", file=sys.stderr)
             continue
-        config = json.loads((path / "config.json").read_text())
-        config["path"] = str(path)
+        try:  # a bundle of that name trained for another target (the 1.5B's, on the 0.5B) cannot apply: skip it
+            config = {**read_bundle(path, target), "path": str(path)}
+        except SplitspecError as exc:
+            skipped[name] = str(exc)
+            print(f"WARNING: skipping {name}: {exc}", file=sys.stderr)
+            continue
         for label, vocab_ids, coverage in draft_vocabularies(args.draft_vocabs, target, config, counts):
             drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth,
                                    vocab_ids=vocab_ids)  # fmt: skip
@@ -200,9 +206,9 @@ def draft_vocabularies(sizes: list[int], target, config: dict, counts: dict
 
 def gguf_of(name: str) -> str | None:
     """The GGUF file behind a model name (a built-in GGUF model or a path), for llama.cpp; None if there is none."""
-    from shared import gguf
-    from shared.models import cache_dir
-    from shared.pull import PARTED, gguf_path
+    from shared.engine import gguf
+    from shared.engine.files import cache_dir
+    from shared.engine.pull import PARTED, gguf_path
 
     name = name.removesuffix("+lookup")
     if name in PARTED:
@@ -594,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{args.model}, single device ({args.device}, {args.threads} threads), {sampled(args)}, "
              f"≤{args.max_new_tokens} new tokens, {counts['mt-bench']} + {counts['humaneval']} prompts")  # fmt: skip
     plot(summary, args.out / "single.png", title)
-    notes = [f"skipped (no bundle): {', '.join(skipped)}"] if skipped else []
+    notes = [f"skipped (no bundle for this target): {', '.join(skipped)}"] if skipped else []
     notes += [f"WARNING: {mismatches} run(s) produced token ids different from {REFERENCE}"] if mismatches else []
     table += step_lines(steps)
     return finish(args.out, "single", result, header + table, table, notes)

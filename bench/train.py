@@ -26,7 +26,7 @@ import torch
 
 from bench.common import environment, save_figure, save_results
 from client.training.trainer import TrainConfig, Trainer
-from shared.models import DEFAULT_MODEL, load_target
+from shared.engine.models import DEFAULT_MODEL, load_target
 
 CONFIGS = {
     "moa-tli0": [("moa", 0)],

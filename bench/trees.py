@@ -20,9 +20,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import single
-from bench.common import environment, finish, start
+from bench.common import bundle_problem, environment, finish, start
 from client.drafters import make_drafter
-from shared.models import DEFAULT_MODEL, encode_prompt, load_target
+from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SHAPES = "2x3x6,3x4x10,4x5x16,4x6x24,8x6x32,8x6x62"  # the last is the MoA paper's B=8, D=6, m=62
@@ -66,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     start(args.threads)
     target = load_target(args.model, dtype="auto")
     dtype = str(target.dtype).removeprefix("torch.")
-    path = single.bundle_path(args.drafter, None) if not Path(args.drafter).is_dir() else Path(args.drafter)
+    path = single.bundle_path(args.drafter, None, target) if not Path(args.drafter).is_dir() else Path(args.drafter)
     if path is None:
         print(f"error: no bundle for {args.drafter!r}; train one or pass a bundle folder", file=sys.stderr)
+        return 2
+    if (why := bundle_problem(str(path), target)) is not None:  # one made for another target
+        print(f"error: {why}", file=sys.stderr)
         return 2
     methods = [single.Method(single.REFERENCE, make_drafter(single.REFERENCE), single.UNTRAINED_MAX_TREE_NODES)]
     for shape in args.shapes:
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = single.load_prompts(target.tokenizer, args.limit)
     warm_ids = encode_prompt(target.tokenizer, single.WARMUP_PROMPT, chat=True)
     for method in tqdm(methods, desc="warm-up", unit="shape", file=sys.stderr):
-        single.generate(target, method, warm_ids, 8)
+        single.run_method(target, method, warm_ids, 8)
     runs = single.benchmark(target, methods, prompts, args.max_new_tokens)
     names = [m.name for m in methods]
     summary = single.summarize(runs, names)

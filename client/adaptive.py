@@ -1,23 +1,160 @@
-"""The adaptive policy: what the decode loop asks before each round and tells after it.
+"""The policy: what the decode loop asks before each round (``plan``) and tells after it (``observe``).
 
-Two small parts, each in its own module: ``client.sizing`` — how big a round should be (the tree's size, its
-depth, the payload), by a cost model of the round measured as decoding goes; ``client.schedule`` — which kind of
-round comes next (drafted, plain, or the server decoding by itself: ``--mode``), a state machine judged by what
-drafting and plain decoding measured. ``AdaptivePolicy`` joins them for the loop: its questions (``stretch``,
-``extend``, ``drafts``, ``size``, the ``*_spec`` choices) change nothing; it learns only when told
-(``rounded``, ``streamed``, ``loaded``, ``rehearsed``). Any choice can be pinned (``--max-tree-nodes``,
+A policy answers questions without changing (``plan``: what kind of call comes next, how deep to draft, which
+payload; ``size``: how much of a drafted tree to send) and learns only from the outcomes it is told (``Round``,
+``Stretch``, ``Ahead``, ``Rehearsal``, ``Loaded``, ``Pipelining``). Two policies share that interface:
+``StaticPolicy`` drafts every round to the drafter's own depth and sends the whole tree; ``AdaptivePolicy`` joins
+two small parts, each in its own module — ``client.sizing`` (how big a round should be: the tree's size, its depth,
+the payload, by a cost model measured as decoding goes) and ``client.schedule`` (which kind of round comes next:
+drafted, plain, or the server decoding by itself, ``--mode``). Any choice can be pinned (``--max-tree-nodes``,
 ``--tree-depth``, ``--payload``, ``--precision``).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from client.schedule import LOOKUP, Schedule
 from client.sizing import Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class State:
+    """What the loop knows when it asks: the prompt's and the output's length, and whether a stream is under way
+    (its stretch is over and the question is whether to read on)."""
+
+    prompt_tokens: int
+    generated: int = 0
+    streaming: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next call: ``stream`` tokens for the server to decode by itself (0: a round), else a round that drafts
+    (``draft``; False: a plain step) ``depth`` levels deep (None: the drafter's own depth); ``spec``: the payload
+    it asks for (None: as before); ``lookup``: tokens a stream's server may copy by prompt lookup; ``rehearse``: a
+    stream drafts trees it will not send, to learn what drafting would gain (``client.schedule``)."""
+
+    stream: int = 0
+    draft: bool = True
+    depth: int | None = None
+    spec: PayloadSpec | None = None
+    lookup: int = 0
+    rehearse: bool = False
+
+
+@dataclass(frozen=True)
+class Round:
+    """A verification round: ``decision`` sized it, ``sent`` as the server verified it, ``accepted``: its nodes the
+    target took (indices), ``tokens`` gained in all; ``compute_s`` the server's, ``draft_s`` drafting ``levels``
+    levels, ``seconds`` the whole round as the loop saw it; ``drafted``: False for a plain step; ``load``: the
+    server's ``Load`` (None: the reply carried none)."""
+
+    decision: Decision
+    sent: DraftTree
+    accepted: list[int]
+    tokens: int
+    compute_s: float
+    draft_s: float
+    levels: int
+    seconds: float
+    drafted: bool = True
+    load: object = None
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """A stretch of a stream: ``tokens`` in ``seconds``, ``compute_s`` of them the server's compute."""
+
+    tokens: int
+    compute_s: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A pipelined round's guess: its likeliest path accepted (``path_taken``) or not, its next tree ready
+    (``held``) or not, the ``seconds`` drafting ahead took."""
+
+    path_taken: bool
+    held: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """A tree drafted during a stream and never sent, and ``path``: its nodes the streamed tokens went through."""
+
+    tree: DraftTree
+    path: list[int]
+    draft_s: float
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The server's latest ``Load``, from any reply that carried one."""
+
+    load: object
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """Whether the loop drafts ahead while a Verify is in flight (``client.decode``): drafting then costs a round
+    less than it takes."""
+
+    on: bool
+
+
+Outcome = Round | Stretch | Ahead | Rehearsal | Loaded | Pipelining
+
+
+class Policy(Protocol):
+    """What the decode loop asks and tells; it knows no other member."""
+
+    def plan(self, state: State) -> Plan: ...
+
+    def size(self, tree: DraftTree, spec: PayloadSpec) -> Decision: ...
+
+    def observe(self, outcome: Outcome) -> None: ...
+
+    @property
+    def calibration(self) -> float:
+        """Accepted ÷ predicted drafts: how far the drafter's own probabilities can be trusted."""
+        ...
+
+    def estimate(self, nodes: int) -> float:
+        """Seconds of the server's compute a verification of ``nodes`` nodes takes (0: nothing known)."""
+        ...
+
+    def survival(self, p: float | None) -> float:
+        """The chance that a token made offline, which the drafter gave probability ``p`` (None: a copy), is the
+        target's own."""
+        ...
+
+
+class StaticPolicy:
+    """Every round drafts to the drafter's own depth and sends its whole tree; nothing is learnt."""
+
+    calibration = 1.0
+
+    def plan(self, state: State) -> Plan:
+        return Plan()
+
+    def size(self, tree: DraftTree, spec: PayloadSpec = PayloadSpec()) -> Decision:
+        return Decision(len(tree), float("nan"), float("nan"), "pinned")
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+    def estimate(self, nodes: int) -> float:
+        return 0.0
+
+    def survival(self, p: float | None) -> float:
+        return 1.0 if p is None else p
 
 
 class AdaptivePolicy:
@@ -53,85 +190,59 @@ class AdaptivePolicy:
             policy.schedule.resumed()
         return policy
 
-    # --- questions ---
+    def plan(self, state: State) -> Plan:
+        """The next call. A stream under way reads on for ``schedule.extend()`` more tokens; otherwise the server
+        decodes a stretch by itself (``schedule.stretch()``) or a round comes, drafted (``schedule.drafts()``) to
+        ``sizing.depth``. The payload: a stream's, the prompt's (nothing generated yet) or a round's."""
+        schedule, sizing = self.schedule, self.sizing
+        stream = schedule.extend() if state.streaming else schedule.stretch()
+        if stream:
+            spec = sizing.stream_spec()
+        elif not state.generated:
+            spec = sizing.prompt_spec(state.prompt_tokens)
+        else:
+            spec = sizing.round_spec()
+        return Plan(stream, schedule.drafts(), sizing.depth, spec, schedule.lookup, schedule.rehearse())
 
-    def stretch(self) -> int:
-        """Tokens for the server to decode by itself now (0: a round instead)."""
-        return self.schedule.stretch()
-
-    def extend(self) -> int:
-        """A stretch is over: more tokens to read from the same stream (0: end it)."""
-        return self.schedule.extend()
-
-    def drafts(self) -> bool:
-        """Does this round draft (else a plain step)?"""
-        return self.schedule.drafts()
-
-    def rehearse(self) -> bool:
-        """Should a stream under way draft a tree it will not send (``client.schedule``)?"""
-        return self.schedule.rehearse()
-
-    @property
-    def depth(self) -> int:
-        """How deep to draft the next tree."""
-        return self.sizing.depth
-
-    @property
-    def lookup(self) -> int:
-        return self.schedule.lookup
+    def size(self, tree: DraftTree, spec: PayloadSpec = PayloadSpec()) -> Decision:
+        """How many of ``tree``'s first nodes to send (``Sizing.size``)."""
+        return self.sizing.size(tree, spec)
 
     @property
     def calibration(self) -> float:
-        """Accepted ÷ predicted drafts: how far the drafter's own probabilities can be trusted."""
         return self.sizing.calibration
 
-    def size(self, tree: DraftTree, spec: PayloadSpec = PayloadSpec()) -> Decision:
-        return self.sizing.size(tree, spec)
-
-    def round_spec(self) -> PayloadSpec | None:
-        return self.sizing.round_spec()
-
-    def stream_spec(self) -> PayloadSpec | None:
-        return self.sizing.stream_spec()
-
-    def prompt_spec(self, prompt_tokens: int) -> PayloadSpec | None:
-        return self.sizing.prompt_spec(prompt_tokens)
-
-    def verify_estimate(self, nodes: int) -> float:
-        """A verification of ``nodes`` nodes by the measured cost curve (0: nothing measured yet)."""
+    def estimate(self, nodes: int) -> float:
         return self.sizing.verify_fit(nodes + 1, default=0.0)
 
-    # --- being told ---
+    def survival(self, p: float | None) -> float:
+        return self.sizing.survival(p)
 
-    def rounded(self, decision: Decision, sent: DraftTree, accepted: int, tokens: int, compute_s: float,
-                draft_s: float, depth: int, seconds: float, drafted: bool) -> None:  # fmt: skip
-        """A round is over: ``decision`` sized it, ``sent`` as the server verified it, ``accepted`` of its nodes and
-        ``tokens`` gained in all; ``compute_s`` of the server's, ``draft_s`` drafting ``depth`` levels, ``seconds``
-        for the whole round as the loop saw it; ``drafted``: False for a plain step."""
-        self.sizing.observe(decision, sent, accepted, compute_s, draft_s, depth)
-        if drafted:
-            self.schedule.drafted(tokens, seconds, decision.nodes, decision.kind == "explore")
-        else:
-            self.schedule.plain(tokens, seconds)
-
-    def pipelines(self, on: bool) -> None:
-        """The loop drafts ahead while a Verify is in flight (``client.decode``): drafting costs less than it takes."""
-        self.sizing.pipelined = on
-
-    def ahead(self, path_taken: bool, held: bool, seconds: float) -> None:
-        """A pipelined round's guess: its likeliest path accepted or not, its next tree ready or not, the seconds
-        drafting ahead took."""
-        self.sizing.ahead(path_taken, held, seconds)
-
-    def streamed(self, tokens: int, compute_s: float, seconds: float) -> None:
-        """A stretch of a stream: ``tokens`` in ``seconds``, ``compute_s`` of them the server's compute."""
-        self.sizing.streamed(tokens, compute_s)
-        self.schedule.plain(tokens, seconds, stretch=True)
-
-    def loaded(self, load) -> None:
-        """The server's latest ``Load``, from any reply that carried one (None: this one did not)."""
-        self.sizing.loaded(load)
-
-    def rehearsed(self, tree: DraftTree, path: list[int], draft_s: float) -> None:
-        """A rehearsal's outcome: ``path``, the nodes of ``tree`` the streamed tokens went through."""
-        self.schedule.rehearsed(tree, path, draft_s)
+    def observe(self, outcome: Outcome) -> None:
+        """Learn from what happened; the only way this policy changes."""
+        sizing, schedule = self.sizing, self.schedule
+        match outcome:
+            case Round():
+                sizing.loaded(outcome.load)
+                sizing.observe(outcome.decision, outcome.sent, len(outcome.accepted), outcome.compute_s,
+                               outcome.draft_s, outcome.levels)  # fmt: skip
+                sizing.firsts(outcome.sent, outcome.accepted)
+                if outcome.drafted:
+                    schedule.drafted(outcome.tokens, outcome.seconds, outcome.decision.nodes,
+                                     outcome.decision.kind == "explore")  # fmt: skip
+                else:
+                    schedule.plain(outcome.tokens, outcome.seconds)
+            case Stretch():
+                sizing.streamed(outcome.tokens, outcome.compute_s)
+                schedule.plain(outcome.tokens, outcome.seconds, stretch=True)
+            case Ahead():
+                sizing.ahead(outcome.path_taken, outcome.held, outcome.seconds)
+            case Rehearsal():
+                schedule.rehearsed(outcome.tree, outcome.path, outcome.draft_s)
+                sizing.firsts(outcome.tree, outcome.path)
+            case Loaded():
+                sizing.loaded(outcome.load)
+            case Pipelining():
+                sizing.pipelined = outcome.on
+            case _:
+                raise TypeError(f"not an outcome a policy learns from: {outcome!r}")

@@ -7,11 +7,13 @@ import contextlib
 import json
 import sys
 
-from client.options import add_connection_arguments, add_mode_argument
+from client.offline import LOCAL_CAP
+from client.options import Deprecated, add_connection_arguments, add_mode_argument
 from client.private import Renderer, mask
 from client.text import Terminal, TextDeltas, note
 from shared.acceptance import ACCEPTANCE, TYPICAL_DELTA, TYPICAL_EPSILON
-from shared.models import DEFAULT_MODEL, DTYPES
+from shared.engine.decoder import DTYPES
+from shared.engine.models import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,9 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-after", type=float, metavar="SECONDS",
                    help="with --on-reconnect verify: a cut longer than this keeps the text made locally as it is "
                         "(as keep does) instead of having the server verify it (default: always verify)")  # fmt: skip
-    p.add_argument("--local-cap", type=float, default=0.05, metavar="P",
+    p.add_argument("--local-cap", type=float, default=LOCAL_CAP, metavar="P",
                    help="while local tokens are to be verified, stop making more once the chance that all of them "
-                        "survive falls below P (the drafter's own calibrated confidence; 0: never stop; default 0.05)")
+                        "survive falls below P (the drafter's confidence, calibrated by how often the target took its "
+                        f"first choices; about (1 - P) / -ln P of the text shown stays; 0: never stop; "
+                        f"default {LOCAL_CAP})")
     p.add_argument("--no-pipeline", action="store_true",
                    help="wait for each verdict before drafting the next tree (default over a link: draft it while "
                         "the last one is verified, guessing its outcome)")
@@ -91,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--temperature", type=float, help="sample at this temperature (lossless speculative sampling; "
                    "default: greedy decoding)")
+    p.add_argument("--greedy", dest="greedy", action=Deprecated, nargs=0, const=True, default=False,
+                   instead="greedy decoding is the default (sampling: --temperature T)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="random seed when sampling (default 0)")
     p.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),
@@ -200,14 +206,15 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import torch
 
     from client.adaptive import AdaptivePolicy
-    from client.decode import Resilience, api_generate, generate
+    from client.decode import api_generate, generate
     from client.drafters import make_drafter, needs_target
     from client.endpoint import Endpoint
+    from client.offline import Resilience
     from client.remote import RemoteVerifier
     from client.verifiers import LocalVerifier
     from shared.acceptance import SamplingParams
+    from shared.engine.models import encode_prompt, load_target, load_tokenizer
     from shared.errors import SplitspecError
-    from shared.models import encode_prompt, load_target, load_tokenizer
     from shared.payload import PayloadSpec
 
     if args.threads:
@@ -262,6 +269,9 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
     if args.keep_after is not None and (args.keep_after < 0 or (args.on_reconnect or "verify") != "verify"):
         raise SplitspecError(f"--keep-after {args.keep_after:g}: expected seconds >= 0, with --on-reconnect verify")
+    if args.greedy and args.temperature:
+        raise SplitspecError(f"--greedy with --temperature {args.temperature:g}: greedy decoding is temperature 0; "
+                             "drop one")  # fmt: skip
     if not 0 <= args.local_cap < 1:
         raise SplitspecError(f"--local-cap {args.local_cap:g}: expected a probability in [0, 1)")
     if args.static and args.mode != "auto":
@@ -270,7 +280,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if args.local:
         verifier = LocalVerifier(target)
     else:
-        from shared.target import tokenizer_fingerprint
+        from shared.engine.target import tokenizer_fingerprint
 
         address = args.server
         if args.via_netsim:

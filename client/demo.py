@@ -19,8 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from client.offline import LOCAL_CAP
 from netsim.profiles import PROFILES
-from shared.models import DEFAULT_MODEL
+from shared.engine.models import DEFAULT_MODEL
 from shared.server_process import cpus_label, server_child, two_machines
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of the same effect."
@@ -38,10 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-for", type=float, default=3.0, help="seconds the link stays cut (default 3)")
     p.add_argument("--keep-after", type=float, metavar="SECONDS",
                    help="a cut longer than this keeps the local text as it is (default: the server verifies it)")
-    p.add_argument("--local-cap", type=float, default=0.0, metavar="P",
+    p.add_argument("--local-cap", type=float, default=LOCAL_CAP, metavar="P",
                    help="stop generating locally once the chance that all local tokens survive verification falls "
-                        "below P (default 0: the demo shows local generation through the whole cut; `generate` "
-                        "stops at 0.05)")
+                        f"below P (default {LOCAL_CAP}, as `generate`; 0: local generation through the whole cut)")
     p.add_argument("--no-baseline", action="store_true", help="skip the streaming API baseline")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
@@ -167,24 +167,31 @@ def warm_up(remote, drafter, prompt_ids: list[int]) -> None:
     api_generate(remote, prompt_ids, WARM_UP_TOKENS)
 
 
+def local_kept(shown: int, kept: int) -> str:
+    """Local tokens shown during cuts and the share of them the server kept: whether provisional text was worth
+    showing."""
+    return f"{shown} shown, {kept} kept ({100 * kept / shown:.0f} %)" if shown else "0"
+
+
 def figures(gen, show: Show) -> dict:
     s = gen.stats
     return {"tokens": s.new_tokens, "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "wait_s": show.longest_wait,
             "stall_s": show.longest_stall, "server_calls": s.server_calls,
             "kib": (s.bytes_sent + s.bytes_received) / 1024, "streamed": f"{s.streamed_tokens}/{s.new_tokens}",
-            "acceptance_length": s.acceptance_length, "local": f"{s.local_tokens}, {s.local_kept} kept",
+            "acceptance_length": s.acceptance_length, "local": local_kept(s.local_tokens, s.local_kept),
             "verified": f"{sum(gen.verified)}/{len(gen.verified)}"}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from client.adaptive import AdaptivePolicy
     from client.cli import TextPrinter
-    from client.decode import Resilience, generate
+    from client.decode import generate
     from client.drafters import make_drafter, needs_target
+    from client.offline import Resilience
     from client.remote import RemoteVerifier
     from netsim import Netsim, simulated_link
-    from shared.models import encode_prompt, load_target, load_tokenizer
-    from shared.target import tokenizer_fingerprint
+    from shared.engine.models import encode_prompt, load_target, load_tokenizer
+    from shared.engine.target import tokenizer_fingerprint
 
     trained = needs_target(args.drafter)
     target = load_target(args.model, dtype="auto", cache=args.cache_dir) if trained else None  # converted once

@@ -28,13 +28,13 @@ threads (torch releases the GIL), so
 several requests proceed at once, each with its own drafter state and server session; a worker hands its
 text to the event loop (``call_soon_threadsafe``), so a waiting request holds no thread. Connections to the
 server (a channel that has done its Handshake) are kept for the next request, as drafters are: a request
-on a slow link does not pay a Handshake's round trip.
+on a slow link does not pay a Handshake's round trip. ``GET /health`` answers from the latest check of the server,
+made on a thread of its own (``ServerHealth``): it never waits for the server nor for a generation.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import signal
@@ -44,7 +44,8 @@ import uuid
 
 from client.edge_pool import Edge, Job
 from client.openai_request import RequestError, parse
-from shared.models import DEFAULT_MODEL, DTYPES
+from shared.engine.decoder import DTYPES
+from shared.engine.models import DEFAULT_MODEL
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -100,8 +101,10 @@ def app(edge: Edge):
             {"id": edge.model, "object": "model", "created": 0, "owned_by": "splitspec"}]})  # fmt: skip
 
     async def health(request: Request) -> JSONResponse:
-        reachable = await asyncio.to_thread(server_serving, edge)
-        return JSONResponse({"status": "ok", "server": edge.server, "server_serving": reachable,
+        """From the latest check of the server (``ServerHealth``): never waits for the server or a generation."""
+        serving, age_s = await edge.health.serving()
+        return JSONResponse({"status": "ok", "server": edge.server, "server_serving": serving,
+                             "server_checked_s": None if age_s is None else round(age_s, 3),
                              "drafter": edge.drafter_name, "model": edge.model})  # fmt: skip
 
     async def completion(request: Request, chat: bool):
@@ -206,21 +209,6 @@ def app(edge: Edge):
         Mount("/metrics", make_asgi_app(c.registry)),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
-
-
-def server_serving(edge: Edge) -> bool:
-    """Whether the server's standard health service says SERVING (within a second)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    channel = edge.endpoint.channel([])
-    try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-    finally:
-        channel.close()
 
 
 # --- the command ---

@@ -1,6 +1,6 @@
 """What answers the edge's requests (``client.edge`` is the HTTP side): the drafters and server connections pooled
 across requests (``Edge``), one generation on a worker thread of its own whose text the event loop awaits
-(``Job``), and the edge's metrics (``Counters``).
+(``Job``), the server's health as /health tells it (``ServerHealth``), and the edge's metrics (``Counters``).
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from client.openai_request import Ask, RequestError, completion_exceeded, context_exceeded
 from client.text import Delta, TextDeltas
-from shared.models import DEFAULT_MODEL
+from shared.engine.models import DEFAULT_MODEL
 
 DEFAULT_MAX_TOKENS = 256  # a request that sets no max_tokens gets what fits its context, at most this many
 # an idle connection kept longer is closed, not reused: one silent for long may have died unnoticed (a NAT's
 # timeout, a switch of network), and the first call on it would wait out its whole deadline
 KEEP_IDLE_S = 60.0
+HEALTH_EVERY_S = 1.0  # while /health is asked, the server's health is checked this often
+HEALTH_TIMEOUT_S = 1.0  # one check's deadline: a server that does not answer within it is not serving
+HEALTH_IDLE_S = 60.0  # the checks stop once /health has not been asked for this long
 
 
 class Cancelled(Exception):
@@ -43,6 +47,94 @@ class Counters:
         self.seconds = Histogram("splitspec_edge_generation_seconds", "a generation's wall time", registry=r)
 
 
+class ServerHealth:
+    """Whether the server's standard health service says SERVING, for the edge's /health: checked on a thread and a
+    connection of their own, so that /health answers from the latest check at once, whatever the server and the
+    generations are doing. (Asked on /health's own path, the check waited for a new connection's handshake and for a
+    server busy with every stream's prefill, up to its whole deadline, and more on a machine the streams kept busy.)
+
+    Checks run only while /health is asked (within ``idle_s``): an edge nobody watches sends nothing, and the first
+    /health after a pause waits for a fresh check. ``clock``: what that decision reads (injectable for tests)."""
+
+    def __init__(self, endpoint, every_s: float = HEALTH_EVERY_S, timeout_s: float = HEALTH_TIMEOUT_S,
+                 idle_s: float = HEALTH_IDLE_S, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.endpoint, self.every_s, self.timeout_s, self.idle_s = endpoint, every_s, timeout_s, idle_s
+        self.clock = clock
+        self.checks = 0  # checks answered or failed
+        self._lock = threading.Lock()  # guards what follows; never held across a check
+        self._latest: Future = Future()  # (serving, when) of the latest check; pending until the first since a pause
+        self._asked = clock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def latest(self) -> Future:
+        """/health is asked: (serving, when on ``clock``) of the latest check, a future still pending before the first
+        one; the checks start (again)."""
+        with self._lock:
+            self._asked = self.clock()
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, daemon=True, name="splitspec-edge-health")
+                self._thread.start()
+            self._wake.set()
+            return self._latest
+
+    async def serving(self) -> tuple[bool, float | None]:
+        """On the event loop: (serving, seconds since that check) of the latest check, at once; before the first one,
+        that one (its deadline bounds it; the wait here is only a net for a check gRPC never ends: (False, None))."""
+        latest = self.latest()
+        if not latest.done():  # (shielded: a wait that times out must not cancel the future other requests share)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(latest)), 2 * self.timeout_s)
+        if not latest.done():
+            return False, None
+        serving, when = latest.result()
+        return serving, self.clock() - when
+
+    def close(self) -> None:
+        """Stop checking (a check under way ends within its deadline, on its daemon thread)."""
+        with self._lock:
+            self._stop.set()
+            self._wake.set()
+
+    def _run(self) -> None:
+        from grpc_health.v1 import health_pb2_grpc
+
+        from shared.channel import RECONNECT_OPTIONS, close_soon
+
+        channel = self.endpoint.channel([("grpc.use_local_subchannel_pool", 1), *RECONNECT_OPTIONS])
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    idle = self.clock() - self._asked >= self.idle_s
+                    if idle:
+                        self._wake.clear()  # (``latest`` sets it under this lock: no wake-up is lost)
+                        if self._latest.done():
+                            self._latest = Future()  # stale: the next /health waits for a fresh check
+                if idle:
+                    self._wake.wait()
+                    continue
+                serving = self._check(stub)
+                with self._lock:
+                    if self._latest.done():
+                        self._latest = Future()
+                    self._latest.set_result((serving, self.clock()))
+                    self.checks += 1
+                self._stop.wait(self.every_s)
+        finally:
+            close_soon(channel)
+
+    def _check(self, stub) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2
+
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 class Edge:
     """The drafter, the way to the server and the tokenizer, shared by every request; drafters and connections to
     the server are pooled (one per concurrent generation, kept for the next)."""
@@ -52,10 +144,11 @@ class Edge:
                  connect_timeout_s: float = 10.0, max_tree_nodes: int = 64, mode: str = "auto"):  # fmt: skip
         """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
         adaptive policy's (``client.adaptive``)."""
-        from client.decode import Resilience
         from client.drafters import make_drafter, needs_target
         from client.endpoint import Endpoint
-        from shared.models import load_target, load_tokenizer
+        from client.offline import Resilience
+        from shared.engine.models import load_target, load_tokenizer
+        from shared.engine.target import tokenizer_fingerprint
 
         self.stopping = threading.Event()  # SIGTERM/SIGINT: every generation ends now, wherever it is
         self.server, self.model = server, model
@@ -66,6 +159,9 @@ class Edge:
         if isinstance(drafter, str) and needs_target(drafter):
             self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
         self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
+        # once: hashing the vocabulary holds the GIL for ~0.1 s (a JSON dump of it), and a burst of new connections
+        # each doing it starved the event loop, /health included
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target,
                                                                               tokenizer=self.tokenizer)
         self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
@@ -73,6 +169,7 @@ class Edge:
         self._connections: list[tuple[object, float]] = []  # (RemoteVerifier, time.monotonic() it went idle)
         self._lock = threading.Lock()
         self.counters = Counters()
+        self.health = ServerHealth(self.endpoint)
         first = self.take()  # a bad drafter name fails now, not at the first request
         self.drafter_name = first.name
         self.release(first)
@@ -91,7 +188,6 @@ class Edge:
         """A connection to the server that has done its Handshake (a ``RemoteVerifier``): an idle one kept from an
         earlier request, else a new one (connections idle for ``KEEP_IDLE_S`` or more are closed)."""
         from client.remote import RemoteVerifier
-        from shared.target import tokenizer_fingerprint
 
         now = time.monotonic()
         with self._lock:
@@ -102,7 +198,7 @@ class Edge:
             old.shutdown()
         if verifier is not None:
             return verifier
-        return RemoteVerifier(self.endpoint, fingerprint=tokenizer_fingerprint(self.tokenizer),
+        return RemoteVerifier(self.endpoint, fingerprint=self.fingerprint,
                               connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
 
     def keep(self, verifier) -> None:
@@ -111,7 +207,8 @@ class Edge:
             self._connections.append((verifier, time.monotonic()))
 
     def close(self) -> None:
-        """Close the idle connections (generations running keep theirs until they end)."""
+        """Close the idle connections (generations running keep theirs until they end); stop the health checks."""
+        self.health.close()
         with self._lock:
             idle, self._connections = self._connections, []
         for verifier, _ in idle:
@@ -120,7 +217,7 @@ class Edge:
     def prompt_ids(self, ask: Ask) -> tuple[list[int], object]:
         """The prompt's token ids, private spans replaced by placeholders (``client.private``), and their secrets."""
         from client.private import Secrets, mask, mask_messages
-        from shared.models import encode_messages
+        from shared.engine.models import encode_messages
 
         if ask.chat:
             messages, secrets = mask_messages(ask.prompt)

@@ -57,13 +57,16 @@ class Heartbeat:
 
     def __init__(self, endpoint: Endpoint, link: LinkMonitor, min_interval_s: float = MIN_INTERVAL_S,
                  margin_s: float = MARGIN_S, busy: Callable[[], bool] = lambda: True,
-                 heard: Callable[[], float] = lambda: 0.0, backlog_s: Callable[[], float] = lambda: 0.0):  # fmt: skip
-        """``heard()``: when (``time.monotonic()``) the main connection last received something from the server —
+                 heard: Callable[[], float] = lambda: 0.0, backlog_s: Callable[[], float] = lambda: 0.0,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        """``heard()``: when (on ``clock``) the main connection last received something from the server —
         a probe unanswered while the server's stream kept arriving meant a congested link, not a cut one;
         ``backlog_s()``: how long the link needs for the reply in flight (a prompt's payload on a slow link), which
-        a probe's answer may queue behind."""
+        a probe's answer may queue behind. ``clock``: what every decision on elapsed time reads (a quiet link, a
+        probe past its deadline), injectable so that tests decide them without waiting; the waits between probes
+        stay real."""
         self.link, self.min_interval_s, self.margin_s, self.busy = link, min_interval_s, margin_s, busy
-        self.heard, self.backlog_s = heard, backlog_s
+        self.heard, self.backlog_s, self.clock = heard, backlog_s, clock
         self.endpoint = endpoint
         self.generation = 0  # which connection: a failure on a replaced one is not news
         self.channel = self._connect()
@@ -157,15 +160,19 @@ class Heartbeat:
             if self._fresh.is_set():
                 self._fresh.clear()
                 self._reconnect()
-            quiet = time.monotonic() - self.heard() >= self.interval_s()  # (a stream's chunks say the link is up)
-            if not self.dead.is_set() and self.busy() and quiet:
+            if not self.dead.is_set() and self.busy() and self.quiet():
                 self._probe()
             self._overdue()
             self._stop.wait(self.interval_s())
 
+    def quiet(self) -> bool:
+        """Nothing heard on the main connection for an interval: a probe is due (a stream's chunks say the link is
+        up as well as a probe would)."""
+        return self.clock() - self.heard() >= self.interval_s()
+
     def _overdue(self) -> None:
         """A probe still out ``GRACE_S`` past its deadline: gRPC did not end it, so it is counted unanswered here."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             late = [(f, d, g) for f, (t, d, g) in self._pending.items() if now - t > d + GRACE_S]
             for future, _, _ in late:
@@ -176,7 +183,7 @@ class Heartbeat:
 
     def _probe(self) -> None:
         """Send one probe; its answer (or its failure) comes to ``_answered`` on a gRPC thread."""
-        deadline, sent = self.deadline_s(), time.monotonic()
+        deadline, sent = self.deadline_s(), self.clock()
         with self._lock:  # not on a channel close() has closed
             if self._stop.is_set():
                 return

@@ -1,6 +1,6 @@
 """Generating without the server, and making peace with it afterwards.
 
-``bridge`` is what the decode loop (``client.decode``) runs when a Verify fails for the link: the
+``Bridge`` is what the decode loop (``client.decode``) runs when a Verify fails for the link: the
 drafter itself is the model — its most likely next token (for MoA with TLI>0, through the target's
 own last layers) is committed unverified, one at a time, through the ordinary drafter interface
 (``propose(1, depth=1)`` then ``absorb``), no drafter-specific code — while a background thread
@@ -21,24 +21,22 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
+from client.heartbeat import Heartbeat
 from client.verifiers import NO_PAYLOAD, Verifier
 from shared.acceptance import SamplingParams, target_probs
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
-from shared.target import Verdict
 from shared.tree import DraftTree
 
-if TYPE_CHECKING:  # (the decode loop imports this module)
-    from client.adaptive import AdaptivePolicy
-    from client.decode import GenerationStats, Resilience
-    from client.heartbeat import Heartbeat
+ON_RECONNECT = ("verify", "keep", "fail")
+LOCAL_CAP = 0.3  # see Resilience.local_cap
 
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
 STOP_POLL_S = 0.1  # how often a wait for the link looks whether the process is stopping
@@ -84,81 +82,250 @@ class Reconnector(threading.Thread):
                 return
 
 
-class Bridged(Protocol):
-    """What ``bridge`` uses of a generation under way (``client.decode.Run``)."""
+@dataclass
+class Resilience:
+    """What a generation does when the link fails (see the module docstring).
+
+    ``max_offline_s`` bounds one stretch without the server; ``settle_wait_s`` bounds how long a
+    generation already complete offline waits for the server to settle it (None: the rest of
+    ``max_offline_s``; 0: return at once with the tail unverified). ``heartbeat`` probes the server
+    on a connection of its own (``client.heartbeat``) so that a silent cut is noticed within about
+    two round trips, not only at a Verify's deadline. ``keep_after_s``: under ``verify``, a cut that
+    lasts longer keeps its local tokens as ``keep`` does (None: never). ``local_cap``: while local
+    tokens are to be verified, local generation waits once the chance that all of them survive — the
+    drafter's own probabilities, calibrated by how often the target took its first choices (``Sizing.survival``) —
+    falls below this (0: never waits): the next token would more likely be shown and then replaced. With each
+    token surviving with chance a, a cap T stops after ln T / ln a tokens, of which the target keeps a share of
+    about (1 - T) / -ln T whatever a is: the default 0.3 shows text of which ~58 % stays. ``stop``: set when the
+    process is stopping (the edge on SIGTERM): a generation waiting for the link ends at once, its local tail
+    unverified.
+    ``offline``: the drafter that writes the local tokens (default None: the generation's own drafter) — a whole
+    model (the 0.5B beside a MoA drafter), which writes text a long cut can keep; it reads the context at the cut.
+    """
+
+    on_reconnect: str = "verify"
+    backoff: Backoff = field(default_factory=Backoff)
+    max_offline_s: float = 600.0
+    settle_wait_s: float | None = None
+    heartbeat: bool = True
+    keep_after_s: float | None = None
+    local_cap: float = LOCAL_CAP
+    stop: threading.Event | None = None
+    offline: Drafter | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_reconnect not in ON_RECONNECT:
+            raise ValueError(f"on_reconnect must be one of {', '.join(ON_RECONNECT)}, got {self.on_reconnect!r}")
+        if self.keep_after_s is not None and not self.keep_after_s >= 0:
+            raise ValueError(f"keep_after_s must be >= 0 seconds or None, got {self.keep_after_s!r}")
+        if not 0 <= self.local_cap < 1:
+            raise ValueError(f"local_cap must be a probability in [0, 1), got {self.local_cap!r}")
+
+
+@dataclass
+class OfflineStats:
+    """What the link's failures cost a generation: all zero in one it never failed in (``GenerationStats`` holds
+    them as its own)."""
+
+    local_tokens: int = 0  # tokens generated without the server (kept or not)
+    local_kept: int = 0  # of which the settlement kept (the server agreed with them, or they were kept as they are)
+    local_capped: int = 0  # times local generation waited: what followed would almost surely have been thrown away
+    disconnects: int = 0
+    reconnects: int = 0
+    reconnect_attempts: int = 0  # server polls while offline
+    reconcile_calls: int = 0  # Verify calls that settled local tokens
+    offline_s: float = 0.0  # from each detected failure to the settlement (or the end)
+    local_s: float = 0.0  # of which spent generating local tokens
+    switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
+    switched_at: list[float] = field(default_factory=list)  # the clock's time when local generation began
+
+    def add(self, other: OfflineStats) -> None:
+        """Count ``other`` (one cut's) in too."""
+        for name in OfflineStats.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def unmeasured(p: float | None) -> float:
+    """A local token's chance of surviving by its writer's word alone (a copy's: 1)."""
+    return 1.0 if p is None else p
+
+
+@dataclass
+class Cut:
+    """A generation as it stood when its link failed: what the offline stage reads (and which collaborators it
+    drives: ``verifier``, ``drafter``, ``heartbeat``). ``finished(out, verified)``: why an output is complete ("" if
+    it is not; the loop's own rule); ``unfeatured``: cached tokens whose features a cut mid-stream kept away;
+    ``survival(p)``: the chance that a local token the drafter gave probability p (None: a copy) is the target's own
+    (the policy's measure of the drafter); ``clock``: seconds, for every bound."""
 
     verifier: Verifier
     drafter: Drafter
-    policy: AdaptivePolicy | None
     resilience: Resilience
-    sampling: SamplingParams
-    generator: torch.Generator  # offline draws
-    stats: GenerationStats
-    heartbeat: Heartbeat | None
     prompt_ids: list[int]
     out: list[int]
     verified: list[bool]  # per token of ``out``
-    spec: PayloadSpec  # the features its calls ask for
-    unfeatured: tuple[int, int] | None  # cached tokens whose features a cut mid-stream kept away
+    finished: Callable[[list[int], list[bool]], str]
+    sampling: SamplingParams = SamplingParams()
+    generator: torch.Generator | None = None  # offline draws
+    spec: PayloadSpec = NO_PAYLOAD  # the features its calls ask for
+    unfeatured: tuple[int, int] | None = None
+    survival: Callable[[float | None], float] = unmeasured
+    heartbeat: Heartbeat | None = None
+    clock: Callable[[], float] = time.perf_counter
 
-    def finished(self) -> str: ...
 
-    def commit(self, out: list[int], verified: list[bool]) -> None: ...
+class Bridge:
+    """The offline stage of one cut: ``outputs()`` yields each output it makes — local tokens as they come, then the
+    settled history — for the decode loop to apply; afterwards ``stats`` says what the cut cost and ``unfeatured``
+    what is still to be fetched. It never writes the loop's state: it reads the ``Cut`` and keeps its own copy."""
 
-    def open(self, history: list[int]) -> Verdict: ...
+    def __init__(self, cut: Cut) -> None:
+        self.cut = cut
+        self.out, self.verified, self.unfeatured = list(cut.out), list(cut.verified), cut.unfeatured
+        self.stats = OfflineStats()
 
+    def outputs(self) -> Iterator[tuple[list[int], list[bool]]]:
+        """Generate locally until the server answers again (or the budget ends), then settle the local tail.
 
-def bridge(run: Bridged) -> None:
-    """Generate locally until the server answers again (or the budget ends), then settle the local tail.
+        A settlement the link breaks again leaves the drafter half-settled: the next one reopens the session from
+        the verified history instead, and no more local tokens are made meanwhile.
+        """
+        cut, stats, resilience, clock = self.cut, self.stats, self.cut.resilience, self.cut.clock
+        began, first_local, fresh, losses = clock(), len(self.out), True, 0
+        stats.switched_at.append(began)
+        try:
+            while True:
+                reconnector = Reconnector(lambda: _reachable(cut.verifier), resilience.backoff)
+                reconnector.start()
+                try:
+                    if fresh:
+                        if self.unfeatured:
+                            self._catch_up()
+                        yield from self._generate_locally(reconnector, began)
+                    wait = resilience.max_offline_s - (clock() - began)
+                    if cut.finished(self.out, self.verified) and resilience.settle_wait_s is not None:
+                        wait = min(wait, resilience.settle_wait_s)
+                    if not _wait_for_link(reconnector, wait, resilience.stop, clock):
+                        return  # out of budget, or the process is stopping: the tail stays unverified
+                finally:
+                    reconnector.stop.set()
+                    reconnector.join(timeout=2 * MIN_POLL_S)  # a poll under way ends within its own deadline or is cut
+                    stats.reconnect_attempts += reconnector.attempts
+                stats.reconnects += 1
+                try:
+                    yield self._settle(first_local, fresh, self._keeping(began))
+                    if cut.heartbeat:
+                        cut.heartbeat.revive()
+                    return
+                except (LinkDown, SessionLost) as exc:
+                    stats.disconnects += 1
+                    fresh = False
+                    losses = losses + 1 if isinstance(exc, SessionLost) else 0
+                    if losses >= SETTLE_LOSSES:  # it answers, and fails every session: not a link to wait out
+                        raise SplitspecError(f"the server lost the session {losses} times in a row while settling "
+                                             f"({exc}); giving up") from None  # fmt: skip
+        finally:
+            stats.offline_s += clock() - began
 
-    ``run`` is the decode loop's ``client.decode.Run``. A settlement the link breaks again leaves the
-    drafter half-settled: the next one reopens the session from the verified history instead, and no
-    more local tokens are made meanwhile.
-    """
-    stats, resilience = run.stats, run.resilience
-    began, first_local, fresh, losses = time.perf_counter(), len(run.out), True, 0
-    stats.switched_at.append(began)
-    try:
-        while True:
-            reconnector = Reconnector(lambda: _reachable(run.verifier), resilience.backoff)
-            reconnector.start()
+    def _emit(self, out: list[int], verified: list[bool]) -> tuple[list[int], list[bool]]:
+        self.out, self.verified = out, verified
+        return out, verified
+
+    def _catch_up(self) -> None:
+        """The tokens streamed since the last payload (a cut kept their features away) fed to the drafter again as
+        local tokens are — each after a proposal, so the drafter stands in its own features for the target's — so
+        that it can generate after them; the target's own features replace those at the settlement."""
+        start, end = self.unfeatured
+        if start == 0:  # not even the prompt's arrived (a stream that opened the session): nothing to draft from
+            return  # until the settlement fetches them
+        tokens = (self.cut.prompt_ids + self.out)[start + 1 : end + 1]
+        self.cut.drafter.rewind(len(tokens))
+        self.cut.drafter.assume(tokens)
+
+    def _keeping(self, began: float) -> bool:
+        """Will the local tokens be kept as they are (keep, or a cut past ``keep_after_s``) rather than verified?"""
+        resilience = self.cut.resilience
+        late = resilience.keep_after_s is not None and self.cut.clock() - began > resilience.keep_after_s
+        return resilience.on_reconnect == "keep" or late
+
+    def _generate_locally(self, reconnector: Reconnector, began: float) -> Iterator[tuple[list[int], list[bool]]]:
+        """Local tokens until the link is back: the drafter's own (or ``resilience.offline``'s, which reads the
+        context first and whose tokens the drafter then takes as it takes its own, so the settlement goes as ever)."""
+        cut, stats, clock = self.cut, self.stats, self.cut.clock
+        resilience, drafter = cut.resilience, cut.drafter
+        t0, survival, capped = clock(), 1.0, False
+        writer = resilience.offline or drafter
+        survival_of = cut.survival if writer is drafter else unmeasured  # (the policy measured the drafter)
+        try:
+            if writer is not drafter:
+                writer.begin(cut.prompt_ids + self.out)
+            while not reconnector.up.is_set():
+                stopping = resilience.stop is not None and resilience.stop.is_set()
+                if stopping or cut.finished(self.out, self.verified) or clock() - began > resilience.max_offline_s:
+                    return
+                if survival < resilience.local_cap and not self._keeping(began):
+                    stats.local_capped += not capped  # the rest would almost surely be discarded: wait for the server
+                    capped = True
+                    reconnector.up.wait(0.05)
+                    continue
+                token, p = local_draw(writer, cut.sampling, cut.generator)
+                if token is None:  # nothing to offer offline (prompt lookup without a match): wait
+                    reconnector.up.wait(0.05)
+                    continue
+                if writer is not drafter:
+                    drafter.assume([token])
+                survival *= survival_of(p)
+                stats.local_tokens += 1
+                yield self._emit(self.out + [token], self.verified + [False])
+        finally:
+            stats.local_s += clock() - t0
+
+    def _reopen(self, history: list[int]) -> list[int]:
+        """A session opened again after ``prompt + history`` (its last token the root again): the tokens it adds."""
+        cut = self.cut
+        opened = cut.verifier.reopen(cut.prompt_ids + history, cut.sampling, spec=cut.spec)
+        self.unfeatured = None  # the prefill brings the features of every cached token
+        cut.drafter.begin(cut.prompt_ids + history + opened.new_tokens, opened.features)
+        return opened.new_tokens
+
+    def _settle(self, first_local: int, fresh: bool, keep: bool) -> tuple[list[int], list[bool]]:
+        """The history after reconnection: the local tail kept (``keep``) or verified against the target."""
+        cut, stats, out, verified = self.cut, self.stats, self.out, self.verified
+        verifier, drafter = cut.verifier, cut.drafter
+        local = out[first_local:]
+        chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
+        if keep:
+            opened = out + self._reopen(out)
+            stats.local_kept += len(local)
+            return self._emit(opened, verified[: len(out)] + [True] * (len(opened) - len(out)))
+        if fresh:
             try:
-                if fresh:
-                    if run.unfeatured:
-                        _catch_up(run)
-                    _generate_locally(run, reconnector, began)
-                wait = resilience.max_offline_s - (time.perf_counter() - began)
-                if run.finished() and resilience.settle_wait_s is not None:
-                    wait = min(wait, resilience.settle_wait_s)
-                if not _wait_for_link(reconnector, wait, resilience.stop):
-                    return  # out of budget, or the process is stopping: the tail stays unverified
-            finally:
-                reconnector.stop.set()
-                reconnector.join(timeout=2 * MIN_POLL_S)  # a poll under way ends within its own deadline or is cut
-                stats.reconnect_attempts += reconnector.attempts
-            stats.reconnects += 1
-            try:
-                _settle(run, first_local, fresh, _keeping(run, began))
-                if run.heartbeat:
-                    run.heartbeat.revive()
-                return
-            except (LinkDown, SessionLost) as exc:
-                stats.disconnects += 1
-                fresh = False
-                losses = losses + 1 if isinstance(exc, SessionLost) else 0
-                if losses >= SETTLE_LOSSES:  # it answers, and fails every session: not a link to wait out
-                    raise SplitspecError(f"the server lost the session {losses} times in a row while settling "
-                                         f"({exc}); giving up") from None  # fmt: skip
-    finally:
-        stats.offline_s += time.perf_counter() - began
+                if self.unfeatured:  # a cut mid-stream kept the features of the last tokens away: fetch them first
+                    drafter.absorb([], verifier.fetch(*self.unfeatured, cut.spec))
+                    self.unfeatured = None
+                replaced = reconcile_verify(verifier, drafter, local, chunk, stats, cut.spec)
+                stats.local_kept += _agreed(local, replaced)
+                return self._emit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
+            except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
+                pass
+        history = out[:first_local]
+        opened = history[:-1] + self._reopen(history[:-1])
+        if opened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
+            return self._emit(opened, verified[: len(opened) - 1] + [True])
+        for token in local:
+            drafter.absorb([token])
+        replaced = reconcile_verify(verifier, drafter, local, chunk, stats, cut.spec)
+        stats.local_kept += _agreed(local, replaced)
+        return self._emit(history + replaced, verified[:first_local] + [True] * len(replaced))
 
 
-def _wait_for_link(reconnector: Reconnector, seconds: float, stop: threading.Event | None) -> bool:
+def _wait_for_link(reconnector: Reconnector, seconds: float, stop: threading.Event | None,
+                   clock: Callable[[], float] = time.perf_counter) -> bool:  # fmt: skip
     """Whether the link came back within ``seconds``; False at once when ``stop`` is set (the process is stopping:
     nobody will read what a settlement would give)."""
-    deadline = time.perf_counter() + max(0.0, seconds)
+    deadline = clock() + max(0.0, seconds)
     while not (stop is not None and stop.is_set()):
-        left = deadline - time.perf_counter()
+        left = deadline - clock()
         if reconnector.up.wait(min(max(left, 0.0), STOP_POLL_S)):
             return True
         if left <= 0:
@@ -170,89 +337,6 @@ def _reachable(verifier: Verifier) -> bool:
     """One Handshake, given as long as a healthy link would need, so a dead one costs each poll little."""
     bound = verifier.link.timeout_s() if verifier.link is not None else None
     return verifier.reachable(timeout_s=max(MIN_POLL_S, 2 * bound + 0.1) if bound else 1.0)
-
-
-def _catch_up(run: Bridged) -> None:
-    """The tokens streamed since the last payload (a cut kept their features away) fed to the drafter again as local
-    tokens are — each after a proposal, so the drafter stands in its own features for the target's — so that it can
-    generate after them; the target's own features replace those at the settlement."""
-    start, end = run.unfeatured
-    if start == 0:  # not even the prompt's arrived (a stream that opened the session): nothing to draft from until
-        return  # the settlement fetches them
-    tokens = (run.prompt_ids + run.out)[start + 1 : end + 1]
-    run.drafter.rewind(len(tokens))
-    run.drafter.assume(tokens)
-
-
-def _keeping(run: Bridged, began: float) -> bool:
-    """Will the local tokens be kept as they are (keep, or a cut past ``keep_after_s``) rather than verified?"""
-    resilience = run.resilience
-    late = resilience.keep_after_s is not None and time.perf_counter() - began > resilience.keep_after_s
-    return resilience.on_reconnect == "keep" or late
-
-
-def _generate_locally(run: Bridged, reconnector: Reconnector, began: float) -> None:
-    """Local tokens until the link is back: the drafter's own (or ``resilience.offline``'s, which reads the context
-    first and whose tokens the drafter then takes as it takes its own, so the settlement goes as ever)."""
-    t0, survival, capped = time.perf_counter(), 1.0, False
-    writer = run.resilience.offline or run.drafter
-    calibration = min(1.0, run.policy.calibration) if run.policy is not None and writer is run.drafter else 1.0
-    try:
-        if writer is not run.drafter:
-            writer.begin(run.prompt_ids + run.out)
-        while not reconnector.up.is_set():
-            stopping = run.resilience.stop is not None and run.resilience.stop.is_set()
-            if stopping or run.finished() or time.perf_counter() - began > run.resilience.max_offline_s:
-                return
-            if survival < run.resilience.local_cap and not _keeping(run, began):
-                run.stats.local_capped += not capped  # the rest would almost surely be discarded: wait for the server
-                capped = True
-                reconnector.up.wait(0.05)
-                continue
-            token, p = local_draw(writer, run.sampling, run.generator)
-            if token is None:  # nothing to offer offline (prompt lookup without a match): wait
-                reconnector.up.wait(0.05)
-                continue
-            if writer is not run.drafter:
-                run.drafter.assume([token])
-            survival *= 1.0 if p is None else calibration * p
-            run.stats.local_tokens += 1
-            run.commit(run.out + [token], run.verified + [False])
-    finally:
-        run.stats.local_s += time.perf_counter() - t0
-
-
-def _settle(run: Bridged, first_local: int, fresh: bool, keep: bool) -> None:
-    """The history after reconnection: the local tail kept (``keep``) or verified against the target."""
-    verifier, drafter, out, verified = run.verifier, run.drafter, run.out, run.verified
-    local = out[first_local:]
-    chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
-    if keep:
-        opened = out + run.open(out).new_tokens
-        run.stats.local_kept += len(local)
-        run.commit(opened, verified[: len(out)] + [True] * (len(opened) - len(out)))
-        return
-    if fresh:
-        try:
-            if run.unfeatured:  # a cut mid-stream kept the features of the last tokens away: fetch them first
-                drafter.absorb([], verifier.fetch(*run.unfeatured, run.spec))
-                run.unfeatured = None
-            replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats, run.spec)
-            run.stats.local_kept += _agreed(local, replaced)
-            run.commit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
-            return
-        except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
-            pass
-    history = out[:first_local]
-    opened = history[:-1] + run.open(history[:-1]).new_tokens
-    if opened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
-        run.commit(opened, verified[: len(opened) - 1] + [True])
-        return
-    for token in local:
-        drafter.absorb([token])
-    replaced = reconcile_verify(verifier, drafter, local, chunk, run.stats, run.spec)
-    run.stats.local_kept += _agreed(local, replaced)
-    run.commit(history + replaced, verified[:first_local] + [True] * len(replaced))
 
 
 def _agreed(local: list[int], replaced: list[int]) -> int:

@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from netsim.profiles import PROFILES
+
+
+class Deprecated(argparse.Action):
+    """An old flag that still works, for scripts written against earlier versions: it says what replaced it (on
+    stderr) and stores its value where the new flag does (``dest``); ``nargs=0`` for an old switch, which stores
+    ``const``."""
+
+    def __init__(self, option_strings, dest, *, instead: str, nargs=None, const=None, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=nargs, const=const, help=argparse.SUPPRESS, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"splitspec: {option_string} is deprecated: {self.instead}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def add_connection_arguments(p: argparse.ArgumentParser, server_group=None) -> None:

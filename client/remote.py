@@ -31,10 +31,10 @@ from shared import payload
 from shared.acceptance import SamplingParams
 from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY, close_soon, off_thread
 from shared.codec import CodecError
+from shared.engine.target import Verdict
 from shared.errors import SplitspecError
 from shared.features import Features
 from shared.payload import PayloadSpec
-from shared.target import Verdict
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc

@@ -122,6 +122,10 @@ class Sizing:
     pipelined: bool = False  # the loop drafts the next tree while a Verify is in flight
     hit: float = 0.8  # of the rounds whose likeliest path was accepted, the share whose bonus was among the guesses
     ahead_s: float | None = None  # drafting ahead, a round (running average)
+    # the drafter's first choices the target was asked about, per round (``firsts``): [taken, their probabilities
+    # summed] as running averages ([] until measured); ``copies``: the same for copied drafts, counted
+    choices: list[float] = field(default_factory=list)
+    copies: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.depth = self.depth or self.pin_depth or min(self.max_depth, START_DEPTH)
@@ -263,6 +267,32 @@ class Sizing:
             if predicted > 0.05:
                 ratio = min(3.0, max(0.2, accepted / predicted))
                 self.calibration = (1 - GAIN) * self.calibration + GAIN * ratio
+
+    def firsts(self, sent: DraftTree, accepted: list[int]) -> None:
+        """A lesson for local generation from a tree whose verdict is known (a verified round's, or a rehearsal's
+        against the streamed tokens): along the drafter's first choices (``chain_of_firsts``), each one the target
+        was asked about — the first, and each after one it took — taken or not, against the drafter's probability
+        of it; for a copy (no probabilities: prompt lookup), taken or not. (All of a tree's nodes say how far its
+        path probabilities can be trusted, ``calibration``; a local token is always a first choice, of which a
+        drafter is often surer than it should be.)"""
+        taken, parent, hits, asked = set(accepted), 0.0, 0.0, 0.0
+        for node in sent.chain_of_firsts():
+            asked += 1.0 if sent.scores is None else math.exp(sent.scores[node] - parent)
+            if node not in taken:
+                break
+            hits, parent = hits + 1, 0.0 if sent.scores is None else sent.scores[node]
+        if asked:  # per round, so that the order of a round's hits and its miss weighs nothing
+            tally = self.copies if sent.scores is None else self.choices
+            tally[:] = [hits, asked] if not tally else [(1 - GAIN) * tally[0] + GAIN * hits,
+                                                         (1 - GAIN) * tally[1] + GAIN * asked]  # fmt: skip
+
+    def survival(self, p: float | None) -> float:
+        """The chance that a local token is the target's own: the drafter's probability ``p`` of it scaled by how
+        often the target took its first choices against how sure of them it was; for a copy (``p`` None), how often
+        the target took copies (1 while unmeasured)."""
+        if p is None:
+            return self.copies[0] / self.copies[1] if self.copies else 1.0
+        return min(1.0, p * self.choices[0] / self.choices[1]) if self.choices else p
 
     def ahead(self, path_taken: bool, held: bool, seconds: float) -> None:
         """A pipelined round: its likeliest path was accepted (``path_taken``), its next tree was ready (``held``),

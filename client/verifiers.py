@@ -14,10 +14,10 @@ from client.endpoint import Endpoint
 from client.link import LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
+from shared.engine.target import Verdict
 from shared.errors import SplitspecError
 from shared.features import Features
 from shared.payload import PayloadSpec
-from shared.target import Verdict
 from shared.tree import DraftTree
 
 NO_PAYLOAD = PayloadSpec()  # no features: what a call returns unless its spec asks
@@ -74,6 +74,15 @@ class Verifier(ABC):
     def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
         """Free the session, if one is open; ``wait`` False: without waiting for the server's answer (a generation's
         end, where it would cost a round trip for nothing; a lost request leaves the session to the server's TTL)."""
+
+    def reopen(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
+        """``open`` after closing the session this verifier had, if the server still has it (after a cut it may not:
+        then its TTL frees it)."""
+        try:
+            self.close(timeout_s=2.0)
+        except SplitspecError:
+            pass
+        return self.open(prompt_ids, sampling, spec=spec)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
                timeout_s: float | None = None, lookup: int = 0, *, spec: PayloadSpec = NO_PAYLOAD

@@ -1,7 +1,7 @@
 """Continuous batching: every forward the server runs goes through one thread that gathers the work waiting.
 
 Calls (a Verify's tree, a prompt piece of an OpenSession, a decode step of the streaming API) hand their
-``Step`` (``shared.target``) to ``Batcher.run`` and wait. The worker takes what is queued — up to
+``Step`` (``shared.engine.target``) to ``Batcher.run`` and wait. The worker takes what is queued — up to
 ``max_batch`` steps and ``max_tokens`` tokens, waiting at most ``window_s`` for more once it has one —
 and runs them as one ``forward_many`` (it waits only while fewer steps are gathered than sessions were
 active in the last ``ACTIVE_S``: a lone client never waits): each step keeps its own cache, positions
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from server.budget import Tree, TreeBudget
-from shared.engine import Cache, Part, Transformer
-from shared.target import Step, Verdict
+from shared.engine.decoder import Cache, Part, Transformer
+from shared.engine.target import Step, Verdict
 
 log = logging.getLogger(__name__)
 ACTIVE_S = 0.5  # a sequence with a step in the last half second is expected to send another soon

@@ -9,7 +9,8 @@ import signal
 import threading
 
 from server.limits import ServerLimits
-from shared.models import DEFAULT_MODEL, DTYPES
+from shared.engine.decoder import DTYPES
+from shared.engine.models import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from server.security import server_credentials
     from server.service import build_server
     from shared.auth import read_tokens
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
@@ -137,7 +138,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     from server import cluster
     from shared.auth import read_tokens
     from shared.bundles import SHIPPED
-    from shared.models import resolve_model
+    from shared.engine.models import resolve_model
 
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         raise SystemExit("--ray serves through Ray Serve's gRPC proxy, which has no TLS (Ray 2.60): terminate TLS "

@@ -102,7 +102,7 @@ class Replica:
 
         from server.observability import RouteMetrics
         from server.security import TokenAuth
-        from shared.models import load_target
+        from shared.engine.models import load_target
 
         # the session log lines and the service's warnings, in the replica's log file (Ray's logs/serve/ folder)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -31,9 +31,9 @@ from server.sessions import Session, SessionStore, StoreFull
 from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
 from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS, PUSHBACK
+from shared.engine.target import INITIAL_CAPACITY, Target
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, feature_kinds
-from shared.target import INITIAL_CAPACITY, Target
 from shared.tree import DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc

@@ -1,6 +1,6 @@
 """The server's session store: admission against a count and a KV-memory budget, eviction, reaping.
 
-A session holds one sequence's KV cache (``shared.target.TargetSession``; it grows with the
+A session holds one sequence's KV cache (``shared.engine.target.TargetSession``; it grows with the
 sequence). A new session is admitted when a place is free in count and memory; otherwise the
 sessions idle longest (none of their calls running, idle at least ``evict_idle_s``) are evicted
 to make room — their clients reopen from the history they hold — and only when that is not
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.target import TargetSession
+from shared.engine.target import TargetSession
 
 
 class StoreFull(Exception):

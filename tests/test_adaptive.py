@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from client.adaptive import AdaptivePolicy
+from client.adaptive import AdaptivePolicy, Ahead, Loaded, Pipelining, Rehearsal, Round, State, StaticPolicy, Stretch
 from client.costs import GAIN, LineFit
 from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase, Schedule
 from client.sizing import EXPLORE, Decision, Sizing
@@ -50,15 +50,17 @@ def cut(policy: AdaptivePolicy, tree: DraftTree) -> DraftTree:
 
 def drafted(policy: AdaptivePolicy, tokens: int, seconds: float = 0.074, nodes: int = 16) -> None:
     """A drafted round of ``nodes`` nodes gaining ``tokens``: 44 ms verifying, 30 ms drafting 3 levels."""
-    policy.rounded(Decision(nodes, tokens, seconds), TREE.head(nodes), tokens - 1, tokens, 0.044, 0.030, 3, seconds,
-                   True)  # fmt: skip
+    accepted, decision = list(range(tokens - 1)), Decision(nodes, tokens, seconds)  # (TREE is a chain)
+    policy.observe(Round(decision, TREE.head(nodes), accepted, tokens, 0.044, 0.030, 3, seconds))
 
 
 def plain(policy: AdaptivePolicy, seconds: float = 0.012) -> None:
     """A plain round: one token in ``seconds``."""
-    policy.rounded(Decision(0, 1.0, seconds, "pinned"), DraftTree(), 0, 1, seconds, 0.0, 0, seconds, False)
+    policy.observe(Round(Decision(0, 1.0, seconds, "pinned"), DraftTree(), [], 1, seconds, 0.0, 0, seconds, False))
 
 
+ROUND = State(prompt_tokens=16, generated=8)  # the loop's state between rounds
+STREAMING = State(prompt_tokens=16, generated=8, streaming=True)  # a stretch of a stream is over
 TREE = ranked_tree([0.9, 0.8, 0.7, 0.55, 0.45, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002])
 
 
@@ -108,11 +110,11 @@ def test_the_next_depth_is_the_cut_that_pays_for_its_drafting():
         assert paying <= len(sent)  # the spent drafting buys at least as much of this tree
         sizing = policy.sizing
         deeper = 1 if paying == len(tree) else 0
-        assert policy.depth == min(sizing.max_depth, max(sizing.min_depth, paying + deeper)), step
+        assert policy.sizing.depth == min(sizing.max_depth, max(sizing.min_depth, paying + deeper)), step
     dear, cheap = (trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003) for _ in range(2))
     dear.sizing.draft_step_s, cheap.sizing.draft_step_s = 0.03, 0.001
     cut(dear, TREE), cut(cheap, TREE)
-    assert dear.depth < cheap.depth
+    assert dear.sizing.depth < cheap.sizing.depth
 
 
 def test_pipelined_drafting_costs_only_where_the_guess_fails():
@@ -121,7 +123,7 @@ def test_pipelined_drafting_costs_only_where_the_guess_fails():
     def sizing(pipelined: bool, step: float) -> AdaptivePolicy:
         policy = trained(AdaptivePolicy(FakeLink(0.03, 1e7)), verify_base=0.05, per_node=0.003)
         policy.sizing.draft_step_s, policy.sizing.ahead_s = step, 5 * step
-        policy.pipelines(pipelined)
+        policy.observe(Pipelining(pipelined))
         policy.sizing.hit = 1.0
         return policy
 
@@ -133,9 +135,9 @@ def test_pipelined_drafting_costs_only_where_the_guess_fails():
     assert s.exposed_s(0.1, 0.99, 0.2) < s.exposed_s(0.1, 0.5, 0.2) < s.exposed_s(0.1, 1e-4, 0.2)
     assert s.exposed_s(0.1, 1.0, 0.02) == pytest.approx(0.1 - 0.02)  # a sure guess: only what ahead (0.1) outlasts
     assert dear.sizing.exposed_s(0.1, 1.0, 0.2) == 0.1  # not pipelined: all of it
-    piped.ahead(path_taken=True, held=False, seconds=0.1)
+    piped.observe(Ahead(path_taken=True, held=False, seconds=0.1))
     assert piped.sizing.hit < 1.0
-    piped.ahead(path_taken=False, held=False, seconds=0.1)  # a path not taken says nothing of the bonus guesses
+    piped.observe(Ahead(path_taken=False, held=False, seconds=0.1))  # a path not taken: nothing said of the bonus
     assert piped.sizing.hit == pytest.approx(1.0 - GAIN)
 
 
@@ -145,7 +147,7 @@ def test_exploration_rounds_vary_the_size_then_pins_hold():
     sizes = [len(cut(policy, TREE)) for _ in EXPLORE]
     assert sizes == [math.ceil(share * len(TREE)) for share in EXPLORE]
     pinned = AdaptivePolicy(FakeLink(0.01, 1e7), pin_nodes=3, pin_depth=4)
-    assert len(cut(pinned, TREE)) == 3 and pinned.depth == 4
+    assert len(cut(pinned, TREE)) == 3 and pinned.sizing.depth == 4
 
 
 def test_calibration_follows_what_was_accepted():
@@ -196,7 +198,7 @@ def test_payload_choice_drops_precision_only_when_the_link_is_slow():
 
     assert policy(5e6).sizing.round_spec(3.0).precision == "fp16"  # 4G-like: 6 KB is ~1 ms
     assert policy(3e4).sizing.round_spec(3.0).precision == "int4"  # 240 kbit/s: even int4 is over budget: the smallest
-    assert AdaptivePolicy(None, pin_spec=options[1]).round_spec() is options[1]
+    assert AdaptivePolicy(None, pin_spec=options[1]).sizing.round_spec() is options[1]
 
 
 def test_streams_and_prompts_get_the_payload_their_link_can_carry():
@@ -209,12 +211,12 @@ def test_streams_and_prompts_get_the_payload_their_link_can_carry():
         policy.sizing.token_s = 0.0125  # the server's compute per streamed token: the pace payloads must keep
         return policy
 
-    assert policy(0.03, 2.5e6).stream_spec().precision == "fp16"  # 4G: 1.9 KB a token is 0.8 ms of 12.5 ms
-    assert policy(0.3, 2e5).stream_spec().precision == "int8"  # 3G: 4.8 ms of 12.5 ms; fp16 would take 9.6
-    assert policy(0.03, 2.5e6).prompt_spec(100).precision == "int8"  # 192 KB is 77 ms > 50 ms; 96 KB fits
-    assert policy(0.3, 2e5).prompt_spec(100).precision == "int4"  # 48 KB is 0.24 s < one 0.3 s round trip
+    assert policy(0.03, 2.5e6).sizing.stream_spec().precision == "fp16"  # 4G: 1.9 KB a token is 0.8 ms of 12.5 ms
+    assert policy(0.3, 2e5).sizing.stream_spec().precision == "int8"  # 3G: 4.8 ms of 12.5 ms; fp16 would take 9.6
+    assert policy(0.03, 2.5e6).sizing.prompt_spec(100).precision == "int8"  # 192 KB is 77 ms > 50 ms; 96 KB fits
+    assert policy(0.3, 2e5).sizing.prompt_spec(100).precision == "int4"  # 48 KB is 0.24 s < one 0.3 s round trip
     # a link whose rate nobody measured may be 3G: a first stream (which carries the prompt's features) goes small
-    assert policy(0.3, None).stream_spec().precision == "int4"
+    assert policy(0.3, None).sizing.stream_spec().precision == "int4"
 
 
 def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
@@ -222,10 +224,10 @@ def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
     the 80 tok/s stream: auto streams on without a trial. On 4G's 30 ms it may pay: the trial runs."""
     for rtt_s, trial in ((0.3, False), (0.03, True)):
         policy = AdaptivePolicy(FakeLink(rtt_s, 1e6))
-        assert policy.stretch() == PAUSE
-        policy.streamed(PAUSE, 0.0, PAUSE / 80.0)
+        assert policy.plan(ROUND).stream == PAUSE
+        policy.observe(Stretch(PAUSE, 0.0, PAUSE / 80.0))
         assert policy.schedule.hopeless() is not trial
-        assert (policy.stretch() == 0) is trial
+        assert (policy.plan(ROUND).stream == 0) is trial
     policy = AdaptivePolicy(FakeLink(0.03, 1e6))
     policy.schedule.plain_seen = 80.0
     policy.schedule.drafted_gain = 1.4  # a drafter that rarely hits: at best 2.8 tokens a 30 ms round, 93 tok/s ...
@@ -242,13 +244,13 @@ def test_a_trial_that_turns_hopeless_stops_at_once_even_in_its_explorations():
     from client.schedule import MAX_PAUSE
 
     policy = AdaptivePolicy(FakeLink(0.03, 1e6))
-    assert policy.stretch() == PAUSE
-    policy.streamed(PAUSE, 0.0, PAUSE / 80.0)
-    assert policy.stretch() == 0 and policy.schedule.phase is Phase.TRIAL
+    assert policy.plan(ROUND).stream == PAUSE
+    policy.observe(Stretch(PAUSE, 0.0, PAUSE / 80.0))
+    assert policy.plan(ROUND).stream == 0 and policy.schedule.phase is Phase.TRIAL
     decision = policy.size(TREE)
     assert decision.kind == "explore"
-    policy.rounded(decision, TREE.head(decision.nodes), 0, 1, 0.004, 0.009, 3, 0.045, True)
-    assert policy.schedule.hopeless() and policy.stretch() == MAX_PAUSE
+    policy.observe(Round(decision, TREE.head(decision.nodes), [], 1, 0.004, 0.009, 3, 0.045, True))
+    assert policy.schedule.hopeless() and policy.plan(ROUND).stream == MAX_PAUSE
 
 
 def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
@@ -261,8 +263,8 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
         policy = trained(AdaptivePolicy(None, mode="draft"), verify_base=0.010, per_node=0.002)  # one token: 12 ms
         choices = []
         for _ in range(rounds):
-            drafting = policy.drafts()
-            assert policy.drafts() == drafting  # a question: asking twice changes nothing
+            drafting = policy.plan(ROUND).draft
+            assert policy.plan(ROUND).draft == drafting  # a question: asking twice changes nothing
             choices.append(drafting)
             if drafting:  # a 16-node tree: 44 ms of verification and 30 ms of drafting
                 drafted(policy, accepted + 1)
@@ -283,7 +285,7 @@ def test_drafting_pauses_while_it_loses_to_plain_steps_and_is_tried_again():
     pinned = trained(AdaptivePolicy(None, pin_nodes=4), verify_base=0.010, per_node=0.002)
     for _ in range(TRIAL + 2):
         drafted(pinned, 1)
-    assert pinned.drafts()
+    assert pinned.plan(ROUND).draft
 
 
 def test_auto_streams_first_then_keeps_whichever_mode_was_faster():
@@ -292,25 +294,25 @@ def test_auto_streams_first_then_keeps_whichever_mode_was_faster():
 
     def trial(policy, tokens: int) -> None:
         for _ in range(TRIAL):
-            assert policy.stretch() == 0 and policy.drafts()
+            assert policy.plan(ROUND).stream == 0 and policy.plan(ROUND).draft
             drafted(policy, tokens)
 
     losing = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    assert losing.stretch() == PAUSE and losing.schedule.phase is Phase.PAUSE
-    losing.streamed(PAUSE, 0.0, PAUSE * 0.012)  # streamed at 83 tok/s
-    assert losing.extend() == 0 and losing.schedule.phase is Phase.TRIAL
+    assert losing.plan(ROUND).stream == PAUSE and losing.schedule.phase is Phase.PAUSE
+    losing.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))  # streamed at 83 tok/s
+    assert losing.plan(STREAMING).stream == 0 and losing.schedule.phase is Phase.TRIAL
     trial(losing, 3)  # 40 tok/s
-    assert losing.stretch() == PAUSE
-    losing.streamed(PAUSE, 0.0, PAUSE * 0.012)
+    assert losing.plan(ROUND).stream == PAUSE
+    losing.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))
     trial(losing, 3)
-    assert losing.stretch() == 4 * PAUSE  # each lost trial lengthens the stretch: x4 when under half the speed
+    assert losing.plan(ROUND).stream == 4 * PAUSE  # each lost trial lengthens the stretch: x4 when under half the speed
     winning = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    assert winning.stretch() == PAUSE
-    winning.streamed(PAUSE, 0.0, PAUSE * 0.012)
+    assert winning.plan(ROUND).stream == PAUSE
+    winning.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))
     trial(winning, 11)  # 149 tok/s
-    assert winning.stretch() == 0 and winning.schedule.phase is Phase.TRIAL
-    assert AdaptivePolicy(None, mode="stream").stretch() > 10**6
-    assert AdaptivePolicy(None, mode="draft").stretch() == 0
+    assert winning.plan(ROUND).stream == 0 and winning.schedule.phase is Phase.TRIAL
+    assert AdaptivePolicy(None, mode="stream").plan(ROUND).stream > 10**6
+    assert AdaptivePolicy(None, mode="draft").plan(ROUND).stream == 0
     with pytest.raises(ValueError, match="mode must be one of auto, draft, stream, got 'fast'"):
         AdaptivePolicy(None, mode="fast")
 
@@ -322,15 +324,15 @@ def test_a_busy_server_is_spared_when_drafting_costs_it_less_per_token():
     from shared.wire import splitspec_pb2 as pb
 
     policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    policy.streamed(PAUSE, 0.0, PAUSE * 0.012)
+    policy.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))
     for _ in range(TRIAL):  # a 16-node tree gaining 3 tokens, slower than streaming: the trial is lost
         drafted(policy, 3)
-    assert policy.schedule.phase is Phase.PAUSE and policy.stretch() == PAUSE
-    policy.loaded(pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.00002, prefer="capacity"))  # a GPU at batch 16
-    assert policy.schedule.spare_server() and policy.stretch() == 0  # drafting despite the lost trial
-    policy.loaded(pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.002, prefer="capacity"))  # a CPU at batch 16
-    assert not policy.schedule.spare_server() and policy.stretch() > 0
-    policy.loaded(pb.Load(sessions=1, step_s=0.010, node_s=0.0001, prefer="latency"))
+    assert policy.schedule.phase is Phase.PAUSE and policy.plan(ROUND).stream == PAUSE
+    policy.observe(Loaded(pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.00002, prefer="capacity")))  # GPU, batch 16
+    assert policy.schedule.spare_server() and policy.plan(ROUND).stream == 0  # drafting despite the lost trial
+    policy.observe(Loaded(pb.Load(sessions=16, step_s=0.010 / 16, node_s=0.002, prefer="capacity")))  # a CPU, batch 16
+    assert not policy.schedule.spare_server() and policy.plan(ROUND).stream > 0
+    policy.observe(Loaded(pb.Load(sessions=1, step_s=0.010, node_s=0.0001, prefer="latency")))
     assert not policy.schedule.spare_server()
 
 
@@ -360,7 +362,7 @@ def test_rehearsals_predict_drafting_from_trees_never_sent():
         p = AdaptivePolicy(FakeLink(0.005, 1e7))
         p.schedule.plain_seen, p.sizing.token_s = 100.0, 0.008
         for _ in range(MIN_REHEARSALS):
-            p.rehearsed(DraftTree.chain([1, 2, 3, 4]), path, 0.002)
+            p.observe(Rehearsal(DraftTree.chain([1, 2, 3, 4]), path, 0.002))
         return p.schedule
 
     assert AdaptivePolicy(FakeLink(0.005, 1e7)).schedule.rehearsed_rate() is None  # none yet: the old bound rules
@@ -383,14 +385,14 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
     first = trained(AdaptivePolicy.for_run(Local(), []), verify_base=0.010, per_node=0.002)
     assert first.schedule.mode == "draft"  # in process: drafted or plain rounds, never streams
     for _ in range(TRIAL + MEASURE + 3):  # a losing trial, its measurement, then 3 rounds into the pause
-        drafted(first, 3) if first.drafts() else plain(first)
+        drafted(first, 3) if first.plan(ROUND).draft else plain(first)
     assert first.schedule.phase is Phase.PAUSE and first.schedule.left == PAUSE - 3
     first.schedule.pause = 384  # losses on chat text had grown the next pause
     second = AdaptivePolicy.for_run(Local(), [], previous=first)
     assert second.sizing.calibration == first.sizing.calibration
     choices = []
     for _ in range(TRIAL):
-        choices.append(second.drafts())
+        choices.append(second.plan(ROUND).draft)
         drafted(second, 3)
     assert choices == [True] * TRIAL  # a trial first: this prompt may be code
     assert second.schedule.phase is Phase.PAUSE and second.schedule.left == PAUSE  # lost: a first pause's length
@@ -398,12 +400,12 @@ def test_a_run_starts_from_what_the_previous_run_learnt():
     assert second.sizing.verify_fit is not first.sizing.verify_fit  # learning on in the second leaves the first alone
     assert second.schedule is not first.schedule and first.schedule.left == PAUSE - 3
     fresh = AdaptivePolicy.for_run(Local(), [])
-    assert fresh.drafts() and fresh.schedule.plain_seen is None
+    assert fresh.plan(ROUND).draft and fresh.schedule.plain_seen is None
 
 
 def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
-    """The policy owns its state: the decode loop and the offline bridge call its methods (``rounded``,
-    ``streamed``, ``loaded``...) and assign none of its attributes (they once set ``load`` and ``token_s``)."""
+    """The policy owns its state: the decode loop calls its methods (``plan``, ``size``, ``observe``) and assigns none
+    of its attributes (it once set ``load`` and ``token_s``)."""
     import ast
     from pathlib import Path
 
@@ -423,14 +425,14 @@ def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
 
 def test_the_policys_questions_change_nothing():
     """The policy's questions (what next, at what size, which payload) assign none of its attributes: it learns only
-    from what it is told (``rounded``, ``streamed``, ``loaded``, ``rehearsed``). Parsed, so a question that starts
+    from what it is told (``observe``). Parsed, so a question that starts
     to change state fails here, whatever the inputs."""
     import ast
     from pathlib import Path
 
-    questions = {"stretch", "extend", "drafts", "rehearse", "rehearsed_rate", "hopeless", "spare_server", "size",
-                 "round_spec", "stream_spec", "prompt_spec", "transfer_s", "round_s", "verify_s", "payload_per_token",
-                 "verify_estimate", "depth", "lookup", "calibration"}  # fmt: skip
+    questions = {"plan", "stretch", "extend", "drafts", "rehearse", "rehearsed_rate", "hopeless", "spare_server",
+                 "size", "round_spec", "stream_spec", "prompt_spec", "transfer_s", "round_s", "verify_s",
+                 "payload_per_token", "estimate", "calibration"}  # fmt: skip
     root, found, writes = Path(__file__).resolve().parents[1], set(), []
     for name in ("client/adaptive.py", "client/sizing.py", "client/schedule.py"):
         for cls in (n for n in ast.parse((root / name).read_text()).body if isinstance(n, ast.ClassDef)):
@@ -445,3 +447,22 @@ def test_the_policys_questions_change_nothing():
                             "append", "add", "observe", "drafted", "plain", "_judge"):  # fmt: skip
                         writes.append(f"{name}:{node.lineno} {cls.name}.{method.name} calls {node.func.attr}")
     assert found == questions and writes == []
+
+
+def test_a_local_tokens_survival_is_calibrated_by_the_first_choices_the_target_took():
+    """A drafter sure of its first choices (0.95 each) whose target takes two and refuses the third: a token made
+    offline survives about 2/3 of the time, not 0.95 — the rate the local cap multiplies. The whole tree's
+    calibration is another measure (path probabilities of every node) and is not what is used."""
+    policy = AdaptivePolicy(None)
+    assert policy.survival(0.9) == 0.9  # nothing measured: the drafter's own word
+    sure = ranked_tree([0.95**k for k in range(1, 9)])
+    for _ in range(60):
+        policy.observe(Round(Decision(8, 3.0, 0.05), sure, [0, 1], 3, 0.04, 0.01, 8, 0.05))
+    assert policy.survival(0.95) == pytest.approx(2 / 3, rel=0.02)
+    assert policy.survival(1.0) < 0.95 and StaticPolicy().survival(0.9) == 0.9
+    assert policy.survival(None) == 1.0  # no copy measured yet
+    copy = DraftTree.chain([5, 6, 7, 8])  # prompt lookup's: no probabilities; the target takes 1 of the 2 asked
+    for _ in range(60):
+        policy.observe(Rehearsal(copy, [0], 0.0))  # (a rehearsal's verdict teaches as a round's does)
+    assert policy.survival(None) == pytest.approx(0.5, rel=0.02) and policy.survival(0.95) == pytest.approx(2 / 3,
+                                                                                                          rel=0.02)

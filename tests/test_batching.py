@@ -13,7 +13,7 @@ from server import batching
 from server.batching import Batcher
 from server.budget import TreeBudget
 from shared.acceptance import SamplingParams
-from shared.models import load_target
+from shared.engine.models import load_target
 from shared.tree import DraftTree
 
 

@@ -10,7 +10,7 @@ import pytest
 from server.batching import Batcher
 from server.budget import MIN_FORWARDS, MIN_PATHS, Tree, TreeBudget
 from shared.acceptance import SamplingParams
-from shared.models import load_target
+from shared.engine.models import load_target
 from shared.tree import DraftTree
 
 

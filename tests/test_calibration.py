@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from shared import calibration, kernels
-from shared.calibration import PATHS, Table
-from shared.engine import ModelConfig
-from shared.models import on_q4_grid, resolve_precision, served_paths
+from shared.engine import calibration, kernels
+from shared.engine.calibration import PATHS, Table
+from shared.engine.decoder import ModelConfig
+from shared.engine.models import on_q4_grid, resolve_precision, served_paths
 
 
 def table(ms: dict[str, tuple[float, float, float]]) -> Table:

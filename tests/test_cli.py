@@ -47,6 +47,8 @@ def test_generate_remote_matches_local(tiny_model_dir, tiny_server):
     api = json.loads(splitspec("generate", "--server", address, "--baseline", "api", *common).stdout)
     assert remote["token_ids"] == local["token_ids"] == api["token_ids"]
     assert remote["stats"]["server_calls"] >= 2 and remote["stats"]["bytes_received"] > 0
+    old = splitspec("generate", "--local", "--greedy", *common)  # an earlier version's flag: still works, and says so
+    assert json.loads(old.stdout)["token_ids"] == local["token_ids"] and "--greedy is deprecated" in old.stderr
 
 
 def test_errors_are_one_clear_line(tmp_path, tiny_model_dir):
@@ -69,6 +71,9 @@ def test_errors_are_one_clear_line(tmp_path, tiny_model_dir):
         "w1",
     )
     assert proc.returncode == 2 and "cannot reach a splitspec server at 127.0.0.1:9 within 1s" in proc.stderr
+    proc = splitspec("generate", "--local", "--model", str(tiny_model_dir), "--prompt", "w1", "--greedy",
+                     "--temperature", "0.7")  # fmt: skip
+    assert proc.returncode == 2 and "--greedy with --temperature 0.7" in proc.stderr.splitlines()[-1]
 
 
 def test_builtin_model_without_its_package_names_the_fix(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import grpc
 import pytest
@@ -136,15 +135,18 @@ def test_every_session_stays_on_its_replica(app):
 
 
 def test_a_call_routed_away_from_its_session_is_refused_not_found_at_once(app):
-    """What a miss costs: an immediate NOT_FOUND (the client reopens from history), counted by the replica."""
+    """What a miss costs: a NOT_FOUND from the replica it landed on (the client reopens from history), counted by the
+    replica — an answer, not a deadline: a miss the client learnt of by waiting would end DEADLINE_EXCEEDED (or
+    UNAVAILABLE from the proxy), whatever the deadline."""
+    misses = sum(f["misses"] for f in cluster.figures())
     with grpc.insecure_channel(app) as channel:
         stub = pb_grpc.SplitSpecStub(channel)
-        start = time.monotonic()
         with pytest.raises(grpc.RpcError) as lost:
-            stub.Verify(pb.VerifyRequest(session_id="0" * 32, tokens=[9], parents=[-1]), timeout=10,
+            stub.Verify(pb.VerifyRequest(session_id="0" * 32, tokens=[9], parents=[-1]), timeout=60,
                         metadata=(("authorization", f"Bearer {TOKEN}"), (ROUTE_KEY, "no-such-key")))  # fmt: skip
-        assert lost.value.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() - start < 5
-    assert sum(f["misses"] for f in cluster.figures()) >= 1
+        assert lost.value.code() == grpc.StatusCode.NOT_FOUND, lost.value
+        assert "unknown or closed session" in lost.value.details()  # the service's own answer
+    assert sum(f["misses"] for f in cluster.figures()) >= misses + 1
 
 
 def test_replicas_killed_mid_generation_lose_no_output(app, tiny_target, plain):

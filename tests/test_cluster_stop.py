@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters.base import NoDrafter
+from client.offline import Resilience
 from client.remote import RemoteVerifier
 from shared.server_process import ServerChild
 

@@ -11,10 +11,10 @@ import pytest
 
 from client import decode
 from client.adaptive import AdaptivePolicy
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import Backoff
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.schedule import PAUSE
 from client.verifiers import LocalVerifier
@@ -24,7 +24,7 @@ from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
-from tests.conftest import served
+from tests.conftest import served, wait_until
 from tests.test_moa import make_moa
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
@@ -328,20 +328,54 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
 
 
 def test_no_probe_goes_out_while_the_stream_is_heard_from(server):
-    """A stream's chunks arriving say the link is up: the heartbeat stays quiet, and probes once they stop."""
+    """A stream's chunks arriving say the link is up: the heartbeat stays quiet, and probes once they stop. The
+    heartbeat's clock is the test's: the link is quiet exactly when the test moves it on past the last chunk."""
     from client.endpoint import Endpoint
     from client.heartbeat import Heartbeat
     from client.link import LinkMonitor
 
-    streaming = [True]
-    beat = Heartbeat(Endpoint(server[0]), LinkMonitor(), busy=lambda: True,
-                     heard=lambda: time.monotonic() if streaming[0] else 0.0).start()  # fmt: skip
+    now, turns = [100.0], [0]  # a chunk was heard at 100.0 (``heard``), and the clock stands there
+
+    def busy() -> bool:  # asked once a turn of the heartbeat's loop
+        turns[0] += 1
+        return True
+
+    beat = Heartbeat(Endpoint(server[0]), LinkMonitor(), busy=busy, heard=lambda: 100.0,
+                     clock=lambda: now[0]).start()  # fmt: skip
     try:
-        time.sleep(0.3)
+        assert beat.quiet() is False
+        wait_until(lambda: turns[0] >= 5)  # several turns, each heard from within the interval
         assert beat.probes == 0
-        streaming[0] = False
-        time.sleep(0.3)
-        assert beat.probes >= 2 and not beat.dead.is_set()
+        now[0] += beat.interval_s()  # the stream stopped an interval ago
+        assert beat.quiet() is True
+        wait_until(lambda: beat.probes >= 2)
+        assert not beat.dead.is_set()
+    finally:
+        beat.close()
+
+
+def test_a_probe_grpc_never_ends_is_counted_unanswered_once_its_deadline_and_grace_pass(server):
+    """``_overdue`` on the heartbeat's clock: a probe out for its deadline plus ``GRACE_S`` marks the link dead, one
+    a moment short of that does not, whatever the wall clock did meanwhile."""
+    from client.deadlines import GRACE_S
+    from client.endpoint import Endpoint
+    from client.heartbeat import Heartbeat
+    from client.link import LinkMonitor
+
+    class Stuck:  # a probe whose callback never comes
+        def cancel(self):
+            pass
+
+    now = [50.0]
+    beat = Heartbeat(Endpoint(server[0]), LinkMonitor(), clock=lambda: now[0])
+    try:
+        beat._pending[stuck := Stuck()] = (50.0, 0.2, beat.generation)  # sent at 50.0 with a 0.2 s deadline
+        now[0] = 50.0 + 0.2 + GRACE_S - 0.01
+        beat._overdue()
+        assert not beat.dead.is_set() and stuck in beat._pending
+        now[0] = 50.0 + 0.2 + GRACE_S + 0.01
+        beat._overdue()
+        assert beat.dead.is_set() and "no end from gRPC" in beat.reason and stuck not in beat._pending
     finally:
         beat.close()
 

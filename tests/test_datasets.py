@@ -164,7 +164,7 @@ def test_encode_chat_refuses_a_template_that_rewrites_earlier_turns(tiny_model_d
 
 @pytest.mark.real
 def test_encode_chat_masks_exactly_the_assistant_turns_real(sharegpt_head):
-    from shared.models import load_tokenizer
+    from shared.engine.models import load_tokenizer
 
     try:
         tokenizer = load_tokenizer("smollm2-135m")

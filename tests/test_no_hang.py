@@ -21,12 +21,12 @@ import pytest
 
 from client.adaptive import AdaptivePolicy
 from client.deadlines import FLOOR_S, PROBE_MARGIN_S, SLACK, UNMEASURED_RTT_S, Bounds
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.failures import LinkDown, SessionLost
 from client.link import LinkMonitor
-from client.offline import Backoff
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.payload import PayloadSpec

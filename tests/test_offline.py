@@ -163,9 +163,8 @@ def test_another_drafter_may_write_the_local_tokens_and_the_answer_ends_as_plain
     """``Resilience.offline``: a whole model writes the cut's tokens instead of the drafter (the 0.5B beside MoA on
     the pair). Here the model is the target itself, so every local token it writes is kept; the drafter follows its
     tokens, so the settlement and the rounds after go on as ever. The link is down until 10 local tokens exist."""
-    from client.decode import Resilience
     from client.drafters.model import ModelDrafter
-    from client.offline import Backoff
+    from client.offline import Backoff, Resilience
 
     verifier, seen = cut_until_local(LocalVerifier(tiny_target), 3, 10)
     offline = ModelDrafter(tiny_target, width=1, vocab=None) if writer == "model" else None

@@ -17,10 +17,10 @@ import pytest
 from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.verifiers import LocalVerifier
-from shared import calibration, kernels
-from shared.calibration import SIZES, Table
 from shared.cli import main
-from shared.models import load_target
+from shared.engine import calibration, kernels
+from shared.engine.calibration import SIZES, Table
+from shared.engine.models import load_target
 from tests.conftest import served
 from tests.test_paths import drafter_for
 

@@ -11,10 +11,11 @@ from client.decode import generate
 from client.drafters import NoDrafter, make_drafter
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
+from shared.engine.files import cache_dir
+from shared.engine.linear import Linear
+from shared.engine.models import encode_prompt, load_target
+from shared.engine.pull import gguf_path
 from shared.errors import SplitspecError
-from shared.linear import Linear
-from shared.models import cache_dir, encode_prompt, load_target
-from shared.pull import gguf_path
 from tests.conftest import served
 
 pytestmark = pytest.mark.pair

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters import make_drafter, prepare_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.medusa import MedusaDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import Backoff
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
-from shared.calibration import PATHS, runnable_paths
-from shared.models import DTYPES, load_target
+from shared.engine.calibration import PATHS, runnable_paths
+from shared.engine.decoder import DTYPES
+from shared.engine.models import load_target
 from tests.conftest import served
 from tests.test_eagle_independent import make_model as make_eagle_or_independent
 from tests.test_medusa import make_model as make_medusa
@@ -40,7 +41,7 @@ def path_target(request, tiny_model_dir):
     """(target on the path, its server's address, its plain greedy output)."""
     path = request.param
     if path not in runnable_paths():
-        from shared import kernels
+        from shared.engine import kernels
 
         pytest.skip(f"path {path} is not on this machine: {kernels.unavailable_reason()}")
     dtype, weights = PATHS[path]

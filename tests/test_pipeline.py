@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters import make_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
@@ -19,10 +19,10 @@ from client.drafters.independent import IndependentDrafter
 from client.drafters.medusa import MedusaDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.model import ModelDrafter
-from client.offline import Backoff
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
-from shared.models import load_target
+from shared.engine.models import load_target
 from shared.tree import DraftTree
 from tests.test_eagle_independent import make_model
 from tests.test_medusa import make_model as make_medusa

@@ -10,15 +10,15 @@ import threading
 
 import pytest
 
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.prompt_lookup import PromptLookup
-from client.offline import Backoff
+from client.offline import Backoff, Resilience
 from client.private import mask, mask_messages
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
-from shared.models import encode_messages, encode_prompt
+from shared.engine.models import encode_messages, encode_prompt
 from shared.payload import PayloadSpec
 from shared.wire import splitspec_pb2 as pb
 from tests.conftest import start_server

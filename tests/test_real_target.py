@@ -9,7 +9,7 @@ from client.decode import api_generate, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
-from shared.models import encode_prompt
+from shared.engine.models import encode_prompt
 from tests.conftest import start_server
 
 pytestmark = pytest.mark.real
@@ -126,7 +126,7 @@ def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
 
 @pytest.fixture(scope="module")
 def real_bf16():
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     return load_target("smollm2-135m", dtype="bfloat16")
 
@@ -165,8 +165,8 @@ def test_real_target_engine_matches_transformers_on_a_tree(real_target):
 def bf16_is_cheap() -> bool:
     """Whether bf16 trees cost little here (native bf16 compute), by this machine's calibration of the target: in
     emulation (AVX2 only) a tree takes seconds and these tests minutes; the paths matrix covers bf16 everywhere."""
-    from shared.calibration import table_for
-    from shared.models import model_config, resolve_model
+    from shared.engine.calibration import table_for
+    from shared.engine.models import model_config, resolve_model
 
     try:
         return table_for(model_config(resolve_model("smollm2-135m"))).ms.get("bf16", {}).get(17, 1e9) < 100
@@ -238,8 +238,8 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
 
 @pytest.fixture(scope="module")
 def real_lowbit():
-    from shared import kernels
-    from shared.models import load_target
+    from shared.engine import kernels
+    from shared.engine.models import load_target
 
     if not kernels.available():
         pytest.skip(f"no CPU kernels: {kernels.unavailable_reason()}")

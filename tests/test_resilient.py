@@ -8,14 +8,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from client.adaptive import AdaptivePolicy
-from client.decode import Resilience, generate
+from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import Backoff
+from client.failures import LinkDown
+from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.sizing import EXPLORE
 from client.verifiers import LocalVerifier
@@ -30,6 +32,7 @@ from tests.test_moa import make_moa
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
 NEW = 48
+HANG_S = 600.0  # a generation still running after this has hung (not a measurement: they take seconds)
 
 
 @pytest.fixture(scope="module")
@@ -44,49 +47,59 @@ def plain(tiny_target):
     return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW).token_ids
 
 
-def cut_on_round(verifier, link, round_no: int, down_s: float, before=None, silent: bool = False) -> list[float]:
+def cut_on_round(verifier, link, round_no: int, down_s: float, before=None, silent: bool = False,
+                 errors: list | None = None) -> list[float]:  # fmt: skip
     """Cut the link just before the ``round_no``-th Verify and restore it ``down_s`` later; the list
-    returned gets the moment of the cut (``time.perf_counter()``)."""
+    returned gets the moment of the cut (``time.perf_counter()``), ``errors`` what that Verify raised."""
     verifier.__dict__.pop("verify", None)  # unwrap an earlier cut
     original, calls, cut_at = verifier.verify, [], []
 
     def verify(tree, **kw):
         calls.append(1)
-        if len(calls) == round_no:
+        cutting = len(calls) == round_no
+        if cutting:
             if before:
                 before()
             link.cut(silent=silent)
             cut_at.append(time.perf_counter())
             threading.Timer(down_s, link.restore).start()
-        return original(tree, **kw)
+        try:
+            return original(tree, **kw)
+        except Exception as exc:
+            if cutting and errors is not None:
+                errors.append(exc)
+            raise
 
     verifier.verify = verify
     return cut_at
 
 
-def run(tiny_target, tiny_server, netsim_server, policy: str, before=None):
+def run(tiny_target, tiny_server, netsim_server, policy: str, before=None, errors: list | None = None):
     drafter = MoADrafter(make_moa(tiny_target, 1), width=3, depth=3)
     with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
         verifier = RemoteVerifier(link.address)
         try:
-            cut_on_round(verifier, link, 3, 0.5, before and (lambda: before(verifier)))
+            cut_on_round(verifier, link, 3, 0.5, before and (lambda: before(verifier)), errors=errors)
             return generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=8,
                             resilience=Resilience(policy, Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
         finally:
             verifier.shutdown()
 
 
-@pytest.mark.timing
 def test_a_cut_link_is_bridged_locally_and_verify_restores_the_exact_output(
     tiny_target, tiny_server, netsim_server, plain
 ):
-    gen = run(tiny_target, tiny_server, netsim_server, "verify")
+    errors = []
+    gen = run(tiny_target, tiny_server, netsim_server, "verify", errors=errors)
     s = gen.stats
     assert gen.token_ids == plain
     assert all(gen.verified)  # every kept token was verified in the end
     # one cut; a loaded machine may add a false alarm, which must be bridged the same way
-    assert s.disconnects >= 1 and s.reconnects == s.disconnects and s.local_tokens >= 1 and s.offline_s >= 0.3
-    assert s.switch_s[0] < 0.5  # a closed connection is noticed at once, not at the deadline
+    assert s.disconnects >= 1 and s.reconnects == s.disconnects and s.local_tokens >= 1 and s.offline_s > 0
+    # a closed connection is noticed at once, by the failure it causes (UNAVAILABLE: the call's own, or the
+    # heartbeat's probe's), not at the deadline ("Verify unanswered within ...")
+    assert len(errors) == 1 and isinstance(errors[0], LinkDown), errors
+    assert "UNAVAILABLE" in str(errors[0]), errors
 
 
 def test_keep_takes_the_local_tokens_as_they_are(tiny_target, tiny_server, netsim_server, plain):
@@ -136,17 +149,19 @@ def test_a_flapping_link_neither_hangs_nor_spins(tiny_target, tiny_server, netsi
     with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
         verifier = RemoteVerifier(link.address)
         flapper = Flapper(netsim_server.client, link.name, 0.2, 0.1).start()
-        began = time.monotonic()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="test-flapping")
         try:
-            gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=4,
-                           resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=3)))  # fmt: skip
+            resilience = Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=3))
+            running = pool.submit(generate, verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"),
+                                  max_tree_nodes=4, resilience=resilience)  # fmt: skip
+            gen = running.result(timeout=HANG_S)  # a bounded wait: a hung generation fails the test, not the suite
         finally:
             flapper.stop()
             verifier.shutdown()
-        elapsed = time.monotonic() - began
+            pool.shutdown(wait=False)
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
-    assert elapsed < 90 and flapper.cuts >= 2 and s.disconnects >= 1
+    assert flapper.cuts >= 2 and s.disconnects >= 1
     # no spinning: polls are spaced by the backoff (>= 10 ms: 20 ms base, jitter halves it at worst)
     assert s.reconnect_attempts <= s.offline_s / 0.01 + s.disconnects
 

@@ -16,7 +16,7 @@ import pytest
 
 from server.service import PROTOCOL_VERSION, Abort, SplitSpecService
 from shared.acceptance import SamplingParams
-from shared.target import Target
+from shared.engine.target import Target
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc

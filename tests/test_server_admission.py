@@ -92,20 +92,35 @@ def test_expired_sessions_are_reaped_on_time_not_on_the_next_request(serve, tiny
 
 def test_open_streams_cannot_starve_the_other_calls(serve, tiny_target):
     """Before: 20 Generate streams (not counted as sessions) took every worker; Handshake, Probe and
-    OpenSession timed out for everyone until they were cancelled."""
+    OpenSession timed out for everyone until they were cancelled.
+
+    The streams are held in the model (every forward waits for ``gate``) while the other calls are made: each must be
+    answered while the gate is still closed — a call that waited for a stream's worker or its place would wait for
+    the gate, which opens only after them, and end DEADLINE_EXCEEDED instead."""
     stub, service = serve(max_sessions=3, max_context=256, max_new_tokens=200)
-    streams = [stub.Generate(pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=200, stop_token_ids=[0]),
-                             timeout=TIMEOUT) for _ in range(3)]  # fmt: skip
-    for stream in streams:
-        next(stream)  # each is running: it holds its place
-    started = time.monotonic()
-    stub.Handshake(pb.HandshakeRequest(), timeout=2)
-    stub.Probe(pb.ProbeRequest(), timeout=2)
-    error = refused(lambda: stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[5, 6]), timeout=2))
-    assert error.code() == Code.RESOURCE_EXHAUSTED  # streams count against the limit: refused at once
-    error = refused(lambda: next(stub.Generate(pb.GenerateRequest(prompt_ids=[5], max_new_tokens=5), timeout=2)))
-    assert error.code() == Code.RESOURCE_EXHAUSTED
-    assert time.monotonic() - started < 4
+    gate, held, forward = threading.Event(), threading.Semaphore(0), service.batcher.run
+
+    def gated(step):
+        held.release()
+        gate.wait(TIMEOUT * 4)  # (bounded: a failing test still ends)
+        return forward(step)
+
+    service.batcher.run = gated
+    try:
+        streams = [stub.Generate(pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=200, stop_token_ids=[0]),
+                                 timeout=TIMEOUT * 4) for _ in range(3)]  # fmt: skip
+        assert all(held.acquire(timeout=TIMEOUT) for _ in streams), "the streams did not all reach the model"
+        stub.Handshake(pb.HandshakeRequest(), timeout=TIMEOUT)
+        stub.Probe(pb.ProbeRequest(), timeout=TIMEOUT)
+        error = refused(lambda: stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[5, 6]), timeout=TIMEOUT))
+        assert error.code() == Code.RESOURCE_EXHAUSTED  # streams count against the limit: refused, not queued
+        request = pb.GenerateRequest(prompt_ids=[5], max_new_tokens=5)
+        error = refused(lambda: next(stub.Generate(request, timeout=TIMEOUT)))
+        assert error.code() == Code.RESOURCE_EXHAUSTED
+        assert not gate.is_set()  # all of it answered while every stream was held in the model
+    finally:
+        gate.set()
+        service.batcher.run = forward
     for stream in streams:
         stream.cancel()
     deadline = time.monotonic() + 10
@@ -210,7 +225,7 @@ def test_undecodable_bodies_are_invalid_arguments_not_internal_errors_and_traceb
 
 
 def test_chunked_prefill_is_bit_identical_in_bf16(tiny_model_dir):
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     target = load_target(str(tiny_model_dir), dtype="bfloat16")
     prompt = list(range(5, 5 + 77))

@@ -40,7 +40,7 @@ def settle(deltas: TextDeltas, tokens: list[int], verified: list[bool]) -> Delta
 
 
 def test_settled_text_is_the_decoded_verified_prefix_at_every_step(bytes_bpe, tiny_model_dir):
-    from shared.models import load_tokenizer
+    from shared.engine.models import load_tokenizer
 
     words = load_tokenizer(str(tiny_model_dir))
     word_ids = words("w5 w9 w14 w5 w9 w21 w33 w40 w41 w5 w9")["input_ids"]

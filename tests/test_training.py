@@ -58,8 +58,8 @@ def test_a_served_low_bit_teacher_teaches_as_the_float_model_does(q4_model_dir, 
     from the float model: the teacher's features and logits match the float model's to the kernels' int8 activations,
     and every drafter, TLI through the float layers included, learns from it."""
     from client.training.teacher import pad_batch, run_teacher
-    from shared import kernels
-    from shared.models import load_target
+    from shared.engine import kernels
+    from shared.engine.models import load_target
 
     if not kernels.available():
         pytest.skip(f"the low-bit teacher needs the kernels: {kernels.unavailable_reason()}")

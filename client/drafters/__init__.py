@@ -36,8 +36,8 @@ def is_model(name: str) -> bool:
     """Whether drafter ``name`` is a whole language model (``client.drafters.model``): a built-in model name, a
     GGUF file, or a Hugging Face folder (its config.json names a ``model_type``; a bundle's names a ``kind``), with
     ``+lookup`` after it for prompt lookup first."""
-    from shared import gguf
-    from shared.models import builtin_names
+    from shared.engine import gguf
+    from shared.engine.models import builtin_names
 
     name = name.removesuffix("+lookup")
     if name in builtin_names():
@@ -58,7 +58,7 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
     """Build a drafter from its name (see ``DRAFTERS``), a model (``is_model``: its tokenizer must be ``tokenizer``'s
     or the target's; it runs on ``device``) or a bundle (name or path; needs ``target``).
 
-    ``weights="int8"`` makes a trained drafter's own projections and draft head int8 (``shared.kernels``): a
+    ``weights="int8"`` makes a trained drafter's own projections and draft head int8 (``shared.engine.kernels``): a
     draft step multiplies a few rows, where int8 streams a quarter of fp32's bytes. Drafts change, outputs
     never. ``auto``: int8 on a CPU when the target is served int8 or in bf16, else native.
     ``vocab_ids``: another draft vocabulary than the bundle's (``load_bundle``).
@@ -69,7 +69,7 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
     tree = {k: v for k, v in (("width", width), ("depth", depth)) if v is not None}
     if is_model(name):
         from client.drafters.model import ModelDrafter
-        from shared.target import tokenizer_fingerprint
+        from shared.engine.target import tokenizer_fingerprint
 
         lm = drafter_model(name.removesuffix("+lookup"), device, weights)
         expected = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
@@ -98,7 +98,7 @@ def drafter_model(name: str, device: str = "cpu", weights: str = "auto"):
     """A model loaded to draft (once a process: every drafter made from it shares its weights, each with its own
     cache): on the path measured cheapest for its shapes, int4 rounding it again if that is the cheapest (drafts
     never change outputs), or the weights pinned."""
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     if weights not in ("auto", "native", "int8", "int4"):
         raise SplitspecError(f"unknown drafter weights {weights!r}; expected auto, native, int8 or int4")
@@ -122,7 +122,7 @@ def prepare_drafter(model, target, weights: str = "auto") -> None:
 
 def quantize_drafter(model) -> None:
     """Weight-only int8 for a trained drafter's own layers and draft head, never the target's parts it shares."""
-    from shared.linear import quantize
+    from shared.engine.linear import quantize
 
     for name, child in model.named_children():
         if name != "parts":

@@ -18,9 +18,9 @@ from torch import nn
 
 from client.drafters.target_parts import BlockShape, TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
+from shared.engine.layers import Block, KVCache
+from shared.engine.linear import Linear
 from shared.features import Features
-from shared.layers import Block, KVCache
-from shared.linear import Linear
 from shared.tree import causal_from, causal_mask
 
 

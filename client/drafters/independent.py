@@ -15,8 +15,8 @@ from torch import nn
 
 from client.drafters.target_parts import BlockShape, TargetParts
 from client.drafters.tree_drafter import TokenCache, TreeDrafter
+from shared.engine.layers import Block, KVCache, RMSNorm
 from shared.features import Features
-from shared.layers import Block, KVCache, RMSNorm
 
 
 @dataclass

@@ -30,8 +30,8 @@ from torch import nn
 
 from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.drafters.target_parts import TargetParts
+from shared.engine.linear import Linear
 from shared.features import Features
-from shared.linear import Linear
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 

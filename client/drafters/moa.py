@@ -24,9 +24,9 @@ from torch import nn
 
 from client.drafters.target_parts import TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
+from shared.engine.layers import Block, KVCache, RMSNorm
+from shared.engine.linear import Linear
 from shared.features import Features, split_kv
-from shared.layers import Block, KVCache, RMSNorm
-from shared.linear import Linear
 from shared.lsa import LayerSelfAttention
 from shared.tree import causal_from, causal_mask
 

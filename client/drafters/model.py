@@ -27,9 +27,9 @@ import torch
 from client.drafters.base import Drafter
 from client.drafters.tree_drafter import TokenCache
 from client.drafters.tree_search import eagle2_tree
-from shared.engine import Part
+from shared.engine.decoder import Part
+from shared.engine.linear import Linear
 from shared.features import Features
-from shared.linear import Linear
 from shared.lookup import NgramLookup
 from shared.tree import DraftTree, causal_from
 
@@ -61,7 +61,7 @@ class ModelDrafter(TokenCache, Drafter):
 
     def __init__(self, lm, width: int = 2, depth: int = 5, name: str | None = None, lookup: bool = False,
                  floor: float = FLOOR, vocab: int | None = VOCAB):  # fmt: skip
-        self.lm = lm  # a shared.target.Target: engine and tokenizer
+        self.lm = lm  # a shared.engine.target.Target: engine and tokenizer
         self.engine = lm.engine
         self.width, self.depth, self.floor = width, depth, floor
         self.name = name or lm.name + ("+lookup" if lookup else "")

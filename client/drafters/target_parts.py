@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.linear import Linear
+from shared.engine.linear import Linear
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shared.models import DEFAULT_MODEL, DTYPES
+from shared.engine.decoder import DTYPES
+from shared.engine.models import DEFAULT_MODEL
 
 KINDS = ("moa", "eagle", "independent", "medusa")
 
@@ -124,7 +125,7 @@ def write_data(args: argparse.Namespace, target) -> None:
                      about=about)  # fmt: skip
         return
     from client.training.self_distill import SelfDistillStream
-    from shared.models import load_target
+    from shared.engine.models import load_target
 
     served = load_target(args.model, device=args.device, dtype="auto", cache=args.cache_dir)  # as `serve` serves it
     resume = fits and meta.get("position") is not None
@@ -155,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from client.training.trainer import CHECKPOINT, SHAREGPT_DATA, TrainConfig, Trainer, bundle_vocab, keep_freed_memory
+    from shared.engine.models import load_target
     from shared.errors import SplitspecError
-    from shared.models import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -48,18 +48,21 @@ def draft_vocab(tokenizer, size: int, sample: int = 3000, seq_len: int = 512, se
 
 
 RANKED = 32768  # tokens ranked and kept by ``frequent_tokens``: any smaller vocabulary is a prefix
+SHIPPED = Path(__file__).with_name("ranked")  # rankings counted once and committed: the pair's tokenizer's
 
 
 def frequent_tokens(tokenizer, size: int, cache: str | os.PathLike | None = None, sample: int = 2000) -> torch.Tensor:
     """The ``size`` tokens (at most ``RANKED``) an assistant says most in ``sample`` ShareGPT conversations, in
     this tokenizer's ids, with its special tokens, sorted: a whole model's draft vocabulary. Counted once per
-    tokenizer (a few seconds) and kept in the cache (``vocab/<fingerprint>.json``)."""
-    from shared.models import cache_dir
-    from shared.target import tokenizer_fingerprint
+    tokenizer (a ShareGPT download and a minute) and kept in the cache (``vocab/<fingerprint>-<sample>.json``); a
+    tokenizer whose ranking ships with splitspec (``SHIPPED``: Qwen2.5's) is never counted."""
+    from shared.engine.files import cache_dir
+    from shared.engine.target import tokenizer_fingerprint
 
     if not 1 <= size <= RANKED:
         raise ValueError(f"a draft vocabulary of {size} tokens; expected 1..{RANKED}")
-    path = Path(cache_dir(cache)) / "vocab" / f"{tokenizer_fingerprint(tokenizer)}-{sample}.json"
+    name = f"{tokenizer_fingerprint(tokenizer)}-{sample}.json"
+    path = SHIPPED / name if (SHIPPED / name).is_file() else Path(cache_dir(cache)) / "vocab" / name
     try:
         ranked = json.loads(path.read_text())
     except (OSError, ValueError):

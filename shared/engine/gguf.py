@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.engine import kernels
+from shared.engine.quant import pack_int4, pack_int4_blocks, pack_int4k_blocks, pack_int6_blocks, pack_int8
 from shared.errors import SplitspecError
 
 POINTER = "gguf.json"
@@ -252,26 +254,25 @@ def served_share(folder: str | os.PathLike) -> float:
     return share
 
 
-def load(folder: Path, model, weights: str) -> None:
-    """Fill ``model`` (a ``shared.engine.Transformer`` made on the meta device) from the GGUF behind ``folder``:
-    float tensors in fp32 (``prepare`` casts them), or, for low-bit ``weights``, the projections packed for the
-    CPU kernels. Packed weights are cached in ``folder`` a layer a file as they are made (no whole copy in memory)
-    and served memory-mapped from there, the first time as every later one."""
-    from shared import kernels
-
+def load(folder: Path, cfg, weights: str) -> dict[str, torch.Tensor]:
+    """The tensors of a decoder of ``cfg`` (a ``shared.engine.decoder.ModelConfig``) from the GGUF behind ``folder``, by
+    the decoder's names: float tensors in fp32 (``prepare`` casts them), or, for low-bit ``weights``, the projections
+    packed for the CPU kernels (``<layer>.qweight``, ``<layer>.qscale``, and ``<layer>.tail.qweight``,
+    ``<layer>.tail.qscale`` for the rows of a fused projection packed in a second format); ``load_engine`` puts them
+    in. Packed weights are cached in ``folder`` a layer a file as they are made (no whole copy in memory) and served
+    memory-mapped from there, the first time as every later one."""
     if weights not in ("int8", "int4", "lowbit"):
         state: dict[str, torch.Tensor] = {}
-        for part in _converted(Checkpoint(source_of(folder)), model.cfg, weights):
+        for part in _converted(Checkpoint(source_of(folder)), cfg, weights):
             state.update(part)
-        _assign(model, state)
-        return
+        return state
     cached = folder / f"weights-{weights}-{kernels.ops().int8_layout()}-v{FORMAT}"
     if not (cached / "complete").is_file():
         tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         ckpt = Checkpoint(source_of(folder))
         _write_rows(ckpt, "token_embd.weight", tmp / EMBEDDINGS)
-        parts = _converted(ckpt, model.cfg, weights, embeddings=False)
+        parts = _converted(ckpt, cfg, weights, embeddings=False)
         for k in itertools.count():  # (not enumerate: its reused tuple would keep the last part alive)
             part = next(parts, None)
             if part is None:
@@ -289,7 +290,7 @@ def load(folder: Path, model, weights: str) -> None:
         state.update(torch.load(f, mmap=True, weights_only=True))
     # (copy-on-write: a writable array torch takes as it is; nothing writes to it)
     state["embed_tokens.weight"] = torch.from_numpy(np.load(cached / EMBEDDINGS, mmap_mode="c"))
-    _assign(model, state)
+    return state
 
 
 def _write_rows(ckpt: Checkpoint, name: str, path: Path, step: int = 8192) -> None:
@@ -348,8 +349,6 @@ def _head_rows(ckpt: Checkpoint, name: str, weights: str) -> tuple[torch.Tensor,
     """The LM head packed for the low-bit ``weights``, a slice of rows at a time (rows are independent): no fp32
     copy of it. Q6_K is served as it is (``lowbit``); else int8 (a scale per row), or int4 when pinned (a drafter's
     head, where rounding it again costs nothing but drafts)."""
-    from shared.linear import pack_int4, pack_int6_blocks, pack_int8
-
     t = ckpt.tensors[name]
     rows, cols, step = int(t.shape[1]), int(t.shape[0]), 8192  # a multiple of every layout's tile
     if weights == "lowbit" and ckpt.is_six_bit(name) and rows % 16 == 0:
@@ -357,7 +356,7 @@ def _head_rows(ckpt: Checkpoint, name: str, weights: str) -> tuple[torch.Tensor,
     elif weights == "int4" and rows % 16 == 0 and cols % 32 == 0:
         pack = lambda span: pack_int4(ckpt.floats(name, span=span))  # noqa: E731
     else:
-        pack = lambda span: pack_int8(ckpt.floats(name, span=span))  # noqa: E731
+        pack = lambda span: pack_int8(ckpt.floats(name, span=span), kernels.ops().int8_layout())  # noqa: E731
     parts = [pack((r, min(rows, r + step))) for r in range(0, rows, step)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
@@ -367,8 +366,6 @@ def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tenso
     at its own 4.5 bits), int6 from Q6_K as it is (``lowbit``), two of those side by side where the tensors are of two
     such kinds (q and k Q4_K, v Q6_K: the rows after the first kind's are the layer's ``tail``), else int8 (or int4
     when pinned) from its exact fp32 values."""
-    from shared.linear import pack_int4, pack_int4_blocks, pack_int4k_blocks, pack_int6_blocks, pack_int8
-
     Q4_K = _gguf().GGMLQuantizationType.Q4_K
 
     def kind(name: str) -> str | None:  # how a tensor is served as it is, if it can be
@@ -401,33 +398,8 @@ def _packed(prefix, ckpt, names, parts, heads, weights) -> dict[str, torch.Tenso
                     f"{prefix}.tail.qweight": tail[0], f"{prefix}.tail.qscale": tail[1]}  # fmt: skip
     w = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in zip(names, parts, strict=True)])
     fits = w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
-    qweight, qscale = pack_int4(w) if weights == "int4" and fits else pack_int8(w)
+    qweight, qscale = pack_int4(w) if weights == "int4" and fits else pack_int8(w, kernels.ops().int8_layout())
     return {f"{prefix}.qweight": qweight, f"{prefix}.qscale": qscale}
-
-
-def _assign(model, state: dict[str, torch.Tensor]) -> None:
-    """Put float tensors in as parameters and packed ones into their ``Linear``s."""
-    from shared import kernels
-    from shared.linear import Linear
-
-    packed = {k.rsplit(".", 1)[0] for k in state if k.endswith(".qweight") and ".tail." not in k}
-    for name in packed:
-        layer = model.get_submodule(name)
-        layer.qweight, layer.qscale = state.pop(f"{name}.qweight"), state.pop(f"{name}.qscale")
-        layer.kernel_build = kernels.active()
-        layer.weight = None
-        if f"{name}.tail.qweight" in state:  # the rows after the head's, in another format
-            qweight, qscale = state.pop(f"{name}.tail.qweight"), state.pop(f"{name}.tail.qscale")
-            rows = qweight.shape[0] * 16  # block formats: tiles of 16 rows
-            tail = Linear(layer.in_features, rows, bias=False, device="meta")
-            tail.weight, tail.qweight, tail.qscale, tail.kernel_build = None, qweight, qscale, layer.kernel_build
-            layer.tail = tail
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if k.rsplit(".", 1)[0] not in packed and k != "lm_head.weight"]
-    if missing or unexpected:
-        raise SplitspecError(f"GGUF weights do not fit the decoder: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if model.cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
 
 
 def _progress(done: int, total: int, started: float) -> None:

@@ -1,6 +1,6 @@
 """Llama-style building blocks over explicit masks and preallocated caches: the target engine and every drafter.
 
-One block serves every use: the target's own decoder layers (``shared.engine``), causal or
+One block serves every use: the target's own decoder layers (``shared.engine.decoder``), causal or
 bidirectional self-attention in the drafters, cross-attention to a memory, tree-masked draft
 nodes, and — being the target's very modules — the last layers a MoA drafter runs for Target
 Layer Inference. Masks are boolean (True = may attend) of shape [B, Tq, Tk]; caches are
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import ops as kernels_ops
-from shared.linear import Linear
+from shared.engine import kernels
+from shared.engine.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position tables (cos, sin per position), computed once the way transformers computes them.
 
-    ``inv_freq`` and ``scale`` come from the model's rope settings (``shared.engine.rope_frequencies``);
+    ``inv_freq`` and ``scale`` come from the model's rope settings (``shared.engine.decoder.rope_frequencies``);
     looking rows up by position gives bit-identical values to computing them per call. The tables
     are plain fp32 attributes, not buffers: casting a model to bf16 must not round them.
     """
@@ -105,7 +105,7 @@ class KVCache:
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
-        """A cache over given (preallocated) storage [B, H, capacity, d]: ``shared.engine.Cache``'s layers."""
+        """A cache over given (preallocated) storage [B, H, capacity, d]: ``shared.engine.decoder.Cache``'s layers."""
         cache = cls(k.shape[2])
         cache.k, cache.v = k, v
         return cache
@@ -275,10 +275,8 @@ class Block(nn.Module):
 
     def _kernel_attention(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
         """Whether attention runs in the CPU kernel for a model that is not fp32: a bf16 model's rows must not
-        depend on the query count (``shared.engine.load_engine``), and torch's bf16 CPU attention is slow anyway.
-        fp32 keeps torch's attention: it is what equals transformers."""
-        from shared import kernels
-
+        depend on the query count (``shared.engine.decoder.load_engine``), and torch's bf16 CPU attention is slow
+        anyway. fp32 keeps torch's attention: it is what equals transformers."""
         return (x.device.type == "cpu" and x.dtype != torch.float32 and x.shape[0] == 1 and rope is not None
                 and not x.requires_grad and all(s.cache is not None for s in spans)
                 and kernels.available())  # fmt: skip
@@ -291,8 +289,8 @@ class Block(nn.Module):
         cos, sin = rope[0][0, a:b], rope[1][0, a:b]
         if cos.dtype != torch.float32:
             cos, sin = cos.float(), sin.float()
-        return kernels_ops().attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, heads, kv_heads,
-                                          head_dim**-0.5)  # fmt: skip
+        return kernels.ops().attend(qkv[a:b], cos, sin, k[0], v[0], s.at, s.mask, heads, kv_heads,
+                                    head_dim**-0.5)  # fmt: skip
 
     def kernel_blocks(self):
         """This block on the CPU kernels (``kernel_blocks``), made once; None while any projection is not low-bit."""
@@ -312,8 +310,8 @@ class Block(nn.Module):
                 and all(s.cache is not None for s in spans))  # fmt: skip
 
     def _forward_lowbit(self, x: torch.Tensor, rope: tuple, spans: list[Span]) -> torch.Tensor:
-        """``forward_spans`` in the CPU kernels (``shared.kernels``), int8 or int4 weights alike: the same block, no
-        per-op Python overhead."""
+        """``forward_spans`` in the CPU kernels (``shared.engine.kernels``), int8 or int4 weights alike: the same
+        block, no per-op Python overhead."""
         _, kv_heads, head_dim = self._shape
         caches = [s.cache.storage(s.at + s.end - s.start, 1, kv_heads, head_dim, x) for s in spans]
         return run_blocks(self._kernel, x[0], rope, [(k[None], v[None]) for k, v in caches], spans)[None]
@@ -324,10 +322,8 @@ _NO_BIAS = torch.empty(0)
 
 
 def kernel_blocks(blocks: list[Block]):
-    """``blocks`` (consecutive, the same shape) as one ``shared.kernels.Blocks``: a forward through all of
+    """``blocks`` (consecutive, the same shape) as one ``shared.engine.kernels.Blocks``: a forward through all of
     them crosses into C++ once. None unless every projection of every block is low-bit and the kernels are here."""
-    from shared import kernels
-
     tensors, eps = [], []
     for b in blocks:
         attn, mlp = b.self_attn, b.mlp
@@ -344,8 +340,8 @@ def kernel_blocks(blocks: list[Block]):
 
 
 def _kernel_tensors(layer) -> list[torch.Tensor]:
-    """A low-bit projection as ``shared.kernels.Blocks`` takes it: weight, scales and bias of its own rows, then of its
-    ``tail`` (empty tensors: no bias, no tail)."""
+    """A low-bit projection as ``shared.engine.kernels.Blocks`` takes it: weight, scales and bias of its own rows,
+    then of its ``tail`` (empty tensors: no bias, no tail)."""
     parts = [layer] if layer.tail is None else [layer, layer.tail]
     tensors = []
     for part, bias in zip(parts, layer.int8_biases(), strict=True):

@@ -14,12 +14,11 @@ and its own decoding), the edge and the offline bridge. Each path is exact relat
 one forward equals the same tokens decoded one by one), but two paths are two models: a drafter or a server that
 ran on another path than plain decoding would change the answer. So the path is chosen once, by its cost over the
 work a served model does (``MIX``: one token, a small tree, a full one), never per job; which paths may be chosen
-at all (the file's own values first) is ``shared.models.served_paths``. ``splitspec kernels`` prints the table.
+at all (the file's own values first) is ``shared.engine.models.served_paths``. ``splitspec kernels`` prints the table.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -30,6 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from shared.engine import kernels
+from shared.engine.decoder import DTYPES, Transformer, prepare
+from shared.engine.files import cache_dir
+from shared.engine.layers import Rotary
 
 # path -> (dtype, weights) as load_target takes them
 PATHS: dict[str, tuple[str, str]] = {
@@ -99,14 +103,10 @@ class Table:
 
 def runnable_paths() -> list[str]:
     """The paths this machine has: the low-bit ones need the kernels."""
-    from shared import kernels
-
     return list(PATHS) if kernels.available() else ["bf16", "fp32"]
 
 
 def _key(cfg) -> str:
-    from shared import kernels
-
     blob = json.dumps([VERSION, kernels.cpu_name(), sorted(kernels.cpu_flags()), torch.__version__,
                        torch.get_num_threads(), kernels.active(), kernels.source_digest(),
                        dataclasses.asdict(cfg), SIZES, PREFIX])  # fmt: skip
@@ -123,11 +123,7 @@ BYTES_PER_PARAM = {"int4": 0.5625, "int8": 1.0, "bf16": 2.0, "fp32": 4.0}
 
 def _model(cfg, path: str, layers: int, rows: int):
     """A ``Transformer`` of ``cfg``'s shapes with ``layers`` blocks and ``rows`` vocabulary rows, random weights,
-    made ready for ``path`` exactly as ``shared.engine.load_engine`` makes a checkpoint."""
-    from shared.engine import Transformer, prepare
-    from shared.layers import Rotary
-    from shared.models import DTYPES
-
+    made ready for ``path`` exactly as ``shared.engine.decoder.load_engine`` makes a checkpoint."""
     # tied: one random [rows, hidden] table for the embeddings and the head (the timed forward reads the head's rows
     # either way), not two — the first load of a 1.5B model peaked at 2.8 GB here with both
     small = dataclasses.replace(cfg, num_layers=layers, vocab_size=rows, max_positions=PREFIX + max(SIZES) + 1,
@@ -170,8 +166,6 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int) -> dict
 def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = time.perf_counter,
             repeats: int = REPEATS, progress=None) -> Table:  # fmt: skip
     """Time every path (default: every one this machine has) on ``cfg``'s shapes."""
-    from shared import kernels
-
     ms = {}
     for path in paths or runnable_paths():
         if progress:
@@ -196,8 +190,6 @@ def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
 
 
 def cache_file(cfg, cache: str | Path | None = None) -> Path:
-    from shared.models import cache_dir
-
     return cache_dir(cache) / "calibration" / f"paths-{_key(cfg)}.json"
 
 
@@ -217,42 +209,3 @@ def table_for(cfg, cache: str | Path | None = None, refresh: bool = False) -> Ta
     except OSError:
         pass  # a read-only cache: measured again next time
     return table
-
-
-# --- `splitspec kernels` ---
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="the model whose shapes are timed (default: the built-in target)")
-    p.add_argument("--cache-dir", help="where converted models and calibrations are kept")
-    p.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached table")
-    p.add_argument("--json", action="store_true", help="print the table as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    from shared import kernels
-    from shared.models import DEFAULT_MODEL, model_config, resolve_model, served_paths
-
-    spec = args.model or DEFAULT_MODEL
-    folder = resolve_model(spec, args.cache_dir)
-    cfg = model_config(folder)
-    loaded = kernels.builds()
-    seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
-    table = table_for(cfg, args.cache_dir, refresh=args.refresh)
-    allowed, why = served_paths(folder)
-    chosen = table.choose(allowed)
-    if args.json:
-        print(json.dumps({**table.to_json(), "model": spec, "chosen": chosen, "candidates": allowed, "why": why,
-                          "builds": {t: 1e3 * s for t, s in seconds.items()}}, indent=1))  # fmt: skip
-        return 0
-    print(f"# {spec} on {table.cpu}, {table.threads} threads (measured {table.measured})\n")
-    print("Kernel builds (ms for an int4 and an int8 projection, 2048 x 4096, at 1 and 16 rows):\n")
-    for t in kernels.BUILDS:
-        state = f"{1e3 * seconds[t]:.2f} ms" if t in seconds else (load_reason if (load_reason := kernels.load(t))
-                                                                   else "built (not timed: slow)")  # fmt: skip
-        print(f"  {t:12s} {state}{'   <- used' if t == kernels.active() else ''}")
-    print("\nPaths (one forward of the whole model after a 128-token prefix, extrapolated from a slice):\n")
-    print(table.markdown())
-    print(f"\nserved: {chosen}, the cheapest {' + '.join(map(str, MIX))}-token mix of {', '.join(allowed)} ({why}); "
-          "every drafter, the server and plain decoding use it")
-    return 0

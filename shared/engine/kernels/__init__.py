@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from shared.engine.files import cache_dir
+from shared.engine.quant import pack_int4, pack_int8
+
 SOURCE = Path(__file__).with_name("cpu.cpp")
 # -fopenmp: at::parallel_for is OpenMP in torch's headers (the same libgomp torch loaded); -ffp-contract=off: no
 # fused multiply-adds the source did not write, so float results are what the source says
@@ -158,8 +161,6 @@ def _timing_key() -> str:
 def time_builds(tags: list[str], repeats: int = 7, clock=time.perf_counter) -> dict[str, float]:
     """Median seconds of one int4 and one int8 projection (K 2048, N 4096) at 1 and 16 rows, per build: what a
     decode step and a tree spend most of their time in. Builds alternate, so drift hits them alike."""
-    from shared.linear import pack_int4, pack_int8
-
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(4096, 2048, generator=gen) * 0.02
     q4 = pack_int4(w)
@@ -190,8 +191,6 @@ def active() -> str | None:
     loaded = builds()
     if len(loaded) <= 1:
         return loaded[0] if loaded else None
-    from shared.models import cache_dir
-
     timed = [t for t in loaded if t != "portable"] or loaded  # portable is for CPUs without AVX2: never faster
     path = cache_dir() / "calibration" / f"kernels-{_timing_key()}.json"
     try:
@@ -262,7 +261,8 @@ def isa() -> str:
 
 
 def main() -> None:
-    """``python -m shared.kernels``: build every runnable ISA now (``make setup``), time them, say which is used."""
+    """``python -m shared.engine.kernels``: build every runnable ISA now (``make setup``), time them, say which is
+    used."""
     loaded = builds()
     if not loaded:
         sys.exit(f"splitspec: {unavailable_reason()}")

@@ -2,7 +2,7 @@
 
 Used by the server and by the client's single-device (``--local``) path alike, so both verify
 with the same mask, positions, cache bookkeeping and acceptance rule. The forward is our own
-(``shared.engine``); transformers' model is loaded only on request, as the reference to check
+(``shared.engine.decoder``); transformers' model is loaded only on request, as the reference to check
 against (``Target.reference_model``).
 
 Cache invariant: the cache holds every committed token except the newest, the *root*. A
@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from shared.acceptance import SamplingParams, accept_tree
-from shared.engine import Part, Transformer
+from shared.engine.decoder import Part, Transformer
+from shared.engine.kernels import cpu_label
+from shared.engine.linear import Linear
 from shared.features import Features, cache_kv
-from shared.linear import Linear
 from shared.tree import DraftTree, causal_from, tree_mask, tree_positions
 
 INITIAL_CAPACITY = 256  # a session's KV cache starts this long and doubles as needed (up to max_context)
@@ -44,7 +45,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 class Target:
-    """A loaded decoder (``shared.engine.Transformer``) plus the facts about it that both sides of the wire need."""
+    """A loaded decoder (``shared.engine.decoder.Transformer``) plus the facts about it that both sides of the wire
+    need."""
 
     def __init__(self, engine: Transformer, tokenizer=None, name: str = "", max_context: int | None = None,
                  path: str | Path | None = None, eos_token_ids: list[int] | None = None):  # fmt: skip
@@ -84,8 +86,6 @@ class Target:
 
     def describe(self) -> str:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""
-        from shared.kernels import cpu_label
-
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
             return f"{self.device}, {dtype}"

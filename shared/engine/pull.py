@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.engine.files import cache_dir
 from shared.errors import SplitspecError
 
 
@@ -114,8 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.models import cache_dir
-
     for name in args.names:
         pull(name, cache_dir(args.cache_dir), args.wheels)
     return 0

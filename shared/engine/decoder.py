@@ -3,7 +3,7 @@
 What SmolLM2, Llama-2/3 and Qwen2-style configs describe: grouped-query attention, RoPE with its
 scaling, SwiGLU, RMSNorm, a tied or untied head, optional QKV biases. No transformers module runs
 on the hot path (transformers only parses the config and computes the rope frequencies once):
-one forward is embeddings -> ``shared.layers.Block`` x L -> norm, with projections fused and a
+one forward is embeddings -> ``shared.engine.layers.Block`` x L -> norm, with projections fused and a
 preallocated KV cache written by position. The same blocks are the drafters' building blocks, so a MoA
 drafter's Target Layer Inference runs the target's last layers with this very code.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.layers import (
+from shared.engine import gguf, kernels
+from shared.engine.layers import (
     Block,
     KVCache,
     RMSNorm,
@@ -29,9 +30,18 @@ from shared.layers import (
     kernel_blocks,
     run_blocks,
 )
-from shared.linear import Linear, quantize
+from shared.engine.linear import Linear, quantize
+from shared.errors import SplitspecError
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -170,8 +180,6 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, capacity: int, batch: int = 1) -> Cache:
-        from shared import kernels
-
         c = self.cfg
         exact = self.exact and self.device.type == "cpu" and self.dtype == torch.bfloat16
         # exact bf16 on a CPU: the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64
@@ -224,7 +232,7 @@ class Transformer(nn.Module):
         return [x[a:b] for a, b in bounds]
 
     def kernel_blocks(self):
-        """All the blocks as one CPU-kernel stack (``shared.layers.kernel_blocks``), made once; None unless every
+        """All the blocks as one CPU-kernel stack (``shared.engine.layers.kernel_blocks``), made once; None unless every
         block is low-bit (``load_engine`` quantises the head with them: a native model is told apart at once)."""
         if self._blocks is None and self.lm_head.qweight is not None:
             self._blocks = kernel_blocks(list(self.layers))
@@ -258,17 +266,17 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config.
 
     ``exact`` (bf16 on a CPU): attention whose result for a token does not depend on how many tokens share its
-    forward — the CPU kernels' fixed-order fp32 attention (``shared.kernels``), or, where they could not be
+    forward — the CPU kernels' fixed-order fp32 attention (``shared.engine.kernels``), or, where they could not be
     built, the KV cache and attention in fp64. Attention kernels reduce over keys in an order that depends on the
     query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
     ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain
     decoding give bit-identical states. It costs ~0.3 ms a token and ~4 ms a 17-token tree here.
     ``weights="int8"`` (a CPU path): every projection and the LM head int8 with int8 activations, one scale per
-    weight row and per activation row, exact int32 sums (``shared.kernels``; a fp32 model then runs each block
+    weight row and per activation row, exact int32 sums (``shared.engine.kernels``; a fp32 model then runs each block
     as four kernel calls, attention included). A different served target, a quarter of fp32's bytes a token,
     and exact relative to itself by construction: no row's result depends on the others in its forward.
-    ``weights="int4"``: the same with the blocks' projections as Q4_1 (``shared.linear.pack_int4``; the LM head
+    ``weights="int4"``: the same with the blocks' projections as Q4_1 (``shared.engine.quant.pack_int4``; the LM head
     stays int8): the built-in target comes back to exactly the 4-bit weights its GGUF ships. ``"lowbit"``: each
     projection int4 where its weight already lies on a Q4_1 grid (a checkpoint dequantised from one: int4 is then
     lossless and the fastest path), else int8.
@@ -279,8 +287,6 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from shared import gguf
-
     path = Path(path)
     hf = AutoConfig.from_pretrained(path)
     cfg = ModelConfig.from_hf(hf)
@@ -289,7 +295,7 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if gguf.source_of(path) is not None:  # a GGUF's folder: the weights come from the file, a tensor at a time
         with torch.device("meta"):
             model = Transformer(cfg, rotary)
-        gguf.load(path, model, weights)
+        _assign_gguf(model, gguf.load(path, cfg, weights))
         return prepare(model, dtype, device, exact, weights), hf
     index = path / "model.safetensors.index.json"
     files = ["model.safetensors"]
@@ -317,10 +323,32 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     return prepare(model, dtype, device, exact, weights), hf
 
 
+def _assign_gguf(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+    """Put a GGUF's tensors (``gguf.load``) in: float ones as parameters, packed ones into their ``Linear``s."""
+    packed = {k.rsplit(".", 1)[0] for k in state if k.endswith(".qweight") and ".tail." not in k}
+    for name in packed:
+        layer = model.get_submodule(name)
+        layer.qweight, layer.qscale = state.pop(f"{name}.qweight"), state.pop(f"{name}.qscale")
+        layer.kernel_build = kernels.active()
+        layer.weight = None
+        if f"{name}.tail.qweight" in state:  # the rows after the head's, in another format
+            qweight, qscale = state.pop(f"{name}.tail.qweight"), state.pop(f"{name}.tail.qscale")
+            rows = qweight.shape[0] * 16  # block formats: tiles of 16 rows
+            tail = Linear(layer.in_features, rows, bias=False, device="meta")
+            tail.weight, tail.qweight, tail.qscale, tail.kernel_build = None, qweight, qscale, layer.kernel_build
+            layer.tail = tail
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in packed and k != "lm_head.weight"]
+    if missing or unexpected:
+        raise SplitspecError(f"GGUF weights do not fit the decoder: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device = "cpu", exact: bool = True,
             weights: str = "native") -> Transformer:  # fmt: skip
     """A loaded model made ready to serve: moved, cast, its projections made low-bit (``load_engine``'s
-    ``weights``); the calibration (``shared.calibration``) prepares its timed slices the same way."""
+    ``weights``); the calibration (``shared.engine.calibration``) prepares its timed slices the same way."""
     model = model.to(device=device, dtype=dtype)
     model.exact = exact
     if weights not in WEIGHTS:
