@@ -9,6 +9,7 @@ import platform
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from shared.engine.kernels import cpu_label
@@ -106,6 +107,20 @@ def bundle_problem(name: str, target) -> str | None:
     except SplitspecError as exc:
         return str(exc)
     return None
+
+
+def drop_unusable(methods: list[str], target, drafter_of: Callable[[str], str | None]
+                  ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """``methods`` less those whose drafter cannot draft for ``target`` (``bundle_problem``), each warned about, and
+    {method: why} for those; ``drafter_of`` names a method's drafter (None: it has none, as the API)."""
+    skipped = {}
+    for method in methods:
+        drafter = drafter_of(method)
+        why = bundle_problem(drafter, target) if drafter is not None else None
+        if why is not None:
+            skipped[method] = why
+            print(f"WARNING: skipping {method}: {why}", file=sys.stderr)
+    return [m for m in methods if m not in skipped], skipped
 
 
 def median(values: list[float]) -> float | None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import bundle_problem, cell, environment, finish, median, save_figure, start
+from bench.common import cell, drop_unusable, environment, finish, median, save_figure, start
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
@@ -334,10 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(target.dtype).removeprefix("torch.")
     problems = humaneval_problems()
     prompts = [p for p in load_prompts(target.tokenizer, args.limit) if p.dataset == "humaneval"]
-    skipped = {m: why for m in args.methods if m != "api" and (why := bundle_problem(m.partition(":")[0], target))}
-    for m, why in skipped.items():
-        print(f"WARNING: skipping {m}: {why}", file=sys.stderr)
-    args.methods = [m for m in args.methods if m not in skipped]
+    args.methods, skipped = drop_unusable(args.methods, target, lambda m: None if m == "api" else m.partition(":")[0])
     if not args.methods:
         print(f"error: no method left to run on {args.model}", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import bundle_problem, cell, environment, finish, mark_differences, median, save_figure, start, times
+from bench.common import cell, drop_unusable, environment, finish, mark_differences, median, save_figure, start, times
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
 from client.decode import api_generate, generate
@@ -359,10 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
-    skipped = {m: why for m in args.methods if m != REFERENCE and (why := bundle_problem(drafter_name(m), target))}
-    for m, why in skipped.items():
-        print(f"WARNING: skipping {m}: {why}", file=sys.stderr)
-    args.methods = [m for m in args.methods if m not in skipped]
+    args.methods, skipped = drop_unusable(args.methods, target, lambda m: None if m == REFERENCE else drafter_name(m))
     if not args.methods:
         print(f"error: no method left to run on {args.model}", file=sys.stderr)
         return 2

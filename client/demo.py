@@ -105,8 +105,9 @@ def narrated(policy_class):
     class Narrated(policy_class):
         said = ""
 
-        def stretch(self) -> int:
-            stretch = super().stretch()
+        def plan(self, state):
+            plan = super().plan(state)
+            stretch = plan.stream
             mode = "stream" if stretch else "draft"
             if mode != self.said:
                 if mode == "stream":
@@ -117,7 +118,7 @@ def narrated(policy_class):
                     why = "its compute is scarce" if scarce else "trying whether drafting is faster"
                     say(f"mode: drafting on this device, the server verifies ({why})")
                 self.said = mode
-            return stretch
+            return plan
 
     return Narrated
 

@@ -87,7 +87,7 @@ class ServerHealth:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(latest)), 2 * self.timeout_s)
         if not latest.done():
             return False, None
-        serving, when = latest.result()
+        serving, when = latest.result(timeout=0)  # (done: no wait)
         return serving, self.clock() - when
 
     def close(self) -> None:
@@ -111,8 +111,8 @@ class ServerHealth:
                         self._wake.clear()  # (``latest`` sets it under this lock: no wake-up is lost)
                         if self._latest.done():
                             self._latest = Future()  # stale: the next /health waits for a fresh check
-                if idle:
-                    self._wake.wait()
+                if idle:  # asleep until asked (looking again now and then: no wait without a bound)
+                    self._wake.wait(max(self.idle_s, 1.0))
                     continue
                 serving = self._check(stub)
                 with self._lock:

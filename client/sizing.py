@@ -53,6 +53,7 @@ PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smalle
 UNMEASURED_STEP_S = 0.005  # a server's step before one was measured: a fast one, so a first stream's payloads are small
 STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's time per streamed token
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
+UNMEASURED_COPY = 0.5  # a local copy's chance of surviving before any was measured: copies of local text loop
 
 
 def outcomes(tree: DraftTree, calibration: float = 1.0, greedy: bool = True) -> list[tuple[int, float]]:
@@ -289,9 +290,9 @@ class Sizing:
     def survival(self, p: float | None) -> float:
         """The chance that a local token is the target's own: the drafter's probability ``p`` of it scaled by how
         often the target took its first choices against how sure of them it was; for a copy (``p`` None), how often
-        the target took copies (1 while unmeasured)."""
+        the target took copies (``UNMEASURED_COPY`` until one was)."""
         if p is None:
-            return self.copies[0] / self.copies[1] if self.copies else 1.0
+            return self.copies[0] / self.copies[1] if self.copies else UNMEASURED_COPY
         return min(1.0, p * self.choices[0] / self.choices[1]) if self.choices else p
 
     def ahead(self, path_taken: bool, held: bool, seconds: float) -> None:

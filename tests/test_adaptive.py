@@ -460,7 +460,7 @@ def test_a_local_tokens_survival_is_calibrated_by_the_first_choices_the_target_t
         policy.observe(Round(Decision(8, 3.0, 0.05), sure, [0, 1], 3, 0.04, 0.01, 8, 0.05))
     assert policy.survival(0.95) == pytest.approx(2 / 3, rel=0.02)
     assert policy.survival(1.0) < 0.95 and StaticPolicy().survival(0.9) == 0.9
-    assert policy.survival(None) == 1.0  # no copy measured yet
+    assert policy.survival(None) == 0.5  # no copy measured yet: as likely kept as not
     copy = DraftTree.chain([5, 6, 7, 8])  # prompt lookup's: no probabilities; the target takes 1 of the 2 asked
     for _ in range(60):
         policy.observe(Rehearsal(copy, [0], 0.0))  # (a rehearsal's verdict teaches as a round's does)
