@@ -25,7 +25,7 @@ taken as is); the loop applies what it yields, as it applies a round's tokens, t
 (``Run.commit``). ``fail`` ends the generation with an error naming the link instead.
 
 Stats follow the MoA/EAGLE papers: acceptance length is the mean number of tokens gained per
-verification round (accepted drafts + the bonus token); the prompt's prefill and reconciliation
+verification round (accepted drafts + the bonus token); the prompt's prefill and settlement
 calls are not rounds.
 """
 
@@ -74,7 +74,7 @@ class GenerationStats(OfflineStats):
     new_tokens: int = 0
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
-    rounds: int = 0  # verification rounds (prefill and reconciliation calls are not rounds)
+    rounds: int = 0  # verification rounds (prefill and settlement calls are not rounds)
     streamed_tokens: int = 0  # tokens the server decoded by itself (server-side continuation)
     streams: int = 0  # Decode calls
     server_calls: int = 0

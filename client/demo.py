@@ -4,7 +4,7 @@ A server (`splitspec serve`, a child process), a simulated mobile link in front 
 by default), and this process as the edge client: the MoA drafter (``moa-tli1``: its drafts use the
 target's last layer, run here) streams a chat answer verified by the server. Partway through, the
 link is cut and restored a few seconds later: the client keeps generating locally with the
-drafter's TLI layer, and when the link is back the server verifies the local tokens (reconciliation):
+drafter's TLI layer, and when the link is back the server verifies the local tokens (the settlement):
 each event is announced as it happens. Then the same prompt through the streaming API baseline over
 the same link, cut the same way: it stalls for as long as the cut lasts. A table compares the two.
 Everything it starts (server, netsim, timers) is stopped, also on Ctrl-C.

@@ -6,7 +6,7 @@ own last layers) is committed unverified, one at a time, through the ordinary dr
 (``propose(1, depth=1)`` then ``absorb``), no drafter-specific code — while a background thread
 polls the server with jittered exponential backoff. When it answers, the unverified tail is settled:
 
-* ``verify`` — ``reconcile_verify`` has the server verify it as one chain (in chunks of the server's
+* ``verify`` — ``settle_verify`` has the server verify it as one chain (in chunks of the server's
   tree limit): the accepted prefix is kept, the target's token replaces the first divergence, the
   rest is dropped; greedy output ends exactly as an uninterrupted run's.
 * ``keep`` — the server takes the local tokens as they are (the session is reopened from the whole
@@ -41,7 +41,7 @@ LOCAL_CAP = 0.3  # see Resilience.local_cap
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
 STOP_POLL_S = 0.1  # how often a wait for the link looks whether the process is stopping
 SETTLE_LOSSES = 8  # settlements in a row the server answers but loses the session of, before giving up
-FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see reconcile_verify)
+FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see settle_verify)
 
 
 @dataclass
@@ -133,7 +133,7 @@ class OfflineStats:
     disconnects: int = 0
     reconnects: int = 0
     reconnect_attempts: int = 0  # server polls while offline
-    reconcile_calls: int = 0  # Verify calls that settled local tokens
+    settle_calls: int = 0  # Verify calls that settled local tokens
     offline_s: float = 0.0  # from each detected failure to the settlement (or the end)
     local_s: float = 0.0  # of which spent generating local tokens
     switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
@@ -303,7 +303,7 @@ class Bridge:
                 if self.unfeatured:  # a cut mid-stream kept the features of the last tokens away: fetch them first
                     drafter.absorb([], verifier.fetch(*self.unfeatured, cut.spec))
                     self.unfeatured = None
-                replaced = reconcile_verify(verifier, drafter, local, chunk, stats, cut.spec)
+                replaced = settle_verify(verifier, drafter, local, chunk, stats, cut.spec)
                 stats.local_kept += _agreed(local, replaced)
                 return self._emit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
             except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
@@ -314,7 +314,7 @@ class Bridge:
             return self._emit(opened, verified[: len(opened) - 1] + [True])
         for token in local:
             drafter.absorb([token])
-        replaced = reconcile_verify(verifier, drafter, local, chunk, stats, cut.spec)
+        replaced = settle_verify(verifier, drafter, local, chunk, stats, cut.spec)
         stats.local_kept += _agreed(local, replaced)
         return self._emit(history + replaced, verified[:first_local] + [True] * len(replaced))
 
@@ -376,7 +376,7 @@ def _draw(tree: DraftTree, roots: list[int], sampling: SamplingParams, generator
     return roots[torch.multinomial(probs, 1, generator=generator).item()]
 
 
-def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None,
+def settle_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None,
                      spec: PayloadSpec = NO_PAYLOAD) -> list[int]:  # fmt: skip
     """Verify the unverified tail ``local`` (already absorbed by ``drafter``; ``spec``: the features it needs);
     return what replaces it.
@@ -397,7 +397,7 @@ def reconcile_verify(verifier: Verifier, drafter: Drafter, local: list[int], max
         chunk = local[i : i + size]
         result = verifier.verify(DraftTree.chain(chunk), spec=spec)
         if stats is not None:
-            stats.reconcile_calls += 1
+            stats.settle_calls += 1
         accepted, bonus = len(result.accepted), result.new_tokens[-1]
         out += chunk[:accepted]
         i += accepted

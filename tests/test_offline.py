@@ -1,4 +1,4 @@
-"""Offline generation with the drafter alone, then verify-reconciliation: greedy output ends as if never cut."""
+"""Offline generation with the drafter alone, then settlement by verification: greedy output ends as if never cut."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import local_token, reconcile_verify
+from client.offline import local_token, settle_verify
 from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
 from tests.test_eagle_independent import make_model
@@ -53,7 +53,7 @@ def test_offline_then_verify_ends_like_an_uninterrupted_run(tiny_target, plain, 
     online_rounds(verifier, d, out, 6)
     local = [t for t in (local_token(d) for _ in range(offline_tokens)) if t is not None]
     assert len(local) == offline_tokens  # every trained drafter keeps generating without the server
-    out += reconcile_verify(verifier, d, local, max_nodes=3)  # small chunks: the chunk seams are exercised
+    out += settle_verify(verifier, d, local, max_nodes=3)  # small chunks: the chunk seams are exercised
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
 
@@ -69,7 +69,7 @@ def test_local_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, ki
         local_token(d)  # advance the drafter's own state ...
         d.rewind(1)
         d.absorb([token])  # ... then commit the token we want instead
-    replaced = reconcile_verify(verifier, d, local, max_nodes=3)
+    replaced = settle_verify(verifier, d, local, max_nodes=3)
     assert replaced[:8] == local and len(replaced) in (8, 9)  # + the target's next token when a chunk ended there
     assert replaced == plain[len(out) : len(out) + len(replaced)]
     out += replaced
@@ -86,7 +86,7 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
     local = plain[n : n + 3] + [wrong, 7, 8]
     for token in local:
         d.absorb([token])
-    assert reconcile_verify(verifier, d, local, max_nodes=16) == plain[n : n + 4]
+    assert settle_verify(verifier, d, local, max_nodes=16) == plain[n : n + 4]
     out += plain[n : n + 4]
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
@@ -103,7 +103,7 @@ def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(t
     local = plain[n : n + 20]
     for token in local:
         d.absorb([token])
-    assert reconcile_verify(verifier, d, local, max_nodes=64)[:20] == local and sizes == [4, 8, 6]
+    assert settle_verify(verifier, d, local, max_nodes=64)[:20] == local and sizes == [4, 8, 6]
     out += plain[n : n + 21]
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]

@@ -287,7 +287,7 @@ def has_run(seq, run: list[int]) -> bool:
 
 
 def token_lists(request) -> list[list[int]]:
-    """Every repeated integer field of a request (prompt ids, draft trees, reconciliation chains, ...)."""
+    """Every repeated integer field of a request (prompt ids, draft trees, settlement chains, ...)."""
     return [list(v) for f, v in request.ListFields() if f.is_repeated and isinstance(v[0], int)]
 
 
@@ -311,7 +311,7 @@ def remote_run(tiny_target, address: str, ids: list[int], drafter: str):
 @pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "moa"])
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_no_byte_of_a_private_span_crosses_the_link(tiny_target, recording_server, prompt, drafter):
-    """Across a cut and the reconciliation after it: the link carries neither the private text nor its token ids,
+    """Across a cut and the settlement after it: the link carries neither the private text nor its token ids,
     no request the server received holds them, and the answer is the target's own on the masked prompt."""
     address, received = recording_server
     tokenizer = tiny_target.tokenizer
@@ -331,8 +331,8 @@ def test_no_byte_of_a_private_span_crosses_the_link(tiny_target, recording_serve
     assert not any(has_run(tokens, secret_ids) for r in requests for tokens in token_lists(r))
     s = gen.stats
     assert s.disconnects >= 1 and s.reconnects == s.disconnects
-    if drafter == "moa":  # the drafter always has a token to offer: local generation and a reconciliation chain
-        assert s.local_tokens >= 1 and s.reconcile_calls >= 1
+    if drafter == "moa":  # the drafter always has a token to offer: local generation and a settlement chain
+        assert s.local_tokens >= 1 and s.settle_calls >= 1
     assert gen.token_ids == local.token_ids and all(gen.verified)
     decode = tokenizer.decode
     assert secrets.render(decode(gen.token_ids, skip_special_tokens=True)) == secrets.render(

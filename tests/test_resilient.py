@@ -1,4 +1,4 @@
-"""Link cuts through netsim on loopback: local generation, reconnection, reconciliation, nothing lost."""
+"""Link cuts through netsim on loopback: local generation, reconnection, settlement, nothing lost."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class Drafter(ABC):
 
     @abstractmethod
     def rewind(self, n: int) -> None:
-        """Forget the last ``n`` committed tokens (reconciliation after a divergence)."""
+        """Forget the last ``n`` committed tokens (the settlement after a divergence)."""
 
     def assume(self, tokens: list[int]) -> None:
         """Take ``tokens`` as committed before the target has seen them (a cut, or drafting ahead of a verdict):
