@@ -2,7 +2,7 @@
 
 A policy answers questions without changing (``plan``: what kind of call comes next, how deep to draft, which
 payload; ``size``: how much of a drafted tree to send) and learns only from the outcomes it is told (``Round``,
-``Stretch``, ``Ahead``, ``Rehearsal``, ``Loaded``, ``Pipelining``). Two policies share that interface:
+``Streamed``, ``Ahead``, ``Rehearsal``, ``Loaded``, ``Pipelining``). Two policies share that interface:
 ``StaticPolicy`` drafts every round to the drafter's own depth and sends the whole tree; ``AdaptivePolicy`` joins
 two small parts, each in its own module — ``client.sizing`` (how big a round should be: the tree's size, its depth,
 the payload, by a cost model measured as decoding goes) and ``client.schedule`` (which kind of round comes next:
@@ -67,7 +67,7 @@ class Round:
 
 
 @dataclass(frozen=True)
-class Stretch:
+class Streamed:
     """A stretch of a stream: ``tokens`` in ``seconds``, ``compute_s`` of them the server's compute."""
 
     tokens: int
@@ -109,7 +109,7 @@ class Pipelining:
     on: bool
 
 
-Outcome = Round | Stretch | Ahead | Rehearsal | Loaded | Pipelining
+Outcome = Round | Streamed | Ahead | Rehearsal | Loaded | Pipelining
 
 
 class Policy(Protocol):
@@ -232,7 +232,7 @@ class AdaptivePolicy:
                                      outcome.decision.kind == "explore")  # fmt: skip
                 else:
                     schedule.plain(outcome.tokens, outcome.seconds)
-            case Stretch():
+            case Streamed():
                 sizing.streamed(outcome.tokens, outcome.compute_s)
                 schedule.plain(outcome.tokens, outcome.seconds, stretch=True)
             case Ahead():

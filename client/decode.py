@@ -14,7 +14,7 @@ it is not, the guess is taken back (``rewind``) and the round goes on as it woul
 depends on the guess but which tree it verifies, so every output is as without it.
 
 Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
-server-side continuation): its tokens stream in with their payloads, the drafter absorbs them as they
+a stream): its tokens stream in with their payloads, the drafter absorbs them as they
 come, so drafting can resume — or the link fail — at any token.
 
 Losing the link is an event of this loop, not another loop: a Verify that fails for the link
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from client.adaptive import Ahead, Loaded, Pipelining, Plan, Policy, Rehearsal, Round, State, StaticPolicy, Stretch
+from client.adaptive import Ahead, Loaded, Pipelining, Plan, Policy, Rehearsal, Round, State, StaticPolicy, Streamed
 from client.costs import verify_request_bytes
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost
@@ -75,7 +75,7 @@ class GenerationStats(OfflineStats):
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     rounds: int = 0  # verification rounds (prefill and settlement calls are not rounds)
-    streamed_tokens: int = 0  # tokens the server decoded by itself (server-side continuation)
+    streamed_tokens: int = 0  # tokens the server decoded by itself (streams)
     streams: int = 0  # Decode calls
     server_calls: int = 0
     acceptance_length: float = 0.0  # tokens gained per verification round
@@ -225,7 +225,7 @@ class Run:
                     if self.plan.stream:
                         self.ready = None  # the stream moves the drafter on: a tree drafted ahead is stale
                         # a stretch that starts the generation opens the session in the same call
-                        self.continuation(self.plan.stream, start if not self.out else None)
+                        self.stream(self.plan.stream, start if not self.out else None)
                     elif not self.out:  # the prefill: its compute is the first guess at a round's
                         self.verify_s = self.open().compute_s
                         self.started(start)
@@ -367,8 +367,8 @@ class Run:
         if self.heartbeat and self.heartbeat.dead.is_set():
             raise LinkDown(f"server {self.verifier.address}: {self.heartbeat.reason}")
 
-    def continuation(self, stretch: int, opening: float | None = None) -> None:
-        """Server-side continuation: a stretch of ``stretch`` tokens decoded by the server alone (a Decode stream),
+    def stream(self, stretch: int, opening: float | None = None) -> None:
+        """A stream: a stretch of ``stretch`` tokens decoded by the server alone (a Decode stream),
         absorbed and emitted as they arrive. The server is asked for all the generation has left, so that the policy
         may extend the stretch without a new call (a plan asked while ``streaming``);
         the stream is cancelled when the stretch ends, or once the generation is finished (a stop string).
@@ -414,7 +414,7 @@ class Run:
                     # the stretch is over once its features are in too (a payload comes every PAYLOAD_EVERY tokens;
                     # ending between two would leave the drafter without the last ones): told, then maybe extended
                     if got >= stretch and (featured == cached or not spec):
-                        policy.observe(Stretch(got, compute, clock() - t0))
+                        policy.observe(Streamed(got, compute, clock() - t0))
                         t0, got, compute = clock(), 0, 0.0
                         plan = policy.plan(State(len(self.prompt_ids), len(self.out), streaming=True))
                         if not (stretch := plan.stream):
@@ -423,7 +423,7 @@ class Run:
             if featured < cached and spec:
                 self.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
             raise
-        policy.observe(Stretch(got, compute, clock() - t0))
+        policy.observe(Streamed(got, compute, clock() - t0))
 
     def rehearse(self, rehearsal, featured: bool):
         """Drafting rehearsed during a stream (``client.schedule``): a tree drafted from the newest token once the

@@ -1,7 +1,7 @@
 """Which kind of round comes next: drafted, plain, or the server decoding by itself (``--mode``).
 
 ``draft`` drafts every round, falling back to plain verification rounds while drafting loses; ``stream`` has
-the server decode by itself and stream its tokens (server-side continuation: no round trip per token);
+the server decode by itself and stream its tokens (no round trip per token);
 ``auto`` (the default) streams instead of stepping plainly — it starts with a stretch of streamed tokens,
 tries drafting after each stretch and keeps whichever was faster, the stretches growing while drafting loses
 (and no trial at all where even a perfect draft could not beat the stream: a long round trip) — except that

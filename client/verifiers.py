@@ -87,7 +87,7 @@ class Verifier(ABC):
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
                timeout_s: float | None = None, lookup: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
                ) -> Iterator[Verdict]:  # fmt: skip
-        """Server-side continuation: the target decodes by itself, one round per token, until a stop token or
+        """A stream: the target decodes by itself, one round per token, until a stop token or
         ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with the last;
         closing the iterator early ends it; ``lookup``: the server may verify its own prompt-lookup drafts of up to
         this many tokens (``DecodeRequest.lookup``). Here: plain verifications one by one (in process there is no

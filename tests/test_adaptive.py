@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from client.adaptive import AdaptivePolicy, Ahead, Loaded, Pipelining, Rehearsal, Round, State, StaticPolicy, Stretch
+from client.adaptive import AdaptivePolicy, Ahead, Loaded, Pipelining, Rehearsal, Round, State, StaticPolicy, Streamed
 from client.costs import GAIN, LineFit
 from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase, Schedule
 from client.sizing import EXPLORE, Decision, Sizing
@@ -225,7 +225,7 @@ def test_drafting_is_not_tried_where_a_round_trip_alone_loses_to_streaming():
     for rtt_s, trial in ((0.3, False), (0.03, True)):
         policy = AdaptivePolicy(FakeLink(rtt_s, 1e6))
         assert policy.plan(ROUND).stream == PAUSE
-        policy.observe(Stretch(PAUSE, 0.0, PAUSE / 80.0))
+        policy.observe(Streamed(PAUSE, 0.0, PAUSE / 80.0))
         assert policy.schedule.hopeless() is not trial
         assert (policy.plan(ROUND).stream == 0) is trial
     policy = AdaptivePolicy(FakeLink(0.03, 1e6))
@@ -245,7 +245,7 @@ def test_a_trial_that_turns_hopeless_stops_at_once_even_in_its_explorations():
 
     policy = AdaptivePolicy(FakeLink(0.03, 1e6))
     assert policy.plan(ROUND).stream == PAUSE
-    policy.observe(Stretch(PAUSE, 0.0, PAUSE / 80.0))
+    policy.observe(Streamed(PAUSE, 0.0, PAUSE / 80.0))
     assert policy.plan(ROUND).stream == 0 and policy.schedule.phase is Phase.TRIAL
     decision = policy.size(TREE)
     assert decision.kind == "explore"
@@ -299,16 +299,16 @@ def test_auto_streams_first_then_keeps_whichever_mode_was_faster():
 
     losing = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
     assert losing.plan(ROUND).stream == PAUSE and losing.schedule.phase is Phase.PAUSE
-    losing.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))  # streamed at 83 tok/s
+    losing.observe(Streamed(PAUSE, 0.0, PAUSE * 0.012))  # streamed at 83 tok/s
     assert losing.plan(STREAMING).stream == 0 and losing.schedule.phase is Phase.TRIAL
     trial(losing, 3)  # 40 tok/s
     assert losing.plan(ROUND).stream == PAUSE
-    losing.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))
+    losing.observe(Streamed(PAUSE, 0.0, PAUSE * 0.012))
     trial(losing, 3)
     assert losing.plan(ROUND).stream == 4 * PAUSE  # each lost trial lengthens the stretch: x4 when under half the speed
     winning = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
     assert winning.plan(ROUND).stream == PAUSE
-    winning.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))
+    winning.observe(Streamed(PAUSE, 0.0, PAUSE * 0.012))
     trial(winning, 11)  # 149 tok/s
     assert winning.plan(ROUND).stream == 0 and winning.schedule.phase is Phase.TRIAL
     assert AdaptivePolicy(None, mode="stream").plan(ROUND).stream > 10**6
@@ -324,7 +324,7 @@ def test_a_busy_server_is_spared_when_drafting_costs_it_less_per_token():
     from shared.wire import splitspec_pb2 as pb
 
     policy = trained(AdaptivePolicy(None), verify_base=0.010, per_node=0.002)
-    policy.observe(Stretch(PAUSE, 0.0, PAUSE * 0.012))
+    policy.observe(Streamed(PAUSE, 0.0, PAUSE * 0.012))
     for _ in range(TRIAL):  # a 16-node tree gaining 3 tokens, slower than streaming: the trial is lost
         drafted(policy, 3)
     assert policy.schedule.phase is Phase.PAUSE and policy.plan(ROUND).stream == PAUSE

@@ -276,7 +276,7 @@ def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, t
 def test_the_cli_survives_a_cut_and_restored_link_with_no_flag(tiny_model_dir, tiny_server, netsim_server):
     """`splitspec generate` against a server whose link goes down mid-answer and comes back: it finishes, exactly
     as the target decodes, with no resilience flag. (Mode draft: a round trip a token keeps the tiny model's answer
-    going long enough to be cut; a cut mid-stream is tests/test_continuation.py's.)"""
+    going long enough to be cut; a cut mid-stream is tests/test_stream.py's.)"""
     address, service = tiny_server
     common = ["--model", str(tiny_model_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "40", "--drafter", "none",
               "--json", "--dtype", "float32", "--mode", "draft"]  # fmt: skip  (the fp32 target tiny_server serves)

@@ -1,4 +1,4 @@
-"""Server-side continuation (Decode): the server decodes a session by itself; lossless across every switch."""
+"""Streams (Decode): the server decodes a session by itself; lossless across every switch."""
 
 from __future__ import annotations
 
