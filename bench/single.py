@@ -19,6 +19,7 @@ lookup drafts its own chain (≤10 nodes) whatever those flags say. ``--draft-vo
 trained drafter once per draft vocabulary (``eagle@8k``, ...): its head is the target's frozen LM head cut to the
 N most frequent assistant tokens, so one bundle serves every size (trained against its own size's KL: the other
 sizes measure what the head's cost and the vocabulary's coverage do to speed and τ, not a drafter trained for them).
+``--drafter-weights int8,int4`` likewise runs each trained drafter once per setting of its own layers' weights.
 
 Every method runs on every prompt, interleaved per prompt with the order rotated from prompt to prompt (and
 the two datasets alternated), so machine noise hits all methods alike. Per prompt: tokens/s = new tokens /
@@ -157,11 +158,13 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
             print(f"WARNING: skipping {name}: {exc}", file=sys.stderr)
             continue
         for label, vocab_ids, coverage in draft_vocabularies(args.draft_vocabs, target, config, counts):
-            drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth,
-                                   vocab_ids=vocab_ids)  # fmt: skip
-            vocabulary = (label, coverage) if label else None
-            methods.append(Method(f"{name}@{label}" if label else name, drafter, args.max_tree_nodes, config,
-                                  vocabulary))  # fmt: skip
+            for weights in args.drafter_weights:
+                drafter = make_drafter(str(path), target=target, width=args.tree_width, depth=args.tree_depth,
+                                       weights=weights, vocab_ids=vocab_ids)  # fmt: skip
+                vocabulary = (label, coverage) if label else None
+                labels = [x for x in (label, "" if len(args.drafter_weights) == 1 else weights) if x]
+                methods.append(Method("@".join([name, *labels]), drafter, args.max_tree_nodes, config,
+                                      vocabulary))  # fmt: skip
     return with_rules(methods, args), skipped
 
 
@@ -463,6 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-vocabs", default="",
                    help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
                         "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)")
+    p.add_argument("--drafter-weights", default="auto",
+                   help="trained drafters: one method per setting of their own layers' weights, comma list of auto, "
+                        "native, int8, int4 (as `splitspec generate --drafter-weights`; default auto)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature, seed = the prompt's index (default 0: greedy)")
     p.add_argument("--acceptance", default="exact",
@@ -497,6 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.acceptance = [r.strip() for r in args.acceptance.split(",") if r.strip()]
     if not args.acceptance or set(args.acceptance) - set(ACCEPTANCE):
         p.error(f"--acceptance takes a comma list of {', '.join(ACCEPTANCE)}, got {','.join(args.acceptance)!r}")
+    args.drafter_weights = [w.strip() for w in args.drafter_weights.split(",") if w.strip()]
+    if not args.drafter_weights or set(args.drafter_weights) - {"auto", "native", "int8", "int4"}:
+        p.error(f"--drafter-weights takes a comma list of auto, native, int8, int4, got {args.drafter_weights!r}")
     if not args.temperature >= 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     try:
@@ -565,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": REFERENCE,
         "tree": {"width": args.tree_width, "depth": args.tree_depth, "max_tree_nodes": args.max_tree_nodes},
         "adaptive": args.adaptive,
+        "drafter_weights": args.drafter_weights,
         "untrained_max_tree_nodes": UNTRAINED_MAX_TREE_NODES,
         "humaneval_template": HUMANEVAL_TEMPLATE,
         "prompts": counts,

@@ -164,18 +164,22 @@ def test_int8_weights_are_a_target_lossless_relative_to_itself(tiny_model_dir):
         load_target(str(tiny_model_dir), weights="int3")
 
 
-def test_int8_drafter_weights_leave_the_target_untouched(tiny_target, tmp_path):
-    """A trained drafter quantized to int8: its own projections and draft head are int8, the target's
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_low_bit_drafter_weights_leave_the_target_untouched(tiny_target, kind):
+    """A trained drafter quantized to int8 or int4: its own projections and draft head are low-bit, the target's
     blocks it shares for TLI are not, and greedy output still equals plain decoding."""
     from client.drafters import quantize_drafter
     from client.drafters.moa import MoA, MoAConfig, MoADrafter
     from client.drafters.target_parts import TargetParts
+    from shared.engine import kernels
 
+    if not kernels.available():
+        pytest.skip(f"no CPU kernels: {kernels.unavailable_reason()}")
     torch.manual_seed(0)
     parts = TargetParts(tiny_target, 1)
     model = MoA(MoAConfig.for_target(parts, 1), parts).eval()
-    quantize_drafter(model)
-    assert model.sa.mlp.down_proj.qweight is not None and model.parts.head is not None
+    quantize_drafter(model, kind)
+    assert model.sa.mlp.down_proj.weights_kind() == kind and model.parts.head is not None
     assert all(m.qweight is None for m in tiny_target.engine.modules() if hasattr(m, "qweight"))
     prompt = [5, 9, 14, 5, 9, 21, 33]
     plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)

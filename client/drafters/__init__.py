@@ -58,9 +58,9 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
     """Build a drafter from its name (see ``DRAFTERS``), a model (``is_model``: its tokenizer must be ``tokenizer``'s
     or the target's; it runs on ``device``) or a bundle (name or path; needs ``target``).
 
-    ``weights="int8"`` makes a trained drafter's own projections and draft head int8 (``shared.engine.kernels``): a
-    draft step multiplies a few rows, where int8 streams a quarter of fp32's bytes. Drafts change, outputs
-    never. ``auto``: int8 on a CPU when the target is served int8 or in bf16, else native.
+    ``weights="int8"`` (``int4``) makes a trained drafter's own projections int8 (4-bit) and its draft head 4-bit
+    (``shared.engine.kernels``): a draft step multiplies a few rows, where int8 streams a quarter of fp32's bytes.
+    Drafts change, outputs never. ``auto``: int8 on a CPU when the target is served int8 or in bf16, else native.
     ``vocab_ids``: another draft vocabulary than the bundle's (``load_bundle``).
     """
     cls = DRAFTERS.get(ALIASES.get(name, name))
@@ -108,25 +108,27 @@ def drafter_model(name: str, device: str = "cpu", weights: str = "auto"):
 
 def prepare_drafter(model, target, weights: str = "auto") -> None:
     """A trained drafter's model made ready to draft beside ``target``: in its device and dtype, and its own layers
-    int8 where that pays (``auto``: on a CPU when the target is served low-bit or in bf16)."""
+    low-bit where that pays (``auto``: int8 on a CPU when the target is served low-bit or in bf16; ``int4`` halves
+    a step's bytes again, drafts change a little, outputs never)."""
     model.to(target.device, target.dtype)
     if weights == "auto":  # a draft step multiplies a few rows: int8 streams a quarter of fp32's bytes
         served_int8 = target.engine.lm_head.qweight is not None
         cheap = served_int8 or target.dtype == torch.bfloat16
         weights = "int8" if target.device.type == "cpu" and cheap else "native"
-    if weights == "int8":
-        quantize_drafter(model)
+    if weights in ("int8", "int4"):
+        quantize_drafter(model, weights)
     elif weights != "native":
-        raise SplitspecError(f"unknown drafter weights {weights!r}; expected auto, native or int8")
+        raise SplitspecError(f"unknown drafter weights {weights!r}; expected auto, native, int8 or int4")
 
 
-def quantize_drafter(model) -> None:
-    """Weight-only int8 for a trained drafter's own layers and draft head, never the target's parts it shares."""
+def quantize_drafter(model, kind: str = "int8") -> None:
+    """Weight-only ``kind`` (int8 or int4) for a trained drafter's own layers, and its draft head 4-bit; never the
+    target's parts it shares."""
     from shared.engine.linear import quantize
 
     for name, child in model.named_children():
         if name != "parts":
-            quantize(child)
+            quantize(child, kind)
     model.parts.quantize_head()
 
 
