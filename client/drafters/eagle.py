@@ -14,9 +14,8 @@ cope with its own slightly-off inputs.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from client.drafters.target_parts import BlockShape, TargetParts
+from client.drafters.target_parts import BlockShape, DrafterModel, TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.engine.layers import Block, KVCache
 from shared.engine.linear import Linear
@@ -28,7 +27,7 @@ class EagleConfig(BlockShape):
     """One block the target's shape; features are the target's hidden states (E wide)."""
 
 
-class Eagle(nn.Module):
+class Eagle(DrafterModel):
     """Trainable fc (2E -> E) and one causal block; the target's embeddings and LM head, frozen, in ``parts``."""
 
     kind = "eagle"
@@ -36,16 +35,12 @@ class Eagle(nn.Module):
 
     def __init__(self, cfg: EagleConfig, parts: TargetParts):
         super().__init__()
-        if parts.tli:
-            raise ValueError(f"EAGLE predicts the target's final hidden state: it needs tli=0, got {parts.tli}")
+        self.needs_final_state(parts)
         self.cfg = cfg
         E = cfg.hidden_size
         self.fc = Linear(2 * E, E)  # (ours: int8 with the rest of a drafter's own layers, ``quantize_drafter``)
         self.block = Block(E, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
         self.parts = parts
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None = None, at: int = 0) -> torch.Tensor:  # fmt: skip

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from client.drafters.target_parts import BlockShape, TargetParts
+from client.drafters.target_parts import BlockShape, DrafterModel, TargetParts
 from client.drafters.tree_drafter import TokenCache, TreeDrafter
 from shared.engine.layers import Block, KVCache, RMSNorm
 from shared.features import Features
@@ -30,7 +30,7 @@ class IndependentConfig(BlockShape):
         return super().for_target(parts, mlp_hidden, layers=layers)
 
 
-class Independent(nn.Module):
+class Independent(DrafterModel):
     """A few trainable Llama blocks and a final norm between the target's frozen embeddings and LM head."""
 
     kind = "independent"
@@ -38,8 +38,7 @@ class Independent(nn.Module):
 
     def __init__(self, cfg: IndependentConfig, parts: TargetParts):
         super().__init__()
-        if parts.tli:
-            raise ValueError(f"the independent drafter predicts the final hidden state: needs tli=0, got {parts.tli}")
+        self.needs_final_state(parts)
         self.cfg = cfg
         self.layers = nn.ModuleList(
             Block(cfg.hidden_size, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden, cfg.eps)
@@ -47,9 +46,6 @@ class Independent(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.eps)
         self.parts = parts
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 caches: list[KVCache] | None = None, at: int = 0) -> torch.Tensor:  # fmt: skip

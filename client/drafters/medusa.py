@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from client.drafters.base import DRAFT_PRECISIONS, Drafter
-from client.drafters.target_parts import TargetParts
+from client.drafters.target_parts import DrafterModel, TargetParts
 from shared.engine.linear import Linear
 from shared.features import Features
 from shared.payload import PayloadSpec
@@ -74,7 +74,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class Medusa(nn.Module):
+class Medusa(DrafterModel):
     """K residual heads; the target's frozen LM head (cut to the draft vocabulary) in ``parts``."""
 
     kind = "medusa"
@@ -82,16 +82,12 @@ class Medusa(nn.Module):
 
     def __init__(self, cfg: MedusaConfig, parts: TargetParts):
         super().__init__()
-        if parts.tli:
-            raise ValueError(f"Medusa's heads read the target's final hidden state: it needs tli=0, got {parts.tli}")
+        self.needs_final_state(parts)
         if cfg.heads < 1:
             raise ValueError(f"Medusa needs at least one head, got heads={cfg.heads}")
         self.cfg = cfg
         self.heads = nn.ModuleList(ResBlock(cfg.hidden_size) for _ in range(cfg.heads))
         self.parts = parts
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Logits [K, ..., V] of tokens q+2..q+1+K from final hidden states f_q [..., E] (head k at index k-1).

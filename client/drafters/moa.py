@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from client.drafters.target_parts import TargetParts
+from client.drafters.target_parts import DrafterModel, TargetParts
 from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.engine.layers import Block, KVCache, RMSNorm
 from shared.engine.linear import Linear
@@ -60,7 +60,7 @@ class MoAConfig:
         return asdict(self)
 
 
-class MoA(LayerSelfAttention):
+class MoA(LayerSelfAttention, DrafterModel):
     """LSA (``shared.lsa``, so the server can run it too) + trainable SA/CA + frozen target parts;
     ``parts`` is excluded from saved weights."""
 
@@ -78,9 +78,6 @@ class MoA(LayerSelfAttention):
         self.out = Linear(E, E)  # (ours: int8 with the rest of a drafter's own layers, ``quantize_drafter``)
         nn.init.normal_(self.null_memory, std=0.02)
         self.parts = parts
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
 
     # --- pieces shared by training and drafting ---
 

@@ -104,3 +104,20 @@ class TargetParts(nn.Module):
         """LM head over a final hidden state: TLI=0 predicts it after the final norm, TLI>0 before it."""
         hidden = self.norm(hidden) if self.tli else hidden
         return self.head(hidden) if self.head is not None else F.linear(hidden, self.head_weight)
+
+
+class DrafterModel(nn.Module):
+    """A trained drafter's model: its own layers, and the target's frozen parts in ``parts``, which a bundle never
+    stores (they come back from whatever target is loaded)."""
+
+    kind: str
+    payload_modes: tuple[str, ...]  # what it reads from the target: ``shared.payload`` modes
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}
+
+    def needs_final_state(self, parts: TargetParts) -> None:
+        """For a model that predicts (or reads) the target's final hidden state: Target Layer Inference cannot
+        apply."""
+        if parts.tli:
+            raise ValueError(f"{self.kind} works on the target's final hidden state: it needs tli=0, got {parts.tli}")
