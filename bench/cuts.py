@@ -3,7 +3,7 @@
 A `splitspec serve` child hosts the target; netsim puts a link in front of it. Each generation (a held-out prompt,
 greedy, pipelined rounds: the drafter is drafting ahead of the verdict when the link goes) has its link cut as its
 k-th Verify starts (k random), loudly (connections closed) or silently (every byte dropped), and restored after a
-random delay; the generation goes on locally and settles when the link is back. Every output must equal plain
+random delay; the generation goes on offline and settles when the link is back. Every output must equal plain
 decoding's: nothing lost, nothing duplicated, nothing changed. Bounded: ``--runs`` generations, each within the
 decode loop's own bounds.
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     call_no, down_s, silent = rng.randint(2, 8), rng.uniform(0.05, 0.6), rng.random() < 0.5
                     cut_on_call(verifiers[name], link, call_no, down_s, silent)
                     row = {"run": i, "drafter": name, "prompt": q.id, "cut_at_call": call_no,
-                           "down_s": round(down_s, 3), "silent": silent, "disconnects": 0, "local_tokens": 0,
+                           "down_s": round(down_s, 3), "silent": silent, "disconnects": 0, "offline_tokens": 0,
                            "guesses": 0, "guesses_held": 0, "exact": False, "error": None}  # fmt: skip
                     try:
                         gen = generate(verifiers[name], drafters[name], q.ids, args.max_new_tokens,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         s = gen.stats
                         exact = gen.token_ids == plain[q.id] and all(gen.verified)
-                        row.update(disconnects=s.disconnects, local_tokens=s.local_tokens, guesses=s.guesses,
+                        row.update(disconnects=s.disconnects, offline_tokens=s.offline_tokens, guesses=s.guesses,
                                    guesses_held=s.guesses_held, exact=exact)
                     rows.append(row)
                     if not row["exact"]:
@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     md = (f"# Link cuts with a tree in flight\n\n`{env['command']}`\n\n{env['date']}, {args.model}, netsim "
           f"{args.profile}, {env['cpu']}. {len(rows)} generations (≤{args.max_new_tokens} tokens, greedy, pipelined "
           f"rounds), each with its link cut as a random Verify (2nd–8th) started, loud or silent, for 0.05–0.6 s.\n\n"
-          "| drafter | runs | runs cut | local tokens | guesses held / made | exact |\n"
+          "| drafter | runs | runs cut | offline tokens | guesses held / made | exact |\n"
           "|---|---:|---:|---:|---:|---:|\n")
     for name in names:
         mine = [r for r in rows if r["drafter"] == name]
         md += (f"| {name} | {len(mine)} | {sum(r['disconnects'] > 0 for r in mine)} | "
-               f"{sum(r['local_tokens'] for r in mine)} | {sum(r['guesses_held'] for r in mine)} / "
+               f"{sum(r['offline_tokens'] for r in mine)} | {sum(r['guesses_held'] for r in mine)} / "
                f"{sum(r['guesses'] for r in mine)} | {sum(r['exact'] for r in mine)}/{len(mine)} |\n")  # fmt: skip
     md += f"\n{len(cut)} generations saw the cut; {len(rows) - len(failures)} of {len(rows)} outputs exact."
     result = {"environment": env, "args": {**vars(args), "out": str(args.out)}, "runs": rows, "failures": failures}

@@ -6,14 +6,14 @@ once the server has delivered N new tokens (at the first round boundary from the
 the prefill's first token), the link is cut *silently* — every byte dropped both ways, nothing closed,
 as when a radio link fades — and never restored. The API client stops dead; a speculative client
 notices the dead link by its heartbeat or deadline (``client.decode``) and finishes the generation on its own
-(``client.offline.local_token``: greedy, the drafter alone or with the target's last N layers, TLI).
+(``client.offline.offline_token``: greedy, the drafter alone or with the target's last N layers, TLI).
 
-Per run: the moment of the switch to local generation after the cut (against the issue's bound
+Per run: the moment of the switch to offline generation after the cut (against the issue's bound
 2 x RTT + 100 ms, RTT = the profile's), offline tokens/s, the *agreement* of the offline continuation
 with the target's own greedy continuation from the same point (token accuracy over the next
 ``--window`` tokens; where the target stops earlier, over what it wrote; an offline run that stops
 early scores its missing tokens as wrong), the run of leading tokens that agree, whether the output
-kept every verified token and every local token exactly once, and HumanEval pass@1 of the whole
+kept every verified token and every offline token exactly once, and HumanEval pass@1 of the whole
 reply (``bench.humaneval``: the problem's tests in a subprocess with a timeout). The uninterrupted
 target's pass@1 at the same token budget is the ceiling (row ``target``).
 
@@ -65,14 +65,14 @@ class Run:
     method: str
     cut_at: int | None  # tokens verified when the link went (None: the generation ended first)
     tokens: int
-    local_tokens: int
+    offline_tokens: int
     switch_ms: float | None
     bound_ms: float
     offline_tokens_per_s: float | None
     agreement: float | None
     agreeing_run: int | None  # leading offline tokens equal to the target's
     next_token_accuracy: float | None  # teacher-forced: the offline drafter's next token, given the true history
-    intact: bool  # every verified token kept, every local token present once
+    intact: bool  # every verified token kept, every offline token present once
     passed: bool
 
 
@@ -168,9 +168,9 @@ def one_run(name, drafters, upstream, netsim, target, prompt, problem, n, refere
             cutter = CutAfter(verifier, link, n)
             gen = generate(
                 verifier, drafter, prompt.ids, limit, max_tree_nodes=STATIC_TREE[2],
-                # the link never returns: every token after the cut is local (no cap waiting for a server to verify)
+                # the link never returns: every token after the cut is offline (no cap waiting for a server to verify)
                 resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n),
-                                      local_cap=0.0, offline=writer),
+                                      offline_cap=0.0, offline=writer),
             )  # fmt: skip
         finally:
             verifier.shutdown()
@@ -179,14 +179,14 @@ def one_run(name, drafters, upstream, netsim, target, prompt, problem, n, refere
     switch = 1000 * (s.switched_at[0] - cutter.cut_time) if cut_at is not None and s.switched_at else None
     agree, run = agreement(out, reference, cut_at, args.window) if cut_at is not None else (None, None)
     verified_kept = cut_at is None or out[:cut_at] == reference[:cut_at]
-    once = cut_at is None or len(out) == cut_at + s.local_tokens or gen.finish_reason == "stop"
+    once = cut_at is None or len(out) == cut_at + s.offline_tokens or gen.finish_reason == "stop"
     text = target.tokenizer.decode(out, skip_special_tokens=True)
     accuracy = None
     if cut_at is not None:
         accuracy = next_token_accuracy(writer or drafter, target, prompt.ids, reference, cut_at, args.window)
-    return Run(prompt.index, problem["task_id"], n, name, cut_at, len(out), s.local_tokens,
+    return Run(prompt.index, problem["task_id"], n, name, cut_at, len(out), s.offline_tokens,
                None if switch is None else round(switch, 1), bound_ms,
-               round(s.local_tokens_per_s, 2) if s.local_tokens else None,
+               round(s.offline_tokens_per_s, 2) if s.offline_tokens else None,
                None if agree is None else round(agree, 4), run, None if accuracy is None else round(accuracy, 4),
                verified_kept and once, passes(problem, text, args.test_timeout))  # fmt: skip
 

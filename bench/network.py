@@ -17,10 +17,10 @@ generates greedily, interleaved and rotated as in ``bench.single``:
 * ``<drafter>-auto`` the adaptive policy in ``--mode auto`` (the client's default): the server decodes stretches by
                      itself (server-side continuation) and drafting is tried between them, kept where it is faster
 * ``<drafter>-stream`` ``--mode stream``: the server decodes everything after the prompt, streaming payloads the
-                     drafter absorbs (what it costs over the API: the payloads; what it buys: local generation on a cut)
+                     drafter absorbs (what it costs over the API: the payloads; what it buys: offline text on a cut)
 * ``<method>-serial`` the method without pipelined rounds: the client waits for each verdict before drafting the
                      next tree (every method over a link is pipelined by default, ``client.decode``)
-* ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no local generation to fall back
+* ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no offline generation to fall back
                      on): every other method survives link drops as ``splitspec generate`` does by default,
                      so ``X`` beside ``X-fail`` is what that costs on a healthy link
 

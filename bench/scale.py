@@ -14,7 +14,7 @@ and Probe calls per second through each with 16 threads (the proxy's ceiling on 
 Kills: ``--kills`` rounds of ``--kill-clients`` clients (default 4) running the real decode loop (replaying,
 default resilience) on 2 replicas; in each, the replica holding client 0's session is killed before its third
 Verify. Every client must return and every output equal the recording; reported per round: client 0's time off its
-server (local generation until the reopened session settled), Serve's time to bring the replica back, and the
+server (offline generation until the reopened session settled), Serve's time to bring the replica back, and the
 longest any client went on after that (its remaining tokens included: a client stuck behind the dead replica shows
 here). A client still running ``HUNG_AFTER_S`` after the replica is back is counted as never returning. ``--pin
 CPUS`` puts this process, Ray and every replica on those CPUs (``--pin 0``: all on one core, a loaded slow machine).
@@ -87,7 +87,7 @@ class Kill:
     replica: str
     exact: bool
     disconnects: int  # client 0's
-    off_server_s: float  # client 0: from the failed call to its reopened session settling (local generation between)
+    off_server_s: float  # client 0: from the failed call to its reopened session settling (offline generation between)
     replaced_s: float  # from the kill until Serve reports both replicas running again
     wall_s: float  # the round's, all clients
     after_back_s: float | None = None  # the last client's end after the replica was back (None: one never returned)

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from client.offline import LOCAL_CAP
+from client.offline import OFFLINE_CAP
 from client.options import Deprecated, add_connection_arguments, add_mode_argument
 from client.private import Renderer, mask
 from client.text import Terminal, TextDeltas, note
@@ -56,23 +56,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--on-reconnect",
         choices=["verify", "keep", "fail"],
-        help="when the link fails, generate locally until the server answers again, then have it verify the "
-        "local tokens (verify, the default: greedy output as if never cut) or take them as they are (keep); "
+        help="when the link fails, generate offline until the server answers again, then have it verify the "
+        "offline tokens (verify, the default: greedy output as if never cut) or take them as they are (keep); "
         "fail: stop with an error instead",
     )
     p.add_argument("--keep-after", type=float, metavar="SECONDS",
-                   help="with --on-reconnect verify: a cut longer than this keeps the text made locally as it is "
+                   help="with --on-reconnect verify: a cut longer than this keeps the text made offline as it is "
                         "(as keep does) instead of having the server verify it (default: always verify)")  # fmt: skip
-    p.add_argument("--local-cap", type=float, default=LOCAL_CAP, metavar="P",
-                   help="while local tokens are to be verified, stop making more once the chance that all of them "
+    p.add_argument("--offline-cap", type=float, default=OFFLINE_CAP, metavar="P",
+                   help="while offline tokens are to be verified, stop making more once the chance that all of them "
                         "survive falls below P (the drafter's confidence, calibrated by how often the target took its "
                         f"first choices; about (1 - P) / -ln P of the text shown stays; 0: never stop; "
-                        f"default {LOCAL_CAP})")
+                        f"default {OFFLINE_CAP})")
+    p.add_argument("--local-cap", dest="offline_cap", type=float, action=Deprecated, instead="use --offline-cap P")
     p.add_argument("--no-pipeline", action="store_true",
                    help="wait for each verdict before drafting the next tree (default over a link: draft it while "
                         "the last one is verified, guessing its outcome)")
     p.add_argument("--offline-drafter", metavar="MODEL",
-                   help="when the link fails, have this model write the local tokens instead of --drafter (e.g. "
+                   help="when the link fails, have this model write the offline tokens instead of --drafter (e.g. "
                         "qwen2.5-coder-0.5b beside moa-tli1: a whole model's text survives a long cut better than a "
                         "drafter's alone); it reads the context at the cut. Default: the drafter itself")
     add_mode_argument(p)
@@ -150,15 +151,15 @@ class TextPrinter:
 class SettledPrinter:
     """Shows a generation as ``on_update`` reports it (``client.text.TextDeltas``), on ``text``'s terminal.
 
-    Verified tokens are final, and so are local ones under ``keep``; under ``verify`` a local token may still be
+    Verified tokens are final, and so are offline ones under ``keep``; under ``verify`` an offline token may still be
     replaced when the server is back: on a terminal it is shown dim meanwhile and rewritten in place (through a
     pipe it waits). The link's events are notes on ``status``; tokens still unverified at the end are printed
     then, with a note.
     """
 
-    def __init__(self, text: TextPrinter, final_local: bool, status=None):
+    def __init__(self, text: TextPrinter, final_offline: bool, status=None):
         self.terminal, self.status = text.terminal, status or sys.stderr
-        self.deltas = TextDeltas(text.tokenizer, final_local=final_local, secrets=text.secrets)
+        self.deltas = TextDeltas(text.tokenizer, final_offline=final_offline, secrets=text.secrets)
 
     def __call__(self, tokens: list[int], verified: list[bool]) -> None:
         self.terminal(self.deltas.update(tokens, verified), self.say)
@@ -178,7 +179,7 @@ def stats_line(gen) -> str:
         f"{(s.bytes_sent + s.bytes_received) / 1024:.1f} KiB"
         + (f", rtt {s.rtt_ms:.1f} ms" if s.rtt_ms is not None else "")
         + (f", {s.bandwidth_mbps:.1f} Mbit/s down" if s.bandwidth_mbps is not None else "")
-        + (f", link lost {s.disconnects}x: {s.local_tokens} tokens made locally, {s.offline_s:.2f}s offline"
+        + (f", link lost {s.disconnects}x: {s.offline_tokens} offline tokens, {s.offline_s:.2f}s offline"
            if s.disconnects else "")
         + f", finish: {gen.finish_reason}]"
     )
@@ -272,8 +273,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if args.greedy and args.temperature:
         raise SplitspecError(f"--greedy with --temperature {args.temperature:g}: greedy decoding is temperature 0; "
                              "drop one")  # fmt: skip
-    if not 0 <= args.local_cap < 1:
-        raise SplitspecError(f"--local-cap {args.local_cap:g}: expected a probability in [0, 1)")
+    if not 0 <= args.offline_cap < 1:
+        raise SplitspecError(f"--offline-cap {args.offline_cap:g}: expected a probability in [0, 1)")
     if args.static and args.mode != "auto":
         raise SplitspecError(f"--static verifies every drafted tree whole; --mode {args.mode} needs the adaptive "
                              "policy: drop one of them")  # fmt: skip
@@ -300,7 +301,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     on_reconnect = args.on_reconnect or "verify"
     stream = None
     if not args.json:
-        stream = SettledPrinter(TextPrinter(tokenizer, renderer=secrets.renderer()), final_local=on_reconnect == "keep")
+        stream = SettledPrinter(TextPrinter(tokenizer, renderer=secrets.renderer()),
+                                final_offline=on_reconnect == "keep")
     if args.baseline == "api":
         gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_update=stream)
         drafter_name = "api"
@@ -312,7 +314,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         gen = generate(
             verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
             max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
-            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, local_cap=args.local_cap,
+            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, offline_cap=args.offline_cap,
                                   offline=offline_writer),
             on_update=stream, spec=specs[0] if specs else None, pipeline=False if args.no_pipeline else None,
         )  # fmt: skip
@@ -337,7 +339,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
                     else {"mode": gen.spec.mode, "precision": gen.spec.precision},
                     "stats": gen.stats.as_dict(),
                     "verified": gen.verified,
-                    "unverified_tokens": len(gen.verified) - sum(gen.verified),  # local tokens the server never checked
+                    "unverified_tokens": len(gen.verified) - sum(gen.verified),  # offline tokens never checked
                 }
             )
         )

@@ -9,7 +9,7 @@ long forward (a prompt's prefill) costs, each the decayed maximum of what was se
 calls slower: the bound follows at once and relaxes slowly). A stream is bounded per gap, the time between two of
 its messages, so a stream of any length is watched as closely as one call.
 
-A missed bound is a lost call (``client.remote``), which the decode loop handles as a cut: local generation, then
+A missed bound is a lost call (``client.remote``), which the decode loop handles as a cut: offline generation, then
 the settlement. A call a few times slower than the server has ever been is not worth waiting for: a replica that
 died behind a proxy that keeps the connection open answers no call ever, and nothing else would say so.
 """

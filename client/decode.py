@@ -18,7 +18,7 @@ a stream): its tokens stream in with their payloads, the drafter absorbs them as
 come, so drafting can resume — or the link fail — at any token.
 
 Losing the link is an event of this loop, not another loop: a Verify that fails for the link
-(``LinkDown``; ``SessionLost``) hands over to ``client.offline.Bridge``, which generates locally
+(``LinkDown``; ``SessionLost``) hands over to ``client.offline.Bridge``, which generates offline
 (the drafter, with MoA's TLI layers) until the server answers again and then settles the
 unverified tail (``verify``: the server checks it, greedy output ends as if never cut; ``keep``:
 taken as is); the loop applies what it yields, as it applies a round's tokens, through its one writer
@@ -100,8 +100,8 @@ class GenerationStats(OfflineStats):
     heartbeat_probes: int = 0
 
     @property
-    def local_tokens_per_s(self) -> float:
-        return self.local_tokens / self.local_s if self.local_s > 0 else 0.0
+    def offline_tokens_per_s(self) -> float:
+        return self.offline_tokens / self.offline_gen_s if self.offline_gen_s > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -110,7 +110,7 @@ class GenerationStats(OfflineStats):
 @dataclass
 class Generation:
     token_ids: list[int]
-    verified: list[bool]  # per token: did the server verify it (False only for local tokens left unsettled)
+    verified: list[bool]  # per token: did the server verify it (False only for offline tokens left unsettled)
     finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "context" (window full)
     stats: GenerationStats
     spec: PayloadSpec = NO_PAYLOAD  # the payload its last call asked for

@@ -3,8 +3,8 @@
 A server (`splitspec serve`, a child process), a simulated mobile link in front of it (netsim, ``4g``
 by default), and this process as the edge client: the MoA drafter (``moa-tli1``: its drafts use the
 target's last layer, run here) streams a chat answer verified by the server. Partway through, the
-link is cut and restored a few seconds later: the client keeps generating locally with the
-drafter's TLI layer, and when the link is back the server verifies the local tokens (the settlement):
+link is cut and restored a few seconds later: the client keeps generating offline with the
+drafter's TLI layer, and when the link is back the server verifies the offline tokens (the settlement):
 each event is announced as it happens. Then the same prompt through the streaming API baseline over
 the same link, cut the same way: it stalls for as long as the cut lasts. A table compares the two.
 Everything it starts (server, netsim, timers) is stopped, also on Ctrl-C.
@@ -19,7 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from client.offline import LOCAL_CAP
+from client.offline import OFFLINE_CAP
+from client.options import Deprecated
 from netsim.profiles import PROFILES
 from shared.engine.models import DEFAULT_MODEL
 from shared.server_process import cpus_label, server_child, two_machines
@@ -38,10 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-after", type=int, default=30, help="cut the link once this many tokens streamed (default 30)")
     p.add_argument("--cut-for", type=float, default=3.0, help="seconds the link stays cut (default 3)")
     p.add_argument("--keep-after", type=float, metavar="SECONDS",
-                   help="a cut longer than this keeps the local text as it is (default: the server verifies it)")
-    p.add_argument("--local-cap", type=float, default=LOCAL_CAP, metavar="P",
-                   help="stop generating locally once the chance that all local tokens survive verification falls "
-                        f"below P (default {LOCAL_CAP}, as `generate`; 0: local generation through the whole cut)")
+                   help="a cut longer than this keeps the offline text as it is (default: the server verifies it)")
+    p.add_argument("--offline-cap", type=float, default=OFFLINE_CAP, metavar="P",
+                   help="stop generating offline once the chance that all offline tokens survive verification falls "
+                        f"below P (default {OFFLINE_CAP}, as `generate`; 0: offline generation through the whole cut)")
+    p.add_argument("--local-cap", dest="offline_cap", type=float, action=Deprecated, instead="use --offline-cap P")
     p.add_argument("--no-baseline", action="store_true", help="skip the streaming API baseline")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
 
@@ -52,7 +54,7 @@ def say(message: str) -> None:
 
 class Show:
     """Shows a generation on ``text`` (a ``client.cli.TextPrinter``: its ``client.text`` deltas and terminal): the
-    settled text, the local tail dim while the link is cut (on a terminal), the link's events narrated. Cuts the link
+    settled text, the offline tail dim while the link is cut (on a terminal), the link's events narrated. Cuts the link
     (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later. Measures the longest wait for more
     settled text (``longest_stall``) and for any new text on the screen, provisional text included (``longest_wait``;
     while a whole answer is on the screen — ``limit`` tokens, or a stop token in ``stop`` — the user waits for no
@@ -153,7 +155,7 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show) -> dict:
     return {"tokens": len(out), "wall_s": wall, "tok_s": len(out) / wall, "wait_s": show.longest_wait,
             "stall_s": show.longest_stall, "server_calls": remote.counters.server_calls - before,
             "kib": (remote.counters.bytes_sent + remote.counters.bytes_received - bytes_before) / 1024,
-            "streamed": f"{len(out)}/{len(out)}", "acceptance_length": 1.0, "local": "0",
+            "streamed": f"{len(out)}/{len(out)}", "acceptance_length": 1.0, "offline": "0",
             "verified": f"{len(out)}/{len(out)}"}  # fmt: skip
 
 
@@ -168,8 +170,8 @@ def warm_up(remote, drafter, prompt_ids: list[int]) -> None:
     api_generate(remote, prompt_ids, WARM_UP_TOKENS)
 
 
-def local_kept(shown: int, kept: int) -> str:
-    """Local tokens shown during cuts and the share of them the server kept: whether provisional text was worth
+def offline_kept(shown: int, kept: int) -> str:
+    """Offline tokens shown during cuts and the share of them the server kept: whether provisional text was worth
     showing."""
     return f"{shown} shown, {kept} kept ({100 * kept / shown:.0f} %)" if shown else "0"
 
@@ -179,7 +181,7 @@ def figures(gen, show: Show) -> dict:
     return {"tokens": s.new_tokens, "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "wait_s": show.longest_wait,
             "stall_s": show.longest_stall, "server_calls": s.server_calls,
             "kib": (s.bytes_sent + s.bytes_received) / 1024, "streamed": f"{s.streamed_tokens}/{s.new_tokens}",
-            "acceptance_length": s.acceptance_length, "local": local_kept(s.local_tokens, s.local_kept),
+            "acceptance_length": s.acceptance_length, "offline": offline_kept(s.offline_tokens, s.offline_kept),
             "verified": f"{sum(gen.verified)}/{len(gen.verified)}"}  # fmt: skip
 
 
@@ -224,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
                         remote.eos_token_ids)  # fmt: skip
             policy = narrated(AdaptivePolicy).for_run(remote, drafter.payload_specs())
-            resilience = Resilience(keep_after_s=args.keep_after, local_cap=args.local_cap)
+            resilience = Resilience(keep_after_s=args.keep_after, offline_cap=args.offline_cap)
             gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show,
                            resilience=resilience)  # fmt: skip
             show.text(gen.token_ids[show.shown :])
@@ -260,7 +262,7 @@ ROWS = [("tokens", "tokens", "d"), ("wall s", "wall_s", ".1f"), ("tok/s", "tok_s
         ("longest wait for text s", "wait_s", ".1f"), ("longest wait for verified text s", "stall_s", ".1f"),
         ("server calls", "server_calls", "d"), ("KiB on the link", "kib", ".0f"),
         ("decoded by the server", "streamed", "s"), ("acceptance length (drafted rounds)", "acceptance_length", ".2f"),
-        ("local tokens", "local", "s"), ("verified", "verified", "s")]  # fmt: skip
+        ("offline tokens", "offline", "s"), ("verified", "verified", "s")]  # fmt: skip
 
 
 def summary(runs: dict[str, dict]) -> str:

@@ -4,17 +4,17 @@ Apps on a device talk to language models through the OpenAI API (llama.cpp's ser
 Studio serve it locally), so the edge serves it too: ``GET /v1/models``, ``POST /v1/chat/completions``
 and ``POST /v1/completions`` (streamed as server-sent events or not), ``GET /health`` and ``GET /metrics``.
 Behind them every request is one generation of the one decode loop (``client.decode.generate``): the
-drafter here, verification on ``--server``, local generation when the link drops. A stream carries only
-text that can no longer change (what the server verified; local tokens once settled), so an app never
+drafter here, verification on ``--server``, offline generation when the link drops. A stream carries only
+text that can no longer change (what the server verified; offline tokens once settled), so an app never
 sees text taken back. Replies carry OpenAI's ``usage`` and splitspec's own figures under ``splitspec``.
 
 An app that can show text which may still change opts in with ``"splitspec": {"provisional": true}`` in a
-streamed request: while the link is cut, the tokens made locally are text the server may still replace,
+streamed request: while the link is cut, the tokens made offline are text the server may still replace,
 and its chunks then also carry a top-level ``"splitspec": {"provisional": "..."}``, the text after all
 the content streamed so far that may still change, whole: it replaces the previous one (``""``: none);
 a chunk without it leaves it as it was. Such chunks may have no content of their own (an empty
 ``delta``, or ``text: ""``), and ``"events"`` there narrates the link ("no answer from the server:
-generating locally", "server back: ..."). The content itself is the same as a plain client's, which
+generating offline", "server back: ..."). The content itself is the same as a plain client's, which
 never sees either (``client.text.TextDeltas`` makes both); the usage chunk's ``splitspec`` holds the
 figures, as always. With the ``openai`` client: ``extra_body={"splitspec": {"provisional": True}}``, and
 ``chunk.model_extra.get("splitspec")``.
@@ -66,7 +66,7 @@ def extension(gen, drafter: str, acceptance: str = "exact") -> dict:
         "rounds": s.rounds,
         "streamed_tokens": s.streamed_tokens,
         "acceptance_length": round(s.acceptance_length, 3),
-        "local_tokens": s.local_tokens,
+        "offline_tokens": s.offline_tokens,
         "disconnects": s.disconnects,
         "unverified_tokens": len(gen.verified) - sum(gen.verified),
         "bytes_sent": s.bytes_sent,
@@ -226,7 +226,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with +lookup for prompt lookup first; a GGUF or Hugging Face folder), a trained bundle "
                         "(moa-tli0, moa-tli1, moa-tli3, eagle, independent) or a bundle's path")  # fmt: skip
     p.add_argument("--on-reconnect", default="verify", choices=["verify", "keep"],
-                   help="when the link fails, generate locally, then have the server verify the local tokens (verify, "
+                   help="when the link fails, generate offline, then have the server verify those tokens (verify, "
                         "the default: streams wait for it) or take them as they are (keep)")  # fmt: skip
     p.add_argument("--model", default=DEFAULT_MODEL, help="the served model's name and tokenizer (default "
                    f"{DEFAULT_MODEL})")

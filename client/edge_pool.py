@@ -40,8 +40,8 @@ class Counters:
                                 registry=r)  # fmt: skip
         self.active = Gauge("splitspec_edge_active_generations", "generations running now", registry=r)
         self.tokens = Counter("splitspec_edge_tokens", "tokens generated", registry=r)
-        self.local_tokens = Counter("splitspec_edge_local_tokens", "tokens generated locally while the link was down",
-                                    registry=r)  # fmt: skip
+        self.offline_tokens = Counter("splitspec_edge_offline_tokens", "tokens generated while the link was down",
+                                      registry=r)  # fmt: skip
         self.server_calls = Counter("splitspec_edge_server_calls", "calls to the server", registry=r)
         self.disconnects = Counter("splitspec_edge_disconnects", "times a generation lost the link", registry=r)
         self.seconds = Histogram("splitspec_edge_generation_seconds", "a generation's wall time", registry=r)
@@ -277,7 +277,7 @@ class Edge:
             c.active.dec()
         s = gen.stats
         c.tokens.inc(s.new_tokens)
-        c.local_tokens.inc(s.local_tokens)
+        c.offline_tokens.inc(s.offline_tokens)
         c.server_calls.inc(s.server_calls)
         c.disconnects.inc(s.disconnects)
         c.seconds.observe(time.perf_counter() - start)
@@ -344,7 +344,7 @@ class Job:
                 self.prompt_ids, secrets = edge.prompt_ids(ask)
             except ValueError as exc:  # a malformed private span
                 raise RequestError(400, str(exc), "messages" if ask.chat else "prompt") from None
-            self.text_deltas = TextDeltas(edge.tokenizer, final_local=edge.resilience.on_reconnect == "keep",
+            self.text_deltas = TextDeltas(edge.tokenizer, final_offline=edge.resilience.on_reconnect == "keep",
                                           stop=ask.stop, secrets=secrets)  # fmt: skip
             gen = edge.generate(ask, self.prompt_ids, self._update,
                                 stop_when=lambda: self.stopped or self._cancelled.is_set(),

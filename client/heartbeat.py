@@ -5,7 +5,7 @@ while), so by itself it notices a silent cut late. The heartbeat asks a differen
 Probe calls, every half round trip, each with a deadline of one RTT bound (SRTT + 4·RTTVAR, as a
 TCP retransmission timer) plus a margin. The server answers them at once even mid-Verify. The first
 one unanswered marks the link dead and fires the callbacks (the decode loop cancels its Verify and
-generates locally); a cut is thus noticed within interval + deadline, about 2 x RTT + 50 ms.
+generates offline); a cut is thus noticed within interval + deadline, about 2 x RTT + 50 ms.
 
 gRPC's own keepalive pings cannot do this: gRPC core sends at most one per second.
 

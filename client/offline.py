@@ -9,7 +9,7 @@ polls the server with jittered exponential backoff. When it answers, the unverif
 * ``verify`` — ``settle_verify`` has the server verify it as one chain (in chunks of the server's
   tree limit): the accepted prefix is kept, the target's token replaces the first divergence, the
   rest is dropped; greedy output ends exactly as an uninterrupted run's.
-* ``keep`` — the server takes the local tokens as they are (the session is reopened from the whole
+* ``keep`` — the server takes the offline tokens as they are (the session is reopened from the whole
   history) and decoding continues after them.
 
 A session the server lost (TTL, restart) is reopened from the token history the client holds.
@@ -36,12 +36,12 @@ from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
 ON_RECONNECT = ("verify", "keep", "fail")
-LOCAL_CAP = 0.3  # see Resilience.local_cap
+OFFLINE_CAP = 0.3  # see Resilience.offline_cap
 
 MIN_POLL_S = 0.25  # the shortest wait for a reconnection poll's answer
 STOP_POLL_S = 0.1  # how often a wait for the link looks whether the process is stopping
 SETTLE_LOSSES = 8  # settlements in a row the server answers but loses the session of, before giving up
-FIRST_CHUNK = 4  # local tokens in the first verification of a reconnected tail (see settle_verify)
+FIRST_CHUNK = 4  # offline tokens in the first verification of a reconnected tail (see settle_verify)
 
 
 @dataclass
@@ -91,15 +91,15 @@ class Resilience:
     ``max_offline_s``; 0: return at once with the tail unverified). ``heartbeat`` probes the server
     on a connection of its own (``client.heartbeat``) so that a silent cut is noticed within about
     two round trips, not only at a Verify's deadline. ``keep_after_s``: under ``verify``, a cut that
-    lasts longer keeps its local tokens as ``keep`` does (None: never). ``local_cap``: while local
-    tokens are to be verified, local generation waits once the chance that all of them survive — the
+    lasts longer keeps its offline tokens as ``keep`` does (None: never). ``offline_cap``: while offline
+    tokens are to be verified, offline generation waits once the chance that all of them survive — the
     drafter's own probabilities, calibrated by how often the target took its first choices (``Sizing.survival``) —
     falls below this (0: never waits): the next token would more likely be shown and then replaced. With each
     token surviving with chance a, a cap T stops after ln T / ln a tokens, of which the target keeps a share of
     about (1 - T) / -ln T whatever a is: the default 0.3 shows text of which ~58 % stays. ``stop``: set when the
-    process is stopping (the edge on SIGTERM): a generation waiting for the link ends at once, its local tail
+    process is stopping (the edge on SIGTERM): a generation waiting for the link ends at once, its offline tail
     unverified.
-    ``offline``: the drafter that writes the local tokens (default None: the generation's own drafter) — a whole
+    ``offline``: the drafter that writes the offline tokens (default None: the generation's own drafter) — a whole
     model (the 0.5B beside a MoA drafter), which writes text a long cut can keep; it reads the context at the cut.
     """
 
@@ -109,7 +109,7 @@ class Resilience:
     settle_wait_s: float | None = None
     heartbeat: bool = True
     keep_after_s: float | None = None
-    local_cap: float = LOCAL_CAP
+    offline_cap: float = OFFLINE_CAP
     stop: threading.Event | None = None
     offline: Drafter | None = None
 
@@ -118,8 +118,8 @@ class Resilience:
             raise ValueError(f"on_reconnect must be one of {', '.join(ON_RECONNECT)}, got {self.on_reconnect!r}")
         if self.keep_after_s is not None and not self.keep_after_s >= 0:
             raise ValueError(f"keep_after_s must be >= 0 seconds or None, got {self.keep_after_s!r}")
-        if not 0 <= self.local_cap < 1:
-            raise ValueError(f"local_cap must be a probability in [0, 1), got {self.local_cap!r}")
+        if not 0 <= self.offline_cap < 1:
+            raise ValueError(f"offline_cap must be a probability in [0, 1), got {self.offline_cap!r}")
 
 
 @dataclass
@@ -127,17 +127,17 @@ class OfflineStats:
     """What the link's failures cost a generation: all zero in one it never failed in (``GenerationStats`` holds
     them as its own)."""
 
-    local_tokens: int = 0  # tokens generated without the server (kept or not)
-    local_kept: int = 0  # of which the settlement kept (the server agreed with them, or they were kept as they are)
-    local_capped: int = 0  # times local generation waited: what followed would almost surely have been thrown away
+    offline_tokens: int = 0  # tokens generated without the server (kept or not)
+    offline_kept: int = 0  # of which the settlement kept (the server agreed with them, or they were kept as they are)
+    offline_capped: int = 0  # times offline generation waited: what followed would almost surely have been thrown away
     disconnects: int = 0
     reconnects: int = 0
     reconnect_attempts: int = 0  # server polls while offline
-    settle_calls: int = 0  # Verify calls that settled local tokens
+    settle_calls: int = 0  # Verify calls that settled offline tokens
     offline_s: float = 0.0  # from each detected failure to the settlement (or the end)
-    local_s: float = 0.0  # of which spent generating local tokens
-    switch_s: list[float] = field(default_factory=list)  # from the failing call's start to local generation
-    switched_at: list[float] = field(default_factory=list)  # the clock's time when local generation began
+    offline_gen_s: float = 0.0  # of which spent generating offline tokens
+    switch_s: list[float] = field(default_factory=list)  # from the failing call's start to offline generation
+    switched_at: list[float] = field(default_factory=list)  # the clock's time when offline generation began
 
     def add(self, other: OfflineStats) -> None:
         """Count ``other`` (one cut's) in too."""
@@ -146,7 +146,7 @@ class OfflineStats:
 
 
 def unmeasured(p: float | None) -> float:
-    """A local token's chance of surviving by its writer's word alone (a copy's: 1)."""
+    """An offline token's chance of surviving by its writer's word alone (a copy's: 1)."""
     return 1.0 if p is None else p
 
 
@@ -155,7 +155,7 @@ class Cut:
     """A generation as it stood when its link failed: what the offline stage reads (and which collaborators it
     drives: ``verifier``, ``drafter``, ``heartbeat``). ``finished(out, verified)``: why an output is complete ("" if
     it is not; the loop's own rule); ``unfeatured``: cached tokens whose features a cut mid-stream kept away;
-    ``survival(p)``: the chance that a local token the drafter gave probability p (None: a copy) is the target's own
+    ``survival(p)``: the chance that an offline token the drafter gave probability p (None: a copy) is the target's own
     (the policy's measure of the drafter); ``clock``: seconds, for every bound."""
 
     verifier: Verifier
@@ -175,7 +175,7 @@ class Cut:
 
 
 class Bridge:
-    """The offline stage of one cut: ``outputs()`` yields each output it makes — local tokens as they come, then the
+    """The offline stage of one cut: ``outputs()`` yields each output it makes — offline tokens as they come, then the
     settled history — for the decode loop to apply; afterwards ``stats`` says what the cut cost and ``unfeatured``
     what is still to be fetched. It never writes the loop's state: it reads the ``Cut`` and keeps its own copy."""
 
@@ -185,13 +185,13 @@ class Bridge:
         self.stats = OfflineStats()
 
     def outputs(self) -> Iterator[tuple[list[int], list[bool]]]:
-        """Generate locally until the server answers again (or the budget ends), then settle the local tail.
+        """Generate offline until the server answers again (or the budget ends), then settle the offline tail.
 
         A settlement the link breaks again leaves the drafter half-settled: the next one reopens the session from
-        the verified history instead, and no more local tokens are made meanwhile.
+        the verified history instead, and no more offline tokens are made meanwhile.
         """
         cut, stats, resilience, clock = self.cut, self.stats, self.cut.resilience, self.cut.clock
-        began, first_local, fresh, losses = clock(), len(self.out), True, 0
+        began, first_offline, fresh, losses = clock(), len(self.out), True, 0
         stats.switched_at.append(began)
         try:
             while True:
@@ -201,7 +201,7 @@ class Bridge:
                     if fresh:
                         if self.unfeatured:
                             self._catch_up()
-                        yield from self._generate_locally(reconnector, began)
+                        yield from self._generate_offline(reconnector, began)
                     wait = resilience.max_offline_s - (clock() - began)
                     if cut.finished(self.out, self.verified) and resilience.settle_wait_s is not None:
                         wait = min(wait, resilience.settle_wait_s)
@@ -213,7 +213,7 @@ class Bridge:
                     stats.reconnect_attempts += reconnector.attempts
                 stats.reconnects += 1
                 try:
-                    yield self._settle(first_local, fresh, self._keeping(began))
+                    yield self._settle(first_offline, fresh, self._keeping(began))
                     if cut.heartbeat:
                         cut.heartbeat.revive()
                     return
@@ -233,7 +233,7 @@ class Bridge:
 
     def _catch_up(self) -> None:
         """The tokens streamed since the last payload (a cut kept their features away) fed to the drafter again as
-        local tokens are — each after a proposal, so the drafter stands in its own features for the target's — so
+        offline tokens are — each after a proposal, so the drafter stands in its own features for the target's — so
         that it can generate after them; the target's own features replace those at the settlement."""
         start, end = self.unfeatured
         if start == 0:  # not even the prompt's arrived (a stream that opened the session): nothing to draft from
@@ -243,13 +243,13 @@ class Bridge:
         self.cut.drafter.assume(tokens)
 
     def _keeping(self, began: float) -> bool:
-        """Will the local tokens be kept as they are (keep, or a cut past ``keep_after_s``) rather than verified?"""
+        """Will the offline tokens be kept as they are (keep, or a cut past ``keep_after_s``) rather than verified?"""
         resilience = self.cut.resilience
         late = resilience.keep_after_s is not None and self.cut.clock() - began > resilience.keep_after_s
         return resilience.on_reconnect == "keep" or late
 
-    def _generate_locally(self, reconnector: Reconnector, began: float) -> Iterator[tuple[list[int], list[bool]]]:
-        """Local tokens until the link is back: the drafter's own (or ``resilience.offline``'s, which reads the
+    def _generate_offline(self, reconnector: Reconnector, began: float) -> Iterator[tuple[list[int], list[bool]]]:
+        """Offline tokens until the link is back: the drafter's own (or ``resilience.offline``'s, which reads the
         context first and whose tokens the drafter then takes as it takes its own, so the settlement goes as ever)."""
         cut, stats, clock = self.cut, self.stats, self.cut.clock
         resilience, drafter = cut.resilience, cut.drafter
@@ -263,22 +263,22 @@ class Bridge:
                 stopping = resilience.stop is not None and resilience.stop.is_set()
                 if stopping or cut.finished(self.out, self.verified) or clock() - began > resilience.max_offline_s:
                     return
-                if survival < resilience.local_cap and not self._keeping(began):
-                    stats.local_capped += not capped  # the rest would almost surely be discarded: wait for the server
+                if survival < resilience.offline_cap and not self._keeping(began):
+                    stats.offline_capped += not capped  # the rest would almost surely be discarded: wait for the server
                     capped = True
                     reconnector.up.wait(0.05)
                     continue
-                token, p = local_draw(writer, cut.sampling, cut.generator)
+                token, p = offline_draw(writer, cut.sampling, cut.generator)
                 if token is None:  # nothing to offer offline (prompt lookup without a match): wait
                     reconnector.up.wait(0.05)
                     continue
                 if writer is not drafter:
                     drafter.assume([token])
                 survival *= survival_of(p)
-                stats.local_tokens += 1
+                stats.offline_tokens += 1
                 yield self._emit(self.out + [token], self.verified + [False])
         finally:
-            stats.local_s += clock() - t0
+            stats.offline_gen_s += clock() - t0
 
     def _reopen(self, history: list[int]) -> list[int]:
         """A session opened again after ``prompt + history`` (its last token the root again): the tokens it adds."""
@@ -288,35 +288,35 @@ class Bridge:
         cut.drafter.begin(cut.prompt_ids + history + opened.new_tokens, opened.features)
         return opened.new_tokens
 
-    def _settle(self, first_local: int, fresh: bool, keep: bool) -> tuple[list[int], list[bool]]:
-        """The history after reconnection: the local tail kept (``keep``) or verified against the target."""
+    def _settle(self, first_offline: int, fresh: bool, keep: bool) -> tuple[list[int], list[bool]]:
+        """The history after reconnection: the offline tail kept (``keep``) or verified against the target."""
         cut, stats, out, verified = self.cut, self.stats, self.out, self.verified
         verifier, drafter = cut.verifier, cut.drafter
-        local = out[first_local:]
+        tail = out[first_offline:]
         chunk = max(1, verifier.max_tree_nodes)  # settle in as few calls as the server allows
         if keep:
             opened = out + self._reopen(out)
-            stats.local_kept += len(local)
+            stats.offline_kept += len(tail)
             return self._emit(opened, verified[: len(out)] + [True] * (len(opened) - len(out)))
         if fresh:
             try:
                 if self.unfeatured:  # a cut mid-stream kept the features of the last tokens away: fetch them first
                     drafter.absorb([], verifier.fetch(*self.unfeatured, cut.spec))
                     self.unfeatured = None
-                replaced = settle_verify(verifier, drafter, local, chunk, stats, cut.spec)
-                stats.local_kept += _agreed(local, replaced)
-                return self._emit(out[:first_local] + replaced, verified[:first_local] + [True] * len(replaced))
+                replaced = settle_verify(verifier, drafter, tail, chunk, stats, cut.spec)
+                stats.offline_kept += _agreed(tail, replaced)
+                return self._emit(out[:first_offline] + replaced, verified[:first_offline] + [True] * len(replaced))
             except SessionLost:  # the server forgot us, or is out of step: reopen from what was verified
                 pass
-        history = out[:first_local]
+        history = out[:first_offline]
         opened = history[:-1] + self._reopen(history[:-1])
         if opened[-1] != history[-1]:  # (sampling) the target now picks another root: the tail goes
             return self._emit(opened, verified[: len(opened) - 1] + [True])
-        for token in local:
+        for token in tail:
             drafter.absorb([token])
-        replaced = settle_verify(verifier, drafter, local, chunk, stats, cut.spec)
-        stats.local_kept += _agreed(local, replaced)
-        return self._emit(history + replaced, verified[:first_local] + [True] * len(replaced))
+        replaced = settle_verify(verifier, drafter, tail, chunk, stats, cut.spec)
+        stats.offline_kept += _agreed(tail, replaced)
+        return self._emit(history + replaced, verified[:first_offline] + [True] * len(replaced))
 
 
 def _wait_for_link(reconnector: Reconnector, seconds: float, stop: threading.Event | None,
@@ -339,26 +339,27 @@ def _reachable(verifier: Verifier) -> bool:
     return verifier.reachable(timeout_s=max(MIN_POLL_S, 2 * bound + 0.1) if bound else 1.0)
 
 
-def _agreed(local: list[int], replaced: list[int]) -> int:
-    """Local tokens the target agreed with: the common prefix."""
-    return next((i for i, (a, b) in enumerate(zip(local, replaced, strict=False)) if a != b),
-                min(len(local), len(replaced)))  # fmt: skip
+def _agreed(tail: list[int], replaced: list[int]) -> int:
+    """Offline tokens the target agreed with: the common prefix."""
+    return next((i for i, (a, b) in enumerate(zip(tail, replaced, strict=False)) if a != b),
+                min(len(tail), len(replaced)))  # fmt: skip
 
 
-def local_token(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
-                generator: torch.Generator | None = None, width: int = 8) -> int | None:  # fmt: skip
+def offline_token(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
+                  generator: torch.Generator | None = None, width: int = 8) -> int | None:  # fmt: skip
     """The drafter's own next token, committed (unverified); None if it has nothing to offer.
 
     Greedy: its most likely token. Sampling: a draw, at the requested temperature and top-p, among
     the first level of its tree (at most ``width`` tokens, the drafter's own top-B): a truncated
     version of its distribution, which a tree drafter does not expose whole.
     """
-    return local_draw(drafter, sampling, generator, width)[0]
+    return offline_draw(drafter, sampling, generator, width)[0]
 
 
-def local_draw(drafter: Drafter, sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
-               width: int = 8) -> tuple[int | None, float | None]:  # fmt: skip
-    """``local_token`` and the drafter's own probability of it (None: the drafter gives none, prompt lookup)."""
+def offline_draw(drafter: Drafter, sampling: SamplingParams = SamplingParams(),
+                 generator: torch.Generator | None = None, width: int = 8
+                 ) -> tuple[int | None, float | None]:  # fmt: skip
+    """``offline_token`` and the drafter's own probability of it (None: the drafter gives none, prompt lookup)."""
     tree = drafter.propose(1 if sampling.temperature == 0 else width, 1)
     roots = [i for i, p in enumerate(tree.parents) if p == -1]
     if not roots:
@@ -376,38 +377,38 @@ def _draw(tree: DraftTree, roots: list[int], sampling: SamplingParams, generator
     return roots[torch.multinomial(probs, 1, generator=generator).item()]
 
 
-def settle_verify(verifier: Verifier, drafter: Drafter, local: list[int], max_nodes: int, stats=None,
+def settle_verify(verifier: Verifier, drafter: Drafter, tail: list[int], max_nodes: int, stats=None,
                      spec: PayloadSpec = NO_PAYLOAD) -> list[int]:  # fmt: skip
-    """Verify the unverified tail ``local`` (already absorbed by ``drafter``; ``spec``: the features it needs);
+    """Verify the unverified offline ``tail`` (already absorbed by ``drafter``; ``spec``: the features it needs);
     return what replaces it.
 
-    The result is the longest prefix of ``local`` the target agrees with, then the target's own
-    token where it first disagrees (or its token after the last local one, when a chunk ended
-    there; when the last local token came back as the target's own choice, nothing is added).
+    The result is the longest prefix of ``tail`` the target agrees with, then the target's own
+    token where it first disagrees (or its token after the last offline one, when a chunk ended
+    there; when the last offline token came back as the target's own choice, nothing is added).
     The drafter is rewound and fed
     the target's features along the way, so it continues exactly as after an ordinary round.
 
-    Chunks start at ``FIRST_CHUNK`` tokens and double while every token is kept, up to ``max_nodes``: a local tail
+    Chunks start at ``FIRST_CHUNK`` tokens and double while every token is kept, up to ``max_nodes``: an offline tail
     is mostly wrong early (the drafter alone drifts), and on a CPU a forward's cost grows with its tokens, so one
     forward over a long tail would pay for many tokens only to keep a few.
     """
     out: list[int] = []
-    i, size = 0, min(FIRST_CHUNK, max(1, max_nodes))  # next local token not yet verified; the next chunk's size
-    while i < len(local):
-        chunk = local[i : i + size]
+    i, size = 0, min(FIRST_CHUNK, max(1, max_nodes))  # next offline token not yet verified; the next chunk's size
+    while i < len(tail):
+        chunk = tail[i : i + size]
         result = verifier.verify(DraftTree.chain(chunk), spec=spec)
         if stats is not None:
             stats.settle_calls += 1
         accepted, bonus = len(result.accepted), result.new_tokens[-1]
         out += chunk[:accepted]
         i += accepted
-        if i < len(local) and local[i] == bonus:  # the target picks the next local token too: go on from it
+        if i < len(tail) and tail[i] == bonus:  # the target picks the next offline token too: go on from it
             drafter.absorb([], result.features)
             out.append(bonus)
             i += 1
             size = min(2 * size, max(1, max_nodes))
             continue
-        drafter.rewind(len(local) - i)
+        drafter.rewind(len(tail) - i)
         drafter.absorb([bonus], result.features)
         out.append(bonus)
         return out

@@ -45,6 +45,6 @@ def add_mode_argument(p: argparse.ArgumentParser) -> None:
     """--mode: who decodes (``client.adaptive``)."""
     p.add_argument("--mode", default="auto", choices=["auto", "draft", "stream"],
                    help="draft: the drafter proposes and the server verifies every round; stream: the server decodes "
-                        "by itself and streams tokens with the drafter's payloads (no round trip per token; local "
+                        "by itself and streams tokens with the drafter's payloads (no round trip per token; offline "
                         "generation takes over on a cut); auto (default): streams, tries drafting between stretches "
                         "and keeps what is faster, and drafts where that spares a busy server compute")  # fmt: skip

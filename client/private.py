@@ -6,7 +6,7 @@ private text, wherever it occurs in the prompt (marked or not), with a placehold
 one per distinct text, numbers already written in the input skipped — before the prompt is encoded.
 
 The guarantee: generation runs on the masked prompt, end to end — the server's prefill, the drafter's
-context and drafts, local generation while the link is cut (TLI included), settlement chains — so
+context and drafts, offline generation while the link is cut (TLI included), settlement chains — so
 the server, every draft and every byte on the link derive from the placeholder prompt alone. The
 server learns where private text was (and which places hold the same text), never what it was.
 What stays lossless: the output is exactly the target's on the placeholder prompt (greedy: token for

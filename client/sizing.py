@@ -53,7 +53,7 @@ PAYLOAD_SHARE = 0.05  # a payload may take this share of a round before a smalle
 UNMEASURED_STEP_S = 0.005  # a server's step before one was measured: a fast one, so a first stream's payloads are small
 STREAM_SHARE = 0.5  # a stream's payloads may take this share of the downlink's time per streamed token
 PROMPT_SHARE = 0.05  # seconds a prompt's payload may take on a link whose round trip is not yet measured
-UNMEASURED_COPY = 0.5  # a local copy's chance of surviving before any was measured: copies of local text loop
+UNMEASURED_COPY = 0.5  # an offline copy's chance of surviving before any was measured: copies of offline text loop
 
 
 def outcomes(tree: DraftTree, calibration: float = 1.0, greedy: bool = True) -> list[tuple[int, float]]:
@@ -270,11 +270,11 @@ class Sizing:
                 self.calibration = (1 - GAIN) * self.calibration + GAIN * ratio
 
     def firsts(self, sent: DraftTree, accepted: list[int]) -> None:
-        """A lesson for local generation from a tree whose verdict is known (a verified round's, or a rehearsal's
+        """A lesson for offline generation from a tree whose verdict is known (a verified round's, or a rehearsal's
         against the streamed tokens): along the drafter's first choices (``chain_of_firsts``), each one the target
         was asked about — the first, and each after one it took — taken or not, against the drafter's probability
         of it; for a copy (no probabilities: prompt lookup), taken or not. (All of a tree's nodes say how far its
-        path probabilities can be trusted, ``calibration``; a local token is always a first choice, of which a
+        path probabilities can be trusted, ``calibration``; an offline token is always a first choice, of which a
         drafter is often surer than it should be.)"""
         taken, parent, hits, asked = set(accepted), 0.0, 0.0, 0.0
         for node in sent.chain_of_firsts():
@@ -288,7 +288,7 @@ class Sizing:
                                                          (1 - GAIN) * tally[1] + GAIN * asked]  # fmt: skip
 
     def survival(self, p: float | None) -> float:
-        """The chance that a local token is the target's own: the drafter's probability ``p`` of it scaled by how
+        """The chance that an offline token is the target's own: the drafter's probability ``p`` of it scaled by how
         often the target took its first choices against how sure of them it was; for a copy (``p`` None), how often
         the target took copies (``UNMEASURED_COPY`` until one was)."""
         if p is None:

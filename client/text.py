@@ -2,14 +2,14 @@
 
 The decode loop (``client.decode.generate``) reports the whole output after every change,
 ``on_update(tokens, verified)``. Most of it is final: what the server verified, and under ``keep`` the
-local tokens too. But while the link is cut the tail is made locally, and under ``verify`` the server
+offline tokens too. But while the link is cut the tail is made offline, and under ``verify`` the server
 may replace part of it once it is back. A display wants text, and wants to know which text can still
 change: ``TextDeltas.update`` turns each snapshot into a ``Delta`` with
 
 * ``settled``: new final text, to append;
-* ``provisional``: the text after it that may still change (the local tail), whole: it replaces the
+* ``provisional``: the text after it that may still change (the offline tail), whole: it replaces the
   previous one, and a display that shows it rewrites it in place (or shows none: plain apps, pipes);
-* ``events``: what happened to the link, in words ("no answer from the server: generating locally",
+* ``events``: what happened to the link, in words ("no answer from the server: generating offline",
   "server back: ..."), so that every display narrates from the same source.
 
 Settled text is decoded incrementally, as TGI does: a token's text is the text of a short window ending
@@ -48,12 +48,12 @@ class Delta:
 class TextDeltas:
     """Successive ``(tokens, verified)`` snapshots of one generation as text ``Delta``s (see the module docstring).
 
-    ``final_local``: local tokens are final at once (``--on-reconnect keep``); ``stop``: stop strings;
+    ``final_offline``: offline tokens are final at once (``--on-reconnect keep``); ``stop``: stop strings;
     ``secrets`` (``client.private.Secrets``): the private texts to put back in place of their placeholders.
     """
 
-    def __init__(self, tokenizer, final_local: bool = False, stop: Sequence[str] = (), secrets=None):
-        self.tokenizer, self.final_local, self.stop, self.secrets = tokenizer, final_local, list(stop), secrets
+    def __init__(self, tokenizer, final_offline: bool = False, stop: Sequence[str] = (), secrets=None):
+        self.tokenizer, self.final_offline, self.stop, self.secrets = tokenizer, final_offline, list(stop), secrets
         self.placeholders = secrets.placeholders if secrets else []
         self.ids: list[int] = []  # the settled tokens
         self.window = self.read = 0  # ids[:read] are in text; ids[window:read] is the context for the next token
@@ -61,14 +61,14 @@ class TextDeltas:
         self.sent = 0  # characters of text handed out as settled
         self.stopped = False  # a stop string was found in the settled text: the text ends before it
         self.events: list[str] = []  # every event so far
-        self.local: tuple[int, list[int]] | None = None  # while the link is down: where the local tail starts, and it
+        self.offline_tail: tuple[int, list[int]] | None = None  # while the link is down: where it starts, and it
 
     def update(self, tokens: list[int], verified: list[bool], final: bool = False) -> Delta:
         """The delta after this snapshot; ``final``: the generation ended, nothing is held back."""
         delta = Delta(events=self._link(tokens, verified, final))
         if self.stopped:
             return delta
-        settled = len(tokens) if final or self.final_local else verified_prefix(verified)
+        settled = len(tokens) if final or self.final_offline else verified_prefix(verified)
         for token in tokens[len(self.ids) : settled]:
             self.ids.append(token)
             self._read(final=False)
@@ -114,29 +114,30 @@ class TextDeltas:
         return self.secrets.render(text) if self.secrets else text
 
     def _link(self, tokens: list[int], verified: list[bool], final: bool) -> list[str]:
-        """The link's events: the tail turns local (the link is down), the server is back, tokens end unverified."""
+        """The link's events: the tail is written offline (the link is down), the server is back, tokens end
+        unverified."""
         events = []
         start = len(verified)
         while start and not verified[start - 1]:
             start -= 1
-        if start < len(verified):  # the last tokens are local: the link is down
-            if self.local is None:
-                events.append("no answer from the server: generating locally"
-                              + ("; its tokens are kept as they are" if self.final_local
+        if start < len(verified):  # the last tokens are offline ones: the link is down
+            if self.offline_tail is None:
+                events.append("no answer from the server: generating offline"
+                              + ("; its tokens are kept as they are" if self.final_offline
                                  else "; the server verifies them when it is back"))  # fmt: skip
-            self.local = (start, tokens[start:])
-        elif self.local is not None:
-            start, local = self.local
-            if self.final_local:
-                events.append(f"server back: the {len(local)} local tokens are kept as they are")
+            self.offline_tail = (start, tokens[start:])
+        elif self.offline_tail is not None:
+            start, tail = self.offline_tail
+            if self.final_offline:
+                events.append(f"server back: the {len(tail)} offline tokens are kept as they are")
             else:
-                kept = next((i for i, (a, b) in enumerate(zip(local, tokens[start:], strict=False)) if a != b),
-                            min(len(local), len(tokens) - start))  # fmt: skip
-                events.append(f"server back: it verified the {len(local)} local tokens and kept the first {kept}")
-            self.local = None
+                kept = next((i for i, (a, b) in enumerate(zip(tail, tokens[start:], strict=False)) if a != b),
+                            min(len(tail), len(tokens) - start))  # fmt: skip
+                events.append(f"server back: it verified the {len(tail)} offline tokens and kept the first {kept}")
+            self.offline_tail = None
         unverified = len(verified) - sum(verified)
         if final and unverified:
-            events.append(f"{unverified} tokens were generated locally and never verified by the server")
+            events.append(f"{unverified} tokens were generated offline and never verified by the server")
         self.events += events
         return events
 

@@ -449,9 +449,9 @@ def test_the_policys_questions_change_nothing():
     assert found == questions and writes == []
 
 
-def test_a_local_tokens_survival_is_calibrated_by_the_first_choices_the_target_took():
+def test_a_offline_tokens_survival_is_calibrated_by_the_first_choices_the_target_took():
     """A drafter sure of its first choices (0.95 each) whose target takes two and refuses the third: a token made
-    offline survives about 2/3 of the time, not 0.95 — the rate the local cap multiplies. The whole tree's
+    offline survives about 2/3 of the time, not 0.95 — the rate the offline cap multiplies. The whole tree's
     calibration is another measure (path probabilities of every node) and is not what is used."""
     policy = AdaptivePolicy(None)
     assert policy.survival(0.9) == 0.9  # nothing measured: the drafter's own word

@@ -51,6 +51,23 @@ def test_generate_remote_matches_local(tiny_model_dir, tiny_server):
     assert json.loads(old.stdout)["token_ids"] == local["token_ids"] and "--greedy is deprecated" in old.stderr
 
 
+def test_the_old_local_cap_flag_still_sets_the_offline_cap(capsys):
+    """``--local-cap`` (an earlier name of ``--offline-cap``) still works, for generate and demo, and says so."""
+    import argparse
+
+    from client import cli, demo
+
+    for module, required in ((cli, ["--prompt", "hi"]), (demo, [])):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        new = parser.parse_args([*required, "--offline-cap", "0.05"])
+        old = parser.parse_args([*required, "--local-cap", "0.05"])
+        assert new.offline_cap == old.offline_cap == 0.05 and not hasattr(old, "local_cap")
+        assert "--local-cap is deprecated: use --offline-cap" in capsys.readouterr().err
+        assert parser.parse_args(required).offline_cap == 0.3  # the default, OFFLINE_CAP
+    assert "--local-cap" not in parser.format_help()
+
+
 def test_errors_are_one_clear_line(tmp_path, tiny_model_dir):
     proc = splitspec("generate", "--local", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert proc.returncode == 2
@@ -117,7 +134,7 @@ def test_on_reconnect_json_marks_every_token_verified_on_a_healthy_link(tiny_mod
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["token_ids"] == plain["token_ids"] and out["verified"] == [True] * len(out["token_ids"])
-    assert out["stats"]["disconnects"] == 0 and out["stats"]["local_tokens"] == 0
+    assert out["stats"]["disconnects"] == 0 and out["stats"]["offline_tokens"] == 0
 
 
 class Words:
@@ -127,13 +144,13 @@ class Words:
         return "".join(f"t{i} " for i in ids)
 
 
-def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
+def test_settled_stream_holds_offline_tokens_back_until_verified(capsys):
     import io
 
     from client.cli import SettledPrinter, TextPrinter
 
     out = io.StringIO()
-    stream = SettledPrinter(TextPrinter(Words(), out), final_local=False, status=io.StringIO())
+    stream = SettledPrinter(TextPrinter(Words(), out), final_offline=False, status=io.StringIO())
     stream([1, 2], [True, True])
     stream([1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 may still be replaced
     assert out.getvalue() == "t1 t2 "
@@ -143,12 +160,12 @@ def test_settled_stream_holds_local_tokens_back_until_verified(capsys):
     assert out.getvalue() == "t1 t2 t3 t5 t6 "
 
     out = io.StringIO()
-    keep = SettledPrinter(TextPrinter(Words(), out), final_local=True, status=io.StringIO())
-    keep([1, 2, 3], [True, True, False])  # under keep a local token is final at once
+    keep = SettledPrinter(TextPrinter(Words(), out), final_offline=True, status=io.StringIO())
+    keep([1, 2, 3], [True, True, False])  # under keep an offline token is final at once
     assert out.getvalue() == "t1 t2 t3 "
 
 
-def test_settled_stream_shows_local_tokens_dim_on_a_terminal_and_rewrites_them():
+def test_settled_stream_shows_offline_tokens_dim_on_a_terminal_and_rewrites_them():
     import io
 
     from client.cli import SettledPrinter, TextPrinter
@@ -159,15 +176,15 @@ def test_settled_stream_shows_local_tokens_dim_on_a_terminal_and_rewrites_them()
             return True
 
     out, status = Screen(), io.StringIO()
-    stream = SettledPrinter(TextPrinter(Words(), out), final_local=False, status=status)
+    stream = SettledPrinter(TextPrinter(Words(), out), final_offline=False, status=status)
     stream([1, 2], [True, True])
     stream([1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 are shown, dim, after a saved cursor
     assert out.getvalue().startswith("t1 t2 ") and out.getvalue().endswith(SAVE + DIM + "t3 t4 " + PLAIN)
     stream([1, 2, 3, 5], [True] * 4)  # the server kept 3, replaced 4: erased from the saved cursor, then final text
     assert out.getvalue().endswith(PLAIN + RESTORE_CLEAR + "t3 t5 ")
     stream.finish([1, 2, 3, 5], [True] * 4)
-    assert "\n[no answer from the server: generating locally" in status.getvalue()
-    assert "\n[server back: it verified the 2 local tokens and kept the first 1]" in status.getvalue()
+    assert "\n[no answer from the server: generating offline" in status.getvalue()
+    assert "\n[server back: it verified the 2 offline tokens and kept the first 1]" in status.getvalue()
 
 
 def test_json_counts_the_tokens_never_verified(tiny_model_dir):

@@ -13,7 +13,7 @@ def test_the_demo_runs_through_a_cut_without_a_terminal(real_target):
     out = splitspec("demo", "--max-new-tokens", "40", "--cut-after", "10", "--cut-for", "1", timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     err = out.stderr
-    for event in ("[link cut after", "[no answer from the server: generating locally", "[link restored]",
+    for event in ("[link cut after", "[no answer from the server: generating offline", "[link restored]",
                   "[server back:", "[the API stream broke", "streaming API",
                   "[mode: the server decodes by itself", "longest wait for text s"):  # fmt: skip
         assert event in err, (event, err[-2000:])

@@ -229,8 +229,8 @@ def test_several_requests_at_once(client, tiny_model_dir):
 
 
 def test_a_cut_during_a_streamed_reply_still_ends_exactly(tiny_target, tiny_server, tiny_model_dir, netsim_server):
-    """The link to the server is cut once the answer streams and restored 0.5 s later: local generation
-    (MoA TLI) bridges it, the server verifies the local tokens, and the stream ends with the exact greedy
+    """The link to the server is cut once the answer streams and restored 0.5 s later: offline generation
+    (MoA TLI) bridges it, the server verifies the offline tokens, and the stream ends with the exact greedy
     text and [DONE]."""
     want = cli_text(tiny_server, tiny_model_dir, chat=False, tokens=48)
     with simulated_link(tiny_server[0], "5g", netsim=netsim_server) as link:  # real RTTs: rounds remain at the cut
@@ -263,7 +263,7 @@ def test_a_cut_during_a_streamed_reply_still_ends_exactly(tiny_target, tiny_serv
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == want
     stats = chunks[-1]["splitspec"]
-    assert stats["disconnects"] >= 1 and stats["local_tokens"] >= 1 and stats["unverified_tokens"] == 0
+    assert stats["disconnects"] >= 1 and stats["offline_tokens"] >= 1 and stats["unverified_tokens"] == 0
 
 
 def test_settled_text_holds_back_what_may_change():
@@ -271,8 +271,8 @@ def test_settled_text_holds_back_what_may_change():
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(f"w{i}" for i in ids)
 
-    s = TextDeltas(Words(), stop=["w7 w8"], final_local=False)
-    assert s.update([1, 2, 3], [True, True, False]).settled == "w1 w2"  # the local token waits
+    s = TextDeltas(Words(), stop=["w7 w8"], final_offline=False)
+    assert s.update([1, 2, 3], [True, True, False]).settled == "w1 w2"  # the offline token waits
     assert s.update([1, 2, 3, 7], [True] * 4).settled == " w3 "  # "w7" may begin the stop sequence: held back
     assert s.update([1, 2, 3, 7, 9], [True] * 5).settled == "w7 w9"
     assert not s.stopped
@@ -325,7 +325,7 @@ def test_the_edge_command_serves_until_stopped(tiny_server, tiny_model_dir):
 
 class ScriptedEdge:
     """An ``Edge`` whose generation is a script of the decode loop's updates: two tokens verified, the link cut
-    (two local tokens), the server back (it keeps the first local token and replaces the second), one more."""
+    (two offline tokens), the server back (it keeps the first offline token and replaces the second), one more."""
 
     def __init__(self, model_dir):
         from client.edge_pool import Counters
@@ -369,14 +369,14 @@ def test_provisional_text_streams_only_to_an_app_that_asks_for_it(tiny_model_dir
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-    for chunks in (plain_chunks, asked):  # the content is the final text, the replaced local token never in it
+    for chunks in (plain_chunks, asked):  # the content is the final text, the replaced offline token never in it
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w1 w2 w3 w5 w6"
     assert not any((c.model_extra or {}).get("splitspec") for c in plain_chunks)
     assert not any("w4" in c.model_dump_json() for c in plain_chunks)
     extension = [c.model_extra["splitspec"] for c in asked if (c.model_extra or {}).get("splitspec")]
     assert [x["provisional"] for x in extension] == [" w3", " w3 w4", ""]  # shown, grown, then settled
-    assert extension[0]["events"][0].startswith("no answer from the server: generating locally")
-    assert extension[2]["events"] == ["server back: it verified the 2 local tokens and kept the first 1"]
+    assert extension[0]["events"][0].startswith("no answer from the server: generating offline")
+    assert extension[2]["events"] == ["server back: it verified the 2 offline tokens and kept the first 1"]
 
 
 LONG_S = 600.0  # what a held check, a held generation and a check's deadline are given: longer than any test

@@ -270,10 +270,10 @@ def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypat
 
 
 @pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
-def test_a_model_drafts_from_its_draft_vocabulary_and_steps_locally_from_its_whole_head(tiny_gguf, cache,
+def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_whole_head(tiny_gguf, cache,
                                                                                       monkeypatch):  # fmt: skip
     """A model whose vocabulary is 4x the draft vocabulary's size drafts only its frequent tokens and the prompt's
-    (the head's rows cut, the same 4-bit values), outputs never change, and a one-level proposal — a local step while
+    (the head's rows cut, the same 4-bit values), outputs never change, and a one-level proposal — an offline step while
     the link is down — is the whole head's argmax. The frequent tokens are counted once per tokenizer, then read
     from the cache."""
     from collections import Counter
@@ -303,7 +303,7 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_locally_from_its_who
     tree = drafter.propose(6, 3)
     assert tree.tokens and set(tree.tokens) <= allowed
     whole.begin(ids)
-    assert drafter.propose(1, 1).tokens == whole.propose(1, 1).tokens  # a local step: the model's own argmax
+    assert drafter.propose(1, 1).tokens == whole.propose(1, 1).tokens  # an offline step: the model's own argmax
     gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
     assert gen.token_ids == _plain(target, 24)
     assert vocab.frequent_tokens(target.tokenizer, 10).tolist() == sorted(

@@ -10,7 +10,7 @@ from client.decode import generate
 from client.drafters import NoDrafter
 from client.drafters.medusa import TOP_K, Medusa, MedusaConfig, MedusaDrafter, prior_tree, sparse_tree
 from client.drafters.target_parts import TargetParts
-from client.offline import local_token, settle_verify
+from client.offline import offline_token, settle_verify
 from client.remote import RemoteVerifier
 from client.training.losses import medusa_loss
 from client.training.teacher import pad_batch, run_teacher
@@ -153,9 +153,9 @@ def test_offline_medusa_spends_its_heads_then_waits_and_settles_losslessly(tiny_
     drafter = MedusaDrafter(make_model(tiny_target, heads=3))
     verifier, out = start(tiny_target, drafter)
     online_rounds(verifier, drafter, out, 6)
-    local = [local_token(drafter) for _ in range(5)]
-    assert None not in local[:3] and local[3:] == [None, None]
-    out += settle_verify(verifier, drafter, local[:3], max_nodes=2)
+    tail = [offline_token(drafter) for _ in range(5)]
+    assert None not in tail[:3] and tail[3:] == [None, None]
+    out += settle_verify(verifier, drafter, tail[:3], max_nodes=2)
     online_rounds(verifier, drafter, out, 34)
     assert out[:34] == plain[:34]
 

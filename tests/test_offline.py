@@ -9,7 +9,7 @@ from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import local_token, settle_verify
+from client.offline import offline_token, settle_verify
 from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
 from tests.test_eagle_independent import make_model
@@ -51,26 +51,26 @@ def test_offline_then_verify_ends_like_an_uninterrupted_run(tiny_target, plain, 
     d = drafter(tiny_target, kind)
     verifier, out = start(tiny_target, d)
     online_rounds(verifier, d, out, 6)
-    local = [t for t in (local_token(d) for _ in range(offline_tokens)) if t is not None]
-    assert len(local) == offline_tokens  # every trained drafter keeps generating without the server
-    out += settle_verify(verifier, d, local, max_nodes=3)  # small chunks: the chunk seams are exercised
+    tail = [t for t in (offline_token(d) for _ in range(offline_tokens)) if t is not None]
+    assert len(tail) == offline_tokens  # every trained drafter keeps generating without the server
+    out += settle_verify(verifier, d, tail, max_nodes=3)  # small chunks: the chunk seams are exercised
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
 
 
 @pytest.mark.parametrize("kind", ["moa-tli1", "eagle"])
-def test_local_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, kind):
-    """Local tokens equal to the target's own continuation: every one is kept, across chunk seams."""
+def test_offline_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, kind):
+    """Offline tokens equal to the target's own continuation: every one is kept, across chunk seams."""
     d = drafter(tiny_target, kind)
     verifier, out = start(tiny_target, d)
     online_rounds(verifier, d, out, 4)
-    local = plain[len(out) : len(out) + 8]
-    for token in local:  # committed without the target, as offline generation does
-        local_token(d)  # advance the drafter's own state ...
+    tail = plain[len(out) : len(out) + 8]
+    for token in tail:  # committed without the target, as offline generation does
+        offline_token(d)  # advance the drafter's own state ...
         d.rewind(1)
         d.absorb([token])  # ... then commit the token we want instead
-    replaced = settle_verify(verifier, d, local, max_nodes=3)
-    assert replaced[:8] == local and len(replaced) in (8, 9)  # + the target's next token when a chunk ended there
+    replaced = settle_verify(verifier, d, tail, max_nodes=3)
+    assert replaced[:8] == tail and len(replaced) in (8, 9)  # + the target's next token when a chunk ended there
     assert replaced == plain[len(out) : len(out) + len(replaced)]
     out += replaced
     online_rounds(verifier, d, out, TOTAL)
@@ -83,10 +83,10 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
     online_rounds(verifier, d, out, 4)
     n = len(out)
     wrong = (plain[n + 3] + 1) % 200 + 6
-    local = plain[n : n + 3] + [wrong, 7, 8]
-    for token in local:
+    tail = plain[n : n + 3] + [wrong, 7, 8]
+    for token in tail:
         d.absorb([token])
-    assert settle_verify(verifier, d, local, max_nodes=16) == plain[n : n + 4]
+    assert settle_verify(verifier, d, tail, max_nodes=16) == plain[n : n + 4]
     out += plain[n : n + 4]
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
@@ -100,10 +100,10 @@ def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(t
     n = len(out)
     sizes, verify = [], verifier.verify
     verifier.verify = lambda tree, timeout_s=None, **kw: sizes.append(len(tree)) or verify(tree, timeout_s, **kw)
-    local = plain[n : n + 20]
-    for token in local:
+    tail = plain[n : n + 20]
+    for token in tail:
         d.absorb([token])
-    assert settle_verify(verifier, d, local, max_nodes=64)[:20] == local and sizes == [4, 8, 6]
+    assert settle_verify(verifier, d, tail, max_nodes=64)[:20] == tail and sizes == [4, 8, 6]
     out += plain[n : n + 21]
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
@@ -118,7 +118,7 @@ def test_offline_sampling_draws_from_the_drafters_top_level_reproducibly(tiny_ta
         d = drafter(tiny_target, "moa1")
         start(tiny_target, d)
         generator = torch.Generator().manual_seed(seed)
-        return [local_token(d, sampling, generator) for _ in range(16)]
+        return [offline_token(d, sampling, generator) for _ in range(16)]
 
     greedy = offline(SamplingParams())
     hot = SamplingParams(temperature=5.0, seed=1)
@@ -129,13 +129,13 @@ def test_offline_sampling_draws_from_the_drafters_top_level_reproducibly(tiny_ta
     first_level = d.propose(8, 1).tokens
     draws = set()
     for s in range(12):  # draw, take it back, draw again
-        draws.add(local_token(d, hot, torch.Generator().manual_seed(s)))
+        draws.add(offline_token(d, hot, torch.Generator().manual_seed(s)))
         d.rewind(1)
     assert draws <= set(first_level) and len(draws) >= 2
 
 
-def cut_until_local(verifier: LocalVerifier, call_no: int, local: int):
-    """``verifier`` with its ``call_no``-th Verify failing for the link, unreachable until the output holds ``local``
+def cut_until_offline(verifier: LocalVerifier, call_no: int, offline: int):
+    """``verifier`` with its ``call_no``-th Verify failing for the link, unreachable until the output holds ``offline``
     unverified tokens (told through the ``on_update`` returned with it): a cut of a set length, no clock involved."""
     import threading
 
@@ -150,7 +150,7 @@ def cut_until_local(verifier: LocalVerifier, call_no: int, local: int):
         return verify(tree, **kw)
 
     def seen(tokens, verified):
-        if verified.count(False) >= local:
+        if verified.count(False) >= offline:
             back.set()
 
     verifier.verify = cut
@@ -159,20 +159,20 @@ def cut_until_local(verifier: LocalVerifier, call_no: int, local: int):
 
 
 @pytest.mark.parametrize("writer", ["drafter", "model"])
-def test_another_drafter_may_write_the_local_tokens_and_the_answer_ends_as_plain(tiny_target, plain, writer):
+def test_another_drafter_may_write_the_offline_tokens_and_the_answer_ends_as_plain(tiny_target, plain, writer):
     """``Resilience.offline``: a whole model writes the cut's tokens instead of the drafter (the 0.5B beside MoA on
-    the pair). Here the model is the target itself, so every local token it writes is kept; the drafter follows its
-    tokens, so the settlement and the rounds after go on as ever. The link is down until 10 local tokens exist."""
+    the pair). Here the model is the target itself, so every offline token it writes is kept; the drafter follows its
+    tokens, so the settlement and the rounds after go on as ever. The link is down until 10 offline tokens exist."""
     from client.drafters.model import ModelDrafter
     from client.offline import Backoff, Resilience
 
-    verifier, seen = cut_until_local(LocalVerifier(tiny_target), 3, 10)
+    verifier, seen = cut_until_offline(LocalVerifier(tiny_target), 3, 10)
     offline = ModelDrafter(tiny_target, width=1, vocab=None) if writer == "model" else None
-    resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, local_cap=0.0,
+    resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, offline_cap=0.0,
                             heartbeat=False, offline=offline)  # fmt: skip
     gen = generate(verifier, drafter(tiny_target, "moa-tli1"), PROMPT, TOTAL, max_tree_nodes=8, resilience=resilience,
                    on_update=seen)  # fmt: skip
     assert gen.token_ids == plain[:TOTAL] and all(gen.verified)
-    assert gen.stats.disconnects == 1 and gen.stats.local_tokens >= 10
+    assert gen.stats.disconnects == 1 and gen.stats.offline_tokens >= 10
     if writer == "model":  # the target's own greedy tokens: the server keeps every one
-        assert gen.stats.local_kept == gen.stats.local_tokens
+        assert gen.stats.offline_kept == gen.stats.offline_tokens

@@ -126,7 +126,7 @@ def test_its_own_drafters_split_over_loopback_with_payloads(pair, name, mode):
 def test_its_own_drafters_generate_through_a_cut_and_settle_to_the_plain_tokens(pair, name):
     """Offline: the drafter alone (MoA-TLI1 through the target's last layer) writes 12 tokens, then the target
     verifies them: the answer ends as plain decoding's."""
-    from client.offline import local_token, settle_verify
+    from client.offline import offline_token, settle_verify
     from client.verifiers import first_spec
     from shared.acceptance import SamplingParams
 
@@ -140,9 +140,9 @@ def test_its_own_drafters_generate_through_a_cut_and_settle_to_the_plain_tokens(
         result = verifier.verify(drafter.propose(16))
         drafter.absorb(result.new_tokens, result.features)
         out += result.new_tokens
-    local = [local_token(drafter) for _ in range(12)]
-    assert None not in local
-    out += settle_verify(verifier, drafter, local, max_nodes=16)
+    tail = [offline_token(drafter) for _ in range(12)]
+    assert None not in tail
+    out += settle_verify(verifier, drafter, tail, max_nodes=16)
     while len(out) < NEW_TOKENS:
         result = verifier.verify(drafter.propose(16))
         drafter.absorb(result.new_tokens, result.features)

@@ -27,7 +27,7 @@ from shared.tree import DraftTree
 from tests.test_eagle_independent import make_model
 from tests.test_medusa import make_model as make_medusa
 from tests.test_moa import make_moa
-from tests.test_offline import cut_until_local
+from tests.test_offline import cut_until_offline
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
 NEW = 40
@@ -129,15 +129,15 @@ def test_a_tree_drafted_ahead_is_cut_to_the_rounds_budget(tiny_target, twin, pla
 
 @pytest.mark.parametrize("kind", ["moa-tli1", "eagle", "model"])
 def test_a_cut_with_a_tree_in_flight_ends_as_plain(tiny_target, twin, plain, kind):
-    """The Verify in flight fails for the link while the drafter is ahead of it: the guess is taken back, local
+    """The Verify in flight fails for the link while the drafter is ahead of it: the guess is taken back, offline
     generation and the settlement go on as without pipelining."""
-    verifier, seen = cut_until_local(slow(LocalVerifier(tiny_target)), 4, 5)
-    resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, local_cap=0.0,
+    verifier, seen = cut_until_offline(slow(LocalVerifier(tiny_target)), 4, 5)
+    resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, offline_cap=0.0,
                             heartbeat=False)  # fmt: skip
     gen = generate(verifier, drafter(tiny_target, twin, kind), PROMPT, NEW, max_tree_nodes=8, pipeline=True,
                    resilience=resilience, on_update=seen)  # fmt: skip
     assert gen.token_ids == plain and all(gen.verified)
-    assert gen.stats.disconnects == 1 and gen.stats.local_tokens >= 5
+    assert gen.stats.disconnects == 1 and gen.stats.offline_tokens >= 5
 
 
 @pytest.mark.parametrize("kind", ["moa-tli1", "model"])

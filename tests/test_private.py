@@ -135,7 +135,7 @@ def test_the_cli_stream_renders_placeholders_split_across_tokens():
 
     _, secrets = mask("<private>Ann</private> <private>Bo</private>")
     out = io.StringIO()
-    stream = SettledPrinter(TextPrinter(Pieces(), out, secrets.renderer()), final_local=False, status=io.StringIO())
+    stream = SettledPrinter(TextPrinter(Pieces(), out, secrets.renderer()), final_offline=False, status=io.StringIO())
     tokens = list(range(len(Pieces.PIECES)))
     for n in range(1, len(tokens) + 1):
         stream(tokens[:n], [True] * n)
@@ -331,8 +331,8 @@ def test_no_byte_of_a_private_span_crosses_the_link(tiny_target, recording_serve
     assert not any(has_run(tokens, secret_ids) for r in requests for tokens in token_lists(r))
     s = gen.stats
     assert s.disconnects >= 1 and s.reconnects == s.disconnects
-    if drafter == "moa":  # the drafter always has a token to offer: local generation and a settlement chain
-        assert s.local_tokens >= 1 and s.settle_calls >= 1
+    if drafter == "moa":  # the drafter always has a token to offer: offline generation and a settlement chain
+        assert s.offline_tokens >= 1 and s.settle_calls >= 1
     assert gen.token_ids == local.token_ids and all(gen.verified)
     decode = tokenizer.decode
     assert secrets.render(decode(gen.token_ids, skip_special_tokens=True)) == secrets.render(

@@ -1,4 +1,4 @@
-"""Link cuts through netsim on loopback: local generation, reconnection, settlement, nothing lost."""
+"""Link cuts through netsim on loopback: offline generation, reconnection, settlement, nothing lost."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def run(tiny_target, tiny_server, netsim_server, policy: str, before=None, error
             verifier.shutdown()
 
 
-def test_a_cut_link_is_bridged_locally_and_verify_restores_the_exact_output(
+def test_a_cut_link_is_bridged_offline_and_verify_restores_the_exact_output(
     tiny_target, tiny_server, netsim_server, plain
 ):
     errors = []
@@ -95,21 +95,22 @@ def test_a_cut_link_is_bridged_locally_and_verify_restores_the_exact_output(
     assert gen.token_ids == plain
     assert all(gen.verified)  # every kept token was verified in the end
     # one cut; a loaded machine may add a false alarm, which must be bridged the same way
-    assert s.disconnects >= 1 and s.reconnects == s.disconnects and s.local_tokens >= 1 and s.offline_s > 0
+    assert s.disconnects >= 1 and s.reconnects == s.disconnects and s.offline_tokens >= 1 and s.offline_s > 0
     # a closed connection is noticed at once, by the failure it causes (UNAVAILABLE: the call's own, or the
     # heartbeat's probe's), not at the deadline ("Verify unanswered within ...")
     assert len(errors) == 1 and isinstance(errors[0], LinkDown), errors
     assert "UNAVAILABLE" in str(errors[0]), errors
 
 
-def test_keep_takes_the_local_tokens_as_they_are(tiny_target, tiny_server, netsim_server, plain):
+def test_keep_takes_the_offline_tokens_as_they_are(tiny_target, tiny_server, netsim_server, plain):
     gen = run(tiny_target, tiny_server, netsim_server, "keep")
     flags = gen.verified
-    first_local = flags.index(False)
-    last_local = len(flags) - 1 - flags[::-1].index(False)
-    assert all(flags[:first_local]) and not any(flags[first_local : last_local + 1]) and all(flags[last_local + 1 :])
-    assert gen.token_ids[:first_local] == plain[:first_local]
-    assert gen.stats.local_tokens == last_local + 1 - first_local  # each local token exactly once
+    first_offline = flags.index(False)
+    last_offline = len(flags) - 1 - flags[::-1].index(False)
+    assert all(flags[:first_offline]) and not any(flags[first_offline : last_offline + 1])
+    assert all(flags[last_offline + 1 :])
+    assert gen.token_ids[:first_offline] == plain[:first_offline]
+    assert gen.stats.offline_tokens == last_offline + 1 - first_offline  # each offline token exactly once
     assert len(gen.token_ids) == NEW or gen.finish_reason == "stop"
 
 
@@ -130,15 +131,15 @@ def test_twenty_generations_cut_at_random_points_all_end_exactly(tiny_target, ti
     with simulated_link(tiny_server[0], "none", netsim=netsim_server) as link:
         verifier = RemoteVerifier(link.address)
         try:
-            local = 0
+            offline = 0
             for i in range(20):
                 cut_on_round(verifier, link, rng.randint(1, 8), rng.uniform(0.05, 0.4))
                 gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "int8"), max_tree_nodes=8,
                                resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)))  # fmt: skip
                 assert gen.token_ids == plain, i  # nothing lost, nothing duplicated, nothing changed
                 assert all(gen.verified) and gen.stats.reconnects == gen.stats.disconnects
-                local += gen.stats.local_tokens
-            assert local > 0
+                offline += gen.stats.offline_tokens
+            assert offline > 0
         finally:
             verifier.shutdown()
 
@@ -182,15 +183,15 @@ def test_a_silent_cut_is_detected_within_two_rtts_and_100ms(tiny_target, tiny_se
             verifier.shutdown()
     switch = gen.stats.switched_at[0] - cut_at[0]
     bound = 2 * rtt_ms / 1000 + 0.1
-    print(f"silent cut: switched to local {1000 * switch:.0f} ms after the cut (bound {1000 * bound:.0f} ms)")
+    print(f"silent cut: went offline {1000 * switch:.0f} ms after the cut (bound {1000 * bound:.0f} ms)")
     assert gen.token_ids == plain and all(gen.verified)
-    assert gen.stats.local_tokens >= 1 and gen.stats.reconnects == gen.stats.disconnects >= 1
+    assert gen.stats.offline_tokens >= 1 and gen.stats.reconnects == gen.stats.disconnects >= 1
     assert 0 < switch <= 2 * bound
 
 
 def test_a_server_killed_and_restarted_mid_generation(tiny_target, tiny_model_dir, netsim_server, plain, tmp_path):
     """A real `splitspec serve` process, SIGKILLed at the third round and started again on the same port:
-    the client bridges the gap locally, finds its session gone and reopens it from its own history."""
+    the client bridges the gap offline, finds its session gone and reopens it from its own history."""
     from shared.server_process import ServerChild
 
     child = ServerChild(["--model", str(tiny_model_dir), "--max-tree-nodes", "16", "--max-context", "128",
@@ -217,7 +218,7 @@ def test_a_server_killed_and_restarted_mid_generation(tiny_target, tiny_model_di
         child.stop()
     assert restarted == [child.address]  # the same port: a restart, as the client sees one
     assert gen.token_ids == plain and all(gen.verified)
-    assert gen.stats.disconnects >= 1 and gen.stats.reconnects >= 1 and gen.stats.local_tokens >= 1
+    assert gen.stats.disconnects >= 1 and gen.stats.reconnects >= 1 and gen.stats.offline_tokens >= 1
 
 
 def test_fail_ends_with_an_error_naming_the_link(tiny_target, tiny_server, netsim_server):

@@ -140,7 +140,7 @@ def test_a_stream_closed_early_is_rolled_back_by_the_next_call(tiny_target, serv
 
 
 @pytest.mark.parametrize("kind", ["moa", "eagle"])
-def test_a_cut_mid_stream_goes_local_from_the_last_token_and_ends_exactly(tiny_target, server, netsim_server, plain,
+def test_a_cut_mid_stream_goes_offline_from_the_last_token_and_ends_exactly(tiny_target, server, netsim_server, plain,
                                                                           kind):  # fmt: skip
     from tests.test_eagle_independent import make_drafter, make_model
 
@@ -162,7 +162,7 @@ def test_a_cut_mid_stream_goes_local_from_the_last_token_and_ends_exactly(tiny_t
                        resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)), spec=spec)  # fmt: skip
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
-    assert s.disconnects >= 1 and s.local_tokens >= 1 and s.streams >= 2  # streamed again after the cut
+    assert s.disconnects >= 1 and s.offline_tokens >= 1 and s.streams >= 2  # streamed again after the cut
     assert s.streamed_tokens >= cut[0] - 1
     # the features of the tokens streamed since the last payload were fetched when the server was back
     assert fetched and all(0 < b - a < 8 for a, b in fetched) and fetched[0][1] >= len(PROMPT) + cut[0] - 1
@@ -189,7 +189,7 @@ def test_a_cut_before_the_prompts_features_arrived_waits_for_the_server_and_ends
                        resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
-    assert s.disconnects >= 1 and s.local_tokens == 0 and fetched[0][0] == 0 and fetched[0][1] >= len(PROMPT) + 4
+    assert s.disconnects >= 1 and s.offline_tokens == 0 and fetched[0][0] == 0 and fetched[0][1] >= len(PROMPT) + 4
 
 
 def test_decode_refuses_bad_requests_with_a_clear_status(server):
@@ -269,26 +269,26 @@ def cut_run(tiny_target, server, netsim_server, resilience, down_s: float = 0.8)
                         resilience=resilience)  # fmt: skip
 
 
-def test_local_generation_waits_once_its_tokens_would_almost_surely_be_discarded(tiny_target, server, netsim_server,
+def test_offline_generation_waits_once_its_tokens_would_almost_surely_be_discarded(tiny_target, server, netsim_server,
                                                                                  plain):  # fmt: skip
-    """A random drafter is unsure of every token: the chance that all its local tokens survive verification soon
+    """A random drafter is unsure of every token: the chance that all its offline tokens survive verification soon
     falls below the cap, and it stops making them; without the cap it goes on for the whole cut."""
     backoff = Backoff(base_s=0.02, cap_s=0.2, seed=1)
-    capped = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, local_cap=0.05))
-    free = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, local_cap=0.0))
+    capped = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, offline_cap=0.05))
+    free = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, offline_cap=0.0))
     for gen in (capped, free):
         assert gen.token_ids == plain and all(gen.verified)
-    assert capped.stats.local_capped == 1 and free.stats.local_capped == 0
-    assert 1 <= capped.stats.local_tokens < free.stats.local_tokens
-    assert capped.stats.local_kept <= capped.stats.local_tokens
+    assert capped.stats.offline_capped == 1 and free.stats.offline_capped == 0
+    assert 1 <= capped.stats.offline_tokens < free.stats.offline_tokens
+    assert capped.stats.offline_kept <= capped.stats.offline_tokens
 
 
-def test_a_cut_longer_than_keep_after_keeps_the_local_text(tiny_target, server, netsim_server, plain):
+def test_a_cut_longer_than_keep_after_keeps_the_offline_text(tiny_target, server, netsim_server, plain):
     backoff = Backoff(base_s=0.02, cap_s=0.2, seed=1)
     gen = cut_run(tiny_target, server, netsim_server, Resilience("verify", backoff, keep_after_s=0.2))
     s = gen.stats
-    assert s.local_tokens >= 1 and s.local_kept == s.local_tokens  # the cap waits only until keep_after
-    assert gen.verified.count(False) == s.local_tokens and gen.token_ids[:13] == plain[:13]
+    assert s.offline_tokens >= 1 and s.offline_kept == s.offline_tokens  # the cap waits only until keep_after
+    assert gen.verified.count(False) == s.offline_tokens and gen.token_ids[:13] == plain[:13]
     with pytest.raises(ValueError, match="keep_after_s must be >= 0"):
         Resilience(keep_after_s=-1.0)
 

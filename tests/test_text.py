@@ -70,47 +70,47 @@ def test_a_character_split_across_tokens_waits_for_its_last_token(bytes_bpe):
     assert cut.update(ids[:1], [True], final=True).settled == bytes_bpe.decode(ids[:1])
 
 
-def test_the_local_tail_is_provisional_until_the_server_verdict():
+def test_the_offline_tail_is_provisional_until_the_server_verdict():
     deltas = TextDeltas(Words())
     assert settle(deltas, [1, 2], [True, True]) == Delta("t1 t2 ", "", [])
-    cut = settle(deltas, [1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 are local
+    cut = settle(deltas, [1, 2, 3, 4], [True, True, False, False])  # the link is down: 3 and 4 are offline
     assert cut.settled == "" and cut.provisional == "t3 t4 "
-    assert cut.events == ["no answer from the server: generating locally; the server verifies them when it is back"]
+    assert cut.events == ["no answer from the server: generating offline; the server verifies them when it is back"]
     more = settle(deltas, [1, 2, 3, 4, 5], [True, True, False, False, False])
     assert more == Delta("", "t3 t4 t5 ", [])  # the whole provisional text, no new event
     back = settle(deltas, [1, 2, 3, 9], [True] * 4)  # the server kept 3 and put 9 in place of 4
     assert back.settled == "t3 t9 " and back.provisional == ""
-    assert back.events == ["server back: it verified the 3 local tokens and kept the first 1"]
+    assert back.events == ["server back: it verified the 3 offline tokens and kept the first 1"]
     assert settle(deltas, [1, 2, 3, 9, 7], [True] * 5) == Delta("t7 ", "", [])
     assert deltas.events == cut.events + back.events
 
 
-def test_tokens_still_local_at_the_end_are_final_then_with_an_event():
+def test_tokens_still_offline_at_the_end_are_final_then_with_an_event():
     deltas = TextDeltas(Words())
     settle(deltas, [1, 2, 3], [True, False, False])
     end = deltas.update([1, 2, 3], [True, False, False], final=True)
     assert end.settled == "t2 t3 " and end.provisional == ""
-    assert end.events == ["2 tokens were generated locally and never verified by the server"]
+    assert end.events == ["2 tokens were generated offline and never verified by the server"]
 
 
-def test_under_keep_local_tokens_are_final_at_once():
-    deltas = TextDeltas(Words(), final_local=True)
+def test_under_keep_offline_tokens_are_final_at_once():
+    deltas = TextDeltas(Words(), final_offline=True)
     assert settle(deltas, [1], [True]).settled == "t1 "
     cut = settle(deltas, [1, 2, 3], [True, False, False])
     assert cut.settled == "t2 t3 " and cut.provisional == ""
-    assert cut.events == ["no answer from the server: generating locally; its tokens are kept as they are"]
+    assert cut.events == ["no answer from the server: generating offline; its tokens are kept as they are"]
     back = settle(deltas, [1, 2, 3, 4], [True, False, False, True])  # the server goes on after them
-    assert back.settled == "t4 " and back.events == ["server back: the 2 local tokens are kept as they are"]
+    assert back.settled == "t4 " and back.events == ["server back: the 2 offline tokens are kept as they are"]
     end = deltas.update([1, 2, 3, 4], [True, False, False, True], final=True)
-    assert end.settled == "" and end.events == ["2 tokens were generated locally and never verified by the server"]
+    assert end.settled == "" and end.events == ["2 tokens were generated offline and never verified by the server"]
 
 
 def test_a_stop_string_ends_the_text_before_it():
     deltas = TextDeltas(Words(), stop=["t7 t8", "never"])
     assert settle(deltas, [1, 7], [True, True]).settled == "t1 "  # "t7 " may begin the stop string: held back
     assert settle(deltas, [1, 7, 9], [True] * 3).settled == "t7 t9 " and not deltas.stopped
-    local = settle(deltas, [1, 7, 9, 7, 8, 5], [True] * 3 + [False] * 3)
-    assert local.settled == "" and local.provisional == "" and not deltas.stopped  # provisional text stops there too
+    offline = settle(deltas, [1, 7, 9, 7, 8, 5], [True] * 3 + [False] * 3)
+    assert offline.settled == "" and offline.provisional == "" and not deltas.stopped  # provisional text stops too
     stop = settle(deltas, [1, 7, 9, 7, 8, 5], [True] * 6)
     assert stop.settled == "" and deltas.stopped  # the text ends right before "t7 t8"
     assert settle(deltas, [1, 7, 9, 7, 8, 5, 6], [True] * 7).settled == ""
@@ -128,8 +128,8 @@ def test_private_placeholders_are_rendered_whole_in_settled_and_provisional_text
     _, secrets = mask("<private>Ann</private>")
     deltas = TextDeltas(Pieces(), secrets=secrets)
     assert settle(deltas, [0, 1, 2], [True] * 3).settled == "Dear "  # "[PRIVATE_" may begin a placeholder
-    local = settle(deltas, [0, 1, 2, 3, 4], [True] * 3 + [False] * 2)
-    assert local.settled == "" and local.provisional == "Ann"  # the held part and the local tail, rendered
+    offline = settle(deltas, [0, 1, 2, 3, 4], [True] * 3 + [False] * 2)
+    assert offline.settled == "" and offline.provisional == "Ann"  # the held part and the offline tail, rendered
     assert settle(deltas, [0, 1, 2, 3, 4, 5], [True] * 6) == Delta("Ann, hi", "", deltas.events[-1:])
 
 
