@@ -99,6 +99,14 @@ def served(target, **limits):
         server.stop(grace=None)
 
 
+def own_server(tiny_target):
+    """A module's own server of the tiny target, for tests that cut links or end sessions abruptly: a session whose
+    close a cut swallowed stays until its TTL, so it allows many. A module takes it as a fixture of its own scope and
+    name: ``server = pytest.fixture(scope="module", name="server")(own_server)``."""
+    with served(tiny_target, max_sessions=64, max_tree_nodes=16, max_context=128, session_ttl_s=60.0) as running:
+        yield running
+
+
 def wait_until(condition, limit_s: float = 30.0) -> None:
     """A bounded wait for ``condition()`` (not a measurement: a slow machine only waits longer), then assert it."""
     deadline = time.monotonic() + limit_s

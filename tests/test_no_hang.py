@@ -31,7 +31,7 @@ from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
-from tests.conftest import served
+from tests.conftest import own_server
 from tests.front import Front
 from tests.test_moa import make_moa
 
@@ -41,11 +41,7 @@ OUTER_BOUND_S = 120.0  # a generation still running after this has hung (each on
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_target):
-    """(address, service) of the server behind the fronts."""
-    with served(tiny_target, max_sessions=64, max_tree_nodes=16, max_context=128, session_ttl_s=60.0) as running:
-        yield running
+backend = pytest.fixture(scope="module", name="backend")(own_server)  # (address, service) behind the fronts
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from netsim.harness import Flapper
 from netsim.profiles import Profile
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
-from tests.conftest import served
+from tests.conftest import own_server
 from tests.test_cli import ROOT, splitspec
 from tests.test_moa import make_moa
 
@@ -35,11 +35,7 @@ NEW = 48
 HANG_S = 600.0  # a generation still running after this has hung (not a measurement: they take seconds)
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_target):
-    """A server of its own: a session whose close a cut swallowed stays until its TTL, so allow many."""
-    with served(tiny_target, max_sessions=64, max_tree_nodes=16, max_context=128, session_ttl_s=60.0) as running:
-        yield running
+tiny_server = pytest.fixture(scope="module", name="tiny_server")(own_server)  # not the session-wide one
 
 
 @pytest.fixture(scope="module")

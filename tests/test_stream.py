@@ -24,17 +24,14 @@ from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
-from tests.conftest import served, wait_until
+from tests.conftest import own_server, wait_until
 from tests.test_moa import make_moa
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
 NEW = 60
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target):
-    with served(tiny_target, max_sessions=16, max_tree_nodes=16, max_context=128, session_ttl_s=60.0) as running:
-        yield running
+server = pytest.fixture(scope="module", name="server")(own_server)
 
 
 @pytest.fixture(scope="module")
