@@ -1,9 +1,9 @@
 """One model, one answer: under the defaults (``--dtype auto --weights auto``) plain decoding, every drafter, locally
-and through a loopback server, give the same tokens — on a machine whose calibration would serve one token and a
+and through a loopback server, give the same tokens — on a machine whose paths table would serve one token and a
 tree fastest on different paths (an AVX2 Zen 3 once served plain decoding on int4 and every drafter and the server
 on int8: 0 of 18 generations equal).
 
-The calibration table is injected, so the test asks the same question on any machine; the model is served as the
+The paths table is injected, so the test asks the same question on any machine; the model is served as the
 CLIs serve it, and the commands run in-process through ``shared.cli.main``.
 """
 
@@ -18,9 +18,9 @@ from client.decode import generate
 from client.drafters.base import NoDrafter
 from client.verifiers import LocalVerifier
 from shared.cli import main
-from shared.engine import calibration, kernels
-from shared.engine.calibration import SIZES, Table
+from shared.engine import kernels, paths
 from shared.engine.models import load_target
+from shared.engine.paths import SIZES, Table
 from tests.conftest import served
 from tests.test_paths import drafter_for
 
@@ -39,7 +39,7 @@ def model_dir(request, monkeypatch, q4_model_dir, tiny_model_dir):
     it (int4 never; int8 or bf16), each under the split table."""
     if request.param == "q4" and not kernels.available():
         pytest.skip(f"the int4 path needs the kernels: {kernels.unavailable_reason()}")
-    monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: SPLIT)
+    monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: SPLIT)
     if request.param == "q4":
         return str(q4_model_dir), ("float32", "int4")  # int4's mix is dearer, but the others round again
     return str(tiny_model_dir), ("bfloat16", "native")  # the cheapest mix; plain decoding alone would take int8

@@ -21,9 +21,9 @@ from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
-from shared.engine.calibration import PATHS, runnable_paths
 from shared.engine.decoder import DTYPES
 from shared.engine.models import load_target
+from shared.engine.paths import PATHS, runnable_paths
 from tests.conftest import served
 from tests.test_eagle_independent import make_model as make_eagle_or_independent
 from tests.test_medusa import make_model as make_medusa
@@ -55,7 +55,7 @@ def path_target(request, tiny_model_dir):
 
 def drafter_for(name: str, target, model_dir):
     """A random drafter of each kind, made ready for the path as a trained bundle is (``prepare_drafter``); "model":
-    the tiny model itself as a whole-model drafter (int8: drafts never change outputs, and no calibration runs)."""
+    the tiny model itself as a whole-model drafter (int8: drafts never change outputs, and no path timing runs)."""
     if name == "prompt-lookup":
         return make_drafter(name)
     if name == "model":

@@ -163,10 +163,10 @@ def test_real_target_engine_matches_transformers_on_a_tree(real_target):
 
 
 def bf16_is_cheap() -> bool:
-    """Whether bf16 trees cost little here (native bf16 compute), by this machine's calibration of the target: in
+    """Whether bf16 trees cost little here (native bf16 compute), by this machine's paths table for the target: in
     emulation (AVX2 only) a tree takes seconds and these tests minutes; the paths matrix covers bf16 everywhere."""
-    from shared.engine.calibration import table_for
     from shared.engine.models import model_config, resolve_model
+    from shared.engine.paths import table_for
 
     try:
         return table_for(model_config(resolve_model("smollm2-135m"))).ms.get("bf16", {}).get(17, 1e9) < 100

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from shared.engine import calibration, kernels
-from shared.engine.calibration import PATHS, Table
+from shared.engine import kernels, paths
 from shared.engine.decoder import ModelConfig
 from shared.engine.models import on_q4_grid, resolve_precision, served_paths
+from shared.engine.paths import PATHS, Table
 
 
 def table(ms: dict[str, tuple[float, float, float]]) -> Table:
-    return Table({p: dict(zip(calibration.SIZES, v, strict=True)) for p, v in ms.items()}, "test CPU", "avx2", 2, "now")
+    return Table({p: dict(zip(paths.SIZES, v, strict=True)) for p, v in ms.items()}, "test CPU", "avx2", 2, "now")
 
 
 # measured shapes of the three kinds of machine (ms for 1, 5, 17 tokens), rounded
@@ -53,7 +53,7 @@ def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir, q4_mode
     """With both auto the measured path is served; a pinned dtype is served as pinned; a checkpoint on the Q4_1 grid
     keeps its own values (int4 or fp32, never int8 or bf16 unless pinned), one that is not never gets int4 (a second
     rounding), and a drafter may take any path."""
-    monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: AMX)
+    monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: AMX)
     path, q4 = str(tiny_model_dir), str(q4_model_dir)
     assert not on_q4_grid(path) and on_q4_grid(q4)
     assert resolve_precision("cpu", "auto", "auto", path) == PATHS["bf16"]
@@ -65,7 +65,7 @@ def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir, q4_mode
         assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")  # not bf16, though cheaper
         assert resolve_precision("cpu", "auto", "auto", q4, rounding=True) == PATHS["bf16"]
         assert served_paths(q4)[0] == ["int4", "fp32"] and "int4" not in served_paths(path)[0]
-        monkeypatch.setattr(calibration, "table_for", lambda cfg, cache=None, refresh=False: AVX2)
+        monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: AVX2)
         assert resolve_precision("cpu", "auto", "auto", path) == PATHS["int8"]  # int4 ruled out
         assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")
 
@@ -77,15 +77,15 @@ def test_a_slice_is_timed_and_extrapolated_to_the_whole_model(monkeypatch, tiny_
 
     cfg = dataclasses.replace(ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir)), num_layers=40,
                               vocab_size=100_000)  # fmt: skip
-    monkeypatch.setattr(calibration, "SPILL_BYTES", 100_000)  # a slice of 1 layer and 391 vocabulary rows
+    monkeypatch.setattr(paths, "SPILL_BYTES", 100_000)  # a slice of 1 layer and 391 vocabulary rows
     ticks = iter(range(10**6))
-    got = calibration.measure(cfg, ["fp32"], clock=lambda: next(ticks) / 1000, repeats=3)
-    per_layer = calibration._layer_params(cfg) * 4
-    layers = min(cfg.num_layers, -(-calibration.SPILL_BYTES // per_layer))
-    rows = min(cfg.vocab_size, -(-calibration.SPILL_BYTES // (4 * cfg.hidden_size)))
+    got = paths.measure(cfg, ["fp32"], clock=lambda: next(ticks) / 1000, repeats=3)
+    per_layer = paths._layer_params(cfg) * 4
+    layers = min(cfg.num_layers, -(-paths.SPILL_BYTES // per_layer))
+    rows = min(cfg.vocab_size, -(-paths.SPILL_BYTES // (4 * cfg.hidden_size)))
     assert (layers, rows) == (1, 391)
     want = cfg.num_layers / layers + cfg.vocab_size / rows
-    for n in calibration.SIZES:
+    for n in paths.SIZES:
         assert got.ms["fp32"][n] == pytest.approx(want)
 
 
@@ -99,13 +99,13 @@ def test_a_close_call_is_timed_again_and_the_faster_timing_kept(monkeypatch):
     def timed(cfg, path, clock, repeats):
         calls.append(path)
         ms = script[path].pop(0)
-        return {n: ms * n for n in calibration.SIZES}
+        return {n: ms * n for n in paths.SIZES}
 
-    monkeypatch.setattr(calibration, "_time_path", timed)
-    table = calibration.measure(None, ["int4", "int8", "bf16"])
+    monkeypatch.setattr(paths, "_time_path", timed)
+    table = paths.measure(None, ["int4", "int8", "bf16"])
     assert calls == ["int4", "int8", "bf16", "int8", "int4"]
     assert table.ms["int4"][1] == 9.4 and table.ms["int8"][1] == 11.5 and table.ms["bf16"][1] == 45.0
-    assert table.choose() == "int4" and calibration.close_calls(table) == []
+    assert table.choose() == "int4" and paths.close_calls(table) == []
 
 
 def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_model_dir):
@@ -113,12 +113,12 @@ def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_m
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
     calls = []
-    monkeypatch.setattr(calibration, "measure", lambda c: calls.append(c) or ZEN5)
-    assert calibration.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1
-    assert calibration.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1  # read back, not measured again
+    monkeypatch.setattr(paths, "measure", lambda c: calls.append(c) or ZEN5)
+    assert paths.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1
+    assert paths.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1  # read back, not measured again
     other = dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size)
-    assert calibration.cache_file(other, tmp_path) != calibration.cache_file(cfg, tmp_path)
-    calibration.table_for(cfg, tmp_path, refresh=True)
+    assert paths.cache_file(other, tmp_path) != paths.cache_file(cfg, tmp_path)
+    paths.table_for(cfg, tmp_path, refresh=True)
     assert len(calls) == 2
 
 

@@ -3,7 +3,7 @@ sessions that verify trees, and finding and loading models.
 
 Its modules import one way only, each from those above it in this list (never from one below):
 
-* ``files``: where converted models, GGUF folders and calibrations live (no project imports)
+* ``files``: where converted models, GGUF folders and timing tables live (no project imports)
 * ``quant``: packing weights into the CPU kernels' int8 / 4-bit / 6-bit layouts and back (numeric only)
 * ``kernels``: the compiled CPU kernels (``cpu.cpp``), built per ISA, the active build chosen by timing
 * ``gguf``: GGUF checkpoints read in place, their tensors packed as the kernels take them
@@ -11,7 +11,7 @@ Its modules import one way only, each from those above it in this list (never fr
 * ``layers``: the blocks of the target and of every drafter
 * ``decoder``: the decoder (``Transformer``, its ``Cache``) and ``load_engine``
 * ``target``: sessions on a loaded decoder: prefill, one-pass tree verification
-* ``calibration``: the paths a model may be served on, timed on this machine
+* ``paths``: the paths a model may be served on, timed on this machine (path timing)
 * ``pull``: built-in GGUFs shipped on PyPI in parts (``splitspec pull``)
 * ``models``: ``--model`` resolved, converted and loaded (``load_target``), the served path chosen
 * ``report``: ``splitspec kernels``, the builds and paths timed for a model

@@ -348,7 +348,7 @@ def _assign_gguf(model: Transformer, state: dict[str, torch.Tensor]) -> None:
 def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device = "cpu", exact: bool = True,
             weights: str = "native") -> Transformer:  # fmt: skip
     """A loaded model made ready to serve: moved, cast, its projections made low-bit (``load_engine``'s
-    ``weights``); the calibration (``shared.engine.calibration``) prepares its timed slices the same way."""
+    ``weights``); path timing (``shared.engine.paths``) prepares its timed slices the same way."""
     model = model.to(device=device, dtype=dtype)
     model.exact = exact
     if weights not in WEIGHTS:

@@ -1,4 +1,4 @@
-"""Where the engine's files live: converted models, GGUF folders, pulled models and calibrations."""
+"""Where the engine's files live: converted models, GGUF folders, pulled models and timing tables."""
 
 from __future__ import annotations
 

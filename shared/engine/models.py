@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shared.engine import calibration, gguf
+from shared.engine import gguf, paths
 from shared.engine.decoder import DTYPES, WEIGHTS, ModelConfig, load_engine
 from shared.engine.files import cache_dir
 from shared.engine.pull import PARTED, gguf_path
@@ -118,7 +118,7 @@ def served_paths(path: str | os.PathLike, rounding: bool = False) -> tuple[list[
     """The paths ``auto`` may serve the model at ``path`` on, and why those: a path that rounds a quantised model's
     weights again is a worse copy of the model the user chose, so it is served only when pinned. ``rounding``: a
     drafter, whose drafts never change an output, may take any path."""
-    runnable = calibration.runnable_paths()
+    runnable = paths.runnable_paths()
     if rounding:
         return runnable, "a drafter: any path, its drafts never change an output"
     if on_q4_grid(path):
@@ -132,7 +132,7 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     """(dtype, weights) for the ``auto`` settings: what the CLIs serve by default.
 
     On CUDA: bf16 where supported (else fp16), native weights. On a CPU, with both ``auto``, the one path that
-    serves this model on this machine (``shared.engine.calibration``): the cheapest work mix among ``served_paths``
+    serves this model on this machine (``shared.engine.paths``): the cheapest work mix among ``served_paths``
     — the same for plain decoding, every drafter and the server, so a drafter or the side never changes the answer.
     A pinned dtype means native weights; pinned low-bit weights take fp32 activations (the kernels' input); native
     weights with ``auto`` dtype take the cheaper of bf16 and fp32.
@@ -150,10 +150,10 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     if path is None:
         raise SplitspecError("choosing a path by measurement needs the model's folder")
     allowed, why = served_paths(path, rounding) if weights == "auto" else (["bf16", "fp32"], "native weights")
-    table = calibration.table_for(model_config(path), cache)
+    table = paths.table_for(model_config(path), cache)
     chosen = table.choose(allowed)
     print(table.line(chosen, why), file=sys.stderr)
-    dtype, weights = calibration.PATHS[chosen]
+    dtype, weights = paths.PATHS[chosen]
     if chosen == "int4" and not rounding:
         return dtype, "lowbit"  # int4 wherever it changes nothing
     return dtype, weights

@@ -1,4 +1,5 @@
-"""Which exact path serves a model on this machine, chosen by timing each one: ``--dtype auto --weights auto``.
+"""Path timing: which exact path serves a model on this machine, chosen by timing each one (``--dtype auto
+--weights auto``).
 
 A CPU flag says what a CPU can execute, not what is fast on it: AVX512-BF16 without AMX streams bf16 weights
 at bandwidth (5x slower than int4 on a Zen 5), while on AMX bf16 trees are nearly free. So ``auto`` measures.
@@ -6,8 +7,8 @@ Each path the engine has — ``int4`` and ``int8`` on splitspec's kernels (fp32 
 ``fp32`` on torch — is timed on the served model's own shapes (random weights: a matmul's speed does not
 depend on its values) at one token and at tree sizes, after a cached prefix. Enough layers are built to
 overflow the caches; the whole model's cost is extrapolated from them (layers scale with their count, the
-head with its rows). A few seconds, once: the table is cached per CPU, torch version, thread count, kernel build
-and model shape in the model cache's ``calibration/``.
+head with its rows). A few seconds, once: the paths table is cached per CPU, torch version, thread count, kernel
+build and model shape in the model cache's ``calibration/`` folder, beside the kernel builds' timings.
 
 One path serves a model on a machine, whatever runs it: plain decoding, every drafter, the server (its verification
 and its own decoding), the edge and the offline bridge. Each path is exact relative to itself (a tree verified in
@@ -96,7 +97,7 @@ class Table:
     @classmethod
     def from_json(cls, d: dict) -> Table:
         if d.get("version") != VERSION:
-            raise ValueError(f"calibration version {d.get('version')}, expected {VERSION}")
+            raise ValueError(f"paths table version {d.get('version')}, expected {VERSION}")
         ms = {p: {int(n): float(v) for n, v in sizes.items()} for p, sizes in d["ms"].items()}
         return cls(ms, d["cpu"], d["isa"], int(d["threads"]), d["measured"])
 

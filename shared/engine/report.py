@@ -1,18 +1,18 @@
 """``splitspec kernels``: this CPU's kernel builds and serving paths timed on a model's shapes, and the one path
-``--dtype auto --weights auto`` serves it on (``calibration``, ``models.served_paths``)."""
+``--dtype auto --weights auto`` serves it on (``paths``, ``models.served_paths``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from shared.engine import calibration, kernels
+from shared.engine import kernels, paths
 from shared.engine.models import DEFAULT_MODEL, model_config, resolve_model, served_paths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the model whose shapes are timed (default: the built-in target)")
-    p.add_argument("--cache-dir", help="where converted models and calibrations are kept")
+    p.add_argument("--cache-dir", help="where converted models and timing tables are kept")
     p.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached table")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
 
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = model_config(folder)
     loaded = kernels.builds()
     seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
-    table = calibration.table_for(cfg, args.cache_dir, refresh=args.refresh)
+    table = paths.table_for(cfg, args.cache_dir, refresh=args.refresh)
     allowed, why = served_paths(folder)
     chosen = table.choose(allowed)
     if args.json:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {t:12s} {state}{'   <- used' if t == kernels.active() else ''}")
     print("\nPaths (one forward of the whole model after a 128-token prefix, extrapolated from a slice):\n")
     print(table.markdown())
-    mix = " + ".join(map(str, calibration.MIX))
+    mix = " + ".join(map(str, paths.MIX))
     print(f"\nserved: {chosen}, the cheapest {mix}-token mix of {', '.join(allowed)} ({why}); "
           "every drafter, the server and plain decoding use it")
     return 0
