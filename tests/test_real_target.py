@@ -231,6 +231,9 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
         for n in range(1, 26):
             sizing.verify_fit.add(n, 0.060 + 0.005 * n)
         sizing.rounds, sizing.calibration = 10, 1.0  # past its explorations; the tree's scores as they are
+        # and no drafting ahead measured: a loaded machine drafts ahead slower than loopback's wire, which adds the
+        # same late drafting to every size, as a longer round trip would (the test failed so on an AMD Zen 4)
+        sizing.ahead_s = None
         sizes[name] = policy.size(probe).nodes
     print(sizes)
     assert sizes["test-150ms"] > sizes["loopback"]

@@ -15,7 +15,7 @@ A model whose vocabulary is at least 4x ``VOCAB`` drafts from a draft vocabulary
 says most (``client.training.vocab.frequent_tokens``) and every token of the prompt. Its head is cut to those rows
 (the same 4-bit values, ``Linear.rows``): the 0.5B's 152k-row head is a quarter of a step's bytes, and 16k rows plus
 a prompt's cover 99.4 % of what the 1.5B writes on HumanEval prompts and 95.4 % on MT-Bench. A one-level proposal
-(a local step while the link is down) reads the whole head, and never copies: it is the model's own next token, not a
+(an offline step, the link down) reads the whole head, and never copies: it is the model's own next token, not a
 draft.
 """
 
@@ -114,12 +114,12 @@ class ModelDrafter(TokenCache, Drafter):
     def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         if max_nodes < 1 or not self.tokens:
             return DraftTree()
-        # a local step (one level, the link down) is the model's own token: a copy there has no probability to judge
-        # it by, and copies of the local text itself loop (measured on the pair: a 13-token cycle, none of it kept)
+        # an offline step (one level, the link down) is the model's own token: a copy there has no probability to
+        # judge it by, and copies of the offline text itself loop (measured on the pair: a 13-token cycle, none kept)
         if self.lookup is not None and depth != 1 and len(copied := self.lookup.propose(max_nodes, depth)):
             return copied
         depth = self.depth if depth is None else depth
-        self.whole = self.vocab_ids is None or depth == 1  # one level: a local step, the model's own token
+        self.whole = self.vocab_ids is None or depth == 1  # one level: an offline step, the model's own token
         tree, scores = eagle2_tree(self, self.width, depth, max_nodes, floor=self.floor,
                                    vocab_ids=None if self.whole else self.vocab_ids)  # fmt: skip
         tree.scores = scores
