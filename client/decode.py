@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
@@ -54,6 +55,7 @@ from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree, depths, path_to
 
+T = TypeVar("T")  # what the call that opens a session returns (``Run.beside_prepare``)
 MIN_DEADLINE_S = 0.1
 DEADLINE_MARGIN_S = 0.05
 UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has been measured
@@ -212,7 +214,7 @@ class Run:
             self.heartbeat.on_dead(verifier.abort)
         reason = ""
         opens = 0  # tries to open the session
-        if self.pipeline:
+        if self.pipeline or verifier.link is not None:  # (a server's prefill beside the drafter's too: ``open``)
             self.flights = ThreadPoolExecutor(1, thread_name_prefix="splitspec-verify")
         policy.observe(Pipelining(self.pipeline))
         try:
@@ -390,7 +392,7 @@ class Run:
         rehearsal = None  # (a tree drafted and not sent, its depth, where its root is in the output, seconds drafting)
         try:
             with contextlib.closing(tokens):
-                for result in tokens:
+                for result in tokens if opening is None else self.opening(tokens):
                     if opening is not None and not self.out:
                         drafter.begin(self.prompt_ids + result.new_tokens, result.features)
                         self.started(opening)
@@ -459,12 +461,31 @@ class Run:
 
     def open(self) -> Verdict:
         """Open the session after the prompt and return its round: the server's first token, now ``self.out``, and
-        the prefill's compute."""
-        opened = self.verifier.reopen(self.prompt_ids, self.sampling, spec=self.spec)
+        the prefill's compute. Over a link the drafter prepares (``Drafter.prepare``) while the server prefills."""
+        opened = self.beside_prepare(lambda: self.verifier.reopen(self.prompt_ids, self.sampling, spec=self.spec))
         self.unfeatured = None  # the prefill brings the features of every cached token
         self.drafter.begin(self.prompt_ids + opened.new_tokens, opened.features)
         self.commit(opened.new_tokens, [True] * len(opened.new_tokens))
         return opened
+
+    def beside_prepare(self, first: Callable[[], T]) -> T:
+        """``first()``, the call that opens the session, while the drafter prepares (``Drafter.prepare``) over a link:
+        the server's prefill and the drafter's run side by side, on two machines. In process, only ``first()``."""
+        if self.verifier.link is None or self.flights is None:
+            return first()
+        call = self.flights.submit(first)
+        self.drafter.prepare(self.prompt_ids)
+        try:  # (the call is bounded by the verifier itself; this wait outlasts that bound)
+            return call.result(timeout=UNBOUNDED_FLIGHT_S + FLIGHT_GRACE_S)
+        except FutureTimeout:
+            raise LinkDown(f"server {self.verifier.address}: the session's opening unanswered past its bound") from None
+
+    def opening(self, tokens: Iterator[Verdict]) -> Iterator[Verdict]:
+        """A stream that opens the session: its first chunk awaited beside the drafter's preparing, then the rest."""
+        first = self.beside_prepare(lambda: next(tokens, None))
+        if first is not None:
+            yield first
+            yield from tokens
 
     def commit(self, out: list[int], verified: list[bool]) -> None:
         """The output is now ``out``, cut after its first stop token and at the token budget; tell ``on_update``."""

@@ -175,3 +175,46 @@ def test_sampled_pipelined_generations_follow_the_targets_distribution(tiny_targ
     pairs = [(piped[c], serial[c]) for c in common] + [rest]
     stat = sum((a - b) ** 2 / (a + b) for a, b in pairs if a + b)
     assert len(pairs) >= 3 and stat < chi2_critical(len(pairs) - 1), f"chi-square {stat:.1f} over {len(pairs)} bins"
+
+
+@pytest.mark.parametrize("mode", ["draft", "stream"])
+def test_a_model_drafter_prefills_the_prompt_while_the_server_does(tiny_target, tiny_server, twin, plain, mode):
+    """Over a link the call that opens the session (OpenSession, or the Decode stream that opens it) is awaited on a
+    worker while a model drafter prefills the prompt: each waits here until the other has begun, which, one after the
+    other, would not happen before the wait's bound (the test then fails)."""
+    import threading
+
+    from client.adaptive import AdaptivePolicy
+
+    d = drafter(tiny_target, twin, "model")
+    preparing, opening, prepare = threading.Event(), threading.Event(), d.prepare
+    held: list[bool] = []  # each side saw the other under way
+
+    def meet(mine: threading.Event, theirs: threading.Event) -> None:
+        mine.set()
+        held.append(theirs.wait(timeout=10))
+
+    d.prepare = lambda prompt_ids: meet(preparing, opening) or prepare(prompt_ids)
+    verifier = RemoteVerifier(tiny_server[0], drafter=d)
+    if mode == "draft":
+        open_session = verifier.open
+        verifier.open = lambda *a, **kw: meet(opening, preparing) or open_session(*a, **kw)
+    else:
+        open_decode = verifier.open_decode
+
+        def opening_stream(*a, **kw):
+            def chunks():  # (a Decode call starts when its first chunk is asked for)
+                meet(opening, preparing)
+                yield from open_decode(*a, **kw)
+
+            return chunks()
+
+        verifier.open_decode = opening_stream
+    try:
+        policy = AdaptivePolicy.for_run(verifier, d.payload_specs(), mode=mode)
+        gen = generate(verifier, d, PROMPT, NEW, policy=policy)
+    finally:
+        verifier.shutdown()
+    assert held == [True, True]
+    assert gen.token_ids == plain
+    assert d.prepared is None  # begin took the prefilled prompt

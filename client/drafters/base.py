@@ -37,6 +37,12 @@ class Drafter(ABC):
         """What a target session must keep for this drafter ("kv" and/or "hidden"), from its payload specs."""
         return frozenset().union(*(feature_kinds(s) for s in self.payload_specs()))
 
+    def prepare(self, prompt_ids: list[int]) -> None:
+        """What can be done before the target's first answer, while the server prefills the prompt (two machines,
+        both busy): a whole model prefills the prompt here, so that ``begin`` after it has only the first token
+        left. Nothing by default."""
+        return None
+
     @abstractmethod
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
         """Start a new sequence: prompt plus the first generated token, with the prompt's features."""

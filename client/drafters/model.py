@@ -73,15 +73,32 @@ class ModelDrafter(TokenCache, Drafter):
         self.extra: tuple[torch.Tensor, Linear] | None = None  # the prompt's tokens outside it, and their rows
         self.vocab_ids: torch.Tensor | None = None  # what each index of a drafted distribution is (None: itself)
         self.whole = True  # this search reads the whole head
+        self.prepared: list[int] | None = None  # the prompt ``prepare`` prefilled into the cache, for ``begin``
 
     @property
     def _device(self) -> torch.device:
         return self.engine.device
 
     @torch.inference_mode()
+    def prepare(self, prompt_ids: list[int]) -> None:
+        """Prefill the prompt while the server prefills it: the first token then waits for the slower of the two,
+        not for both in turn (the 0.5B's prefill of a HumanEval prompt: a third of a second on one core)."""
+        self.prepared = None
+        self.prefill(prompt_ids)
+        self.prepared = list(prompt_ids)
+
+    def prefill(self, ids: list[int]) -> None:
+        if ids:
+            self.cache.reserve(len(ids))
+            self.engine.forward_many([Part(ids, list(range(len(ids))), causal_from(0, len(ids), self._device),
+                                           self.cache, 0)])  # fmt: skip
+
+    @torch.inference_mode()
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
-        """Start a sequence and prefill the prompt into the cache now (with the target's prefill), so that the first
-        drafted round does not pay for it and look, to the adaptive policy, like a drafter that cannot pay."""
+        """Start a sequence and prefill the prompt into the cache now (with the target's prefill) unless ``prepare``
+        did, so that the first drafted round does not pay for it and look, to the adaptive policy, like a drafter
+        that cannot pay."""
+        prepared, self.prepared = self.prepared, None
         self.clear_tokens()
         if self.lookup is not None:
             self.lookup.begin([])
@@ -92,10 +109,9 @@ class ModelDrafter(TokenCache, Drafter):
             self.vocab_ids = torch.cat([ids, new])
         self.absorb(tokens, features)
         n = len(tokens) - 1  # all but the root, which each tree feeds again
-        if n > 0:
-            self.cache.reserve(n)
-            self.engine.forward_many([Part(tokens[:n], list(range(n)), causal_from(0, n, self._device), self.cache, 0)])
-            self.fed = n
+        if prepared != tokens[:n]:
+            self.prefill(tokens[:n])
+        self.fed = max(n, 0)
 
     def absorb(self, tokens: list[int], features: Features | None = None) -> None:
         super().absorb(tokens)
