@@ -466,3 +466,29 @@ def test_a_offline_tokens_survival_is_calibrated_by_the_first_choices_the_target
         policy.observe(Rehearsal(copy, [0], 0.0))  # (a rehearsal's verdict teaches as a round's does)
     assert policy.survival(None) == pytest.approx(0.5, rel=0.02) and policy.survival(0.95) == pytest.approx(2 / 3,
                                                                                                           rel=0.02)
+
+
+def test_a_trees_deadline_before_any_tree_was_measured_allows_a_step_a_node():
+    """After streams only (mode auto's first trial), a Verify's deadline may not assume a 36-node tree costs what a
+    streamed token did: on a CPU it costs up to a step a node (0.42 s against a 0.2 s deadline on an AMD Zen 4, where
+    every such round ended as a false cut and was never measured). Once the policy has measured trees, their curve
+    bounds it."""
+    from types import SimpleNamespace
+
+    from client.adaptive import AdaptivePolicy
+    from client.costs import CostCurve
+    from client.decode import Run
+    from client.offline import Resilience
+    from shared.acceptance import SamplingParams
+
+    link = SimpleNamespace(timeout_s=lambda: 0.05, transfer_s=lambda up, down: 0.0)
+    verifier = SimpleNamespace(link=link, max_context=512)
+    policy = AdaptivePolicy(None, mode="auto")
+    run = Run(verifier=verifier, drafter=None, prompt_ids=[1, 2, 3], limit=64, sampling=SamplingParams(),
+              stop=set(), policy=policy, max_nodes=64, resilience=Resilience())  # fmt: skip
+    run.verify_s = 0.027  # a streamed token's compute
+    assert run.deadline(36) >= 1.5 * 37 * 0.027
+    policy.sizing.verify_fit = CostCurve()
+    for n in range(1, 40):
+        policy.sizing.verify_fit.add(n, 0.027 + 0.001 * n)  # measured: a GPU-like curve
+    assert run.deadline(36) < 0.25
