@@ -201,6 +201,13 @@ def test_warm_start_from_bundles_alone(tiny_target, tmp_path):
     again = make_trainer(tiny_target, tmp_path, 600, drafters=[("moa", 0), ("independent", 0)])
     assert again.resume()
     assert (again.seen, again.steps, again.position) == (first.seen, first.steps, first.position)
+    from client.training.trainer import REWARM_TOKENS, lr_at
+
+    assert again.lr() < 0.01 * lr_at(again.cfg, again.seen)  # fresh moments: the rate ramps up again
+    again.seen += REWARM_TOKENS
+    assert again.lr() == lr_at(again.cfg, again.seen)
+    again.seen -= REWARM_TOKENS
+    assert first.rewarm_from is None  # a run from scratch (or a checkpoint) keeps the schedule's own warm-up
     for name, model in first.models.items():
         for key, value in model.trainable_state().items():
             assert torch.allclose(value, again.models[name].trainable_state()[key], atol=2e-3, rtol=1e-3), key
