@@ -84,10 +84,11 @@ class ModelDrafter(TokenCache, Drafter):
         """Prefill the prompt while the server prefills it: the first token then waits for the slower of the two,
         not for both in turn (the 0.5B's prefill of a HumanEval prompt: a third of a second on one core)."""
         self.prepared = None
-        self.prefill(prompt_ids)
+        self._prefill(prompt_ids)
         self.prepared = list(prompt_ids)
 
-    def prefill(self, ids: list[int]) -> None:
+    def _prefill(self, ids: list[int]) -> None:
+        """``ids`` into the cache from slot 0: the prompt, all but the root (which each tree feeds again)."""
         if ids:
             self.cache.reserve(len(ids))
             self.engine.forward_many([Part(ids, list(range(len(ids))), causal_from(0, len(ids), self._device),
@@ -110,7 +111,7 @@ class ModelDrafter(TokenCache, Drafter):
         self.absorb(tokens, features)
         n = len(tokens) - 1  # all but the root, which each tree feeds again
         if prepared != tokens[:n]:
-            self.prefill(tokens[:n])
+            self._prefill(tokens[:n])
         self.fed = max(n, 0)
 
     def absorb(self, tokens: list[int], features: Features | None = None) -> None:
