@@ -91,7 +91,7 @@ class Run:
     streamed_tokens: int = 0
     guesses: int = 0  # pipelined rounds that drafted ahead
     guesses_held: int = 0  # of which the next tree was ready when the verdict came
-    client_busy_s: float = 0.0  # drafting, ahead or not
+    client_busy_s: float = 0.0  # drafting: rounds' trees, ahead or not, and rehearsals
     matches_reference: bool | None = None
     first_difference: int | None = None
 
@@ -166,7 +166,7 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                     round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
                     s.prefill_payload_bytes, round(s.ttft_s, 4),
                     f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens, s.guesses,
-                    s.guesses_held, round(s.draft_s + s.ahead_s, 4),
+                    s.guesses_held, round(s.draft_s + s.ahead_s + s.rehearse_s, 4),
                 )  # fmt: skip
                 runs.append(run)
                 done[m.name] = (run, gen.token_ids)

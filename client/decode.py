@@ -93,6 +93,7 @@ class GenerationStats(OfflineStats):
     ttft_s: float = 0.0
     draft_s: float = 0.0
     ahead_s: float = 0.0  # drafting ahead while a Verify was in flight (pipelined rounds)
+    rehearse_s: float = 0.0  # drafting trees never sent while a stream ran (mode auto's rehearsals)
     guesses: int = 0  # rounds that drafted ahead
     guesses_held: int = 0  # of which the verdict was the path guessed and a bonus guessed: the next tree was ready
     tree_nodes: list[int] = field(default_factory=list)  # nodes verified in each round
@@ -443,7 +444,9 @@ class Run:
         tree = drafter.propose(self.budget(), self.plan.depth)
         drafter.discard()
         depth = max(depths(tree.parents), default=0)  # (an empty tree counts: a round that gains one)
-        return tree, depth, len(self.out) - 1, clock() - t0
+        draft_s = clock() - t0
+        self.stats.rehearse_s += draft_s
+        return tree, depth, len(self.out) - 1, draft_s
 
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
@@ -469,6 +472,8 @@ class Run:
         the prefill's compute. Over a link the drafter prepares (``Drafter.prepare``) while the server prefills."""
         opened = self.beside_prepare(lambda: self.verifier.reopen(self.prompt_ids, self.sampling, spec=self.spec))
         self.unfeatured = None  # the prefill brings the features of every cached token
+        if opened.load is not None:  # the server's costs size the first trees, before any is measured
+            self.policy.observe(Loaded(opened.load))
         self.drafter.begin(self.prompt_ids + opened.new_tokens, opened.features)
         self.commit(opened.new_tokens, [True] * len(opened.new_tokens))
         return opened

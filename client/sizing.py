@@ -45,6 +45,10 @@ from shared.tree import DraftTree, depths
 # send these shares of the tree, and every EXPLORE_EVERY-th round one of them again.
 EXPLORE = (0.5, 0.25)
 EXPLORE_EVERY = 8
+# ... of the tree's first EXPLORE_SPAN x the nodes worth sending by the costs known so far (the server's Load before a
+# round is measured): around the best size, not the whole tree where each node is dear (a CPU target on its low-bit
+# kernels, whose nodes cost 0.4 of a step on an AMD Zen 4: a first trial's 32-node tree took 0.38 s for ~2 tokens)
+EXPLORE_SPAN = 4
 # The first trees' depth; each round's grows to one past the deepest node that paid. Shallow first: where a
 # draft step costs a good share of a target step (a CPU target on its low-bit kernels), a deep first tree
 # costs more than its tokens are worth, and it grows in a few rounds where depth pays (a slow link).
@@ -143,7 +147,7 @@ class Sizing:
     def round_s(self, nodes: int, down_bytes: float, draft_levels: int | None = None) -> float:
         """A round that sends ``nodes`` nodes and receives ``down_bytes``, its tree drafted ``draft_levels`` deep
         (default: the next tree's depth)."""
-        verify = self.verify_fit(nodes + 1, default=0.0)
+        verify = self.verify_s(nodes)
         draft = (self.draft_step_s or 0.0) * (self.depth if draft_levels is None else draft_levels)
         rtt, transfer = self.transfer_s(verify_request_bytes(nodes), down_bytes)
         return draft + verify + rtt + transfer
@@ -184,10 +188,15 @@ class Sizing:
         explore = rounds - 1 if rounds <= len(EXPLORE) else None
         if explore is None and rounds % EXPLORE_EVERY == 0:
             explore = (rounds // EXPLORE_EVERY) % len(EXPLORE)
-        if explore is not None:
-            n = max(1, math.ceil(EXPLORE[explore] * len(tree)))
-            gain = 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n]))
-            return Decision(n, gain, float("nan"), "explore", max(depths(tree.parents[:n]), default=0))
+        if explore is None:
+            return self._best(tree, spec)
+        span = min(len(tree), EXPLORE_SPAN * max(1, self._best(tree, spec).nodes))
+        n = max(1, math.ceil(EXPLORE[explore] * span))
+        gain = 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n]))
+        return Decision(n, gain, float("nan"), "explore", max(depths(tree.parents[:n]), default=0))
+
+    def _best(self, tree: DraftTree, spec: PayloadSpec) -> Decision:
+        """The size of the most expected tokens per second by the costs known so far, and the depth to draft next."""
         payload, step, levels = self.payload_per_token(spec), self.draft_step_s or 0.0, depths(tree.parents)
         drafted = max(levels)
         best, best_rate, best_gain, cumulative = 0, 0.0, 1.0, 0.0

@@ -10,7 +10,7 @@ import pytest
 from client.adaptive import AdaptivePolicy, Ahead, Loaded, Pipelining, Rehearsal, Round, State, StaticPolicy, Streamed
 from client.costs import GAIN, LineFit
 from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase, Schedule
-from client.sizing import EXPLORE, Decision, Sizing
+from client.sizing import EXPLORE, EXPLORE_SPAN, Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -148,6 +148,24 @@ def test_exploration_rounds_vary_the_size_then_pins_hold():
     assert sizes == [math.ceil(share * len(TREE)) for share in EXPLORE]
     pinned = AdaptivePolicy(FakeLink(0.01, 1e7), pin_nodes=3, pin_depth=4)
     assert len(cut(pinned, TREE)) == 3 and pinned.sizing.depth == 4
+
+
+def test_explorations_span_the_size_the_servers_costs_make_worth_sending():
+    """Before any round is measured the server's Load prices the nodes: where they are dear (a CPU's low-bit kernels,
+    a node 0.4 of a step) a trial explores around the few nodes worth it, not half of a 48-node tree; where they are
+    nearly free (a GPU) it explores shares of the whole tree, as with no costs known."""
+    from shared.wire import splitspec_pb2 as pb
+
+    tree = ranked_tree([0.9 * 0.8**i for i in range(48)])
+    cpu = AdaptivePolicy(FakeLink(0.03, 1e7))
+    cpu.observe(Loaded(pb.Load(sessions=1, step_s=0.027, node_s=0.0107, prefer="latency")))
+    gpu = AdaptivePolicy(FakeLink(0.03, 1e7))
+    gpu.observe(Loaded(pb.Load(sessions=1, step_s=0.010, node_s=0.00002, prefer="latency")))
+    for share in EXPLORE:
+        best = cpu.sizing._best(tree, PayloadSpec()).nodes
+        assert 0 < best < 12
+        assert len(cut(cpu, tree)) == math.ceil(share * min(len(tree), EXPLORE_SPAN * best)) < 24
+    assert [len(cut(gpu, tree)) for _ in EXPLORE] == [math.ceil(share * len(tree)) for share in EXPLORE]
 
 
 def test_calibration_follows_what_was_accepted():

@@ -67,6 +67,7 @@ def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, se
     else:  # a random drafter's rehearsals during the stream say drafting would not pay: it is never tried
         assert s.streamed_tokens == NEW and s.rounds == 0 and len(policy.schedule.rehearsals) >= 3
         assert all(path == [] for _, path, _, _ in policy.schedule.rehearsals)
+        assert s.rehearse_s > 0 and s.draft_s == 0  # the client's drafting is counted though no tree was sent
 
 
 class Oracle(NoDrafter):
