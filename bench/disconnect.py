@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, drop_unusable, environment, finish, median, save_figure, start
+from bench.common import cell, drop_unusable, environment, finish, median, save_figure, skipped_note, start, table
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
@@ -241,28 +241,23 @@ def summarize(runs: list[Run], ceiling: dict[int, float]) -> dict[str, dict[str,
 
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
-    lines = [
-        "| method | N | cut at | offline tok/s | agreement | agreeing run | next-token acc. "
-        "| switch ms (median / max) | ≤ 2·RTT+100 ms | intact | pass@1 |",
-        "|---|---:|" + "---:|" * 9,
-    ]
+    columns = ["method", "N", "cut at", "offline tok/s", "agreement", "agreeing run", "next-token acc.",
+               "switch ms (median / max)", "≤ 2·RTT+100 ms", "intact", "pass@1"]  # fmt: skip
+    rows = []
     for method, cuts in summary.items():
         for n, s in cuts.items():
             if method == "target":
-                lines.append(
-                    f"| target (uninterrupted) | {n} | – | – | – | – | – | – | – | – | {cell(s['pass_at_1'], '.2f')} |"
-                )
+                rows.append(["target (uninterrupted)", n, *["–"] * 8, cell(s["pass_at_1"], ".2f")])
                 continue
             switch = "–" if s["median_switch_ms"] is None else f"{s['median_switch_ms']:.0f} / {s['max_switch_ms']:.0f}"
-            within = "–" if method == "api" else f"{s['within_bound']}/{s['cut_runs']}"
-            cells = [
-                cell(s["median_cut_at"], ".0f"), cell(s["median_offline_tokens_per_s"], ".1f"),
+            rows.append([
+                method, n, cell(s["median_cut_at"], ".0f"), cell(s["median_offline_tokens_per_s"], ".1f"),
                 cell(s["mean_agreement"], ".3f"), cell(s["median_agreeing_run"], ".0f"),
-                cell(s["mean_next_token_accuracy"], ".3f"), switch, within,
+                cell(s["mean_next_token_accuracy"], ".3f"), switch,
+                "–" if method == "api" else f"{s['within_bound']}/{s['cut_runs']}",
                 f"{s['intact']}/{s['runs']}", cell(s["pass_at_1"], ".2f"),
-            ]  # fmt: skip
-            lines.append(f"| {method} | {n} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            ])  # fmt: skip
+    return table(columns, rows)
 
 
 def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
@@ -384,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "problems": [p["task_id"] for p in problems[: args.limit]], "tree": STATIC_TREE, "payload": "lsa/fp16",
     }  # fmt: skip
     result = {"environment": env, "settings": settings, "summary": summary, "runs": [asdict(r) for r in runs]}
-    table = markdown(summary)
+    report = markdown(summary)
     header = (
         f"# The link cut for good mid-generation\n\n`{env['command']}`\n\n{env['date']}, {args.model} ({dtype}, cpu): "
         f"server child {args.server_threads} thread(s), client {args.client_threads}, on {env['cpu_count']} CPUs "
@@ -392,10 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         f"first {len(prompts)} HumanEval problems, greedy, link {args.profile} cut silently after N new tokens and "
         f"never restored; agreement over the next {args.window} tokens against the target's own greedy "
         f"continuation; pass@1 at {args.window + TAU_SLACK} + N tokens; medians over problems (agreement: mean).\n\n"
-        + ("Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + "\n\n" if skipped else "")
+        + skipped_note(skipped)
     )
     plot(summary, args.out / "disconnect.png", f"{args.model}: the link cut for good after N tokens ({args.profile})")
-    return finish(args.out, "disconnect", result, header + table, table)
+    return finish(args.out, "disconnect", result, header + report, report)
 
 
 if __name__ == "__main__":

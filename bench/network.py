@@ -47,7 +47,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, drop_unusable, environment, finish, mark_differences, median, save_figure, start, times
+from bench.common import (
+    Timed,
+    cell,
+    drop_unusable,
+    environment,
+    finish,
+    mark_differences,
+    median,
+    save_figure,
+    share,
+    skipped_note,
+    start,
+    table,
+    times,
+)
 from bench.single import load_prompts
 from client.adaptive import AdaptivePolicy
 from client.decode import api_generate, generate
@@ -70,16 +84,10 @@ PAPER_TREE = (8, 6, 62)
 
 
 @dataclass
-class Run:
+class Run(Timed):
+    """One timed generation over a link (``profile``): the raw numbers that go into the JSON."""
+
     profile: str
-    dataset: str
-    prompt: int
-    method: str
-    tokens: int
-    wall_s: float
-    tokens_per_s: float
-    acceptance_length: float
-    rounds: int
     server_calls: int
     server_compute_s: float
     bytes_sent: int
@@ -161,8 +169,8 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                 s = gen.stats
                 payload = gen.spec if m.drafter is not None else None
                 run = Run(
-                    profile, prompt.dataset, prompt.index, m.name, s.new_tokens, round(s.wall_s, 4),
-                    round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, s.server_calls,
+                    prompt.dataset, prompt.index, m.name, s.new_tokens, round(s.wall_s, 4),
+                    round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, profile, s.server_calls,
                     round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
                     s.prefill_payload_bytes, round(s.ttft_s, 4),
                     f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens, s.guesses,
@@ -185,9 +193,9 @@ def plain_local(target, prompts, args) -> list[Run]:
         for prompt in tqdm(prompts, desc="plain-local", unit="run", file=sys.stderr):
             gen = generate(LocalVerifier(target), make_drafter("none"), prompt.ids, args.max_new_tokens)
             s = gen.stats
-            runs.append(Run("local", prompt.dataset, prompt.index, "plain-local", s.new_tokens, round(s.wall_s, 4),
-                            round(s.tokens_per_s, 3), 1.0, s.rounds, 0, round(s.server_compute_s, 4), 0, 0, 0, 0,
-                            round(s.ttft_s, 4), "-"))  # fmt: skip
+            runs.append(Run(prompt.dataset, prompt.index, "plain-local", s.new_tokens, round(s.wall_s, 4),
+                            round(s.tokens_per_s, 3), 1.0, s.rounds, "local", 0, round(s.server_compute_s, 4),
+                            0, 0, 0, 0, round(s.ttft_s, 4), "-"))  # fmt: skip
     finally:
         torch.set_num_threads(args.client_threads)
     return runs
@@ -255,46 +263,35 @@ def against_api(runs: list[Run]) -> dict[str, dict[str, dict[str, dict]]]:
 
 
 def markdown_against_api(compared: dict[str, dict[str, dict[str, dict]]]) -> str:
-    lines = [
-        "| profile | dataset | method | tok/s | API tok/s | × API tok/s | server ms/tok | API server ms/tok "
-        "| × API server | streamed |",
-        "|---|---|---|" + "---:|" * 7,
-    ]
-    for profile, datasets in compared.items():
-        for dataset, methods in datasets.items():
-            for m, s in methods.items():
-                cells = [
-                    cell(s["median_tokens_per_s"], ".2f"), cell(s["api_tokens_per_s"], ".2f"),
-                    times(s["speed_vs_api"]), cell(1000 * s["server_s_per_token"], ".1f"),
-                    cell(1000 * s["api_server_s_per_token"], ".1f"), times(s["server_vs_api"]),
-                    f"{s['streamed_share']:.0%}" if s["streamed_share"] else "–",
-                ]  # fmt: skip
-                lines.append(f"| {profile} | {dataset} | {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    columns = ["profile", "dataset", "method", "tok/s", "API tok/s", "× API tok/s", "server ms/tok",
+               "API server ms/tok", "× API server", "streamed"]  # fmt: skip
+    rows = [
+        [profile, dataset, m, cell(s["median_tokens_per_s"], ".2f"), cell(s["api_tokens_per_s"], ".2f"),
+         times(s["speed_vs_api"]), cell(1000 * s["server_s_per_token"], ".1f"),
+         cell(1000 * s["api_server_s_per_token"], ".1f"), times(s["server_vs_api"]), share(s["streamed_share"] or None)]
+        for profile, datasets in compared.items() for dataset, methods in datasets.items() for m, s in methods.items()
+    ]  # fmt: skip
+    return table(columns, rows, left=3)
 
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
-    lines = [
-        "| profile | method | tok/s | τ | calls/100 tok | server ms/tok | B/tok up | B/tok down | payload B/tok "
-        "| prefill payload KB | TTFT s | streamed | guess held | client busy | server busy | ≠ api |",
-        "|---|---|" + "---:|" * 14,
-    ]
+    columns = ["profile", "method", "tok/s", "τ", "calls/100 tok", "server ms/tok", "B/tok up", "B/tok down",
+               "payload B/tok", "prefill payload KB", "TTFT s", "streamed", "guess held", "client busy", "server busy",
+               "≠ api"]  # fmt: skip
+    rows = []
     for profile, methods in summary.items():
         for m, s in methods.items():
             ms = None if s["server_s_per_token"] is None else 1000 * s["server_s_per_token"]
-            cells = [
-                cell(s["median_tokens_per_s"], ".2f"), cell(s["mean_acceptance_length"], ".2f"),
+            prefill_kb = None if s["prefill_payload_bytes"] is None else s["prefill_payload_bytes"] / 1024
+            rows.append([
+                profile, m, cell(s["median_tokens_per_s"], ".2f"), cell(s["mean_acceptance_length"], ".2f"),
                 cell(s["calls_per_100_tokens"], ".1f"), cell(ms, ".1f"), cell(s["bytes_up_per_token"], ".0f"),
                 cell(s["bytes_down_per_token"], ".0f"), cell(s["payload_bytes_per_token"], ".0f"),
-                cell(None if s["prefill_payload_bytes"] is None else s["prefill_payload_bytes"] / 1024, ".0f"),
-                cell(s["median_ttft_s"], ".2f"), f"{s['streamed_share']:.0%}" if s["streamed_share"] else "–",
-                "–" if s.get("held_share") is None else f"{s['held_share']:.0%}",
-                "–" if s.get("client_busy") is None else f"{s['client_busy']:.0%}",
-                "–" if s.get("server_busy") is None else f"{s['server_busy']:.0%}",
+                cell(prefill_kb, ".0f"), cell(s["median_ttft_s"], ".2f"), share(s["streamed_share"] or None),
+                share(s.get("held_share")), share(s.get("client_busy")), share(s.get("server_busy")),
                 "–" if m in (REFERENCE, "plain-local") else str(s["mismatches"]),
-            ]  # fmt: skip
-            lines.append(f"| {profile} | {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            ])  # fmt: skip
+    return table(columns, rows, left=2)
 
 
 def plot(summary: dict[str, dict[str, dict]], path: Path, title: str) -> None:
@@ -380,11 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": cpus_label(cpus),
     }
     compared = against_api(runs)
-    table = markdown(summary)
+    report = markdown(summary)
     if compared:
-        table += ("\n\nEach method beside the API on the same prompts, by dataset (medians over prompts of the "
+        report += ("\n\nEach method beside the API on the same prompts, by dataset (medians over prompts of the "
                   "per-prompt ratios; server compute includes the prompt's prefill):\n\n")
-        table += markdown_against_api(compared)
+        report += markdown_against_api(compared)
     counts = {d: sum(p.dataset == d for p in prompts) for d in ("mt-bench", "humaneval")}
     settings = {
         "profiles": args.profiles, "methods": args.methods, "skipped": skipped, "max_new_tokens": args.max_new_tokens,
@@ -402,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{counts['humaneval']} HumanEval "
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "
         f"in-process on {args.server_threads + args.client_threads} threads, no network.\n\n"
-        + ("Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + "\n\n" if skipped else "")
+        + skipped_note(skipped)
     )
     plot(summary, args.out / "network.png", f"{args.model}: tokens/s by network profile (client and server on one CPU)")
-    return finish(args.out, "network", result, header + table, table)
+    return finish(args.out, "network", result, header + report, report)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, environment, finish, mark_differences, median, save_figure, start, times
+from bench.common import (
+    Timed,
+    cell,
+    environment,
+    finish,
+    mark_differences,
+    median,
+    save_figure,
+    skipped_note,
+    start,
+    times,
+)
 from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, NoDrafter, is_model, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
@@ -78,17 +89,9 @@ class Prompt:
 
 
 @dataclass
-class Run:
-    """One timed generation: the raw numbers that go into the JSON."""
+class Run(Timed):
+    """One timed generation in process: the raw numbers that go into the JSON."""
 
-    dataset: str
-    prompt: int
-    method: str
-    tokens: int
-    wall_s: float
-    tokens_per_s: float
-    acceptance_length: float
-    rounds: int
     draft_s: float
     finish_reason: str
     matches_reference: bool | None = None
@@ -604,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("Draft vocabularies (`--draft-vocabs`; share of sampled assistant tokens covered): "
            + ", ".join(f"{k} {v:.2%}" for k, v in coverage.items()) + ", full 100%.\n\n"
            if coverage else "")
-        + ("Skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped.items()) + "\n\n" if skipped else "")
+        + skipped_note(skipped)
         + llama_lines(llama)
     )
     title = (f"{args.model}, single device ({args.device}, {args.threads} threads), {sampled(args)}, "

@@ -31,11 +31,14 @@ def plain(tiny_target):
     return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, TOTAL + 8).token_ids
 
 
-def start(tiny_target, d):
+def start(tiny_target, d, online: int = 0):
+    """A session on PROMPT with drafter ``d`` begun, and ``online`` tokens (at least) decoded by drafted rounds."""
     verifier = LocalVerifier(tiny_target)
     opened = verifier.open(PROMPT, SamplingParams(), spec=first_spec(verifier, d.payload_specs()))
     d.begin(PROMPT + opened.new_tokens, opened.features)
-    return verifier, list(opened.new_tokens)
+    out = list(opened.new_tokens)
+    online_rounds(verifier, d, out, online)
+    return verifier, out
 
 
 def online_rounds(verifier, d, out: list[int], until: int) -> None:
@@ -49,8 +52,7 @@ def online_rounds(verifier, d, out: list[int], until: int) -> None:
 @pytest.mark.parametrize("offline_tokens", [1, 7])
 def test_offline_then_verify_ends_like_an_uninterrupted_run(tiny_target, plain, kind, offline_tokens):
     d = drafter(tiny_target, kind)
-    verifier, out = start(tiny_target, d)
-    online_rounds(verifier, d, out, 6)
+    verifier, out = start(tiny_target, d, online=6)
     tail = [t for t in (offline_token(d) for _ in range(offline_tokens)) if t is not None]
     assert len(tail) == offline_tokens  # every trained drafter keeps generating without the server
     out += settle_verify(verifier, d, tail, max_nodes=3)  # small chunks: the chunk seams are exercised
@@ -62,8 +64,7 @@ def test_offline_then_verify_ends_like_an_uninterrupted_run(tiny_target, plain, 
 def test_offline_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, kind):
     """Offline tokens equal to the target's own continuation: every one is kept, across chunk seams."""
     d = drafter(tiny_target, kind)
-    verifier, out = start(tiny_target, d)
-    online_rounds(verifier, d, out, 4)
+    verifier, out = start(tiny_target, d, online=4)
     tail = plain[len(out) : len(out) + 8]
     for token in tail:  # committed without the target, as offline generation does
         offline_token(d)  # advance the drafter's own state ...
@@ -79,8 +80,7 @@ def test_offline_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, 
 
 def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target, plain):
     d = drafter(tiny_target, "moa-tli1")
-    verifier, out = start(tiny_target, d)
-    online_rounds(verifier, d, out, 4)
+    verifier, out = start(tiny_target, d, online=4)
     n = len(out)
     wrong = (plain[n + 3] + 1) % 200 + 6
     tail = plain[n : n + 3] + [wrong, 7, 8]
@@ -95,8 +95,7 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
 def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(tiny_target, plain):
     """4 tokens first, then 8, then 16: a tail wrong early costs one small forward, a right one few calls."""
     d = drafter(tiny_target, "moa-tli1")
-    verifier, out = start(tiny_target, d)
-    online_rounds(verifier, d, out, 4)
+    verifier, out = start(tiny_target, d, online=4)
     n = len(out)
     sizes, verify = [], verifier.verify
     verifier.verify = lambda tree, timeout_s=None, **kw: sizes.append(len(tree)) or verify(tree, timeout_s, **kw)
