@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from client.endpoint import Endpoint
 from client.link import LinkMonitor
@@ -19,6 +19,7 @@ from shared.errors import SplitspecError
 from shared.features import Features
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
 
 NO_PAYLOAD = PayloadSpec()  # no features: what a call returns unless its spec asks
 
@@ -165,6 +166,9 @@ class LocalVerifier(Verifier):
         self.session = self.target.session(sampling, payload.feature_kinds(spec))
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
+        if self.target.costs is not None:  # what trees cost here (the path timing's), before the policy timed one
+            fixed, per_token = self.target.costs
+            verdict = replace(verdict, load=pb.Load(sessions=1, step_s=fixed, node_s=per_token, prefer="latency"))
         return verdict
 
     def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:

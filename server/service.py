@@ -283,7 +283,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         batcher = self.batcher
         sessions = max(1, batcher.sessions)
         costs = batcher.budget.costs(context_len) if batcher.budget is not None else None
-        fixed, node = costs or (0.0, 0.0)
+        fixed, node = costs or self.target.costs or (0.0, 0.0)  # before its forwards are fitted: the path timing's
         busy = sessions > 1 and batcher.budget is not None and batcher.budget.compute_bound()  # shared and saturated
         prefer = self.prefer if self.prefer != "auto" else "capacity" if busy else "latency"
         return pb.Load(sessions=sessions, step_s=fixed / sessions, node_s=node, prefer=prefer)

@@ -139,3 +139,53 @@ def test_the_kernel_build_is_chosen_by_timing_not_by_flags(monkeypatch, tmp_path
         assert kernels.active() == "portable"
     finally:
         kernels.active.cache_clear()
+
+
+def test_a_paths_cost_line_prices_a_verification_and_a_load_reports_it(tmp_path, tiny_model_dir, tiny_target):
+    """What n tokens cost on the served path, ``fixed + n·per_token`` through the 5- and 17-token forwards (an AMD Zen
+    4's int4: 0.4 of a step a token; AMX's bf16: almost nothing), read from the cached table only: it is what a local
+    verifier reports with the prompt's verdict, before any tree was timed."""
+    from transformers import AutoConfig
+
+    from client.verifiers import LocalVerifier
+    from shared.acceptance import SamplingParams
+
+    zen4 = table({"int4": (48.5, 87.3, 224.7), "int8": (71.3, 86.7, 243.9), "bf16": (551.7, 588.8, 1110.6),
+                  "fp32": (468.7, 1262.9, 1766.1)})  # fmt: skip
+    fixed, per_token = zen4.costs("int4")
+    assert per_token == pytest.approx((224.7 - 87.3) / 12 / 1000) and fixed + per_token == pytest.approx(0.0485)
+    assert AMX.costs("bf16")[1] < 0.1 * AMX.costs("bf16")[0] < zen4.costs("int4")[1]
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
+    assert paths.served_costs(cfg, "float32", "lowbit", tmp_path) is None  # nothing measured: nothing measured now
+    paths.cache_file(cfg, tmp_path).parent.mkdir(parents=True)
+    paths.cache_file(cfg, tmp_path).write_text(json.dumps(zen4.to_json()))
+    assert paths.served_costs(cfg, "float32", "lowbit", tmp_path) == zen4.costs("int4")
+    assert paths.served_costs(cfg, "bfloat16", "native", tmp_path) == zen4.costs("bf16")
+    assert paths.served_costs(cfg, "float16", "native", tmp_path) is None  # a path the table does not have
+
+    saved, tiny_target.costs = tiny_target.costs, (fixed, per_token)
+    try:
+        load = LocalVerifier(tiny_target).open([1, 2, 3], SamplingParams()).load
+    finally:
+        tiny_target.costs = saved
+    assert (load.step_s, load.node_s) == pytest.approx((fixed, per_token)) and load.prefer == "latency"
+
+
+def test_a_fresh_server_reports_its_path_timings_costs_until_it_has_fitted_its_own(tiny_target):
+    """A server that has not yet timed enough forwards to fit their cost (``server.budget``) reports the path
+    timing's line in its ``Load``: a client's first trees are sized by what they cost on this machine."""
+    import grpc
+
+    from shared.wire import splitspec_pb2 as pb
+    from shared.wire import splitspec_pb2_grpc as pb_grpc
+    from tests.conftest import served
+
+    saved, tiny_target.costs = tiny_target.costs, (0.037, 0.0114)
+    try:
+        with served(tiny_target, max_sessions=2, max_tree_nodes=16, max_context=128) as (address, _):
+            with grpc.insecure_channel(address) as channel:
+                reply = pb_grpc.SplitSpecStub(channel).OpenSession(pb.OpenSessionRequest(prompt_ids=[1, 2, 3]),
+                                                                   timeout=60)  # fmt: skip
+    finally:
+        tiny_target.costs = saved
+    assert (reply.load.step_s, reply.load.node_s) == pytest.approx((0.037, 0.0114))

@@ -179,7 +179,8 @@ def load_target(
 
     ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8``, ``int4`` (see
     ``shared.engine.decoder.load_engine``) or ``auto``: ``resolve_precision`` chooses the one path that serves this
-    model on this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter).
+    model on this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter);
+    then the ``Target`` also knows what a forward on that path costs (``Target.costs``).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -190,6 +191,7 @@ def load_target(
     if not (Path(path) / "config.json").is_file():
         raise SplitspecError(f"model {spec!r}: no local folder with config.json (no model hub is reachable); "
                              f"pass a local Hugging Face folder or the built-in {DEFAULT_MODEL!r}")  # fmt: skip
+    timed = dtype == "auto" and not str(device).startswith("cuda")  # the path chosen by this machine's path timing
     dtype, weights = resolve_precision(device, dtype, weights, path, cache, rounding)
     if dtype not in DTYPES:
         raise SplitspecError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(DTYPES)}")
@@ -208,6 +210,8 @@ def load_target(
         pass  # no generation_config.json
     ids = [i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)]
     target = Target(engine, tokenizer, name=spec, max_context=max_context, path=path, eos_token_ids=ids)
+    if timed:
+        target.costs = paths.served_costs(model_config(path), dtype, weights, cache)
     if target.weights != "native":
         target.name = f"{spec}-{target.weights}"  # a different served target
     return target

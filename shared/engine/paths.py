@@ -73,6 +73,16 @@ class Table:
             raise ValueError(f"none of the paths {allowed} was measured; measured: {', '.join(self.ms)}")
         return min(candidates, key=self.cost)
 
+    def costs(self, path: str) -> tuple[float, float]:
+        """(seconds a forward on ``path`` costs whatever it carries, seconds each token adds): the line through the
+        small and the full tree's forwards, so that n tokens cost ``fixed + n · per_token``. Before a server has
+        timed its own forwards this is what its trees cost: a CPU's low-bit forward grows ~0.4 of a step a token
+        (AMD Zen 4), a GPU's or AMX's hardly at all, and a client sizes its first trees by it."""
+        ms = self.ms[path]
+        small, full = SIZES[-2], SIZES[-1]
+        per_token = max(0.0, (ms[full] - ms[small]) / (full - small))
+        return max(0.0, ms[1] - per_token) / 1000, per_token / 1000
+
     def line(self, chosen: str, why: str = "") -> str:
         """The start-up line: the choice, why only some paths were candidates, and the figures behind it."""
         mix = " + ".join(str(n) for n in MIX)
@@ -192,6 +202,19 @@ def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
 
 def cache_file(cfg, cache: str | Path | None = None) -> Path:
     return cache_dir(cache) / "calibration" / f"paths-{_key(cfg)}.json"
+
+
+def served_costs(cfg, dtype: str, weights: str, cache: str | Path | None = None) -> tuple[float, float] | None:
+    """``Table.costs`` of the path that (``dtype``, ``weights``) name, from this machine's table for ``cfg`` where
+    one was measured (never measured here: a pinned path's load stays as quick as it was); None otherwise."""
+    name = {"lowbit": "int4", "int4": "int4", "int8": "int8"}.get(weights)
+    if name is None and weights == "native":
+        name = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype)
+    try:
+        table = Table.from_json(json.loads(cache_file(cfg, cache).read_text()))
+    except (OSError, ValueError, KeyError):
+        return None
+    return table.costs(name) if name in table.ms else None
 
 
 def table_for(cfg, cache: str | Path | None = None, refresh: bool = False) -> Table:

@@ -67,6 +67,9 @@ class Target:
         self.eos_token_ids = sorted(ids)
         self.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
         self._reference = None
+        # (seconds a forward costs, seconds each token adds) as this machine's path timing measured them
+        # (``shared.engine.paths.Table.costs``); None where not measured (CUDA, a model loaded by other means)
+        self.costs: tuple[float, float] | None = None
 
     @property
     def device(self) -> torch.device:
