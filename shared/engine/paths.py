@@ -204,27 +204,28 @@ def cache_file(cfg, cache: str | Path | None = None) -> Path:
     return cache_dir(cache) / "calibration" / f"paths-{_key(cfg)}.json"
 
 
-def served_costs(cfg, dtype: str, weights: str, cache: str | Path | None = None) -> tuple[float, float] | None:
-    """``Table.costs`` of the path that (``dtype``, ``weights``) name, from this machine's table for ``cfg`` where
-    one was measured (never measured here: a pinned path's load stays as quick as it was); None otherwise."""
-    name = {"lowbit": "int4", "int4": "int4", "int8": "int8"}.get(weights)
-    if name is None and weights == "native":
-        name = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype)
+def cached(cfg, cache: str | Path | None = None) -> Table | None:
+    """The table measured for ``cfg`` on this machine, None where there is none (or a half-written one)."""
     try:
-        table = Table.from_json(json.loads(cache_file(cfg, cache).read_text()))
+        return Table.from_json(json.loads(cache_file(cfg, cache).read_text()))
     except (OSError, ValueError, KeyError):
         return None
-    return table.costs(name) if name in table.ms else None
+
+
+def served_costs(cfg, dtype: str, weights: str, cache: str | Path | None = None) -> tuple[float, float] | None:
+    """``Table.costs`` of the path that (``dtype``, ``weights``) name (``lowbit``: int4's), from this machine's table
+    for ``cfg`` where one was measured (never measured here: a pinned path's load stays as quick as it was)."""
+    pair = (dtype, "int4" if weights == "lowbit" else weights)
+    name = next((p for p, served in PATHS.items() if served == pair), None)
+    table = cached(cfg, cache)
+    return table.costs(name) if table is not None and name in table.ms else None
 
 
 def table_for(cfg, cache: str | Path | None = None, refresh: bool = False) -> Table:
     """The cached table for ``cfg`` on this machine, measured (and saved) when there is none."""
     path = cache_file(cfg, cache)
-    if not refresh:
-        try:
-            return Table.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError):
-            pass
+    if not refresh and (table := cached(cfg, cache)) is not None:
+        return table
     print(f"splitspec: timing this CPU's paths on the model's shapes (once, a few seconds): {path}", file=sys.stderr)
     table = measure(cfg)
     try:
