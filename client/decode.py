@@ -13,6 +13,11 @@ the next round's tree, ready at once: a round then costs the longer of drafting 
 it is not, the guess is taken back (``rewind``) and the round goes on as it would have. Nothing the server sees
 depends on the guess but which tree it verifies, so every output is as without it.
 
+Chained (``chain``, where the server takes it): the tree drafted ahead for the likeliest outcome is sent at once,
+before the verdict it assumes (``Verifier.verify_after``), so that the server verifies it straight after the round
+before instead of idling a round trip for it. Where the verdict is what it assumed, it is the next round, already
+under way; where not, the server answers it stale without computing, and the loop drops it and goes on as above.
+
 Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
 a stream): its tokens stream in with their payloads, the drafter absorbs them as they
 come, so drafting can resume — or the link fail — at any token.
@@ -44,11 +49,11 @@ import torch
 from client.adaptive import Ahead, Loaded, Pipelining, Plan, Policy, Rehearsal, Round, State, StaticPolicy, Streamed
 from client.costs import verify_request_bytes
 from client.drafters.base import Drafter
-from client.failures import LinkDown, SessionLost
+from client.failures import LinkDown, SessionLost, Stale
 from client.heartbeat import Heartbeat
 from client.offline import Bridge, Cut, OfflineStats, Resilience
-from client.sizing import outcomes
-from client.verifiers import NO_PAYLOAD, Verifier, first_spec
+from client.sizing import Decision, outcomes
+from client.verifiers import NO_PAYLOAD, Pending, Verifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.engine.target import Verdict
 from shared.errors import SplitspecError
@@ -96,6 +101,8 @@ class GenerationStats(OfflineStats):
     rehearse_s: float = 0.0  # drafting trees never sent while a stream ran (mode auto's rehearsals)
     guesses: int = 0  # rounds that drafted ahead
     guesses_held: int = 0  # of which the verdict was the path guessed and a bonus guessed: the next tree was ready
+    chained: int = 0  # rounds sent before the verdict of the one before (chained)
+    chained_held: int = 0  # of which that verdict was the one assumed: the round was under way when it came
     tree_nodes: list[int] = field(default_factory=list)  # nodes verified in each round
     rtt_ms: float | None = None  # the link as the client saw it at the end (None: no link, or not measured yet)
     bandwidth_mbps: float | None = None  # downlink, Mbit/s
@@ -108,6 +115,17 @@ class GenerationStats(OfflineStats):
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class Chained:
+    """A round sent before the verdict of the round before it (``Verifier.verify_after``): its call, its tree, how
+    it was sized, the tokens it assumes the round before commits."""
+
+    pending: Pending
+    tree: DraftTree
+    decision: Decision
+    assumed: list[int]
 
 
 @dataclass
@@ -133,6 +151,7 @@ def generate(
     stop_when: Callable[[list[int], list[bool]], bool] | None = None,
     spec: PayloadSpec | None = None,
     pipeline: bool | None = None,
+    chain: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
@@ -146,7 +165,9 @@ def generate(
     ``stop_when(tokens, verified)``: the generation ends ("stop") once it says so (a stop sequence in the text).
     ``spec``: the payload to start with (default: the first the drafter takes that the verifier can send).
     ``pipeline``: draft the next tree while a Verify is in flight (default: over a link; in process the target and
-    the drafter would share the same cores). ``clock``: seconds, for every time the loop measures or bounds.
+    the drafter would share the same cores). ``chain``: pipelined rounds also send the tree drafted ahead before the
+    verdict it assumes, where the verifier takes it (``Verifier.chains``). ``clock``: seconds, for every time the loop
+    measures or bounds.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -155,7 +176,7 @@ def generate(
               stop=stop, policy=policy or StaticPolicy(), max_nodes=max_tree_nodes,
               resilience=resilience or Resilience(), on_update=on_update, stop_when=stop_when,
               spec=spec_for(verifier, drafter, spec), clock=clock,
-              pipeline=verifier.link is not None if pipeline is None else pipeline)  # fmt: skip
+              pipeline=verifier.link is not None if pipeline is None else pipeline, chain=chain)  # fmt: skip
     return run.generate()
 
 
@@ -182,7 +203,7 @@ class Run:
                  sampling: SamplingParams, stop: set[int], policy: Policy, max_nodes: int,
                  resilience: Resilience, on_update: Callable[[list[int], list[bool]], None] | None = None,
                  stop_when: Callable[[list[int], list[bool]], bool] | None = None,
-                 spec: PayloadSpec = NO_PAYLOAD, pipeline: bool = False,
+                 spec: PayloadSpec = NO_PAYLOAD, pipeline: bool = False, chain: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
         self.verifier, self.drafter, self.prompt_ids, self.limit = verifier, drafter, prompt_ids, limit
         self.sampling, self.stop, self.policy, self.max_nodes = sampling, stop, policy, max_nodes
@@ -200,6 +221,8 @@ class Run:
         self.pipeline = pipeline
         self.flights: ThreadPoolExecutor | None = None  # where a pipelined round's Verify waits for its verdict
         self.ready: DraftTree | None = None  # the next round's tree, drafted while the last one was verified
+        self.chain = pipeline and chain and verifier.chains
+        self.chained: Chained | None = None  # the next round, sent before the last one's verdict, which it assumed
         self.plan = Plan()  # the policy's answer for the call under way
         self.clock = clock
 
@@ -216,14 +239,15 @@ class Run:
         reason = ""
         opens = 0  # tries to open the session
         if self.pipeline or verifier.link is not None:  # (a server's prefill beside the drafter's too: ``open``)
-            self.flights = ThreadPoolExecutor(1, thread_name_prefix="splitspec-verify")
+            self.flights = ThreadPoolExecutor(1, thread_name_prefix="splitspec-verify")  # (a chained call: no thread)
         policy.observe(Pipelining(self.pipeline))
         try:
             # the session is opened first, whatever the prompt: one that fills the context is refused there, clearly
             while not self.out or not (reason := self.finished()):
                 call = clock()
-                self.plan = policy.plan(State(len(self.prompt_ids), len(self.out)))
-                self.spec = self.plan.spec or self.spec  # the prompt's features are the largest payload: sized too
+                if self.chained is None:  # (a round under way is the next call, as the plan it was sent under said)
+                    self.plan = policy.plan(State(len(self.prompt_ids), len(self.out)))
+                    self.spec = self.plan.spec or self.spec  # the prompt's features are the largest payload: sized too
                 try:
                     if self.plan.stream:
                         self.ready = None  # the stream moves the drafter on: a tree drafted ahead is stale
@@ -246,9 +270,11 @@ class Run:
                                              "(on_reconnect fail)") from None  # fmt: skip
                     stats.disconnects += 1
                     stats.switch_s.append(clock() - call)
-                    self.ready = None
+                    self.ready = self.chained = None  # (a chained call failing is what raised; one after it is dropped)
                     self.bridge()
         finally:
+            if self.chained is not None:  # the generation ended with a round under way: not wanted
+                self.chained.pending.drop()
             if self.flights is not None:
                 self.flights.shutdown(wait=False)  # its one call is over (answered, or lost and bounded)
             if self.heartbeat:
@@ -284,28 +310,35 @@ class Run:
             self.heartbeat.start()  # the first call gave the link an RTT estimate to set its deadline from
 
     def round(self) -> None:
-        """Draft, size, verify, accept, absorb, emit: one verification round, as ``self.plan`` says."""
+        """Draft, size, verify, accept, absorb, emit: one verification round, as ``self.plan`` says (or the round sent
+        chained during the last one, ``self.chained``)."""
         verifier, drafter, policy, stats, clock = self.verifier, self.drafter, self.policy, self.stats, self.clock
         t0 = clock()
-        drafting = self.plan.draft
+        chained, self.chained = self.chained, None
+        drafting = self.plan.draft or chained is not None
         ready, self.ready = self.ready, None
-        if drafting and ready is not None:
-            tree = ready.head(self.budget())  # drafted while the last round was verified (with room to spare)
-        elif drafting:
-            tree = drafter.propose(self.budget(), self.plan.depth)
+        levels = 0  # the levels a search drafted now, each costing a step (a tree drafted ahead was paid for during the
+        if chained is not None:  # last round; a tree with no scores is a copy: prompt lookup, free)
+            tree, decision, draft_s = chained.tree, chained.decision, 0.0  # sent during the last round
         else:
-            tree = DraftTree()  # a plain step: drafting has not been paying
-        draft_s = clock() - t0
-        stats.draft_s += draft_s
-        # the levels a search drafted each cost a step (a tree with no scores is a copy: prompt lookup, free; a
-        # tree drafted ahead was paid for during the last round)
-        levels = max(depths(tree.parents), default=0) if tree.scores is not None and ready is None else 0
-        decision = policy.size(tree, self.spec)
-        tree = tree.head(decision.nodes)
-        self.check_heartbeat()
+            if drafting and ready is not None:
+                tree = ready.head(self.budget())  # drafted while the last round was verified (with room to spare)
+            elif drafting:
+                tree = drafter.propose(self.budget(), self.plan.depth)
+                levels = max(depths(tree.parents), default=0) if tree.scores is not None else 0
+            else:
+                tree = DraftTree()  # a plain step: drafting has not been paying
+            draft_s = clock() - t0
+            stats.draft_s += draft_s
+            decision = policy.size(tree, self.spec)
+            tree = tree.head(decision.nodes)
+            self.check_heartbeat()
         received = verifier.counters.bytes_received
         if self.pipeline and drafting:
-            result = self.pipelined(tree)
+            try:
+                result = self.pipelined(tree, chained)
+            except Stale:  # the round before did not commit what this one assumed (the client judged otherwise:
+                return  # a tree the server cut); nothing verified, nothing changed: the next round drafts afresh
         else:
             result = verifier.verify(tree, timeout_s=self.deadline(len(tree)), spec=self.spec)
             drafter.absorb(result.new_tokens, result.features)
@@ -321,48 +354,93 @@ class Run:
         policy.observe(Round(decision, tree, result.accepted, len(result.new_tokens), result.compute_s, draft_s,
                              levels, clock() - t0, drafting, result.load))  # fmt: skip
 
-    def pipelined(self, tree: DraftTree) -> Verdict:
-        """Verify ``tree`` while drafting ahead of its verdict, for its likeliest outcomes in turn (the first always,
-        the next ones while the verdict is not in); the drafter ends having absorbed the verdict, and ``self.ready``
-        holds the next tree when one of the guesses held."""
+    def pipelined(self, tree: DraftTree, chained: Chained | None = None) -> Verdict:
+        """Verify ``tree`` (or wait for ``chained``, its call already under way) while drafting ahead of its verdict,
+        for its likeliest outcomes in turn (the first always, the next ones while the verdict is not in); the drafter
+        ends having absorbed the verdict, and ``self.ready`` holds the next tree when one of the guesses held — or
+        ``self.chained`` the next round, sent chained from the first guess, when that one held."""
         drafter, stats = self.drafter, self.stats
         deadline = self.deadline(len(tree))
-        flight = self.flights.submit(self.verifier.verify, tree, timeout_s=deadline, spec=self.spec)
+        if chained is None:
+            flight = self.flights.submit(self.verifier.verify, tree, timeout_s=deadline, spec=self.spec)
+            done = flight.done
+
+            def verdict() -> Verdict:
+                try:
+                    return flight.result(timeout=(deadline or UNBOUNDED_FLIGHT_S) + FLIGHT_GRACE_S)
+                except FutureTimeout:
+                    raise LinkDown(f"server {self.verifier.address}: a Verify unanswered past its bound") from None
+        else:
+            done, verdict = chained.pending.done, chained.pending.verdict
         t0 = self.clock()
         depth = self.plan.depth  # one level more: the first holds the guesses for the bonus
         depth, size = None if depth is None else depth + 1, max(1, round(AHEAD_NODES * self.budget()))
         aheads: list[tuple[list[int], DraftTree]] = []  # (a path guessed accepted, the tree drafted after it)
+        after: Chained | None = None  # the next round, sent now from the first guess
         for leaf, _ in outcomes(tree, self.policy.calibration, self.sampling.temperature == 0)[:HEDGES]:
-            if aheads and flight.done():
+            if aheads and done():
                 break
             path = [tree.tokens[i] for i in path_to(tree.parents, leaf)] if leaf >= 0 else []
             drafter.assume(path)
             aheads.append((path, drafter.propose(size, depth)))
             drafter.discard()  # verified, if at all, as the next round's tree
             drafter.rewind(len(path))
+            if self.chain and len(aheads) == 1 and not done():
+                after = self.send_after(path, aheads[0][1], deadline)
         ahead_s = self.clock() - t0
         stats.ahead_s += ahead_s
         stats.guesses += 1
         try:
-            result = flight.result(timeout=(deadline or UNBOUNDED_FLIGHT_S) + FLIGHT_GRACE_S)
-        except FutureTimeout:
-            raise LinkDown(f"server {self.verifier.address}: a Verify unanswered past its bound") from None
+            result = verdict()
+        except BaseException:
+            if after is not None:
+                after.pending.drop()
+            raise
         drafter.absorb(result.new_tokens, result.features)
         bonus, ready = result.new_tokens[-1], None
+        if after is not None and result.new_tokens == after.assumed:
+            self.chained = after  # under way already: the next round
+            stats.chained_held += 1
+        elif after is not None:
+            after.pending.drop()  # stale: the server answers it without computing
         taken = next((ahead for path, ahead in aheads if result.new_tokens[:-1] == path), None)
-        if taken is not None:
+        if taken is not None and self.chained is None:
             first = next((i for i, (t, p) in enumerate(zip(taken.tokens, taken.parents, strict=True))
                           if p == -1 and t == bonus), None)  # fmt: skip
             ready = taken.subtree(first) if first is not None else None
-        self.policy.observe(Ahead(taken is not None, bool(ready), ahead_s))
+        held = bool(ready) or self.chained is not None
+        self.policy.observe(Ahead(taken is not None, held, ahead_s))
         if ready:  # (an empty one is no guess: the drafter stopped at the bonus's level, unsure of it)
             self.ready = ready
-            stats.guesses_held += 1
+        stats.guesses_held += held
         return result
 
-    def budget(self) -> int:
-        """The most tree nodes a round may send now."""
-        room = self.verifier.max_context - len(self.prompt_ids) - len(self.out)
+    def send_after(self, path: list[int], ahead: DraftTree, before_s: float | None) -> Chained | None:
+        """Send the next round now, before this one's verdict: the tree ``ahead`` under its likeliest bonus guess,
+        assuming this round commits ``path`` and that bonus. None where it would not pay: the guess ends the
+        generation, or leaves nothing to send. ``before_s``: this round's deadline, which the chained one waits out
+        before its own."""
+        firsts = ahead.chain_of_firsts()
+        if not firsts:
+            return None
+        assumed = path + [ahead.tokens[firsts[0]]]
+        if self.stop.intersection(assumed) or len(self.out) + len(assumed) >= self.limit:
+            return None
+        tree = ahead.subtree(firsts[0]).head(self.budget(len(assumed)))  # what the tree ready then would send
+        decision = self.policy.size(tree, self.spec)
+        tree = tree.head(decision.nodes)
+        if not tree.tokens:
+            return None
+        deadline = self.deadline(len(tree))
+        bound = None if deadline is None or before_s is None else before_s + deadline
+        pending = self.verifier.verify_after(len(self.prompt_ids) + len(self.out), assumed, tree, timeout_s=bound,
+                                             spec=self.spec)  # fmt: skip
+        self.stats.chained += 1
+        return Chained(pending, tree, decision, assumed)
+
+    def budget(self, ahead: int = 0) -> int:
+        """The most tree nodes a round may send now (``ahead``: after this many more tokens are committed)."""
+        room = self.verifier.max_context - len(self.prompt_ids) - len(self.out) - ahead
         return max(0, min(self.max_nodes, self.verifier.max_tree_nodes, room - 1))
 
     def check_heartbeat(self) -> None:

@@ -20,6 +20,11 @@ class SessionLost(SplitspecError):
     of step (a request whose reply the link lost had already changed it)."""
 
 
+class Stale(SplitspecError):
+    """A chained round whose assumption failed: the round before it committed other tokens than it assumed, so the
+    server verified nothing and changed nothing."""
+
+
 LINK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 
 

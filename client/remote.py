@@ -24,9 +24,9 @@ import grpc
 
 from client.deadlines import GRACE_S, Bounds
 from client.endpoint import Endpoint
-from client.failures import LinkDown, ServerFull, SessionLost, rpc_error
+from client.failures import LinkDown, ServerFull, SessionLost, Stale, rpc_error
 from client.link import PROBE_MAX_BYTES, LinkMonitor
-from client.verifiers import NO_PAYLOAD, LinkCounters, Verifier
+from client.verifiers import NO_PAYLOAD, LinkCounters, Pending, Verifier
 from shared import payload
 from shared.acceptance import SamplingParams
 from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY, close_soon, off_thread
@@ -103,8 +103,9 @@ class RemoteVerifier(Verifier):
         self.route = ""  # the session's route key (``ROUTE_KEY``), drawn anew for each session opened
         self.length = 0
         self._lock = threading.Lock()
-        self._inflight: grpc.Future | None = None  # the call abort() cancels and the heartbeat watches over
-        self._aborted = ""  # why abort() cancelled it
+        # the calls abort() cancels and the heartbeat watches over (two where a chained round follows one in flight),
+        # each with why abort() cancelled it ('' while it has not)
+        self._inflight: dict[grpc.Future, str] = {}
         self._polls: dict[grpc.Future, threading.Thread] = {}  # reconnection polls under way, and their threads
         self._shut = threading.Event()
         self._heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
@@ -134,6 +135,7 @@ class RemoteVerifier(Verifier):
         self.dims = (info.num_layers, 2 * info.num_kv_heads * info.head_dim, info.hidden_size)
         self.eos_token_ids = list(self.info.eos_token_ids)
         self.max_tree_nodes = self.info.limits.max_tree_nodes
+        self.chains = self.info.limits.chained_verify
         self.max_context = self.info.limits.max_context
 
     def _name_drafter(self, name: str, bundle, pinned: bool) -> None:
@@ -175,16 +177,13 @@ class RemoteVerifier(Verifier):
             call = (method(request, timeout=timeout_s, metadata=metadata) if stream
                     else method.future(request, timeout=timeout_s, metadata=metadata))  # fmt: skip
             if watched:
-                self._inflight, self._aborted = call, ""
+                self._inflight[call] = ""
         return call
 
     def _end(self, call) -> str:
         """``call`` is over: no longer the call in flight. Returns why ``abort`` abandoned it ('' if it did not)."""
         with self._lock:
-            if self._inflight is not call:
-                return ""
-            self._inflight = None
-            return self._aborted
+            return self._inflight.pop(call, "")
 
     def _failed(self, call, exc: Exception, rpc: str, bound_s: float, budget: bool = False) -> Exception:
         """What a failed ``call`` of ``rpc`` raises: LinkDown naming why it was abandoned (``abort``); past its bound
@@ -244,6 +243,10 @@ class RemoteVerifier(Verifier):
         here outlasts gRPC's deadline by ``GRACE_S`` at most: a call gRPC never ends is abandoned all the same."""
         start = time.perf_counter()
         future = self._start(rpc, request, timeout_s)
+        return self._reply(future, rpc, timeout_s, budget), time.perf_counter() - start
+
+    def _reply(self, future, rpc: str, timeout_s: float, budget: bool = False):
+        """The reply of unary call ``future`` (started by ``_start``), as ``_timed`` says."""
         try:
             reply = future.result(timeout=timeout_s + GRACE_S)
         except grpc.FutureTimeoutError:
@@ -254,7 +257,7 @@ class RemoteVerifier(Verifier):
         except (grpc.RpcError, grpc.FutureCancelledError) as exc:
             raise self._failed(future, exc, rpc, timeout_s, budget) from None
         self._end(future)
-        return reply, time.perf_counter() - start
+        return reply
 
     def _call(self, rpc: str, request, timeout_s: float | None = None):
         """One unary call, timed for the link and counted (once it succeeded); ``timeout_s``: its bound (default: a
@@ -333,25 +336,25 @@ class RemoteVerifier(Verifier):
     # --- what the heartbeat and the reconnection thread call ---
 
     def abort(self, reason: str) -> None:
-        """Abandon the call in flight, if any (from another thread: the heartbeat found the link dead);
-        the caller sees LinkDown naming ``reason``."""
+        """Abandon the calls in flight, if any (from another thread: the heartbeat found the link dead);
+        their callers see LinkDown naming ``reason``."""
         with self._lock:
-            call = self._inflight
-            if call is None:
-                return
-            self._aborted = reason
-        call.cancel()
+            calls = list(self._inflight)
+            for call in calls:
+                self._inflight[call] = reason
+        for call in calls:
+            call.cancel()
 
     @property
     def busy(self) -> bool:
-        return self._inflight is not None
+        return bool(self._inflight)
 
     def heard(self) -> float:
         return self._heard
 
     def backlog_s(self) -> float:
         """How long the link needs for the reply in flight, as far as it is known (a payload's size)."""
-        return self.link.transfer_s(0, self._backlog) if self._inflight is not None else 0.0
+        return self.link.transfer_s(0, self._backlog) if self._inflight else 0.0
 
     def reachable(self, timeout_s: float = 1.0) -> bool:
         """One Handshake within ``timeout_s``: is the server there again? (Reconnection polls this, from a thread
@@ -432,9 +435,39 @@ class RemoteVerifier(Verifier):
         """One round; ``timeout_s`` overrides the call's bound (default: ``Bounds.call_s`` for the tree)."""
         request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
                                    length=self.length, payload=spec.to_msg())  # fmt: skip
+        return self._verdict(tree, spec, self._call("Verify", request, self._bound(request, tree, spec, timeout_s)))
+
+    def verify_after(self, length: int, assumed: list[int], tree: DraftTree, timeout_s: float | None = None, *,
+                     spec: PayloadSpec = NO_PAYLOAD) -> Pending:  # fmt: skip
+        """Sent now; the reply is read and taken by ``verdict()`` only, on the loop's thread, after the round before's
+        (whose reply sets the length this one's follows). Its wall time holds the wait for the round before: it does
+        not time the link."""
+        request = pb.VerifyRequest(session_id=self.session_id, tokens=tree.tokens, parents=tree.parents,
+                                   length=length, assumed=assumed, payload=spec.to_msg())  # fmt: skip
+        bound = self._bound(request, tree, spec, timeout_s)
+        future = self._start("Verify", request, bound)
+
+        def verdict() -> Verdict:
+            reply = self._reply(future, "Verify", bound)
+            self._count(request, reply)
+            if reply.stale:
+                raise Stale(f"server {self.address}: the round before did not commit the {len(assumed)} tokens a "
+                            "chained round assumed")  # fmt: skip
+            return self._verdict(tree, spec, reply)
+
+        def drop() -> None:
+            self._end(future)
+            off_thread(future.cancel)
+
+        return Pending(verdict, drop, future.done)
+
+    def _bound(self, request: pb.VerifyRequest, tree: DraftTree, spec: PayloadSpec, timeout_s: float | None) -> float:
+        """A Verify's bound: ``timeout_s``, else ``Bounds.call_s`` for the tree and its reply's payload."""
         down = int((len(tree) + 1) * self.payload_bytes_per_token(spec))
-        bound = timeout_s or self.bounds.call_s(len(tree) + 1, request.ByteSize(), down)
-        reply = self._call("Verify", request, timeout_s=bound)
+        return timeout_s or self.bounds.call_s(len(tree) + 1, request.ByteSize(), down)
+
+    def _verdict(self, tree: DraftTree, spec: PayloadSpec, reply: pb.VerifyReply) -> Verdict:
+        """A Verify's reply taken: the session's length moves on by it."""
         self.bounds.observe(len(tree) + 1, reply.compute_s)
         self.length = reply.length
         accepted = list(reply.accepted)

@@ -7,7 +7,7 @@ so ``--local`` is the single-device baseline of the very same loop.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from client.endpoint import Endpoint
@@ -51,6 +51,18 @@ class LinkCounters:
         return LinkCounters(*(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__))
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A chained round on its way (``Verifier.verify_after``). ``verdict()`` waits for it and takes it — the session
+    moves on by it —, raising ``client.failures.Stale`` where the round before committed other tokens than assumed;
+    ``drop()`` abandons it untaken (its reply, if any, changes nothing the client holds; the session's next call
+    rolls back whatever it may have committed); ``done()``: whether its reply is in (or it failed)."""
+
+    verdict: Callable[[], Verdict]
+    drop: Callable[[], None]
+    done: Callable[[], bool]
+
+
 class Verifier(ABC):
     """Where the decode loop sends drafts. Each call's ``spec`` says which features of newly cached tokens come back
     with it (``shared.payload``; none by default); the loop may choose another for every call."""
@@ -62,6 +74,7 @@ class Verifier(ABC):
     max_context: int
     counters: LinkCounters
     link: LinkMonitor | None = None  # the measured link; None where there is none
+    chains = False  # takes a chained round (``verify_after``): a second tree sent before the last one's verdict
 
     @abstractmethod
     def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
@@ -70,6 +83,13 @@ class Verifier(ABC):
     @abstractmethod
     def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         """One round; ``timeout_s`` bounds it (LinkDown past it)."""
+
+    def verify_after(self, length: int, assumed: list[int], tree: DraftTree, timeout_s: float | None = None, *,
+                     spec: PayloadSpec = NO_PAYLOAD) -> Pending:  # fmt: skip
+        """A chained round, sent now, while the round before it is in flight: ``tree`` after the ``assumed`` tokens
+        that round is guessed to commit to the ``length`` the session held before it. Its verdict is taken (or the
+        call dropped) only after the round before's. Only where ``chains``."""
+        raise SplitspecError(f"{type(self).__name__} verifies one round at a time: no chained rounds")
 
     @abstractmethod
     def close(self, timeout_s: float | None = None, wait: bool = True) -> None:

@@ -50,6 +50,8 @@ class Metrics:
         self.tokens_verified = Counter("splitspec_tokens_verified", "draft nodes verified", registry=r)
         self.tree_nodes_cut = Counter("splitspec_tree_nodes_cut", "draft nodes sent but not verified: trees cut "
                                       "to what pays at the server's load", registry=r)
+        self.chained_stale = Counter("splitspec_chained_stale", "chained Verify calls whose assumed tokens the round "
+                                     "before did not commit: answered stale, nothing computed", registry=r)  # fmt: skip
         self.tokens_accepted = Counter("splitspec_tokens_accepted", "draft nodes accepted", registry=r)
         self.tokens_generated = Counter("splitspec_tokens_generated", "tokens committed (accepted + bonus, "
                                         "first tokens, streamed tokens)", registry=r)  # fmt: skip

@@ -43,6 +43,7 @@ SPARE_WORKERS = 8
 LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
 PREFER = ("auto", "latency", "capacity")
 LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
+CHAIN_WAIT_S = 30.0  # the most a chained Verify that overtook the round it follows waits for that round
 log = logging.getLogger("splitspec.server")
 
 
@@ -273,9 +274,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
         return run
 
-    def _lock(self, session) -> None:
-        """Take the session's lock, waiting briefly for a call just ending (ABORTED if another holds it on)."""
-        if not session.lock.acquire(timeout=LOCK_WAIT_S):
+    def _lock(self, session, wait_s: float = LOCK_WAIT_S) -> None:
+        """Take the session's lock, waiting briefly for a call just ending (ABORTED if another holds it on); a chained
+        Verify waits longer, for the round before it to be verified."""
+        if not session.lock.acquire(timeout=wait_s):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
 
     def _load(self, context_len: int) -> pb.Load:
@@ -327,7 +329,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             num_kv_heads=t.num_kv_heads,
             head_dim=t.head_dim,
             eos_token_ids=t.eos_token_ids,
-            limits=pb.Limits(**{k: v for k, v in self.limits.as_dict().items() if k in LIMITS_SENT}),
+            limits=pb.Limits(**{k: v for k, v in self.limits.as_dict().items() if k in LIMITS_SENT},
+                             chained_verify=True),  # fmt: skip
             device=str(t.device),
             dtype=str(t.dtype).removeprefix("torch."),
             drafter=request.drafter,
@@ -372,10 +375,17 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         spec = self._spec(request.payload, session)
-        self._lock(session)
+        if request.assumed and not request.length:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a chained Verify (assumed tokens) needs the length they "
+                        "follow, got length 0")  # fmt: skip
+        self._lock(session, CHAIN_WAIT_S if request.assumed else LOCK_WAIT_S)
         try:
             sequence = session.sequence
-            self._sequence(session, request.length)
+            if request.assumed and not self._assumption_holds(session, request, context):
+                self.metrics.chained_stale.inc()
+                return pb.VerifyReply(stale=True, length=len(sequence.tokens), load=self._load(len(sequence.tokens)))
+            if not request.assumed:
+                self._sequence(session, request.length)
             if len(sequence.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
                     grpc.StatusCode.OUT_OF_RANGE,
@@ -391,7 +401,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
         finally:
-            session.lock.release()
+            session.release()
         m, st = self.metrics, session.stats
         m.tokens_verified.inc(verdict.verified_nodes)
         m.tree_nodes_cut.inc(len(tokens) - verdict.verified_nodes)
@@ -404,6 +414,16 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(sequence.tokens),
                               compute_s=time.perf_counter() - start, payload=payload, verified=verdict.verified_nodes,
                               load=self._load(len(sequence.tokens)))  # fmt: skip
+
+    @staticmethod
+    def _assumption_holds(session, request, context) -> bool:
+        """Whether the session holds what chained ``request`` assumes: ``length`` tokens, then its ``assumed`` ones. A
+        request that overtook the round it follows (the session still at ``length``) first waits for that round."""
+        sequence, give_up = session.sequence, time.monotonic() + CHAIN_WAIT_S
+        while len(sequence.tokens) == request.length and context.is_active() and time.monotonic() < give_up:
+            session.changed.wait(min(1.0, give_up - time.monotonic()))
+        end = request.length + len(request.assumed)
+        return len(sequence.tokens) == end and sequence.tokens[request.length : end] == list(request.assumed)
 
     def _sequence(self, session, length: int) -> None:
         """The client's committed ``length`` (0: unchecked): fewer than held rolls back what it never received."""
@@ -524,7 +544,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 if reason:
                     return
         finally:
-            session.lock.release()
+            session.release()
 
     def _step(self, session, drafter: SelfDraft | None, budget: int, stop: set[int],
               context) -> tuple[list[int], float]:  # fmt: skip

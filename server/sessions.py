@@ -55,6 +55,17 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     hidden: torch.Tensor | None = None  # [cached, E] final hidden states, kept for payload mode "hidden"
+    # told (under ``lock``) when a call that may have committed tokens lets go: a chained Verify that came in ahead of
+    # the round it follows waits on it
+    changed: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+
+    def release(self) -> None:
+        """Let go of ``lock`` after a call that may have changed the sequence, waking a chained call waiting for it."""
+        self.changed.notify_all()
+        self.lock.release()
 
     def keep_hidden(self, verdict) -> None:
         if self.hidden is not None and verdict.features is not None and verdict.features.hidden is not None:

@@ -1,4 +1,5 @@
-"""Pipelined rounds: drafting the next tree while a Verify is in flight changes no token, for any drafter.
+"""Pipelined rounds: drafting the next tree while a Verify is in flight (and sending it, chained) changes no token,
+for any drafter.
 
 A verifier whose Verify takes a little while (an injected delay, standing in for the link) is verified in a worker
 thread while the drafter drafts ahead; nothing here bounds wall-clock time.
@@ -7,8 +8,10 @@ thread while the drafter drafts ahead; nothing here bounds wall-clock time.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
+import grpc
 import pytest
 
 from client.decode import generate
@@ -22,12 +25,16 @@ from client.drafters.model import ModelDrafter
 from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
+from shared.acceptance import SamplingParams
 from shared.engine.models import load_target
 from shared.tree import DraftTree
+from shared.wire import splitspec_pb2 as pb
+from shared.wire import splitspec_pb2_grpc as pb_grpc
 from tests.test_eagle_independent import make_model
 from tests.test_medusa import make_model as make_medusa
 from tests.test_moa import make_moa
 from tests.test_offline import cut_until_offline
+from tests.test_server import TIMEOUT, reference
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
 NEW = 40
@@ -218,3 +225,111 @@ def test_a_model_drafter_prefills_the_prompt_while_the_server_does(tiny_target, 
     assert held == [True, True]
     assert gen.token_ids == plain
     assert d.prepared is None  # begin took the prefilled prompt
+
+
+# Chained rounds: a second tree sent before the verdict of the round it follows (``VerifyRequest.assumed``). The
+# server verifies it only where the round before committed exactly the tokens it assumed, and answers it stale
+# otherwise, computing nothing and rolling nothing back; a chained call that overtakes its round waits for it.
+
+HOLD_S = 0.5  # the most a round's call is held back for the chained one after it (see ``overtaken``)
+
+
+@pytest.fixture(scope="module")
+def stub(tiny_server):
+    channel = grpc.insecure_channel(tiny_server[0])
+    yield pb_grpc.SplitSpecStub(channel)
+    channel.close()
+
+
+def opened(stub) -> tuple[str, int]:
+    reply = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=PROMPT), timeout=TIMEOUT)
+    return reply.session_id, reply.length
+
+
+def test_a_chained_tree_is_verified_only_after_what_it_assumed(stub, tiny_target):
+    want = reference(tiny_target, PROMPT, pb.Sampling(), 6)
+    sid, length = opened(stub)
+    assert stub.Handshake(pb.HandshakeRequest(), timeout=TIMEOUT).limits.chained_verify
+    # a wrong assumption: stale, and the session is as it was
+    stale = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[2]], parents=[-1], length=length,
+                                         assumed=[want[1] + 1]), timeout=TIMEOUT)  # fmt: skip
+    assert stale.stale and stale.length == length and not stale.accepted
+    # a plain round commits want[1] (its tree's first node, accepted, and the bonus); the chained tree after it holds
+    # want[3], assumed after want[1] and want[2]
+    first = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[1]], parents=[-1], length=length),
+                        timeout=TIMEOUT)  # fmt: skip
+    assert list(first.accepted) == [0] and first.bonus_token == want[2] and first.length == length + 2
+    chained = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[3]], parents=[-1], length=length,
+                                           assumed=[want[1], want[2]]), timeout=TIMEOUT)  # fmt: skip
+    assert not chained.stale and list(chained.accepted) == [0] and chained.bonus_token == want[4]
+    assert chained.length == length + 4
+    # the same assumption again, now that the session has moved past it: stale, nothing rolled back
+    again = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[3]], parents=[-1], length=length,
+                                         assumed=[want[1], want[2]]), timeout=TIMEOUT)  # fmt: skip
+    assert again.stale and again.length == length + 4
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[1], parents=[-1], assumed=[1]), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "length" in info.value.details()
+
+
+def test_a_chained_call_that_overtakes_its_round_waits_for_it(stub, tiny_target):
+    """Sent first, the chained call waits on the session until the round it assumes has run, then is verified."""
+    want = reference(tiny_target, PROMPT, pb.Sampling(), 6)
+    sid, length = opened(stub)
+    chained = stub.Verify.future(pb.VerifyRequest(session_id=sid, tokens=[want[3]], parents=[-1], length=length,
+                                                  assumed=[want[1], want[2]]), timeout=TIMEOUT)  # fmt: skip
+    with pytest.raises(grpc.FutureTimeoutError):
+        chained.result(timeout=0.3)  # (nothing to assume yet: it waits; a slow machine only makes this surer)
+    stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[1]], parents=[-1], length=length), timeout=TIMEOUT)
+    reply = chained.result(timeout=TIMEOUT)
+    assert not reply.stale and reply.bonus_token == want[4] and reply.length == length + 4
+
+
+def overtaken(verifier: RemoteVerifier) -> RemoteVerifier:
+    """Each round's own call held back until the chained call after it is sent (at most ``HOLD_S``: a round that
+    sends none is merely slower), so that chained calls are sent in every round that may, and reach the server
+    before the round they follow."""
+    verify, verify_after, sent = verifier.verify, verifier.verify_after, threading.Event()
+
+    def held(tree, **kw):
+        sent.wait(HOLD_S)
+        sent.clear()
+        return verify(tree, **kw)
+
+    def after(*args, **kw):
+        pending = verify_after(*args, **kw)
+        sent.set()
+        return pending
+
+    verifier.verify, verifier.verify_after = held, after
+    return verifier
+
+
+def run(tiny_server, d, chain: bool, sampling: SamplingParams = SamplingParams(), held: bool = True):
+    verifier = RemoteVerifier(tiny_server[0], drafter=d)
+    try:
+        verifier = overtaken(verifier) if held else verifier
+        return generate(verifier, d, PROMPT, NEW, sampling, max_tree_nodes=8, pipeline=True, chain=chain)
+    finally:
+        verifier.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["model", "moa-tli1"])
+def test_chained_rounds_give_the_plain_tokens(tiny_target, tiny_server, twin, plain, kind):
+    gen = run(tiny_server, drafter(tiny_target, twin, kind), chain=True)
+    assert gen.token_ids == plain and all(gen.verified)
+    s = gen.stats
+    assert s.chained > 0 and 0 <= s.chained_held <= s.chained
+    if kind == "model":  # always right: the chained round is the next one, save where the generation ends
+        assert s.chained_held >= s.chained - 1 and s.chained_held >= s.rounds // 2
+
+
+def test_sampled_chained_rounds_verify_the_trees_unchained_rounds_do(tiny_target, tiny_server, twin):
+    """The server's samples follow the trees it verifies and a stale call computes nothing: chained and unchained
+    pipelining verify the same trees in the same order (StaticPolicy), so they give the same tokens for a seed."""
+    for seed in range(3):
+        sampling = SamplingParams(temperature=0.8, seed=seed)
+        chained = run(tiny_server, drafter(tiny_target, twin, "moa-tli1"), True, sampling)
+        unchained = run(tiny_server, drafter(tiny_target, twin, "moa-tli1"), False, sampling, held=False)
+        assert chained.token_ids == unchained.token_ids
+        assert chained.stats.chained > 0 and chained.stats.tree_nodes == unchained.stats.tree_nodes

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshared/wire/splitspec.proto\x12\x0csplitspec.v1\"j\n\x10HandshakeRequest\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x16\n\x0e\x64rafter_digest\x18\x04 \x01(\t\"\xaf\x02\n\x0eHandshakeReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12$\n\x06limits\x18\n \x01(\x0b\x32\x14.splitspec.v1.Limits\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x0f\n\x07\x64rafter\x18\r \x01(\t\"\xb5\x01\n\x06Limits\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x15\n\rsession_ttl_s\x18\x05 \x01(\x01\x12\x17\n\x0fmax_probe_bytes\x18\x06 \x01(\r\x12 \n\x18max_inline_payload_bytes\x18\x07 \x01(\r\"S\n\x0bPayloadSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tprecision\x18\x02 \x01(\t\x12\x12\n\ntli_layers\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\"$\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"_\n\x07Payload\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.splitspec.v1.Tensor\x12\x0f\n\x07pending\x18\x04 \x01(\x08\"n\n\x13\x46\x65tchPayloadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"p\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nacceptance\x18\x04 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x05 \x01(\x02\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x02\"~\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12*\n\x07payload\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"\xa8\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12&\n\x07payload\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Payload\x12 \n\x04load\x18\x06 \x01(\x0b\x32\x12.splitspec.v1.Load\"H\n\x04Load\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x0e\n\x06node_s\x18\x03 \x01(\x01\x12\x0e\n\x06prefer\x18\x04 \x01(\t\"\x80\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\x11\x12\x0e\n\x06length\x18\x04 \x01(\r\x12*\n\x07payload\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"\xb3\x01\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12&\n\x07payload\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Payload\x12\x10\n\x08verified\x18\x06 \x01(\r\x12 \n\x04load\x18\x07 \x01(\x0b\x32\x12.splitspec.v1.Load\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12*\n\x07payload\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\x12\x15\n\rpayload_every\x18\x06 \x01(\r\x12\x12\n\nprompt_ids\x18\x07 \x03(\r\x12(\n\x08sampling\x18\x08 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x0e\n\x06lookup\x18\t \x01(\r\"\xb4\x01\n\x0b\x44\x65\x63odeChunk\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12&\n\x07payload\x18\x04 \x01(\x0b\x32\x15.splitspec.v1.Payload\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x04load\x18\x06 \x01(\x0b\x32\x12.splitspec.v1.Load\x12\x12\n\nsession_id\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x11\x43loseSessionReply\x12\x0e\n\x06length\x18\x01 \x01(\r\"\x7f\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\"I\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"0\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x32\xd6\x04\n\tSplitSpec\x12I\n\tHandshake\x12\x1e.splitspec.v1.HandshakeRequest\x1a\x1c.splitspec.v1.HandshakeReply\x12O\n\x0bOpenSession\x12 .splitspec.v1.OpenSessionRequest\x1a\x1e.splitspec.v1.OpenSessionReply\x12@\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x19.splitspec.v1.VerifyReply\x12R\n\x0c\x43loseSession\x12!.splitspec.v1.CloseSessionRequest\x1a\x1f.splitspec.v1.CloseSessionReply\x12H\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1b.splitspec.v1.GenerateChunk0\x01\x12=\n\x05Probe\x12\x1a.splitspec.v1.ProbeRequest\x1a\x18.splitspec.v1.ProbeReply\x12J\n\x0c\x46\x65tchPayload\x12!.splitspec.v1.FetchPayloadRequest\x1a\x15.splitspec.v1.Payload0\x01\x12\x42\n\x06\x44\x65\x63ode\x12\x1b.splitspec.v1.DecodeRequest\x1a\x19.splitspec.v1.DecodeChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshared/wire/splitspec.proto\x12\x0csplitspec.v1\"j\n\x10HandshakeRequest\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x16\n\x0e\x64rafter_digest\x18\x04 \x01(\t\"\xaf\x02\n\x0eHandshakeReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12$\n\x06limits\x18\n \x01(\x0b\x32\x14.splitspec.v1.Limits\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x0f\n\x07\x64rafter\x18\r \x01(\t\"\xcd\x01\n\x06Limits\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x15\n\rsession_ttl_s\x18\x05 \x01(\x01\x12\x17\n\x0fmax_probe_bytes\x18\x06 \x01(\r\x12 \n\x18max_inline_payload_bytes\x18\x07 \x01(\r\x12\x16\n\x0e\x63hained_verify\x18\x08 \x01(\x08\"S\n\x0bPayloadSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tprecision\x18\x02 \x01(\t\x12\x12\n\ntli_layers\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\"$\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"_\n\x07Payload\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.splitspec.v1.Tensor\x12\x0f\n\x07pending\x18\x04 \x01(\x08\"n\n\x13\x46\x65tchPayloadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"p\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nacceptance\x18\x04 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x05 \x01(\x02\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x02\"~\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12*\n\x07payload\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\"\xa8\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12&\n\x07payload\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Payload\x12 \n\x04load\x18\x06 \x01(\x0b\x32\x12.splitspec.v1.Load\"H\n\x04Load\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x0e\n\x06node_s\x18\x03 \x01(\x01\x12\x0e\n\x06prefer\x18\x04 \x01(\t\"\x91\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\x11\x12\x0e\n\x06length\x18\x04 \x01(\r\x12*\n\x07payload\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\x12\x0f\n\x07\x61ssumed\x18\x06 \x03(\r\"\xc2\x01\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12&\n\x07payload\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Payload\x12\x10\n\x08verified\x18\x06 \x01(\r\x12 \n\x04load\x18\x07 \x01(\x0b\x32\x12.splitspec.v1.Load\x12\r\n\x05stale\x18\x08 \x01(\x08\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12*\n\x07payload\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.PayloadSpec\x12\x15\n\rpayload_every\x18\x06 \x01(\r\x12\x12\n\nprompt_ids\x18\x07 \x03(\r\x12(\n\x08sampling\x18\x08 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x0e\n\x06lookup\x18\t \x01(\r\"\xb4\x01\n\x0b\x44\x65\x63odeChunk\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12&\n\x07payload\x18\x04 \x01(\x0b\x32\x15.splitspec.v1.Payload\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x04load\x18\x06 \x01(\x0b\x32\x12.splitspec.v1.Load\x12\x12\n\nsession_id\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x11\x43loseSessionReply\x12\x0e\n\x06length\x18\x01 \x01(\r\"\x7f\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\"I\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"0\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x32\xd6\x04\n\tSplitSpec\x12I\n\tHandshake\x12\x1e.splitspec.v1.HandshakeRequest\x1a\x1c.splitspec.v1.HandshakeReply\x12O\n\x0bOpenSession\x12 .splitspec.v1.OpenSessionRequest\x1a\x1e.splitspec.v1.OpenSessionReply\x12@\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x19.splitspec.v1.VerifyReply\x12R\n\x0c\x43loseSession\x12!.splitspec.v1.CloseSessionRequest\x1a\x1f.splitspec.v1.CloseSessionReply\x12H\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1b.splitspec.v1.GenerateChunk0\x01\x12=\n\x05Probe\x12\x1a.splitspec.v1.ProbeRequest\x1a\x18.splitspec.v1.ProbeReply\x12J\n\x0c\x46\x65tchPayload\x12!.splitspec.v1.FetchPayloadRequest\x1a\x15.splitspec.v1.Payload0\x01\x12\x42\n\x06\x44\x65\x63ode\x12\x1b.splitspec.v1.DecodeRequest\x1a\x19.splitspec.v1.DecodeChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,43 +36,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREPLY']._serialized_start=154
   _globals['_HANDSHAKEREPLY']._serialized_end=457
   _globals['_LIMITS']._serialized_start=460
-  _globals['_LIMITS']._serialized_end=641
-  _globals['_PAYLOADSPEC']._serialized_start=643
-  _globals['_PAYLOADSPEC']._serialized_end=726
-  _globals['_TENSOR']._serialized_start=728
-  _globals['_TENSOR']._serialized_end=764
-  _globals['_PAYLOAD']._serialized_start=766
-  _globals['_PAYLOAD']._serialized_end=861
-  _globals['_FETCHPAYLOADREQUEST']._serialized_start=863
-  _globals['_FETCHPAYLOADREQUEST']._serialized_end=973
-  _globals['_SAMPLING']._serialized_start=975
-  _globals['_SAMPLING']._serialized_end=1087
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1089
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1215
-  _globals['_OPENSESSIONREPLY']._serialized_start=1218
-  _globals['_OPENSESSIONREPLY']._serialized_end=1386
-  _globals['_LOAD']._serialized_start=1388
-  _globals['_LOAD']._serialized_end=1460
-  _globals['_VERIFYREQUEST']._serialized_start=1463
-  _globals['_VERIFYREQUEST']._serialized_end=1591
-  _globals['_VERIFYREPLY']._serialized_start=1594
-  _globals['_VERIFYREPLY']._serialized_end=1773
-  _globals['_DECODEREQUEST']._serialized_start=1776
-  _globals['_DECODEREQUEST']._serialized_end=2020
-  _globals['_DECODECHUNK']._serialized_start=2023
-  _globals['_DECODECHUNK']._serialized_end=2203
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=2205
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2246
-  _globals['_CLOSESESSIONREPLY']._serialized_start=2248
-  _globals['_CLOSESESSIONREPLY']._serialized_end=2283
-  _globals['_GENERATEREQUEST']._serialized_start=2285
-  _globals['_GENERATEREQUEST']._serialized_end=2412
-  _globals['_GENERATECHUNK']._serialized_start=2414
-  _globals['_GENERATECHUNK']._serialized_end=2487
-  _globals['_PROBEREQUEST']._serialized_start=2489
-  _globals['_PROBEREQUEST']._serialized_end=2541
-  _globals['_PROBEREPLY']._serialized_start=2543
-  _globals['_PROBEREPLY']._serialized_end=2591
-  _globals['_SPLITSPEC']._serialized_start=2594
-  _globals['_SPLITSPEC']._serialized_end=3192
+  _globals['_LIMITS']._serialized_end=665
+  _globals['_PAYLOADSPEC']._serialized_start=667
+  _globals['_PAYLOADSPEC']._serialized_end=750
+  _globals['_TENSOR']._serialized_start=752
+  _globals['_TENSOR']._serialized_end=788
+  _globals['_PAYLOAD']._serialized_start=790
+  _globals['_PAYLOAD']._serialized_end=885
+  _globals['_FETCHPAYLOADREQUEST']._serialized_start=887
+  _globals['_FETCHPAYLOADREQUEST']._serialized_end=997
+  _globals['_SAMPLING']._serialized_start=999
+  _globals['_SAMPLING']._serialized_end=1111
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1113
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1239
+  _globals['_OPENSESSIONREPLY']._serialized_start=1242
+  _globals['_OPENSESSIONREPLY']._serialized_end=1410
+  _globals['_LOAD']._serialized_start=1412
+  _globals['_LOAD']._serialized_end=1484
+  _globals['_VERIFYREQUEST']._serialized_start=1487
+  _globals['_VERIFYREQUEST']._serialized_end=1632
+  _globals['_VERIFYREPLY']._serialized_start=1635
+  _globals['_VERIFYREPLY']._serialized_end=1829
+  _globals['_DECODEREQUEST']._serialized_start=1832
+  _globals['_DECODEREQUEST']._serialized_end=2076
+  _globals['_DECODECHUNK']._serialized_start=2079
+  _globals['_DECODECHUNK']._serialized_end=2259
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2261
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2302
+  _globals['_CLOSESESSIONREPLY']._serialized_start=2304
+  _globals['_CLOSESESSIONREPLY']._serialized_end=2339
+  _globals['_GENERATEREQUEST']._serialized_start=2341
+  _globals['_GENERATEREQUEST']._serialized_end=2468
+  _globals['_GENERATECHUNK']._serialized_start=2470
+  _globals['_GENERATECHUNK']._serialized_end=2543
+  _globals['_PROBEREQUEST']._serialized_start=2545
+  _globals['_PROBEREQUEST']._serialized_end=2597
+  _globals['_PROBEREPLY']._serialized_start=2599
+  _globals['_PROBEREPLY']._serialized_end=2647
+  _globals['_SPLITSPEC']._serialized_start=2650
+  _globals['_SPLITSPEC']._serialized_end=3248
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s", "max_probe_bytes", "max_inline_payload_bytes")
+    __slots__ = ("max_sessions", "max_tree_nodes", "max_context", "max_new_tokens", "session_ttl_s", "max_probe_bytes", "max_inline_payload_bytes", "chained_verify")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class Limits(_message.Message):
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_INLINE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_VERIFY_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_tree_nodes: int
     max_context: int
@@ -64,7 +65,8 @@ class Limits(_message.Message):
     session_ttl_s: float
     max_probe_bytes: int
     max_inline_payload_bytes: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_probe_bytes: _Optional[int] = ..., max_inline_payload_bytes: _Optional[int] = ...) -> None: ...
+    chained_verify: bool
+    def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_probe_bytes: _Optional[int] = ..., max_inline_payload_bytes: _Optional[int] = ..., chained_verify: _Optional[bool] = ...) -> None: ...
 
 class PayloadSpec(_message.Message):
     __slots__ = ("mode", "precision", "tli_layers", "drafter")
@@ -165,21 +167,23 @@ class Load(_message.Message):
     def __init__(self, sessions: _Optional[int] = ..., step_s: _Optional[float] = ..., node_s: _Optional[float] = ..., prefer: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "parents", "length", "payload")
+    __slots__ = ("session_id", "tokens", "parents", "length", "payload", "assumed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     length: int
     payload: PayloadSpec
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
+    assumed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., assumed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload", "verified", "load")
+    __slots__ = ("accepted", "bonus_token", "length", "compute_s", "payload", "verified", "load", "stale")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +191,7 @@ class VerifyReply(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     length: int
@@ -194,7 +199,8 @@ class VerifyReply(_message.Message):
     payload: Payload
     verified: int
     load: Load
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    stale: bool
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every", "prompt_ids", "sampling", "lookup")
