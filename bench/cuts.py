@@ -7,7 +7,10 @@ random delay; the generation goes on offline and settles when the link is back. 
 decoding's: nothing lost, nothing duplicated, nothing changed. Bounded: ``--runs`` generations, each within the
 decode loop's own bounds.
 
-Run:  .venv/bin/python -m bench.cuts [--runs 100] [--drafters moa-tli1,eagle] [--profile 4g]
+``--chain``: chained rounds too (the tree drafted ahead sent before the verdict it assumes), so that a cut may find
+two trees in flight.
+
+Run:  .venv/bin/python -m bench.cuts [--runs 100] [--drafters moa-tli1,eagle] [--profile 4g] [--chain]
 Writes cuts.json and cuts.md under --out (default bench/results/cuts).
 """
 
@@ -37,18 +40,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cut_on_call(verifier: RemoteVerifier, link, call_no: int, down_s: float, silent: bool) -> None:
-    """Cut ``link`` as the ``call_no``-th Verify starts (the call then in flight) and restore it ``down_s`` later."""
+    """Cut ``link`` as the ``call_no``-th Verify starts (the call then in flight; chained ones counted too) and restore
+    it ``down_s`` later."""
     verifier.__dict__.pop("verify", None)
-    original, calls = verifier.verify, []
+    verifier.__dict__.pop("verify_after", None)
+    calls = []
 
-    def verify(tree, **kw):
-        calls.append(1)
-        if len(calls) == call_no:
-            link.cut(silent=silent)
-            threading.Timer(down_s, link.restore).start()
-        return original(tree, **kw)
+    def counted(original):
+        def call(*args, **kw):
+            calls.append(1)
+            if len(calls) == call_no:
+                link.cut(silent=silent)
+                threading.Timer(down_s, link.restore).start()
+            return original(*args, **kw)
 
-    verifier.verify = verify
+        return call
+
+    verifier.verify, verifier.verify_after = counted(verifier.verify), counted(verifier.verify_after)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--chain", action="store_true", help="chained rounds too: two trees may be in flight at a cut")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cuts")
     args = p.parse_args(argv)
     if args.runs < 1:
@@ -88,17 +97,19 @@ def main(argv: list[str] | None = None) -> int:
                     cut_on_call(verifiers[name], link, call_no, down_s, silent)
                     row = {"run": i, "drafter": name, "prompt": q.id, "cut_at_call": call_no,
                            "down_s": round(down_s, 3), "silent": silent, "disconnects": 0, "offline_tokens": 0,
-                           "guesses": 0, "guesses_held": 0, "exact": False, "error": None}  # fmt: skip
+                           "guesses": 0, "guesses_held": 0, "chained_held": 0, "exact": False,
+                           "error": None}  # fmt: skip
                     try:
                         gen = generate(verifiers[name], drafters[name], q.ids, args.max_new_tokens,
-                                       resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)))
+                                       resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)),
+                                       chain=args.chain)  # fmt: skip
                     except SplitspecError as exc:  # a failed generation is a failure too, and the next run goes on
                         row["error"] = str(exc)
                     else:
                         s = gen.stats
                         exact = gen.token_ids == plain[q.id] and all(gen.verified)
                         row.update(disconnects=s.disconnects, offline_tokens=s.offline_tokens, guesses=s.guesses,
-                                   guesses_held=s.guesses_held, exact=exact)
+                                   guesses_held=s.guesses_held, chained_held=s.chained_held, exact=exact)
                     rows.append(row)
                     if not row["exact"]:
                         failures.append(i)
@@ -112,14 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.threads)
     md = (f"# Link cuts with a tree in flight\n\n`{env['command']}`\n\n{env['date']}, {args.model}, netsim "
           f"{args.profile}, {env['cpu']}. {len(rows)} generations (≤{args.max_new_tokens} tokens, greedy, pipelined "
-          f"rounds), each with its link cut as a random Verify (2nd–8th) started, loud or silent, for 0.05–0.6 s.\n\n"
-          "| drafter | runs | runs cut | offline tokens | guesses held / made | exact |\n"
-          "|---|---:|---:|---:|---:|---:|\n")
+          f"rounds{', chained' if args.chain else ''}), each with its link cut as a random Verify (2nd–8th) started, "
+          "loud or silent, for 0.05–0.6 s.\n\n"
+          "| drafter | runs | runs cut | offline tokens | guesses held / made | rounds chained | exact |\n"
+          "|---|---:|---:|---:|---:|---:|---:|\n")
     for name in names:
         mine = [r for r in rows if r["drafter"] == name]
         md += (f"| {name} | {len(mine)} | {sum(r['disconnects'] > 0 for r in mine)} | "
                f"{sum(r['offline_tokens'] for r in mine)} | {sum(r['guesses_held'] for r in mine)} / "
-               f"{sum(r['guesses'] for r in mine)} | {sum(r['exact'] for r in mine)}/{len(mine)} |\n")  # fmt: skip
+               f"{sum(r['guesses'] for r in mine)} | {sum(r['chained_held'] for r in mine)} | "
+               f"{sum(r['exact'] for r in mine)}/{len(mine)} |\n")  # fmt: skip
     md += f"\n{len(cut)} generations saw the cut; {len(rows) - len(failures)} of {len(rows)} outputs exact."
     result = {"environment": env, "args": {**vars(args), "out": str(args.out)}, "runs": rows, "failures": failures}
     finish(args.out, "cuts", result, md, png=False)

@@ -29,7 +29,8 @@ generates greedily, interleaved and rotated as in ``bench.single``:
 ``plain-local`` — plain decoding with the target in this process on the whole machine — is the
 single-device reference ("recovers single-device speed"). Per run: tokens/s, τ, server calls per 100
 tokens, server compute seconds per token, bytes per token up and down, payload bytes per token, time to
-first token, the share of pipelined rounds whose guess held, how busy each side was (the client drafting, the
+first token, the share of pipelined rounds whose guess held, the share of rounds already under way when their turn
+came (chained), how busy each side was (the client drafting, the
 server computing, as shares of the wall time), and whether the ids equal the API's (the target's greedy).
 
 Run:  .venv/bin/python -m bench.network [--profiles none,5g,4g,lte,3g] [--limit K] [--methods a,b]
@@ -102,6 +103,7 @@ class Run(Timed):
     guesses: int = 0  # pipelined rounds that drafted ahead
     guesses_held: int = 0  # of which the next tree was ready when the verdict came
     client_busy_s: float = 0.0  # drafting: rounds' trees, ahead or not, and rehearsals
+    chained_held: int = 0  # rounds under way, sent chained, when the verdict before them came (``-chained``)
     matches_reference: bool | None = None
     first_difference: int | None = None
 
@@ -176,7 +178,7 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                     round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
                     s.prefill_payload_bytes, round(s.ttft_s, 4),
                     f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens, s.guesses,
-                    s.guesses_held, round(s.draft_s + s.ahead_s + s.rehearse_s, 4),
+                    s.guesses_held, round(s.draft_s + s.ahead_s + s.rehearse_s, 4), s.chained_held,
                 )  # fmt: skip
                 runs.append(run)
                 done[m.name] = (run, gen.token_ids)
@@ -228,6 +230,8 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
                 "streamed_share": round(sum(r.streamed_tokens for r in mine) / sum(tokens), 3),
                 "held_share": round(sum(r.guesses_held for r in mine) / sum(r.guesses for r in mine), 3)
                 if any(r.guesses for r in mine) else None,
+                "chained_share": round(sum(r.chained_held for r in mine) / sum(r.rounds for r in mine), 3)
+                if any(r.chained_held for r in mine) else None,
                 "client_busy": median([r.client_busy_s / r.wall_s for r in mine if r.wall_s > 0]),
                 "server_busy": median([r.server_compute_s / r.wall_s for r in mine if r.wall_s > 0]),
                 "mismatches": sum(r.matches_reference is False for r in mine),
@@ -278,8 +282,8 @@ def markdown_against_api(compared: dict[str, dict[str, dict[str, dict]]]) -> str
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
     columns = ["profile", "method", "tok/s", "τ", "calls/100 tok", "server ms/tok", "B/tok up", "B/tok down",
-               "payload B/tok", "prefill payload KB", "TTFT s", "streamed", "guess held", "client busy", "server busy",
-               "≠ api"]  # fmt: skip
+               "payload B/tok", "prefill payload KB", "TTFT s", "streamed", "guess held", "chained", "client busy",
+               "server busy", "≠ api"]  # fmt: skip
     rows = []
     for profile, methods in summary.items():
         for m, s in methods.items():
@@ -290,7 +294,8 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
                 cell(s["calls_per_100_tokens"], ".1f"), cell(ms, ".1f"), cell(s["bytes_up_per_token"], ".0f"),
                 cell(s["bytes_down_per_token"], ".0f"), cell(s["payload_bytes_per_token"], ".0f"),
                 cell(prefill_kb, ".0f"), cell(s["median_ttft_s"], ".2f"), share(s["streamed_share"] or None),
-                share(s.get("held_share")), share(s.get("client_busy")), share(s.get("server_busy")),
+                share(s.get("held_share")), share(s.get("chained_share")), share(s.get("client_busy")),
+                share(s.get("server_busy")),
                 "–" if m in (REFERENCE, "plain-local") else str(s["mismatches"]),
             ])  # fmt: skip
     return table(columns, rows, left=2)

@@ -104,9 +104,10 @@ class Loaded:
 @dataclass(frozen=True)
 class Pipelining:
     """Whether the loop drafts ahead while a Verify is in flight (``client.decode``): drafting then costs a round
-    less than it takes."""
+    less than it takes; ``chained``: and sends that tree before the verdict, hiding the round trip too."""
 
     on: bool
+    chained: bool = False
 
 
 Outcome = Round | Streamed | Ahead | Rehearsal | Loaded | Pipelining
@@ -243,6 +244,6 @@ class AdaptivePolicy:
             case Loaded():
                 sizing.loaded(outcome.load)
             case Pipelining():
-                sizing.pipelined = outcome.on
+                sizing.pipelined, sizing.chained = outcome.on, outcome.on and outcome.chained
             case _:
                 raise TypeError(f"not an outcome a policy learns from: {outcome!r}")

@@ -240,7 +240,7 @@ class Run:
         opens = 0  # tries to open the session
         if self.pipeline or verifier.link is not None:  # (a server's prefill beside the drafter's too: ``open``)
             self.flights = ThreadPoolExecutor(1, thread_name_prefix="splitspec-verify")  # (a chained call: no thread)
-        policy.observe(Pipelining(self.pipeline))
+        policy.observe(Pipelining(self.pipeline, self.chain))
         try:
             # the session is opened first, whatever the prompt: one that fills the context is refused there, clearly
             while not self.out or not (reason := self.finished()):

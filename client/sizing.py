@@ -14,7 +14,9 @@ A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate
 * ``draft`` — measured per depth step; with pipelined rounds (``client.decode``) only the part not hidden behind
   the wire: a round whose likeliest path is accepted (the drafter's own probability of it, calibrated) and whose
   bonus it guessed (``hit``, measured) finds its next tree drafted during the flight, so drafting costs only what
-  drafting ahead (``ahead_s``, measured) takes past the wire; the others draft as ever. A cut that ends the tree's
+  drafting ahead (``ahead_s``, measured) takes past the wire; the others draft as ever. Chained (the tree drafted
+  ahead sent before the verdict), such a round also hides its round trip: it costs the longer of its verification and
+  the drafting ahead (``chain_s``). A cut that ends the tree's
   likeliest path deeper is worth more tokens but holds less often. This round's drafting is spent when its tree is
   cut, but the next
   tree's depth is a choice: the cut that would be best had each level cost its step (the deepest level it keeps,
@@ -125,6 +127,7 @@ class Sizing:
     # then its levels'; after plain rounds, a stream or a copied draft it also feeds every token it missed
     current: bool = False
     pipelined: bool = False  # the loop drafts the next tree while a Verify is in flight
+    chained: bool = False  # ... and sends it before that Verify's verdict (chained rounds)
     hit: float = 0.8  # of the rounds whose likeliest path was accepted, the share whose bonus was among the guesses
     ahead_s: float | None = None  # drafting ahead, a round (running average)
     # the drafter's first choices the target was asked about, per round (``firsts``): [taken, their probabilities
@@ -172,6 +175,16 @@ class Sizing:
         late = max(0.0, (draft_s if self.ahead_s is None else self.ahead_s) - wire_s)
         return (1 - held) * draft_s + held * late
 
+    def chain_s(self, nodes: int, round_s: float, taken: float, draft_s: float) -> float:
+        """A round of ``round_s`` when its chained predecessor's guess failed; where it held (chance ``taken`` of the
+        path, times ``hit``), it was sent during that round and is verified straight after it: it costs only the
+        longer of its verification and the drafting ahead that sends the next one. Not chained: ``round_s``."""
+        if not self.chained:
+            return round_s
+        held = min(1.0, taken) * self.hit
+        ahead = draft_s if self.ahead_s is None else self.ahead_s
+        return (1 - held) * round_s + held * max(self.verify_s(nodes), ahead)
+
     def payload_per_token(self, spec: PayloadSpec) -> float:
         """Raw payload bytes per token in ``spec`` (0: unsized)."""
         return self.raw_bytes_per_token(spec) if self.raw_bytes_per_token and spec else 0.0
@@ -208,11 +221,11 @@ class Sizing:
             gain = 1.0 + self.calibration * cumulative
             wire = self.round_s(n, gain * payload, draft_levels=0)
             taken = likeliest_outcome(tree.head(n), self.calibration)[1] if self.pipelined else 0.0
-            cost = wire + self.exposed_s(step * drafted, taken, wire)
+            cost = self.chain_s(n, wire + self.exposed_s(step * drafted, taken, wire), taken, step * drafted)
             rate = gain / cost if cost > 0 else gain
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate, best_gain = n, rate, gain
-            cost = wire + self.exposed_s(step * deep, taken, wire)
+            cost = self.chain_s(n, wire + self.exposed_s(step * deep, taken, wire), taken, step * deep)
             rate = gain / cost if cost > 0 else gain
             if rate > deepest_rate * (1 + 1e-9):
                 deepest, deepest_rate = deep, rate

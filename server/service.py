@@ -392,9 +392,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     f"{len(sequence.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "
                     f"of {self.limits.max_context}",
                 )
-            start, before = time.perf_counter(), sequence.cached_len
+            start, before, base = time.perf_counter(), sequence.cached_len, len(sequence.tokens)
             try:
                 verdict = sequence.verify(DraftTree(tokens, parents), self._runner(context))
+                session.verified = (base, len(sequence.tokens))
                 session.keep_hidden(verdict)
                 payload = self._payload(session, spec, before, sequence.cached_len)
             except Exception:
@@ -419,11 +420,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _assumption_holds(session, request, context) -> bool:
         """Whether the session holds what chained ``request`` assumes: ``length`` tokens, then its ``assumed`` ones. A
         request that overtook the round it follows (the session still at ``length``) first waits for that round."""
-        sequence, give_up = session.sequence, time.monotonic() + CHAIN_WAIT_S
-        while len(sequence.tokens) == request.length and context.is_active() and time.monotonic() < give_up:
+        sequence, give_up, end = session.sequence, time.monotonic() + CHAIN_WAIT_S, request.length + len(request.assumed)
+        while (session.verified is None or session.verified[0] != request.length) and context.is_active() and \
+                time.monotonic() < give_up:  # fmt: skip
             session.changed.wait(min(1.0, give_up - time.monotonic()))
-        end = request.length + len(request.assumed)
-        return len(sequence.tokens) == end and sequence.tokens[request.length : end] == list(request.assumed)
+        return session.verified == (request.length, end) and sequence.tokens[request.length :] == list(request.assumed)
 
     def _sequence(self, session, length: int) -> None:
         """The client's committed ``length`` (0: unchecked): fewer than held rolls back what it never received."""
@@ -504,6 +505,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self._lock(session)
         try:
             self._sequence(session, request.length)
+            session.verified = None  # no round a chained Verify may follow
             if len(sequence.tokens) + 1 > self.limits.max_context:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(sequence.tokens)} tokens fill the "
                             f"context limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip

@@ -58,6 +58,10 @@ class Session:
     # told (under ``lock``) when a call that may have committed tokens lets go: a chained Verify that came in ahead of
     # the round it follows waits on it
     changed: threading.Condition = field(init=False)
+    # (the length it verified after, the length it left) of the last call, if a Verify: the round a chained Verify
+    # follows, which tokens alike in number and value left otherwise (a cancelled stream's, decoded past what its
+    # client took) must not stand in for
+    verified: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)

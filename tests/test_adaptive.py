@@ -117,6 +117,28 @@ def test_the_next_depth_is_the_cut_that_pays_for_its_drafting():
     assert dear.sizing.depth < cheap.sizing.depth
 
 
+def test_a_chained_round_whose_guess_held_costs_no_round_trip():
+    """Chained, a round whose predecessor's guess held was sent during that round and is verified straight after it:
+    it costs the longer of its verification and the drafting ahead, not a round trip more; where the guess fails it
+    costs what an unchained pipelined round does. Unchained, or not pipelined at all, nothing changes."""
+    def policy(on: bool, chained: bool) -> AdaptivePolicy:
+        p = trained(AdaptivePolicy(FakeLink(0.1, 1e7)), verify_base=0.05, per_node=0.003)
+        p.sizing.ahead_s = 0.03
+        p.observe(Pipelining(on, chained))
+        p.sizing.hit = 1.0
+        return p
+
+    chained, piped = policy(True, True), policy(True, False)
+    sure = ranked_tree([0.999**k for k in range(1, 17)])
+    assert chained.size(sure).expected_round_s < piped.size(sure).expected_round_s - 0.05  # the 0.1 s RTT, hidden
+    s = chained.sizing
+    assert s.chain_s(8, 0.3, 1.0, 0.01) == pytest.approx(max(s.verify_s(8), 0.03))
+    assert s.chain_s(8, 0.3, 0.0, 0.01) == 0.3  # a path never taken: no round sent during it
+    assert s.chain_s(8, 0.3, 0.5, 0.01) == pytest.approx(0.5 * 0.3 + 0.5 * s.verify_s(8))
+    assert piped.sizing.chain_s(8, 0.3, 1.0, 0.01) == 0.3
+    assert not policy(False, True).sizing.chained  # chained rounds are pipelined ones
+
+
 def test_pipelined_drafting_costs_only_where_the_guess_fails():
     """Pipelined rounds hide a held guess's drafting behind the wire: a dear draft step sends as much of the tree as a
     free one would where the drafter is sure of its path, and the exposed drafting grows as the path's chance falls."""

@@ -247,39 +247,46 @@ def opened(stub) -> tuple[str, int]:
 
 
 def test_a_chained_tree_is_verified_only_after_what_it_assumed(stub, tiny_target):
-    want = reference(tiny_target, PROMPT, pb.Sampling(), 6)
+    want = reference(tiny_target, PROMPT, pb.Sampling(), 7)
     sid, length = opened(stub)
     assert stub.Handshake(pb.HandshakeRequest(), timeout=TIMEOUT).limits.chained_verify
-    # a wrong assumption: stale, and the session is as it was
-    stale = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[2]], parents=[-1], length=length,
-                                         assumed=[want[1] + 1]), timeout=TIMEOUT)  # fmt: skip
-    assert stale.stale and stale.length == length and not stale.accepted
-    # a plain round commits want[1] (its tree's first node, accepted, and the bonus); the chained tree after it holds
-    # want[3], assumed after want[1] and want[2]
-    first = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[1]], parents=[-1], length=length),
-                        timeout=TIMEOUT)  # fmt: skip
+
+    def verify(tokens: list[int], length: int, assumed: list[int] = ()) -> pb.VerifyReply:
+        request = pb.VerifyRequest(session_id=sid, tokens=tokens, parents=list(range(-1, len(tokens) - 1)),
+                                   length=length, assumed=assumed)  # fmt: skip
+        return stub.Verify(request, timeout=TIMEOUT)
+
+    # a plain round commits want[1] (its tree's first node, accepted) and the bonus want[2]; a chained tree after it
+    # holds want[3], assumed after want[1] and want[2]
+    first = verify([want[1]], length)
     assert list(first.accepted) == [0] and first.bonus_token == want[2] and first.length == length + 2
-    chained = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[3]], parents=[-1], length=length,
-                                           assumed=[want[1], want[2]]), timeout=TIMEOUT)  # fmt: skip
+    wrong = verify([want[3]], length, [want[1], want[2] + 1])
+    assert wrong.stale and wrong.length == length + 2 and not wrong.accepted  # and nothing changed:
+    chained = verify([want[3]], length, [want[1], want[2]])
     assert not chained.stale and list(chained.accepted) == [0] and chained.bonus_token == want[4]
     assert chained.length == length + 4
-    # the same assumption again, now that the session has moved past it: stale, nothing rolled back
-    again = stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[3]], parents=[-1], length=length,
-                                         assumed=[want[1], want[2]]), timeout=TIMEOUT)  # fmt: skip
-    assert again.stale and again.length == length + 4
+    # chained after a chained one: it follows the round that verified after length + 2
+    again = verify([want[5]], length + 2, [want[3], want[4]])
+    assert not again.stale and again.bonus_token == want[6] and again.length == length + 6
+    stale = verify([want[3]], length, [want[1], want[2]])  # the session has moved past it: stale, nothing rolled back
+    assert stale.stale and stale.length == length + 6
     with pytest.raises(grpc.RpcError) as info:
         stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[1], parents=[-1], assumed=[1]), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "length" in info.value.details()
 
 
-def test_a_chained_call_that_overtakes_its_round_waits_for_it(stub, tiny_target):
-    """Sent first, the chained call waits on the session until the round it assumes has run, then is verified."""
+def test_a_chained_call_follows_the_round_it_assumed_not_tokens_alike(stub, tiny_target):
+    """Sent first, the chained call waits until the round it follows has run, then is verified. The tokens it assumes
+    already there — decoded by a stream past what its client took, which the round's own call rolls back — do not
+    stand in for that round."""
     want = reference(tiny_target, PROMPT, pb.Sampling(), 6)
     sid, length = opened(stub)
+    streamed = stub.Decode(pb.DecodeRequest(session_id=sid, length=length, max_new_tokens=2), timeout=TIMEOUT)
+    assert [c.token for c in streamed] == want[1:3]  # the server holds want[1], want[2]; say the client never got them
     chained = stub.Verify.future(pb.VerifyRequest(session_id=sid, tokens=[want[3]], parents=[-1], length=length,
                                                   assumed=[want[1], want[2]]), timeout=TIMEOUT)  # fmt: skip
     with pytest.raises(grpc.FutureTimeoutError):
-        chained.result(timeout=0.3)  # (nothing to assume yet: it waits; a slow machine only makes this surer)
+        chained.result(timeout=0.3)  # (its round has not run: it waits; a slow machine only makes this surer)
     stub.Verify(pb.VerifyRequest(session_id=sid, tokens=[want[1]], parents=[-1], length=length), timeout=TIMEOUT)
     reply = chained.result(timeout=TIMEOUT)
     assert not reply.stale and reply.bonus_token == want[4] and reply.length == length + 4
