@@ -7,10 +7,10 @@ random delay; the generation goes on offline and settles when the link is back. 
 decoding's: nothing lost, nothing duplicated, nothing changed. Bounded: ``--runs`` generations, each within the
 decode loop's own bounds.
 
-``--chain``: chained rounds too (the tree drafted ahead sent before the verdict it assumes), so that a cut may find
-two trees in flight.
+Chained rounds (the tree drafted ahead sent before the verdict it assumes, the default) let a cut find two trees in
+flight; ``--no-chain``: one at most.
 
-Run:  .venv/bin/python -m bench.cuts [--runs 100] [--drafters moa-tli1,eagle] [--profile 4g] [--chain]
+Run:  .venv/bin/python -m bench.cuts [--runs 100] [--drafters moa-tli1,eagle] [--profile 4g] [--no-chain]
 Writes cuts.json and cuts.md under --out (default bench/results/cuts).
 """
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--chain", action="store_true", help="chained rounds too: two trees may be in flight at a cut")
+    p.add_argument("--no-chain", action="store_true", help="no chained rounds: one tree in flight at most")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cuts")
     args = p.parse_args(argv)
     if args.runs < 1:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         gen = generate(verifiers[name], drafters[name], q.ids, args.max_new_tokens,
                                        resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)),
-                                       chain=args.chain)  # fmt: skip
+                                       chain=not args.no_chain)  # fmt: skip
                     except SplitspecError as exc:  # a failed generation is a failure too, and the next run goes on
                         row["error"] = str(exc)
                     else:
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.threads)
     md = (f"# Link cuts with a tree in flight\n\n`{env['command']}`\n\n{env['date']}, {args.model}, netsim "
           f"{args.profile}, {env['cpu']}. {len(rows)} generations (≤{args.max_new_tokens} tokens, greedy, pipelined "
-          f"rounds{', chained' if args.chain else ''}), each with its link cut as a random Verify (2nd–8th) started, "
-          "loud or silent, for 0.05–0.6 s.\n\n"
+          f"rounds{'' if args.no_chain else ', chained'}), each with its link cut as a random Verify (2nd–8th) "
+          "started, loud or silent, for 0.05–0.6 s.\n\n"
           "| drafter | runs | runs cut | offline tokens | guesses held / made | rounds chained | exact |\n"
           "|---|---:|---:|---:|---:|---:|---:|\n")
     for name in names:

@@ -20,8 +20,8 @@ generates greedily, interleaved and rotated as in ``bench.single``:
                      drafter absorbs (what it costs over the API: the payloads; what it buys: offline text on a cut)
 * ``<method>-serial`` the method without pipelined rounds: the client waits for each verdict before drafting the
                      next tree (every method over a link is pipelined by default, ``client.decode``)
-* ``<method>-chained`` pipelined rounds that also send the tree drafted ahead before the verdict it assumes (chained
-                     rounds, ``client.decode``): the server verifies it straight after the round before
+* ``<method>-unchained`` pipelined rounds that never send a tree before the verdict it assumes (chained rounds, the
+                     default over a link, ``client.decode``: the server verifies it straight after the round before)
 * ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no offline generation to fall back
                      on): every other method survives link drops as ``splitspec generate`` does by default,
                      so ``X`` beside ``X-fail`` is what that costs on a healthy link
@@ -109,8 +109,8 @@ class Run(Timed):
 
 
 def drafter_name(method: str) -> str:
-    """The drafter a method runs: its name less the -fail, -serial, -chained, -paper and policy-mode suffixes."""
-    base = method.removesuffix("-fail").removesuffix("-serial").removesuffix("-chained").removesuffix("-paper")
+    """The drafter a method runs: its name less the -fail, -serial, -unchained, -paper and policy-mode suffixes."""
+    base = method.removesuffix("-fail").removesuffix("-serial").removesuffix("-unchained").removesuffix("-paper")
     return next((base.removesuffix(suffix) for suffix in MODES if base.endswith(suffix)), base)
 
 
@@ -122,8 +122,8 @@ class Method:
         self.drafter, self.nodes = None, STATIC_TREE[2]
         self.resilience = Resilience("fail", heartbeat=False) if name.endswith("-fail") else Resilience()
         stem = name.removesuffix("-fail")
-        self.pipeline, self.chain = not stem.endswith("-serial"), stem.endswith("-chained")
-        stem = stem.removesuffix("-serial").removesuffix("-chained")
+        self.pipeline, self.chain = not stem.endswith("-serial"), not stem.endswith("-unchained")
+        stem = stem.removesuffix("-serial").removesuffix("-unchained")
         self.mode = next((mode for suffix, mode in MODES.items() if stem.endswith(suffix)), None)
         base = drafter_name(name)
         if name != "api":

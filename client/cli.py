@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="wait for each verdict before drafting the next tree (default over a link: draft it while "
                         "the last one is verified, guessing its outcome)")
+    p.add_argument("--no-chain", action="store_true",
+                   help="never send a tree before the verdict it assumes (default over a link: the tree drafted "
+                        "ahead for the likeliest outcome is sent at once, chained, and the server verifies it "
+                        "straight after the round before where that guess held)")
     p.add_argument("--offline-drafter", metavar="MODEL",
                    help="when the link fails, have this model write the offline tokens instead of --drafter (e.g. "
                         "qwen2.5-coder-0.5b beside moa-tli1: a whole model's text survives a long cut better than a "
@@ -317,6 +321,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, offline_cap=args.offline_cap,
                                   offline=offline_writer),
             on_update=stream, spec=specs[0] if specs else None, pipeline=False if args.no_pipeline else None,
+            chain=not args.no_chain,
         )  # fmt: skip
         drafter_name = drafter.name
     if stream:

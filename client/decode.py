@@ -13,9 +13,9 @@ the next round's tree, ready at once: a round then costs the longer of drafting 
 it is not, the guess is taken back (``rewind``) and the round goes on as it would have. Nothing the server sees
 depends on the guess but which tree it verifies, so every output is as without it.
 
-Chained (``chain``, where the server takes it): the tree drafted ahead for the likeliest outcome is sent at once,
-before the verdict it assumes (``Verifier.verify_after``), so that the server verifies it straight after the round
-before instead of idling a round trip for it. Where the verdict is what it assumed, it is the next round, already
+Chained (``chain``, the default where the server takes it): the tree drafted ahead for the likeliest outcome is sent
+at once, before the verdict it assumes (``Verifier.verify_after``), so that the server verifies it straight after the
+round before instead of idling a round trip for it. Where the verdict is what it assumed, it is the next round, already
 under way; where not, the server answers it stale without computing, and the loop drops it and goes on as above.
 
 Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
@@ -151,7 +151,7 @@ def generate(
     stop_when: Callable[[list[int], list[bool]], bool] | None = None,
     spec: PayloadSpec | None = None,
     pipeline: bool | None = None,
-    chain: bool = False,
+    chain: bool = True,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
@@ -166,8 +166,8 @@ def generate(
     ``spec``: the payload to start with (default: the first the drafter takes that the verifier can send).
     ``pipeline``: draft the next tree while a Verify is in flight (default: over a link; in process the target and
     the drafter would share the same cores). ``chain``: pipelined rounds also send the tree drafted ahead before the
-    verdict it assumes, where the verifier takes it (``Verifier.chains``). ``clock``: seconds, for every time the loop
-    measures or bounds.
+    verdict it assumes, where the verifier takes it (``Verifier.chains``; default on). ``clock``: seconds, for every
+    time the loop measures or bounds.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

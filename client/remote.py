@@ -113,7 +113,10 @@ class RemoteVerifier(Verifier):
         self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
         self._broken = False  # a call was lost for the link on this channel: the next poll opens another
         self._missed = 0  # reconnection polls that failed in a row
-        self._options = MESSAGE_OPTIONS + RECONNECT_OPTIONS
+        # a connection of its own: gRPC shares one among channels of the same target and options, so a new channel
+        # (``_renew``) would otherwise reuse the very connection a cut left dead (seen: every poll after a loud cut
+        # with two calls in flight waited out its deadline, for as long as the bench ran)
+        self._options = [("grpc.use_local_subchannel_pool", 1), *MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
         self.channel = self.endpoint.channel(self._options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)

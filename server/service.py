@@ -420,7 +420,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _assumption_holds(session, request, context) -> bool:
         """Whether the session holds what chained ``request`` assumes: ``length`` tokens, then its ``assumed`` ones. A
         request that overtook the round it follows (the session still at ``length``) first waits for that round."""
-        sequence, give_up, end = session.sequence, time.monotonic() + CHAIN_WAIT_S, request.length + len(request.assumed)
+        sequence, end = session.sequence, request.length + len(request.assumed)
+        give_up = time.monotonic() + CHAIN_WAIT_S
         while (session.verified is None or session.verified[0] != request.length) and context.is_active() and \
                 time.monotonic() < give_up:  # fmt: skip
             session.changed.wait(min(1.0, give_up - time.monotonic()))

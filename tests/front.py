@@ -10,7 +10,7 @@ as a proxy does whose replica died behind it while it keeps the client's connect
   hangs, then recovers: released by count, not by a clock).
 
 Held calls end (UNAVAILABLE) when the front stops, or after ``HOLD_CAP_S``: nothing outlives a test. ``held`` counts
-what was held, per method.
+what was held, per method (a chained Verify, sent before the verdict of the one it follows, apart: "Verify chained").
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from shared.channel import MESSAGE_OPTIONS, ROUTE_KEY
+from shared.wire import splitspec_pb2 as pb
 
 SERVICE = "/splitspec.v1.SplitSpec/"
 STREAMS = {"Generate", "FetchPayload", "Decode"}
@@ -104,10 +105,13 @@ class Front(grpc.GenericRpcHandler):
 
     def _unary(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         rule = self._rule(method, dict(context.invocation_metadata()))
+        if method == "Verify" and pb.VerifyRequest.FromString(request).assumed:
+            method = "Verify chained"  # (counted apart; forwarded as a Verify)
         if rule is not None and (rule == "all" or rule.when == "before"):
             self._hold(method, context)
         try:
-            reply = self.backend.unary_unary(SERVICE + method)(request, **self._forwarded(context))
+            reply = self.backend.unary_unary(SERVICE + method.removesuffix(" chained"))(request,
+                                                                                       **self._forwarded(context))
         except grpc.RpcError as exc:
             context.abort(exc.code(), exc.details() or "")
         if rule is not None:  # "after": the server ran it, the client never hears of it

@@ -129,7 +129,8 @@ def test_a_call_held_at_each_stage_ends_and_the_output_is_exact(tiny_target, bac
     gen = bounded_generate(tiny_target, front, STAGES[stage](front, backend[1]))
     assert gen.token_ids == plain, stage
     assert gen.stats.disconnects >= 1 and sum(front.held.values()) >= 1, (stage, dict(front.held))
-    assert front.held["Verify"] == 1, dict(front.held)  # a lost session is reopened, never asked again
+    assert front.held["Verify"] == 1, dict(front.held)  # a lost session is reopened, never asked again (but for the
+    assert front.held["Verify chained"] <= 1, dict(front.held)  # round sent chained before the held one's verdict)
     if stage == "and the reopening":
         assert front.held["OpenSession"] == 1
 
