@@ -146,11 +146,13 @@ class Tampered:
         inner, change = self.call.future(request, **kw), self.change
 
         class Future:
-            def result(self, timeout=None):
-                return change(inner.result())
+            """gRPC's future (``done``, ``cancel``, ...) whose result passes through ``change``."""
 
-            def cancel(self):
-                return inner.cancel()
+            def result(self, timeout=None):
+                return change(inner.result(timeout))
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
 
         return Future()
 
