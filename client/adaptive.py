@@ -78,11 +78,13 @@ class Streamed:
 @dataclass(frozen=True)
 class Ahead:
     """A pipelined round's guess: its likeliest path accepted (``path_taken``) or not, its next tree ready
-    (``held``) or not, the ``seconds`` drafting ahead took."""
+    (``held``) or not, the ``seconds`` drafting ahead took; ``sent``: the next round went out chained, before the
+    verdict."""
 
     path_taken: bool
     held: bool
     seconds: float
+    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class AdaptivePolicy:
                 sizing.streamed(outcome.tokens, outcome.compute_s)
                 schedule.plain(outcome.tokens, outcome.seconds, stretch=True)
             case Ahead():
-                sizing.ahead(outcome.path_taken, outcome.held, outcome.seconds)
+                sizing.ahead(outcome.path_taken, outcome.held, outcome.seconds, outcome.sent)
             case Rehearsal():
                 schedule.rehearsed(outcome.tree, outcome.path, outcome.draft_s)
                 sizing.firsts(outcome.tree, outcome.path)

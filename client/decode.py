@@ -409,7 +409,7 @@ class Run:
                           if p == -1 and t == bonus), None)  # fmt: skip
             ready = taken.subtree(first) if first is not None else None
         held = bool(ready) or self.chained is not None
-        self.policy.observe(Ahead(taken is not None, held, ahead_s))
+        self.policy.observe(Ahead(taken is not None, held, ahead_s, after is not None))
         if ready:  # (an empty one is no guess: the drafter stopped at the bonus's level, unsure of it)
             self.ready = ready
         stats.guesses_held += held

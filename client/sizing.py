@@ -129,6 +129,10 @@ class Sizing:
     pipelined: bool = False  # the loop drafts the next tree while a Verify is in flight
     chained: bool = False  # ... and sends it before that Verify's verdict (chained rounds)
     hit: float = 0.8  # of the rounds whose likeliest path was accepted, the share whose bonus was among the guesses
+    # of the rounds that could chain, the share that sent the next round before the verdict (running average): a
+    # chained round goes out only where drafting ahead beats the verdict and leaves a tree to send, so the sizing
+    # counts on none it has not seen sent (counting on it anyway, it chose trees too small to send a chained one)
+    sent: float = 0.0
     ahead_s: float | None = None  # drafting ahead, a round (running average)
     # the drafter's first choices the target was asked about, per round (``firsts``): [taken, their probabilities
     # summed] as running averages ([] until measured); ``copies``: the same for copied drafts, counted
@@ -178,10 +182,11 @@ class Sizing:
     def chain_s(self, nodes: int, round_s: float, taken: float, draft_s: float) -> float:
         """A round of ``round_s`` when its chained predecessor's guess failed; where it held (chance ``taken`` of the
         path, times ``hit``), it was sent during that round and is verified straight after it: it costs only the
-        longer of its verification and the drafting ahead that sends the next one. Not chained: ``round_s``."""
+        longer of its verification and the drafting ahead that sends the next one, in the share ``sent`` of rounds
+        that went out chained. Not chained: ``round_s``."""
         if not self.chained:
             return round_s
-        held = min(1.0, taken) * self.hit
+        held = min(1.0, taken) * self.hit * self.sent
         ahead = draft_s if self.ahead_s is None else self.ahead_s
         return (1 - held) * round_s + held * max(self.verify_s(nodes), ahead)
 
@@ -317,11 +322,13 @@ class Sizing:
             return self.copies[0] / self.copies[1] if self.copies else UNMEASURED_COPY
         return min(1.0, p * self.choices[0] / self.choices[1]) if self.choices else p
 
-    def ahead(self, path_taken: bool, held: bool, seconds: float) -> None:
+    def ahead(self, path_taken: bool, held: bool, seconds: float, sent: bool = False) -> None:
         """A pipelined round: its likeliest path was accepted (``path_taken``), its next tree was ready (``held``),
-        drafting ahead took ``seconds``."""
+        drafting ahead took ``seconds``, the next round went out chained (``sent``)."""
         if path_taken:
             self.hit = (1 - GAIN) * self.hit + GAIN * float(held)
+        if self.chained:
+            self.sent = (1 - GAIN) * self.sent + GAIN * float(sent)
         self.ahead_s = seconds if self.ahead_s is None else (1 - GAIN) * self.ahead_s + GAIN * seconds
 
     def streamed(self, tokens: int, compute_s: float) -> None:

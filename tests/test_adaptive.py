@@ -125,7 +125,7 @@ def test_a_chained_round_whose_guess_held_costs_no_round_trip():
         p = trained(AdaptivePolicy(FakeLink(0.1, 1e7)), verify_base=0.05, per_node=0.003)
         p.sizing.ahead_s = 0.03
         p.observe(Pipelining(on, chained))
-        p.sizing.hit = 1.0
+        p.sizing.hit = p.sizing.sent = 1.0
         return p
 
     chained, piped = policy(True, True), policy(True, False)
@@ -137,6 +137,26 @@ def test_a_chained_round_whose_guess_held_costs_no_round_trip():
     assert s.chain_s(8, 0.3, 0.5, 0.01) == pytest.approx(0.5 * 0.3 + 0.5 * s.verify_s(8))
     assert piped.sizing.chain_s(8, 0.3, 1.0, 0.01) == 0.3
     assert not policy(False, True).sizing.chained  # chained rounds are pipelined ones
+
+
+def test_the_sizing_counts_only_on_chained_rounds_it_has_seen_sent():
+    """A chained round goes out only where drafting ahead beats the verdict and leaves a tree to send: until rounds
+    are seen sent, a chained sizing prices rounds as an unchained one (counting on them, it chose trees too small for a
+    chained round ever to be sent), and it learns the share sent from the rounds that could chain."""
+    p = trained(AdaptivePolicy(FakeLink(0.1, 1e7)), verify_base=0.05, per_node=0.003)
+    p.observe(Pipelining(True, True))
+    s = p.sizing
+    s.hit, s.ahead_s = 1.0, 0.03
+    assert s.chain_s(8, 0.3, 1.0, 0.01) == 0.3
+    p.observe(Ahead(path_taken=True, held=True, seconds=0.03, sent=True))
+    assert s.sent == pytest.approx(GAIN)
+    assert s.chain_s(8, 0.3, 1.0, 0.01) == pytest.approx((1 - GAIN) * 0.3 + GAIN * max(s.verify_s(8), 0.03))
+    p.observe(Ahead(path_taken=False, held=False, seconds=0.03))  # could chain, went out unchained
+    assert s.sent == pytest.approx((1 - GAIN) * GAIN)
+    unchained = trained(AdaptivePolicy(FakeLink(0.1, 1e7)), verify_base=0.05, per_node=0.003)
+    unchained.observe(Pipelining(True, False))
+    unchained.observe(Ahead(path_taken=True, held=True, seconds=0.03, sent=True))
+    assert unchained.sizing.sent == 0.0  # rounds that could not chain say nothing of the share
 
 
 def test_pipelined_drafting_costs_only_where_the_guess_fails():
