@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from itertools import islice
 
 import pytest
 import torch
@@ -467,3 +468,40 @@ def test_a_signal_ends_a_sitting_with_a_checkpoint(tiny_target, tmp_path):
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     bundle = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert state["steps"] == 2 and bundle["training"]["steps"] == 2
+
+
+def test_a_sitting_fitted_to_its_time_anneals_before_the_limit(tiny_target, tmp_path):
+    """--fit-time: with each step costing 10 s on an injected clock, the budget shrinks to what the measured rate
+    reaches in the 200 s sitting, so the run ends at the schedule's floor instead of being cut off at its peak."""
+
+    def run(fit: bool) -> Trainer:
+        trainer = make_trainer(tiny_target, tmp_path / str(fit), 100_000, drafters=[("eagle", 0)])
+        trainer.run(stream(tiny_target.tokenizer), progress=False, time_limit_s=200, fit=fit,
+                    clock=lambda: 10.0 * trainer.steps)  # fmt: skip
+        return trainer
+
+    fitted, cut = run(True), run(False)
+    assert cut.cfg.tokens == 100_000 and cut.lr() > 0.9 * cut.cfg.lr  # stopped by the clock, mid-schedule
+    per_step = fitted.seen / fitted.steps
+    assert fitted.seen < 100_000 and fitted.cfg.tokens <= fitted.seen < fitted.cfg.tokens + per_step
+    assert fitted.steps <= 20  # done within the sitting's 200 s
+    assert fitted.cfg.tokens > 0.8 * 20 * per_step  # and it used most of it
+    assert fitted.lr() == pytest.approx(fitted.cfg.lr * fitted.cfg.min_lr_ratio)
+
+
+def test_fit_time_needs_a_time_limit(tmp_path, capsys):
+    assert splitspec(["train", "--drafter", "eagle", "--tokens", "100", "--out", str(tmp_path), "--fit-time"]) != 0
+    assert "--time-limit" in capsys.readouterr().err
+
+
+def test_the_draft_vocabulary_counts_the_shards_where_they_are_given(tiny_target, tmp_path):
+    """A GPU machine trains from shards without the dataset package: its vocabulary is counted over them."""
+    from client.training.shards import ShardStream, write_shards
+    from client.training.vocab import draft_vocab
+
+    write_shards(stream(tiny_target.tokenizer), tmp_path, sequences=30, progress=False, about={"seq_len": 64})
+    said = {t for ids, mask in islice(stream(tiny_target.tokenizer), 30) for t, m in zip(ids, mask, strict=True) if m}
+    ids, coverage = draft_vocab(tiny_target.tokenizer, 10_000, sample=30, stream=ShardStream(tmp_path))
+    assert set(ids.tolist()) == said | set(tiny_target.tokenizer.all_special_ids) and coverage == 1.0
+    small, part = draft_vocab(tiny_target.tokenizer, 40, sample=30, stream=ShardStream(tmp_path))
+    assert len(small) == 40 and set(small.tolist()) < set(ids.tolist()) and part < 1.0

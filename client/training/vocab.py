@@ -20,22 +20,24 @@ import torch
 from client.training.datasets import TrainingStream
 
 
-def token_counts(tokenizer, sample: int = 3000, seq_len: int = 512, seed: int = 0) -> Counter[int]:
+def token_counts(tokenizer, sample: int = 3000, seq_len: int = 512, seed: int = 0, stream=None) -> Counter[int]:
     """How often each token is said by the assistant in ``sample`` training sequences (another order than
-    training's, same data): count once, then cut vocabularies of several sizes from it."""
+    training's, same data; or the first of ``stream``'s, e.g. pre-written shards on a machine without the dataset):
+    count once, then cut vocabularies of several sizes from it."""
     counts: Counter[int] = Counter()
-    stream = TrainingStream(tokenizer, seq_len, seed=seed + 1)
+    stream = stream if stream is not None else TrainingStream(tokenizer, seq_len, seed=seed + 1)
     for ids, mask in islice(stream, sample):
         counts.update(t for t, m in zip(ids, mask, strict=True) if m)
     return counts
 
 
-def draft_vocab(tokenizer, size: int, sample: int = 3000, seq_len: int = 512, seed: int = 0,
-                extra: list[int] = (), counts: Counter[int] | None = None) -> tuple[torch.Tensor, float]:  # fmt: skip
+def draft_vocab(tokenizer, size: int, sample: int = 3000, seq_len: int = 512, seed: int = 0, extra: list[int] = (),
+                counts: Counter[int] | None = None, stream=None) -> tuple[torch.Tensor, float]:  # fmt: skip
     """The ``size`` most frequent assistant tokens of ``sample`` training sequences (+ specials), sorted; and
-    the share of those sample tokens they cover. ``counts`` (from ``token_counts``) saves counting again."""
+    the share of those sample tokens they cover. ``counts`` (from ``token_counts``) saves counting again;
+    ``stream`` counts its sequences instead of the dataset's (``token_counts``)."""
     if counts is None:
-        counts = token_counts(tokenizer, sample, seq_len, seed)
+        counts = token_counts(tokenizer, sample, seq_len, seed, stream)
     special = set(tokenizer.all_special_ids) | set(extra)
     chosen = set(special)
     for token, _ in counts.most_common():
