@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -86,6 +86,14 @@ train-pair: pair
 	@mkdir -p $(PAIR_TRAIN)
 	@[ -e $(PAIR_TRAIN)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN)/
 	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 4000000 --warmup-tokens 50000 --autocast none --bundle-dtype int8 --history --checkpoint-every 900 --time-limit $(SITTING_S) --out $(PAIR_TRAIN) --resume
+
+# One GPU sitting of the same three drafters, from scratch, fitted to GPU_SITTING_S seconds (--fit-time): the stream
+# written to shards first (14 M tokens, a minute and a half of tokenising), 24 x 512 tokens a step. An H200 trained
+# ~70k tokens a second (docs/training.md, "A lent GPU"); --resume goes on from PAIR_TRAIN_GPU's checkpoint.
+PAIR_TRAIN_GPU ?= $(HOME)/.cache/splitspec/train/qwen2.5-coder-1.5b-gpu
+GPU_SITTING_S ?= 480
+train-pair-gpu: pair
+	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 14000000 --warmup-tokens 200000 --batch-size 24 --bundle-dtype int8 --checkpoint-every 600 --time-limit $(GPU_SITTING_S) --fit-time --shards $(PAIR_TRAIN_GPU)/shards --out $(PAIR_TRAIN_GPU) --resume --device cuda
 
 # The learning curve of the pair's training (every checkpoint kept under PAIR_TRAIN/history)
 bench-pair-curve: pair
