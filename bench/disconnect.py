@@ -44,7 +44,7 @@ from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems
-from client.verifiers import LocalVerifier, first_spec
+from client.verifiers import LocalVerifier, Pending, first_spec
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.engine.models import DEFAULT_MODEL, load_target
@@ -81,13 +81,19 @@ class _Cut(Exception):
 
 
 class CutAfter:
-    """Wraps a RemoteVerifier so the link is cut silently before the first Verify after ``n`` tokens."""
+    """Wraps a RemoteVerifier so the link is cut silently before the first Verify after ``n`` tokens — a chained
+    round's (``verify_after``) too, whose verified tokens count as a plain round's do."""
 
     def __init__(self, verifier: RemoteVerifier, link, n: int):
         self.verifier, self.link, self.n = verifier, link, n
-        self.produced, self.cut_at, self.cut_time = 0, None, None
-        self._open, self._verify = verifier.open, verifier.verify
-        verifier.open, verifier.verify = self.open, self.verify
+        self.produced, self.cut_time = 0, None
+        self._open, self._verify, self._verify_after = verifier.open, verifier.verify, verifier.verify_after
+        verifier.open, verifier.verify, verifier.verify_after = self.open, self.verify, self.verify_after
+
+    @property
+    def cut_at(self) -> int | None:
+        """Tokens the server verified, once the link is cut: a reply already on its way when it was cut counts."""
+        return self.produced if self.cut_time is not None else None
 
     def open(self, *args, **kwargs):
         result = self._open(*args, **kwargs)
@@ -95,15 +101,26 @@ class CutAfter:
         return result
 
     def verify(self, tree, **kwargs):
-        if self.cut_at is None and self.produced >= self.n:
-            self.cut()
+        self._maybe_cut()
         result = self._verify(tree, **kwargs)
         self.produced += len(result.new_tokens)
         return result
 
-    def cut(self) -> None:
-        self.link.cut(silent=True)
-        self.cut_at, self.cut_time = self.produced, time.perf_counter()
+    def verify_after(self, length, assumed, tree, **kwargs) -> Pending:
+        self._maybe_cut()
+        pending = self._verify_after(length, assumed, tree, **kwargs)
+
+        def verdict():
+            result = pending.verdict()
+            self.produced += len(result.new_tokens)
+            return result
+
+        return Pending(verdict, pending.drop, pending.done)
+
+    def _maybe_cut(self) -> None:
+        if self.cut_time is None and self.produced >= self.n:
+            self.link.cut(silent=True)
+            self.cut_time = time.perf_counter()
 
 
 def agreement(out: list[int], reference: list[int], start: int, window: int) -> tuple[float | None, int | None]:
