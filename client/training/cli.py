@@ -189,18 +189,17 @@ def run(args: argparse.Namespace) -> int:
         bundle_dtype=args.bundle_dtype,
         data=SELF_DISTILLED.format(args.distill_temperature) if args.self_distill else SHAREGPT_DATA,
     )  # fmt: skip
+    if args.shards:  # written once, before anything reads them (the draft vocabulary, the training stream)
+        from client.training.shards import ShardStream
+
+        write_data(args, target)
     vocab_ids = bundle_vocab(args.out, drafters) if args.resume and not (args.out / CHECKPOINT).exists() else None
     if vocab_ids is not None:
         print(f"draft vocabulary: the {len(vocab_ids)} tokens of the bundles in {args.out} (a warm start keeps it)")
     elif args.draft_vocab:
         from client.training.vocab import draft_vocab
 
-        counted = None  # with shards, their sequences: a machine that trains from shards needs no dataset package
-        if args.shards:
-            from client.training.shards import ShardStream
-
-            write_data(args, target)
-            counted = ShardStream(args.shards)
+        counted = ShardStream(args.shards) if args.shards else None  # a machine training from shards needs no dataset
         vocab_ids, coverage = draft_vocab(target.tokenizer, args.draft_vocab, seq_len=args.seq_len, seed=args.seed,
                                           stream=counted)  # fmt: skip
         print(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.2%} of sampled assistant tokens")
@@ -211,12 +210,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(target, cfg, vocab_ids.to(target.device) if vocab_ids is not None else None, teacher)
     if args.resume and trainer.resume():
         print(f"resuming at {trainer.seen} tokens, step {trainer.steps}")
-    stream = None
-    if args.shards:
-        from client.training.shards import ShardStream
-
-        write_data(args, target)
-        stream = ShardStream(args.shards, skip=trainer.position)
+    stream = ShardStream(args.shards, skip=trainer.position) if args.shards else None
     stop_on_signals()
     metrics = trainer.run(stream, time_limit_s=args.time_limit, fit=args.fit_time)
     for name, m in metrics.items():
