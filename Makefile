@@ -87,13 +87,16 @@ train-pair: pair
 	@[ -e $(PAIR_TRAIN)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN)/
 	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 4000000 --warmup-tokens 50000 --autocast none --bundle-dtype int8 --history --checkpoint-every 900 --time-limit $(SITTING_S) --out $(PAIR_TRAIN) --resume
 
-# One GPU sitting of the same three drafters, from scratch, fitted to GPU_SITTING_S seconds (--fit-time): the stream
-# written to shards first (14 M tokens, a minute and a half of tokenising), 24 x 512 tokens a step. An H200 trained
-# ~70k tokens a second (docs/training.md, "A lent GPU"); --resume goes on from PAIR_TRAIN_GPU's checkpoint.
+# One GPU sitting of the same three drafters toward 40 M tokens, fitted to GPU_SITTING_S seconds (--fit-time): it goes
+# on from PAIR_TRAIN_GPU's checkpoint, else warm-starts from the shipped bundles (23 M tokens, a lent H200); the stream
+# is written to shards first (the budget's worth, ~135k tokens a second of tokenising), 24 x 512 tokens a step. An
+# H200 trained ~70k tokens a second (docs/training.md, "A lent GPU").
 PAIR_TRAIN_GPU ?= $(HOME)/.cache/splitspec/train/qwen2.5-coder-1.5b-gpu
 GPU_SITTING_S ?= 480
 train-pair-gpu: pair
-	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 14000000 --warmup-tokens 200000 --batch-size 24 --bundle-dtype int8 --checkpoint-every 600 --time-limit $(GPU_SITTING_S) --fit-time --shards $(PAIR_TRAIN_GPU)/shards --out $(PAIR_TRAIN_GPU) --resume --device cuda
+	@mkdir -p $(PAIR_TRAIN_GPU)
+	@[ -e $(PAIR_TRAIN_GPU)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN_GPU)/
+	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 40000000 --warmup-tokens 200000 --batch-size 24 --bundle-dtype int8 --checkpoint-every 600 --time-limit $(GPU_SITTING_S) --fit-time --shards $(PAIR_TRAIN_GPU)/shards --out $(PAIR_TRAIN_GPU) --resume --device cuda
 
 # The learning curve of the pair's training (every checkpoint kept under PAIR_TRAIN/history)
 bench-pair-curve: pair
