@@ -5,8 +5,12 @@ measured rates, ``SLACK`` times the server compute it is expected to take, and a
 verifier's cap (``rpc_timeout_s``), which is also the bound before the server's compute has been measured at all.
 The compute comes from what the server's replies report (``compute_s``). A forward's cost grows with its tokens, so
 two figures are kept: what a forward of a few tokens costs (a Verify, a streamed token) and what each token of a
-long forward (a prompt's prefill) costs, each the decayed maximum of what was seen (a busier server's batches make
-calls slower: the bound follows at once and relaxes slowly). A stream is bounded per gap, the time between two of
+forward of several costs (a tree, a prompt's prefill), each the decayed maximum of what was seen (a busier server's
+batches make calls slower: the bound follows at once and relaxes slowly). A call is expected to cost the larger of
+the two: on a GPU a prompt of 40 tokens costs about a step, on a CPU whose forwards are compute-bound (where a
+17-token tree costs several steps) it costs 40 times a tree's token — the step alone would bound it at a fraction of
+what it takes, and every such call would be lost. A tree's token includes its share of the step's fixed cost, so
+the figure errs long for longer calls, never short. A stream is bounded per gap, the time between two of
 its messages, so a stream of any length is watched as closely as one call.
 
 A missed bound is a lost call (``client.remote``), which the decode loop handles as a cut: offline generation, then
@@ -36,7 +40,7 @@ class Bounds:
     link: LinkMonitor
     cap_s: float = 120.0
     step_s: float | None = None  # a forward of at most SMALL tokens
-    token_s: float | None = None  # a token of a longer forward
+    token_s: float | None = None  # a token of a forward of several
 
     def observe(self, tokens: int, compute_s: float) -> None:
         """A reply reported ``compute_s`` for a call that ran ``tokens`` tokens through the target."""
@@ -44,19 +48,19 @@ class Bounds:
             return
         if tokens <= SMALL:
             self.step_s = compute_s if self.step_s is None else max(compute_s, DECAY * self.step_s)
-        else:
+        if tokens > 1:
             per = compute_s / tokens
             self.token_s = per if self.token_s is None else max(per, DECAY * self.token_s)
 
     def compute_s(self, tokens: int) -> float | None:
-        """The compute a call of ``tokens`` tokens is expected to take; None before any was measured. A long forward's
-        token never costs more than a whole short forward, so either figure stands in for the other."""
+        """The compute a call of ``tokens`` tokens is expected to take; None before any was measured. Either figure
+        stands in for the other: a token of a longer forward never costs more than a whole short forward."""
         if self.step_s is None and self.token_s is None:
             return None
-        if tokens <= SMALL:
-            return self.step_s if self.step_s is not None else SMALL * self.token_s
-        per = self.token_s if self.token_s is not None else self.step_s
-        return (self.step_s or 0.0) + tokens * per
+        step = self.step_s if self.step_s is not None else SMALL * self.token_s
+        if tokens <= 1:
+            return step
+        return max(step, tokens * (self.token_s if self.token_s is not None else step))
 
     def call_s(self, tokens: int = 1, up_bytes: int = 0, down_bytes: int = 0) -> float:
         """How long a call that runs ``tokens`` tokens and moves these bytes may take before it is lost."""

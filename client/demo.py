@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from client.offline import OFFLINE_CAP
@@ -26,6 +27,8 @@ from shared.engine.models import DEFAULT_MODEL
 from shared.server_process import cpus_label, server_child, two_machines
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of the same effect."
+RESUME_TRIES = 5  # the API baseline's breaks in a row with no token before it gives up (a cut yields tokens between)
+RESUME_WAIT_S = 120.0  # how long it waits for the server to come back after a break
 WARM_UP_TOKENS = 16  # per side, before the timed runs (see warm_up): past a payload, so the drafter drafts once
 
 
@@ -125,13 +128,17 @@ def narrated(policy_class):
     return Narrated
 
 
-def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show) -> dict:
-    """The streaming API as an app would use it through a cut: the stream breaks, the app waits for the
-    server and asks again for the rest (the prompt and what it already has). Its figures for the table."""
+def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: int = RESUME_TRIES,
+                 wait_s: float = RESUME_WAIT_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> dict:  # fmt: skip
+    """The streaming API as an app would use it through a cut: the stream breaks, the app waits (at most ``wait_s``)
+    for the server and asks again for the rest (the prompt and what it already has). A stream that breaks ``tries``
+    times in a row without a token is not a cut but a failure: raised, not retried for ever. Its figures for the
+    table."""
     from client.decode import api_generate
     from shared.errors import SplitspecError
 
-    before, start, out, calls = remote.counters.server_calls, time.perf_counter(), [], 0
+    before, start, out, barren = remote.counters.server_calls, time.perf_counter(), [], 0
     bytes_before = remote.counters.bytes_sent + remote.counters.bytes_received
     while len(out) < limit:
         got: list[int] = []
@@ -141,16 +148,19 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show) -> dict:
             show(done + tokens, [True] * (len(done) + len(tokens)))
 
         try:
-            calls += 1
             gen = api_generate(remote, prompt_ids + out, limit - len(out), on_update=update)
             out += gen.token_ids
             break
-        except SplitspecError:
+        except SplitspecError as exc:
             out += got
-            say(f"the API stream broke after {len(out)} tokens: waiting for the server to ask for the rest")
-            deadline = time.monotonic() + 120
-            while not remote.reachable(timeout_s=0.5) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            barren = 0 if got else barren + 1
+            if barren >= tries:
+                raise SplitspecError(f"the API stream broke {barren} times in a row before its first token "
+                                     f"(last: {exc}); giving up") from None  # fmt: skip
+            say(f"the API stream broke after {len(out)} tokens ({exc}): waiting for the server to ask for the rest")
+            deadline = clock() + wait_s
+            while not remote.reachable(timeout_s=0.5) and clock() < deadline:
+                sleep(0.2)
     wall = time.perf_counter() - start
     return {"tokens": len(out), "wall_s": wall, "tok_s": len(out) / wall, "wait_s": show.longest_wait,
             "stall_s": show.longest_stall, "server_calls": remote.counters.server_calls - before,

@@ -30,3 +30,47 @@ def test_the_verdict_judges_the_speed_it_prints():
     assert "(SLOWER)" in verdict(run, {"tok_s": 15.0, "wait_s": 3.5})
     assert "(faster)" in verdict({"tok_s": 20.0, "wait_s": 0.3}, {"tok_s": 15.0, "wait_s": 0.1})
     assert "(LONGER" in verdict({"tok_s": 20.0, "wait_s": 0.3}, {"tok_s": 15.0, "wait_s": 0.1})
+
+
+def test_the_api_baseline_gives_up_on_a_stream_that_never_starts(monkeypatch):
+    """A stream that breaks before its first token, again and again, is a failure, not a cut: the baseline stops after
+    RESUME_TRIES and says why (it once retried for ever, each try taking a place on the server). Breaks that yield
+    tokens between them are a cut and are resumed."""
+    import client.decode
+    from client.demo import RESUME_TRIES, api_resuming
+    from client.verifiers import LinkCounters
+    from shared.errors import SplitspecError
+
+    class Remote:
+        counters = LinkCounters()
+
+        def reachable(self, timeout_s):
+            return True
+
+    calls = []
+
+    def never(remote, prompt_ids, limit, on_update):
+        calls.append(len(prompt_ids))
+        raise SplitspecError("Generate unanswered within 1.09s")
+
+    monkeypatch.setattr(client.decode, "api_generate", never)
+    with pytest.raises(SplitspecError, match=f"broke {RESUME_TRIES} times in a row.*1.09s"):
+        api_resuming(Remote(), [1, 2, 3], 10, show=None, clock=lambda: 0.0, sleep=lambda s: None)
+    assert len(calls) == RESUME_TRIES
+
+    def a_token_a_try(remote, prompt_ids, limit, on_update):  # a link that breaks after every token: resumed
+        calls.append(len(prompt_ids))
+        on_update([7], [True])
+        raise SplitspecError("the link broke")
+
+    calls.clear()
+    monkeypatch.setattr(client.decode, "api_generate", a_token_a_try)
+    class Shown(list):
+        longest_wait = longest_stall = 0.0
+
+        def __call__(self, ids, verified):
+            self.append(list(ids))
+
+    shown = Shown()
+    out = api_resuming(Remote(), [1, 2, 3], 10, show=shown, clock=lambda: 0.0, sleep=lambda s: None)
+    assert out["tokens"] == 10 and calls == list(range(3, 13)) and shown[-1] == [7] * 10
