@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from client.offline import OFFLINE_CAP
@@ -196,15 +197,9 @@ def figures(gen, show: Show) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from client.adaptive import AdaptivePolicy
-    from client.cli import TextPrinter
-    from client.decode import generate
     from client.drafters import make_drafter, needs_target
-    from client.offline import Resilience
-    from client.remote import RemoteVerifier
     from netsim import Netsim, simulated_link
     from shared.engine.models import encode_prompt, load_target, load_tokenizer
-    from shared.engine.target import tokenizer_fingerprint
 
     trained = needs_target(args.drafter)
     target = load_target(args.model, dtype="auto", cache=args.cache_dir) if trained else None  # converted once
@@ -219,43 +214,61 @@ def run(args: argparse.Namespace) -> int:
         serve_args += ["--threads", "1"]
     print(f"splitspec demo: starting the server ({args.model}) and a simulated {args.network} link; "
           f"{cpus_label(cpus)} ...", file=sys.stderr, flush=True)  # fmt: skip
-    runs = {}
     with (
+        ThreadPoolExecutor(1, thread_name_prefix="splitspec-drafter") as pool,
         tempfile.TemporaryDirectory(prefix="splitspec-demo-") as workdir,
-        server_child(serve_args, Path(workdir), args.startup_timeout, cpus=cpus and cpus[0]) as address,
-        Netsim.start_own() as sim,
-        simulated_link(address, args.network, netsim=sim) as link,
     ):
-        drafter = make_drafter(args.drafter, target=target, tokenizer=tokenizer)
-        print(f"splitspec demo: server at {address}, reached through {link.address} ({args.network}); "
-              f"drafter {drafter.name} on this device\nprompt: {args.prompt}\n",
-              file=sys.stderr, flush=True)  # fmt: skip
-        remote = RemoteVerifier(link.address, fingerprint=tokenizer_fingerprint(tokenizer), drafter=drafter)
-        try:
-            warm_up(remote, drafter, prompt_ids)
-            show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
-                        remote.eos_token_ids)  # fmt: skip
-            policy = narrated(AdaptivePolicy).for_run(remote, drafter.payload_specs())
-            resilience = Resilience(keep_after_s=args.keep_after, offline_cap=args.offline_cap)
-            gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show,
-                           resilience=resilience)  # fmt: skip
-            show.text(gen.token_ids[show.shown :])
-            print(flush=True)
-            runs[f"split, {drafter.name}"] = figures(gen, show)
-            if not args.no_baseline:
-                say(f"the same prompt through the streaming API baseline, over the same {args.network} link, "
-                    "cut the same way")  # fmt: skip
-                show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
-                        remote.eos_token_ids)  # fmt: skip
-                runs["streaming API"] = api_resuming(remote, prompt_ids, args.max_new_tokens, show)
-                print(flush=True)
-        finally:
-            remote.shutdown()
+        # the drafter loads on this device's core while the server starts on its own
+        loading = pool.submit(make_drafter, args.drafter, target=target, tokenizer=tokenizer)
+        with (
+            server_child(serve_args, Path(workdir), args.startup_timeout, cpus=cpus and cpus[0]) as address,
+            Netsim.start_own() as sim,
+            simulated_link(address, args.network, netsim=sim) as link,
+        ):
+            drafter = loading.result()
+            runs = demo_runs(args, address, link, drafter, tokenizer, prompt_ids)
     print("\n", file=sys.stderr)
     print(summary(runs), file=sys.stderr)
     if len(runs) == 2:
         print(verdict(*runs.values()), file=sys.stderr)
     return 0
+
+
+def demo_runs(args: argparse.Namespace, address: str, link, drafter, tokenizer, prompt_ids: list[int]) -> dict:
+    """The split client through the cut, then the streaming API through the same cut: each run's figures."""
+    from client.adaptive import AdaptivePolicy
+    from client.cli import TextPrinter
+    from client.decode import generate
+    from client.offline import Resilience
+    from client.remote import RemoteVerifier
+    from shared.engine.target import tokenizer_fingerprint
+
+    runs = {}
+    print(f"splitspec demo: server at {address}, reached through {link.address} ({args.network}); "
+          f"drafter {drafter.name} on this device\nprompt: {args.prompt}\n",
+          file=sys.stderr, flush=True)  # fmt: skip
+    remote = RemoteVerifier(link.address, fingerprint=tokenizer_fingerprint(tokenizer), drafter=drafter)
+    try:
+        warm_up(remote, drafter, prompt_ids)
+        show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
+                    remote.eos_token_ids)  # fmt: skip
+        policy = narrated(AdaptivePolicy).for_run(remote, drafter.payload_specs())
+        resilience = Resilience(keep_after_s=args.keep_after, offline_cap=args.offline_cap)
+        gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show,
+                       resilience=resilience)  # fmt: skip
+        show.text(gen.token_ids[show.shown :])
+        print(flush=True)
+        runs[f"split, {drafter.name}"] = figures(gen, show)
+        if not args.no_baseline:
+            say(f"the same prompt through the streaming API baseline, over the same {args.network} link, "
+                "cut the same way")  # fmt: skip
+            show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
+                    remote.eos_token_ids)  # fmt: skip
+            runs["streaming API"] = api_resuming(remote, prompt_ids, args.max_new_tokens, show)
+            print(flush=True)
+    finally:
+        remote.shutdown()
+    return runs
 
 
 def verdict(split: dict, api: dict) -> str:
