@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             Netsim.start_own() as sim,
             simulated_link(address, args.network, netsim=sim) as link,
         ):
-            drafter = loading.result()
+            drafter = loading.result(timeout=args.startup_timeout)  # a local load: as long as the server's
             runs = demo_runs(args, address, link, drafter, tokenizer, prompt_ids)
     print("\n", file=sys.stderr)
     print(summary(runs), file=sys.stderr)

@@ -66,8 +66,8 @@ def test_grpc_greedy_equals_transformers(real_target, references):
     try:
         remote = RemoteVerifier(address, fingerprint=real_target.fingerprint)
         mismatches = []
-        for i, (ids, want) in enumerate(references):
-            gen = generate(remote, drafter_for(i + 1), ids, NEW_TOKENS)
+        for i, (ids, want) in list(enumerate(references))[::2]:  # half the prompts, every drafter: the local test
+            gen = generate(remote, drafter_for(i + 1), ids, NEW_TOKENS)  # has them all, test_paths every path
             if gen.token_ids != want:
                 mismatches.append((PROMPTS[i][0][:40], gen.token_ids, want))
         assert not mismatches, mismatches

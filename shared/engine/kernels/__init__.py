@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from functools import cache
@@ -260,9 +261,23 @@ def isa() -> str:
     return ops().isa()
 
 
+def compile_side_by_side() -> None:
+    """Compile the runnable builds not yet here at once, a process each, as many as there are CPUs: one source file
+    compiles on one core, so ``make setup`` pays about a minute, not a minute per build. A build that fails here is
+    tried again, and its failure told, by ``builds()``."""
+    todo = [tag for tag in runnable() if not _disabled() and not any(build_directory(tag).glob("*.so"))]
+    width = max(1, min(len(todo), os.cpu_count() or 1))
+    for start in range(0, len(todo), width):
+        children = [subprocess.Popen([sys.executable, "-c", f"from shared.engine.kernels import load; load({tag!r})"])
+                    for tag in todo[start : start + width]]  # fmt: skip
+        for child in children:
+            child.wait()
+
+
 def main() -> None:
     """``python -m shared.engine.kernels``: build every runnable ISA now (``make setup``), time them, say which is
     used."""
+    compile_side_by_side()
     loaded = builds()
     if not loaded:
         sys.exit(f"splitspec: {unavailable_reason()}")
