@@ -166,7 +166,7 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
     return {"tokens": len(out), "wall_s": wall, "tok_s": len(out) / wall, "wait_s": show.longest_wait,
             "stall_s": show.longest_stall, "server_calls": remote.counters.server_calls - before,
             "kib": (remote.counters.bytes_sent + remote.counters.bytes_received - bytes_before) / 1024,
-            "streamed": f"{len(out)}/{len(out)}", "acceptance_length": 1.0, "offline": "0",
+            "streamed": f"{len(out)}/{len(out)}", "acceptance_length": "1.00", "offline": "0",
             "verified": f"{len(out)}/{len(out)}"}  # fmt: skip
 
 
@@ -192,7 +192,8 @@ def figures(gen, show: Show) -> dict:
     return {"tokens": s.new_tokens, "wall_s": s.wall_s, "tok_s": s.tokens_per_s, "wait_s": show.longest_wait,
             "stall_s": show.longest_stall, "server_calls": s.server_calls,
             "kib": (s.bytes_sent + s.bytes_received) / 1024, "streamed": f"{s.streamed_tokens}/{s.new_tokens}",
-            "acceptance_length": s.acceptance_length, "offline": offline_kept(s.offline_tokens, s.offline_kept),
+            "acceptance_length": f"{s.acceptance_length:.2f}" if s.acceptance_length else "none drafted",
+            "offline": offline_kept(s.offline_tokens, s.offline_kept),
             "verified": f"{sum(gen.verified)}/{len(gen.verified)}"}  # fmt: skip
 
 
@@ -284,7 +285,7 @@ def verdict(split: dict, api: dict) -> str:
 ROWS = [("tokens", "tokens", "d"), ("wall s", "wall_s", ".1f"), ("tok/s", "tok_s", ".1f"),
         ("longest wait for text s", "wait_s", ".1f"), ("longest wait for verified text s", "stall_s", ".1f"),
         ("server calls", "server_calls", "d"), ("KiB on the link", "kib", ".0f"),
-        ("decoded by the server", "streamed", "s"), ("acceptance length (drafted rounds)", "acceptance_length", ".2f"),
+        ("decoded by the server", "streamed", "s"), ("acceptance length (drafted rounds)", "acceptance_length", "s"),
         ("offline tokens", "offline", "s"), ("verified", "verified", "s")]  # fmt: skip
 
 
