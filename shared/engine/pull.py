@@ -118,3 +118,13 @@ def run(args: argparse.Namespace) -> int:
     for name in args.names:
         pull(name, cache_dir(args.cache_dir), args.wheels)
     return 0
+
+
+if __name__ == "__main__":  # `python3 -m shared.engine.pull NAME...`: stdlib only, so `make pair` needs no venv
+    _parser = argparse.ArgumentParser(prog="python -m shared.engine.pull", description="install built-in models")
+    add_arguments(_parser)
+    try:
+        sys.exit(run(_parser.parse_args()))
+    except SplitspecError as exc:
+        sys.exit(f"splitspec: {exc}")
+
