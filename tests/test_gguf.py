@@ -184,6 +184,26 @@ def _logits(target, ids: list[int]) -> torch.Tensor:
         return engine.logits(hidden).float()
 
 
+def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):
+    """``read_header`` walks past the vocabulary instead of viewing each string: every tensor's place, shape, kind
+    and size, and the scalars, as gguf's own reader has them."""
+    from shared.engine.gguf import read_header
+
+    metadata, tensors = read_header(tiny_gguf)
+    theirs = gguf.GGUFReader(tiny_gguf)
+    assert metadata["general.architecture"] == "llama" and metadata["llama.block_count"] == 2
+    assert [t.name for t in theirs.tensors] == list(tensors)
+    for t in theirs.tensors:
+        ours = tensors[t.name]
+        assert (ours.shape, ours.tensor_type, ours.data_offset, ours.n_bytes, ours.n_elements) == (
+            tuple(int(d) for d in t.shape), t.tensor_type, int(t.data_offset), int(t.n_bytes), int(t.n_elements))
+    assert "tokenizer.ggml.tokens" not in metadata  # an array: skipped
+    broken = tiny_gguf.parent / "broken.gguf"
+    broken.write_bytes(tiny_gguf.read_bytes()[:4096])
+    with pytest.raises(SplitspecError, match="unreadable GGUF"):
+        Checkpoint(broken)
+
+
 def test_a_gguf_at_fp32_equals_transformers_reading_it(tiny_gguf, cache):
     """Read a tensor at a time (llama's q and k rows put back in a checkpoint's order), the fp32 engine decodes what
     transformers' own GGUF loader and ``generate`` decode."""

@@ -175,3 +175,21 @@ def test_the_edge_endpoint_drafts_with_its_own_moa(pair):
         finally:
             server.should_exit = True
             thread.join(timeout=10)
+
+
+def test_the_folder_a_gguf_stands_for_holds_the_tokenizer_autotokenizer_makes(tmp_path):
+    """``folder_for`` takes the tokenizer class registered for the config's type instead of AutoTokenizer (which
+    parses the header once more): the files it saves must be AutoTokenizer's, byte for byte."""
+    from transformers import AutoTokenizer
+
+    from shared.engine.gguf import folder_for
+
+    try:
+        path = gguf_path(DRAFTER, cache_dir())
+    except SplitspecError as exc:
+        pytest.skip(str(exc))
+    folder = folder_for(path, tmp_path)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path / "auto")
+    saved = sorted(p.name for p in (tmp_path / "auto").iterdir())
+    assert saved and {p: (folder / p).read_bytes() for p in saved} == {
+        p: (tmp_path / "auto" / p).read_bytes() for p in saved}

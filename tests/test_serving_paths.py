@@ -96,7 +96,7 @@ def test_a_close_call_is_timed_again_and_the_faster_timing_kept(monkeypatch):
     script = {"int4": [12.2, 9.4], "int8": [11.5, 12.3], "bf16": [45.0]}
     calls = []
 
-    def timed(cfg, path, clock, repeats):
+    def timed(cfg, path, clock, repeats, slices=None, drop_above=None):
         calls.append(path)
         ms = script[path].pop(0)
         return {n: ms * n for n in paths.SIZES}
@@ -106,6 +106,38 @@ def test_a_close_call_is_timed_again_and_the_faster_timing_kept(monkeypatch):
     assert calls == ["int4", "int8", "bf16", "int8", "int4"]
     assert table.ms["int4"][1] == 9.4 and table.ms["int8"][1] == 11.5 and table.ms["bf16"][1] == 45.0
     assert table.choose() == "int4" and paths.close_calls(table) == []
+
+
+def test_a_path_slower_than_fp32_is_dropped_after_one_forward_and_no_slice_is_built_twice(monkeypatch):
+    """fp32 may serve wherever any path may, so a path whose first timed forward already costs more than fp32's whole
+    mix is never chosen: it is dropped then (bf16 on AVX2 took ~15 s of a 0.5B's first load), and said so. The close
+    call's second timing (int4, int8) reuses the slices built for the first."""
+    now, builds, forwards = [0.0], [], []
+
+    class Slice:  # a forward 'takes' its path's ms on the injected clock
+        def __init__(self, path: str, ms: float):
+            self.path, self.ms = path, ms
+
+        def new_cache(self, n):
+            return None
+
+        def __call__(self, *args):
+            forwards.append(self.path)
+            now[0] += self.ms
+
+        def logits(self, h):
+            return h
+
+    cost = {"int4": 1.0, "int8": 1.1, "fp32": 4.0, "bf16": 20.0}
+    monkeypatch.setattr(paths, "_slice", lambda cfg, path: (builds.append(path), Slice(path, cost[path]), 1, 1)[1:])
+    cfg = dataclasses.make_dataclass("Cfg", [("num_layers", int), ("vocab_size", int)])(1, 1)
+    table = paths.measure(cfg, list(PATHS), clock=lambda: now[0] / 1000, repeats=3)
+    assert builds == ["int4", "int8", "fp32", "bf16"]
+    assert forwards.count("bf16") == 2 and forwards.count("int4") == 2 * 3 * 4  # warm-up + 1; two timings of 3 sizes
+    assert table.dropped == {"bf16": pytest.approx(12.0)} and "bf16" not in table.ms  # fp32: 3 forwards of 4 ms
+    assert table.choose(["bf16", "fp32"]) == "fp32" and table.choose() == "int4"
+    assert "bf16 > 12" in table.line("int4") and "bf16" in table.markdown()
+    assert Table.from_json(json.loads(json.dumps(table.to_json()))) == table
 
 
 def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_model_dir):

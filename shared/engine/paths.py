@@ -37,19 +37,21 @@ from shared.engine.files import cache_dir
 from shared.engine.layers import Rotary
 
 # path -> (dtype, weights) as load_target takes them
+# (timed in this order: fp32 before bf16, since fp32 may serve wherever any path may — ``drop_above``)
 PATHS: dict[str, tuple[str, str]] = {
     "int4": ("float32", "int4"),
     "int8": ("float32", "int8"),
-    "bf16": ("bfloat16", "native"),
     "fp32": ("float32", "native"),
+    "bf16": ("bfloat16", "native"),
 }
 SIZES = (1, 5, 17)  # tokens a timed forward verifies: plain decoding, a small tree, a full one
 MIX = (1, 5, 17)  # the forwards whose summed cost the served path minimises: one token, a small tree, a full one
 PREFIX = 128  # cached tokens every timed forward attends to
 SPILL_BYTES = 96 << 20  # built layers (and head rows) hold at least this much weight: past any L3 cache
 REPEATS = 5
+DROPPED = "one forward cost more than fp32's whole mix; not timed further"
 CLOSE = 1.2  # paths within this factor of each other are timed twice (``close_calls``)
-VERSION = 2  # bump when what is measured changes: old tables are then measured anew
+VERSION = 3  # bump when what is measured changes: old tables are then measured anew
 
 
 @dataclasses.dataclass
@@ -61,6 +63,7 @@ class Table:
     isa: str | None
     threads: int
     measured: str
+    dropped: dict[str, float] = dataclasses.field(default_factory=dict)  # path -> ms its mix surely exceeds
 
     def cost(self, path: str) -> float:
         """ms of the work mix on ``path``: one forward of each size in ``MIX``."""
@@ -86,7 +89,8 @@ class Table:
     def line(self, chosen: str, why: str = "") -> str:
         """The start-up line: the choice, why only some paths were candidates, and the figures behind it."""
         mix = " + ".join(str(n) for n in MIX)
-        figures = ", ".join(f"{p} {self.cost(p):.1f}" for p in sorted(self.ms, key=self.cost))
+        figures = ", ".join([f"{p} {self.cost(p):.1f}" for p in sorted(self.ms, key=self.cost)]
+                            + [f"{p} > {ms:.0f}" for p, ms in self.dropped.items()])  # fmt: skip
         return (f"splitspec: serving path {chosen}{f' ({why})' if why else ''}; ms of a {mix}-token mix on "
                 f"{self.cpu} ({self.threads} threads): {figures} (`splitspec kernels` for the table)")  # fmt: skip
 
@@ -98,18 +102,22 @@ class Table:
             ms = self.ms[p]
             ratios = " | ".join(f"{ms[n] / ms[1]:.2f}x" for n in SIZES[1:])
             rows.append(f"| {p} | " + " | ".join(f"{ms[n]:.2f}" for n in SIZES) + f" | {ratios} | {self.cost(p):.2f} |")
+        for p, ms in self.dropped.items():
+            rows.append(f"| {p} | " + "– | " * (2 * len(SIZES) - 1) + f"> {ms:.2f} ({DROPPED}) |")
         return "\n".join(rows)
 
     def to_json(self) -> dict:
         return {"version": VERSION, "ms": {p: {str(n): v for n, v in d.items()} for p, d in self.ms.items()},
-                "cpu": self.cpu, "isa": self.isa, "threads": self.threads, "measured": self.measured}  # fmt: skip
+                "cpu": self.cpu, "isa": self.isa, "threads": self.threads, "measured": self.measured,
+                "dropped": self.dropped}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Table:
         if d.get("version") != VERSION:
             raise ValueError(f"paths table version {d.get('version')}, expected {VERSION}")
         ms = {p: {int(n): float(v) for n, v in sizes.items()} for p, sizes in d["ms"].items()}
-        return cls(ms, d["cpu"], d["isa"], int(d["threads"]), d["measured"])
+        dropped = {p: float(v) for p, v in d.get("dropped", {}).items()}
+        return cls(ms, d["cpu"], d["isa"], int(d["threads"]), d["measured"], dropped)
 
 
 def runnable_paths() -> list[str]:
@@ -146,13 +154,24 @@ def _model(cfg, path: str, layers: int, rows: int):
     return prepare(model, DTYPES[dtype], "cpu", exact=True, weights=weights)
 
 
-def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int) -> dict[int, float]:
-    """ms of the whole model's forward per size for one path, extrapolated from a slice of it."""
+def _slice(cfg, path: str):
+    """(a slice of the model built for ``path``, its layers, its vocabulary rows): enough to overflow the caches."""
     per_layer = _layer_params(cfg) * BYTES_PER_PARAM[path]
     layers = max(1, min(cfg.num_layers, math.ceil(SPILL_BYTES / per_layer)))
     head_bytes = {"int4": 1.0, "int8": 1.0}.get(path, BYTES_PER_PARAM[path])  # the head stays int8 when low-bit
     rows = max(1, min(cfg.vocab_size, math.ceil(SPILL_BYTES / (head_bytes * cfg.hidden_size))))
-    model = _model(cfg, path, layers, rows)
+    return _model(cfg, path, layers, rows), layers, rows
+
+
+def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices: dict | None = None,
+               drop_above: float = math.inf) -> dict[int, float] | None:  # fmt: skip
+    """ms of the whole model's forward per size for one path, extrapolated from a slice of it (built once, kept in
+    ``slices`` where given). None, after one timed forward, where that forward alone cost more than ``drop_above``
+    ms: the path cannot be chosen, and timing it through would cost seconds (bf16 on AVX2: ~15 s for a 0.5B)."""
+    slices = {} if slices is None else slices
+    if path not in slices:
+        slices[path] = _slice(cfg, path)
+    model, layers, rows = slices[path]
     cache = model.new_cache(PREFIX + max(SIZES))
     out: dict[int, float] = {}
     with torch.inference_mode():
@@ -169,6 +188,8 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int) -> dict
                 if i:
                     blocks.append(t1 - t0)
                     head.append(t2 - t1)
+                    if 1e3 * ((t1 - t0) * cfg.num_layers / layers + (t2 - t1) * cfg.vocab_size / rows) > drop_above:
+                        return None
             med = lambda s: sorted(s)[len(s) // 2]  # noqa: E731
             out[n] = 1e3 * (med(blocks) * cfg.num_layers / layers + med(head) * cfg.vocab_size / rows)
     return out
@@ -176,16 +197,26 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int) -> dict
 
 def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = time.perf_counter,
             repeats: int = REPEATS, progress=None) -> Table:  # fmt: skip
-    """Time every path (default: every one this machine has) on ``cfg``'s shapes."""
-    ms = {}
+    """Time every path (default: every one this machine has, in ``PATHS``' order) on ``cfg``'s shapes. A path whose
+    one timed forward already costs more than fp32's whole mix is dropped: fp32 may serve wherever any path may
+    (``shared.engine.models.served_paths``), so such a path is never chosen. The slices of the two cheapest paths so
+    far are kept for the close call's second timing."""
+    ms, dropped, slices = {}, {}, {}
     for path in paths or runnable_paths():
         if progress:
             progress(path)
-        ms[path] = _time_path(cfg, path, clock, repeats)
+        bound = sum(ms["fp32"][n] for n in MIX) if "fp32" in ms else math.inf
+        timed = _time_path(cfg, path, clock, repeats, slices, drop_above=bound)
+        if timed is None:
+            dropped[path] = bound
+        else:
+            ms[path] = timed
+        for other in sorted(ms, key=lambda p: sum(ms[p][n] for n in MIX))[2:] + list(dropped):
+            slices.pop(other, None)
     table = Table(ms, kernels.cpu_label(), kernels.active() if kernels.available() else None,
-                  torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+                  torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"), dropped)  # fmt: skip
     for path in reversed(close_calls(table)):  # timed again, in the other order, and the faster timing kept
-        again = _time_path(cfg, path, clock, repeats)
+        again = _time_path(cfg, path, clock, repeats, slices)
         ms[path] = {n: min(ms[path][n], again[n]) for n in ms[path]}
     return table
 
