@@ -78,14 +78,20 @@ def test_offline_tokens_the_target_agrees_with_are_all_kept(tiny_target, plain, 
     assert out[:TOTAL] == plain[:TOTAL]
 
 
-def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target, plain):
+def absorbed(tiny_target, tail_after):
+    """A moa-tli1 drafter four online rounds in, then the offline ``tail_after(n)`` (n: the tokens so far) absorbed:
+    (drafter, verifier, the tokens so far, the tail)."""
     d = drafter(tiny_target, "moa-tli1")
     verifier, out = start(tiny_target, d, online=4)
-    n = len(out)
-    wrong = (plain[n + 3] + 1) % 200 + 6
-    tail = plain[n : n + 3] + [wrong, 7, 8]
+    tail = tail_after(len(out))
     for token in tail:
         d.absorb([token])
+    return d, verifier, out, tail
+
+
+def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target, plain):
+    d, verifier, out, tail = absorbed(tiny_target, lambda n: plain[n : n + 3] + [(plain[n + 3] + 1) % 200 + 6, 7, 8])
+    n = len(out)
     assert settle_verify(verifier, d, tail, max_nodes=16) == plain[n : n + 4]
     out += plain[n : n + 4]
     online_rounds(verifier, d, out, TOTAL)
@@ -94,16 +100,11 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
 
 def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(tiny_target, plain):
     """4 tokens first, then 8, then 16: a tail wrong early costs one small forward, a right one few calls."""
-    d = drafter(tiny_target, "moa-tli1")
-    verifier, out = start(tiny_target, d, online=4)
-    n = len(out)
+    d, verifier, out, tail = absorbed(tiny_target, lambda n: plain[n : n + 20])
     sizes, verify = [], verifier.verify
     verifier.verify = lambda tree, timeout_s=None, **kw: sizes.append(len(tree)) or verify(tree, timeout_s, **kw)
-    tail = plain[n : n + 20]
-    for token in tail:
-        d.absorb([token])
     assert settle_verify(verifier, d, tail, max_nodes=64)[:20] == tail and sizes == [4, 8, 6]
-    out += plain[n : n + 21]
+    out += plain[len(out) : len(out) + 21]
     online_rounds(verifier, d, out, TOTAL)
     assert out[:TOTAL] == plain[:TOTAL]
 
