@@ -145,7 +145,7 @@ def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_m
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
     calls = []
-    monkeypatch.setattr(paths, "measure", lambda c: calls.append(c) or ZEN5)
+    monkeypatch.setattr(paths, "measure", lambda c, progress=None: calls.append(c) or ZEN5)
     assert paths.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1
     assert paths.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1  # read back, not measured again
     other = dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size)
