@@ -142,15 +142,25 @@ BYTES_PER_PARAM = {"int4": 0.5625, "int8": 1.0, "bf16": 2.0, "fp32": 4.0}
 
 
 def _model(cfg, path: str, layers: int, rows: int):
-    """A ``Transformer`` of ``cfg``'s shapes with ``layers`` blocks and ``rows`` vocabulary rows, random weights,
-    made ready for ``path`` exactly as ``shared.engine.decoder.load_engine`` makes a checkpoint."""
+    """A ``Transformer`` of ``cfg``'s shapes with ``layers`` blocks and ``rows`` vocabulary rows, random weights (a
+    block of normal values repeated), made ready for ``path`` exactly as ``shared.engine.decoder.load_engine`` makes
+    a checkpoint."""
     # tied: one random [rows, hidden] table for the embeddings and the head (the timed forward reads the head's rows
     # either way), not two — the first load of a 1.5B model peaked at 2.8 GB here with both
     small = dataclasses.replace(cfg, num_layers=layers, vocab_size=rows, max_positions=PREFIX + max(SIZES) + 1,
                                 tie_embeddings=True)  # fmt: skip
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
-    torch.manual_seed(0)
-    model = Transformer(small, Rotary(inv_freq, 1.0, small.max_positions))
+    rotary = Rotary(inv_freq, 1.0, small.max_positions)
+    with torch.device("meta"):  # no initialisation: torch's random init of a slice took 2-3 s of its 5-7 on AVX2
+        model = Transformer(small, rotary)
+    model.to_empty(device="cpu")
+    model.lm_head.weight = model.embed_tokens.weight  # (to_empty unties them)
+    fill = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.05  # a block of values, repeated
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.view(-1)
+            for i in range(0, flat.numel(), fill.numel()):
+                flat[i : i + fill.numel()] = fill[: flat.numel() - i]
     dtype, weights = PATHS[path]
     return prepare(model, DTYPES[dtype], "cpu", exact=True, weights=weights)
 
