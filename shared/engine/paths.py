@@ -183,6 +183,7 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices:
     if path not in slices:
         slices[path] = _slice(cfg, path)
     model, layers, rows = slices[path]
+    whole = lambda blocks, head: 1e3 * (blocks * cfg.num_layers / layers + head * cfg.vocab_size / rows)  # noqa: E731
     cache = model.new_cache(PREFIX + max(SIZES))
     out: dict[int, float] = {}
     with torch.inference_mode():
@@ -199,10 +200,10 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices:
                 if i:
                     blocks.append(t1 - t0)
                     head.append(t2 - t1)
-                    if 1e3 * ((t1 - t0) * cfg.num_layers / layers + (t2 - t1) * cfg.vocab_size / rows) > drop_above:
+                    if whole(t1 - t0, t2 - t1) > drop_above:
                         return None
             med = lambda s: sorted(s)[len(s) // 2]  # noqa: E731
-            out[n] = 1e3 * (med(blocks) * cfg.num_layers / layers + med(head) * cfg.vocab_size / rows)
+            out[n] = whole(med(blocks), med(head))
     return out
 
 
@@ -212,20 +213,20 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
     one timed forward already costs more than fp32's whole mix is dropped: fp32 may serve wherever any path may
     (``shared.engine.models.served_paths``), so such a path is never chosen. The slices of the two cheapest paths so
     far are kept for the close call's second timing."""
-    ms, dropped, slices = {}, {}, {}
+    table = Table({}, kernels.cpu_label(), kernels.active() if kernels.available() else None,
+                  torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    ms, slices = table.ms, {}
     for path in paths or runnable_paths():
         if progress:
             progress(path)
-        bound = sum(ms["fp32"][n] for n in MIX) if "fp32" in ms else math.inf
+        bound = table.cost("fp32") if "fp32" in ms else math.inf
         timed = _time_path(cfg, path, clock, repeats, slices, drop_above=bound)
         if timed is None:
-            dropped[path] = bound
+            table.dropped[path] = bound
         else:
             ms[path] = timed
-        for other in sorted(ms, key=lambda p: sum(ms[p][n] for n in MIX))[2:] + list(dropped):
+        for other in sorted(ms, key=table.cost)[2:] + list(table.dropped):
             slices.pop(other, None)
-    table = Table(ms, kernels.cpu_label(), kernels.active() if kernels.available() else None,
-                  torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"), dropped)  # fmt: skip
     for path in reversed(close_calls(table)):  # timed again, in the other order, and the faster timing kept
         again = _time_path(cfg, path, clock, repeats, slices)
         ms[path] = {n: min(ms[path][n], again[n]) for n in ms[path]}
