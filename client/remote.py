@@ -483,8 +483,8 @@ class RemoteVerifier(Verifier):
                ) -> Iterator[Verdict]:  # fmt: skip
         """The server decodes the session by itself and streams each token with the payload of the token it cached
         (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
-        made past what was received are rolled back by the next call's ``length``. ``timeout_s`` bounds the whole
-        stream (a silent cut is noticed by the heartbeat, which aborts it)."""
+        made past what was received are the next call's first (its ``length`` says where). ``timeout_s`` bounds the
+        whole stream (a silent cut is noticed by the heartbeat, which aborts it)."""
         request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
                                    stop_token_ids=stop_ids, payload=spec.to_msg(),
                                    payload_every=payload_every, lookup=lookup)  # fmt: skip

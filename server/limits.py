@@ -31,6 +31,8 @@ class ServerLimits:
     prefill_chunk: int = limit(256, "--prefill-chunk", "prompt tokens per forward: other sessions' calls run "
                                "between the pieces of a long prompt")
     kv_memory_mb: int = limit(4096, "--kv-memory-mb", "MiB of KV cache all sessions together may hold")
+    keep_decoding: int = limit(64, "--keep-decoding", "tokens a Decode stream goes on decoding after its client left "
+                               "mid-stream (a cut link): the client's next call takes them without compute")
     evict_idle_s: float = limit(1.0, "--evict-idle", "seconds a session must have been idle before it may be evicted "
                                 "to admit a new one (its client reopens it from history)")
 

@@ -13,6 +13,8 @@ import functools
 import inspect
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -31,10 +33,10 @@ from server.sessions import Session, SessionStore, StoreFull
 from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
 from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS, PUSHBACK
-from shared.engine.target import INITIAL_CAPACITY, Target
+from shared.engine.target import INITIAL_CAPACITY, Target, Verdict
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, feature_kinds
-from shared.tree import DraftTree, validate_tree
+from shared.tree import ROOT, DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
@@ -277,7 +279,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _lock(self, session, wait_s: float = LOCK_WAIT_S) -> None:
         """Take the session's lock, waiting briefly for a call just ending (ABORTED if another holds it on); a chained
         Verify waits longer, for the round before it to be verified."""
-        if not session.lock.acquire(timeout=wait_s):
+        if not session.acquire(wait_s):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
 
     def _load(self, context_len: int) -> pb.Load:
@@ -384,37 +386,57 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             if request.assumed and not self._assumption_holds(session, request, context):
                 self.metrics.chained_stale.inc()
                 return pb.VerifyReply(stale=True, length=len(sequence.tokens), load=self._load(len(sequence.tokens)))
-            if not request.assumed:
-                self._sequence(session, request.length)
-            if len(sequence.tokens) + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
+            held = self._held(session, request.length + len(request.assumed) if request.length else 0)
+            base = len(sequence.tokens) - len(held)  # the client's length: what the tree follows
+            if base + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
                     grpc.StatusCode.OUT_OF_RANGE,
-                    f"{len(sequence.tokens)} tokens plus a tree of {len(tokens)} exceed the context limit "
-                    f"of {self.limits.max_context}",
+                    f"{base} tokens plus a tree of {len(tokens)} exceed the context limit of {self.limits.max_context}",
                 )
-            start, before, base = time.perf_counter(), sequence.cached_len, len(sequence.tokens)
+            start, before = time.perf_counter(), sequence.cached_len - len(held)
             try:
-                verdict = sequence.verify(DraftTree(tokens, parents), self._runner(context))
-                session.verified = (base, len(sequence.tokens))
-                session.keep_hidden(verdict)
-                payload = self._payload(session, spec, before, sequence.cached_len)
+                verdict, computed = self._judge(session, DraftTree(tokens, parents), held, context)
+                session.verified = (base, base + len(verdict.new_tokens))
+                payload = self._payload(session, spec, before, before + len(verdict.new_tokens))
             except Exception:
                 self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
         finally:
             session.release()
         m, st = self.metrics, session.stats
-        m.tokens_verified.inc(verdict.verified_nodes)
+        m.tokens_verified.inc(computed)
         m.tree_nodes_cut.inc(len(tokens) - verdict.verified_nodes)
         m.tokens_accepted.inc(len(verdict.accepted))
         m.tokens_generated.inc(len(verdict.new_tokens))
         m.verify_seconds.observe(time.perf_counter() - arrived)
-        st.rounds, st.nodes = st.rounds + 1, st.nodes + verdict.verified_nodes
+        st.rounds, st.nodes = st.rounds + 1, st.nodes + computed
         st.accepted += len(verdict.accepted)
         st.verify_s += time.perf_counter() - start
-        return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus, length=len(sequence.tokens),
-                              compute_s=time.perf_counter() - start, payload=payload, verified=verdict.verified_nodes,
+        return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus,
+                              length=base + len(verdict.new_tokens), compute_s=time.perf_counter() - start,
+                              payload=payload, verified=verdict.verified_nodes,
                               load=self._load(len(sequence.tokens)))  # fmt: skip
+
+    def _judge(self, session, tree: DraftTree, held: list[int], context) -> tuple[Verdict, int]:
+        """``tree`` verified after the client's length, ``held`` being the tokens the session already holds past it
+        (decoded for a stream whose client left, or a reply the client lost): they are the target's own choices, so
+        the nodes that spell them are accepted with no forward, and the first held token they miss is the bonus —
+        the session keeps every held token. Only a path that goes past them all has the rest of its subtree
+        verified. Returns the verdict and how many nodes a forward verified."""
+        path = tree.follow(held)
+        if len(path) < len(held):
+            return Verdict(path, [tree.tokens[i] for i in path] + [held[len(path)]], verified_nodes=len(tree)), 0
+        last = path[-1] if path else ROOT
+        rest, nodes = tree.subtree(last), tree.descendants(last)
+        verdict = session.sequence.verify(rest, self._runner(context))
+        session.keep_hidden(verdict)
+        cut = verdict.verified_nodes if verdict.verified_nodes is not None else len(rest)
+        if not path:
+            return verdict, cut
+        verified = nodes[cut] if cut < len(nodes) else len(tree)  # the first node not verified, by its index here
+        accepted = path + [nodes[i] for i in verdict.accepted]
+        return Verdict(accepted, [tree.tokens[i] for i in path] + verdict.new_tokens, verdict.compute_s,
+                       verdict.features, verified), cut
 
     @staticmethod
     def _assumption_holds(session, request, context) -> bool:
@@ -427,14 +449,16 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             session.changed.wait(min(1.0, give_up - time.monotonic()))
         return session.verified == (request.length, end) and sequence.tokens[request.length :] == list(request.assumed)
 
-    def _sequence(self, session, length: int) -> None:
-        """The client's committed ``length`` (0: unchecked): fewer than held rolls back what it never received."""
+    @staticmethod
+    def _held(session, length: int) -> list[int]:
+        """The tokens the session holds past the client's committed ``length`` (0: unchecked, none): the target's own,
+        which the client never received (a stream it left, a reply it lost). They are not rolled back: the call
+        takes them first (``_judge``, ``_decode``)."""
         held = len(session.sequence.tokens)
         if length > held:  # a sequencer check: ABORTED, as gRPC says
             raise Abort(grpc.StatusCode.ABORTED,
                         f"client believes the session holds {length} tokens, the server holds {held}")  # fmt: skip
-        if length and length < held:  # a reply (or streamed tokens) the client never got: roll back
-            session.truncate(length)
+        return session.sequence.tokens[length:] if length else []
 
     @rpc
     def FetchPayload(self, request, context):
@@ -493,70 +517,108 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         return self._decode(session, request, spec, stop, context)
 
     def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
-        """Steps on the session, one token a chunk, the payload of the tokens cached since the last one every
-        ``payload_every`` tokens and on the last chunk; holds the session's lock from its first step until the
-        stream ends (its last token, the client gone, or a failure). ``session`` None: open it first (its prefill's
-        token is the first chunk, sent before the prompt's features, which go with the second). With
-        ``request.lookup`` a step may verify the server's own prompt-lookup draft (``SelfDraft``): several tokens."""
-        every, budget = max(1, request.payload_every), request.max_new_tokens
+        """The stream of a Decode call (``session`` None: open it first). Its steps run on a thread of their own
+        (``_decoding``), which holds the session's lock from the first step to the last: a client that leaves
+        mid-stream (a cut link) does not stop them, since the tokens it asked for are the target's own whoever reads
+        them. They go on for at most ``keep_decoding`` tokens of its budget, or until another call for the session
+        comes (``Session.wanted``); the client's next call takes them with no compute (``_held``)."""
         start, prefilled = time.perf_counter(), None
         if session is None:
             session, prefilled = self._open(request.prompt_ids, request.sampling, spec, context)
-        sequence = session.sequence
         self._lock(session)
         try:
-            self._sequence(session, request.length)
+            held = self._held(session, request.length)
             session.verified = None  # no round a chained Verify may follow
-            if len(sequence.tokens) + 1 > self.limits.max_context:
-                raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(sequence.tokens)} tokens fill the "
-                            f"context limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
-            drafter = SelfDraft(sequence.tokens, request.lookup) if request.lookup else None
-            sent = sequence.cached_len if prefilled is None else 0  # payloads sent up to here
-            produced = 0
-            while True:
-                first = produced == 0 and prefilled is not None
-                if not context.is_active():
-                    if first:  # the client never learnt the session's id
-                        self.sessions.pop(session.id, reason="cancelled")
-                    return
-                try:
-                    if first:
-                        tokens, compute_s = [prefilled], time.perf_counter() - start
-                    else:
-                        tokens, compute_s = self._step(session, drafter, budget - produced, stop, context)
-                    produced += len(tokens)
-                    full = len(sequence.tokens) + 1 > self.limits.max_context
-                    reason = ("stop" if tokens[-1] in stop else "length" if produced >= budget
-                              else "context" if full else "")  # fmt: skip
-                    payload = None
-                    if reason or (sequence.cached_len - sent >= every and not first):
-                        payload, sent = self._payload(session, spec, sent, sequence.cached_len), sequence.cached_len
-                except Abort:
-                    raise
-                except Exception:
-                    self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
-                    raise
-                length = len(sequence.tokens) - len(tokens)
-                for i, token in enumerate(tokens):  # a step's compute goes with its first token, its payload its last
-                    last = i == len(tokens) - 1
-                    told = first or (last and (payload is not None or reason))  # the load: now and then is enough
-                    yield pb.DecodeChunk(token=token, length=length + i + 1, compute_s=0.0 if i else compute_s,
-                                         payload=payload if last else None, finish_reason=reason if last else "",
-                                         load=self._load(len(sequence.tokens)) if told else None,
-                                         session_id=session.id if first else "")  # fmt: skip
-                if reason:
-                    return
-        finally:
+            if not held and len(session.sequence.tokens) + 1 > self.limits.max_context:
+                raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(session.sequence.tokens)} tokens fill "
+                            f"the context limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
+        except BaseException:
             session.release()
+            raise
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
 
-    def _step(self, session, drafter: SelfDraft | None, budget: int, stop: set[int],
-              context) -> tuple[list[int], float]:  # fmt: skip
+        def produce() -> None:
+            try:
+                for chunk in self._decoding(session, request, spec, stop, held, (prefilled, start), context):
+                    chunks.put(chunk)
+            except BaseException as exc:  # noqa: BLE001 - the stream ends with it (its status), the server goes on
+                chunks.put(exc)
+            finally:
+                session.release()
+                chunks.put(None)
+
+        threading.Thread(target=produce, name="splitspec-decode", daemon=True).start()
+        return self._streamed(chunks)
+
+    @staticmethod
+    def _streamed(chunks: queue.SimpleQueue) -> Iterator[pb.DecodeChunk]:
+        """What ``_decode``'s thread makes, as the call's stream (an error it met ends the stream with it)."""
+        while (chunk := chunks.get()) is not None:
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
+
+    def _decoding(self, session, request, spec: PayloadSpec, stop: set[int], held: list[int], prefilled, context):
+        """Steps on the session, one token a chunk, the payload of the tokens cached since the last one every
+        ``payload_every`` tokens and on the last chunk. ``held``: tokens the session holds past the client's length,
+        streamed first without a forward. ``prefilled``: (the first token, when the call opened the session; the
+        call's start) — that token is the first chunk, sent before the prompt's features, which go with the second.
+        With ``request.lookup`` a step may verify the server's own prompt-lookup draft (``SelfDraft``): several
+        tokens. A client gone: see ``_decode``."""
+        sequence, every, budget = session.sequence, max(1, request.payload_every), request.max_new_tokens
+        (first_token, start), held = prefilled, list(held)
+        drafter = SelfDraft(sequence.tokens, request.lookup) if request.lookup else None
+        at = len(sequence.tokens) - len(held) - (first_token is not None)  # the client's length before each chunk
+        sent = max(0, at - 1) if first_token is None else 0  # cached tokens whose payloads the client has
+        produced, left_at = 0, None  # left_at: tokens produced when the client was found gone
+        while True:
+            first = produced == 0 and first_token is not None
+            if not context.is_active():
+                if first:  # the client never learnt the session's id
+                    self.sessions.pop(session.id, reason="cancelled")
+                    return
+                left_at = produced if left_at is None else left_at
+                if session.wanted.is_set() or produced - left_at >= self.limits.keep_decoding:
+                    return
+            try:
+                if first:
+                    tokens, compute_s = [first_token], time.perf_counter() - start
+                elif held:
+                    tokens, compute_s = held[: budget - produced], 0.0
+                    tokens = tokens[: next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))]
+                    held = held[len(tokens) :]
+                else:
+                    tokens, compute_s = self._step(session, drafter, budget - produced, stop)
+                produced += len(tokens)
+                full = at + len(tokens) + 1 > self.limits.max_context
+                reason = ("stop" if tokens[-1] in stop else "length" if produced >= budget
+                          else "context" if full else "")  # fmt: skip
+                payload, cached = None, at + len(tokens) - 1
+                if reason or (cached - sent >= every and not first):
+                    payload, sent = self._payload(session, spec, sent, cached), cached
+            except (Abort, ShuttingDown):
+                raise
+            except Exception:
+                self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
+                raise
+            for i, token in enumerate(tokens):  # a step's compute goes with its first token, its payload its last
+                last = i == len(tokens) - 1
+                told = first or (last and (payload is not None or reason))  # the load: now and then is enough
+                yield pb.DecodeChunk(token=token, length=at + i + 1, compute_s=0.0 if i else compute_s,
+                                     payload=payload if last else None, finish_reason=reason if last else "",
+                                     load=self._load(len(sequence.tokens)) if told else None,
+                                     session_id=session.id if first else "")  # fmt: skip
+            at += len(tokens)
+            if reason:
+                return
+
+    def _step(self, session, drafter: SelfDraft | None, budget: int, stop: set[int]) -> tuple[list[int], float]:
         """One forward of a Decode stream: its new tokens (at most ``budget``, none past a stop token; the session
         keeps only those) and its seconds."""
         sequence, m, start = session.sequence, self.metrics, time.perf_counter()
         room = min(budget, self.limits.max_context - len(sequence.tokens)) - 1  # drafted tokens, besides the bonus
         tree = drafter.propose(room) if drafter is not None and room > 0 else DraftTree()
-        verdict = sequence.verify(tree, self._runner(context))
+        verdict = sequence.verify(tree, self.batcher.run)  # (not the call's runner: a client gone does not stop it)
         session.keep_hidden(verdict)
         tokens = verdict.new_tokens
         end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
@@ -587,12 +649,15 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             if not context.is_active():
                 return
             b = min(a + chunk, end)
-            with session.lock:
-                if b > session.sequence.cached_len:  # a Verify resent after a lost reply rolled the session back
+            self._lock(session)
+            try:
+                if b > session.sequence.cached_len:  # the session was rolled back meanwhile (a stop token, a failure)
                     raise Abort(grpc.StatusCode.ABORTED,
                                 f"the session now caches {session.sequence.cached_len} tokens: payload range "
                                 f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
                 msg = payloads.export(session, spec, self.lsas, a, b)
+            finally:
+                session.lock.release()
             yield msg
 
     def _stream(self, prompt, sampling, budget, stop, context):

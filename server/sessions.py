@@ -62,9 +62,21 @@ class Session:
     # follows, which tokens alike in number and value left otherwise (a cancelled stream's, decoded past what its
     # client took) must not stand in for
     verified: tuple[int, int] | None = None
+    # set while a call waits for ``lock``: a Decode stream whose client left and that decodes on for it stops at its
+    # next token (the client is back and asks for something else)
+    wanted: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
+
+    def acquire(self, timeout_s: float) -> bool:
+        """Take ``lock`` within ``timeout_s`` seconds (False if another call holds it on), telling a stream that decodes
+        on for a client that left to stop."""
+        self.wanted.set()
+        if not self.lock.acquire(timeout=timeout_s):
+            return False
+        self.wanted.clear()
+        return True
 
     def release(self) -> None:
         """Let go of ``lock`` after a call that may have changed the sequence, waking a chained call waiting for it."""

@@ -32,18 +32,25 @@ class DraftTree:
         """The first ``k`` nodes: itself a tree when nodes come parents first (EAGLE-2's rank order)."""
         return DraftTree(self.tokens[:k], self.parents[:k], None if self.scores is None else self.scores[:k])
 
+    def descendants(self, node: int) -> list[int]:
+        """The nodes under ``node`` (``ROOT``: every node), in the tree's order: ``subtree(node)``'s nodes by their
+        index in this tree."""
+        under, found = {node}, []
+        for i in range(node + 1, len(self.tokens)):
+            if self.parents[i] in under:
+                under.add(i)
+                found.append(i)
+        return found
+
     def subtree(self, node: int) -> DraftTree:
         """The nodes under ``node`` as a tree rooted at it (its children hang from the root), in the same order, scores
         counted from it: the tree a drafter would have drafted had ``node`` been committed (rank order kept)."""
-        index, tokens, parents, scores = {node: ROOT}, [], [], []
-        for i in range(node + 1, len(self.tokens)):
-            if self.parents[i] in index:
-                index[i] = len(tokens)
-                tokens.append(self.tokens[i])
-                parents.append(index[self.parents[i]])
-                if self.scores is not None:
-                    scores.append(self.scores[i] - self.scores[node])
-        return DraftTree(tokens, parents, None if self.scores is None else scores)
+        nodes = self.descendants(node)
+        index = {node: ROOT} | {i: k for k, i in enumerate(nodes)}
+        tokens, parents = [self.tokens[i] for i in nodes], [index[self.parents[i]] for i in nodes]
+        base = self.scores[node] if self.scores is not None and node != ROOT else 0.0
+        scores = None if self.scores is None else [self.scores[i] - base for i in nodes]
+        return DraftTree(tokens, parents, scores)
 
     def chain_of_firsts(self) -> list[int]:
         """From the root down, each node's first child (in rank order its likeliest): the path a confident target

@@ -87,6 +87,9 @@ def test_subtree_and_chain_of_firsts():
     assert (sub.tokens, sub.parents) == ([11, 13], [-1, 0])
     assert sub.scores == pytest.approx([-0.2, -0.5])
     assert tree.subtree(1).tokens == [21] and tree.subtree(4).tokens == []
+    assert tree.descendants(0) == [2, 4] and tree.descendants(-1) == [0, 1, 2, 3, 4]
+    whole = tree.subtree(-1)  # under the root: the tree itself, scores as they are
+    assert (whole.tokens, whole.parents, whole.scores) == (tree.tokens, tree.parents, tree.scores)
 
 
 def test_the_outcome_drafted_ahead_for_is_a_leaf():

@@ -24,7 +24,7 @@ from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
-from tests.conftest import own_server, wait_until
+from tests.conftest import own_server, served, wait_until
 from tests.test_moa import make_moa
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
@@ -124,8 +124,9 @@ def test_in_process_the_same_loop_streams_plain_steps(tiny_target, plain):
     assert gen.token_ids == plain and gen.stats.streamed_tokens == NEW
 
 
-def test_a_stream_closed_early_is_rolled_back_by_the_next_call(tiny_target, server, plain):
-    """The server may decode past what the client took; the next Verify's length rolls that back."""
+def test_a_stream_closed_early_ends_exactly_whatever_the_server_decoded_past_it(tiny_target, server, plain):
+    """The server may decode past what the client took (its thread goes on until the next call comes); the next
+    Verify takes those tokens first or verifies its tree itself: the same answer either way."""
     with remote(server[0]) as verifier:
         verifier.open(PROMPT, SamplingParams())
         stream = verifier.decode(40, [])
@@ -135,6 +136,59 @@ def test_a_stream_closed_early_is_rolled_back_by_the_next_call(tiny_target, serv
         nxt = verifier.verify(DraftTree.chain(plain[4:9]))  # a draft that is right: all of it accepted
         assert got == plain[1:4] and len(nxt.accepted) == 5 and nxt.new_tokens == plain[4:10]
         verifier.close()
+
+
+def test_a_stream_its_client_left_decodes_on_and_the_next_calls_take_its_tokens_without_a_forward(server, plain):
+    """A cut mid-stream costs the server no work: it decodes the call's budget on, and the client's next calls
+    take those tokens first — a tree's nodes that spell them are accepted with no forward, the first held token
+    they miss is the bonus, a Decode streams them — before anything is computed again."""
+    address, service = server
+    with remote(address) as verifier:
+        verifier.open(PROMPT, SamplingParams())
+        stream = verifier.decode(12, [])
+        got = [next(stream).new_tokens[0] for _ in range(3)]
+        stream.close()
+        session = service.sessions.get(verifier.session_id)
+        wait_until(lambda: len(session.sequence.tokens) == len(PROMPT) + 13 and not session.lock.locked())
+        decoded, nodes = session.stats.decoded, session.stats.nodes
+
+        right = verifier.verify(DraftTree.chain(plain[4:7]))  # all three held: accepted, the fourth is the bonus
+        assert got == plain[1:4] and right.accepted == [0, 1, 2] and right.new_tokens == plain[4:8]
+        wrong = verifier.verify(DraftTree([plain[8], plain[8] + 1, plain[9]], [-1, 0, -1]))
+        assert wrong.accepted == [0] and wrong.new_tokens == plain[8:10]  # the held token it missed is the bonus
+        assert session.stats.nodes == nodes and verifier.length == len(PROMPT) + 10
+
+        chunks = list(verifier.decode(5, []))  # the three still held first, with no compute, then two decoded
+        assert [c.new_tokens[0] for c in chunks] == plain[10:15]
+        assert [c.compute_s for c in chunks[:3]] == [0.0, 0.0, 0.0] and session.stats.decoded == decoded + 2
+        past = verifier.verify(DraftTree.chain(plain[15:18]))  # nothing held now: a forward as ever
+        assert past.new_tokens == plain[15:19] and session.stats.nodes == nodes + 3
+        verifier.close()
+
+
+def test_a_stream_decodes_on_for_a_client_gone_only_keep_decoding_tokens(tiny_target):
+    """Bounded: once its client is gone, a stream stops after ``keep_decoding`` tokens however large its budget."""
+
+    class Context:
+        active = True
+
+        def is_active(self) -> bool:
+            return self.active
+
+    with served(tiny_target, keep_decoding=5) as (address, service):
+        with remote(address) as verifier:
+            verifier.open(PROMPT, SamplingParams())
+            session, context = service.sessions.get(verifier.session_id), Context()
+            request = pb.DecodeRequest(session_id=verifier.session_id, length=verifier.length, max_new_tokens=60)
+            chunks = service._decoding(session, request, PayloadSpec(), set(), [], (None, 0.0), context)
+            taken = [next(chunks).token for _ in range(4)]
+            context.active = False
+            rest = [c.token for c in chunks]  # what it went on to decode: the stream's own thread drops these
+            assert taken + rest == plain_of(tiny_target, 9) and len(session.sequence.tokens) == len(PROMPT) + 10
+
+
+def plain_of(target, n: int) -> list[int]:
+    return generate(LocalVerifier(target), NoDrafter(), PROMPT, n + 1, stop_ids=[]).token_ids[1:]
 
 
 @pytest.mark.parametrize("kind", ["moa", "eagle"])

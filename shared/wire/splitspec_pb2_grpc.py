@@ -132,8 +132,9 @@ class SplitSpecServicer:
     def Decode(self, request, context):
         """Server-side continuation: the server goes on decoding the session by itself and streams each token
         with the payload of the token it cached, so the client's drafter can resume drafting (or go offline)
-        at any token. The client ends it early by cancelling; its next call's `length` rolls back what it
-        never received.
+        at any token. The client ends it early by cancelling. A client that leaves mid-stream (a cut link) does not
+        stop it at once: the server decodes on for a while (--keep-decoding), and the client's next call takes the
+        tokens it never received first (see VerifyRequest.length).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
