@@ -381,6 +381,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a chained Verify (assumed tokens) needs the length they "
                         "follow, got length 0")  # fmt: skip
         self._lock(session, CHAIN_WAIT_S if request.assumed else LOCK_WAIT_S)
+        handed = False  # the lock passed to a thread that decodes on for a client that left (``_decode_on``)
         try:
             sequence = session.sequence
             if request.assumed and not self._assumption_holds(session, request, context):
@@ -401,8 +402,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             except Exception:
                 self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
+            handed = not context.is_active() and self._decode_on(session)
         finally:
-            session.release()
+            if not handed:
+                session.release()
         m, st = self.metrics, session.stats
         m.tokens_verified.inc(computed)
         m.tree_nodes_cut.inc(len(tokens) - verdict.verified_nodes)
@@ -437,6 +440,30 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         accepted = path + [nodes[i] for i in verdict.accepted]
         return Verdict(accepted, [tree.tokens[i] for i in path] + verdict.new_tokens, verdict.compute_s,
                        verdict.features, verified), cut
+
+    def _decode_on(self, session) -> bool:
+        """A Verify whose client left while it ran (a cut link): the session's lock passes to a thread that decodes on
+        — the client's next call takes those tokens with no compute (``_held``) — for at most ``keep_decoding``
+        tokens, until another call for the session comes (``Session.wanted``) or an end-of-sequence token."""
+        stop = set(self.target.eos_token_ids)
+
+        def run() -> None:
+            try:
+                for _ in range(self.limits.keep_decoding):
+                    tokens = session.sequence.tokens
+                    if session.wanted.is_set() or tokens[-1] in stop or len(tokens) + 1 > self.limits.max_context:
+                        return
+                    self._step(session, None, 1, stop)
+            except ShuttingDown:
+                return
+            except Exception:  # a bug, not the client's: logged, the session never served again, the server goes on
+                log.exception("decoding on for session %s failed", session.id[:8])
+                self.sessions.pop(session.id, reason="failed")
+            finally:
+                session.release()
+
+        threading.Thread(target=run, name="splitspec-decode-on", daemon=True).start()
+        return True
 
     @staticmethod
     def _assumption_holds(session, request, context) -> bool:

@@ -187,6 +187,31 @@ def test_a_stream_decodes_on_for_a_client_gone_only_keep_decoding_tokens(tiny_ta
             assert taken + rest == plain_of(tiny_target, 9) and len(session.sequence.tokens) == len(PROMPT) + 10
 
 
+def test_a_verify_whose_client_left_decodes_on_and_the_next_call_takes_its_tokens(tiny_target, plain):
+    """A cut while a drafted round is verified: the server decodes on after it (``keep_decoding`` tokens here), and the
+    client's settlement, sent after the length it had, takes the round's and those tokens with no forward."""
+    with served(tiny_target, keep_decoding=6) as (address, service):
+        with remote(address) as verifier:
+            verifier.open(PROMPT, SamplingParams())
+            session = service.sessions.get(verifier.session_id)
+
+            class Gone:  # the client is there until the round has committed its tokens, then gone
+                def is_active(self) -> bool:
+                    return session.verified is None
+
+                def auth_context(self) -> dict:  # no TLS: no certificate names
+                    return {}
+
+            lost = pb.VerifyRequest(session_id=verifier.session_id, tokens=plain[1:3], parents=[-1, 0],
+                                    length=verifier.length)  # fmt: skip
+            assert service.Verify(lost, Gone()).length == len(PROMPT) + 4  # a reply nobody reads
+            wait_until(lambda: len(session.sequence.tokens) == len(PROMPT) + 10 and not session.lock.locked())
+            nodes = session.stats.nodes
+            settled = verifier.verify(DraftTree.chain(plain[1:9]))  # sent after the length the client still has
+            assert settled.new_tokens == plain[1:10] and session.stats.nodes == nodes
+            assert verifier.verify(DraftTree.chain(plain[10:12])).new_tokens == plain[10:13]
+
+
 def plain_of(target, n: int) -> list[int]:
     return generate(LocalVerifier(target), NoDrafter(), PROMPT, n + 1, stop_ids=[]).token_ids[1:]
 
