@@ -444,14 +444,15 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def _decode_on(self, session) -> bool:
         """A Verify whose client left while it ran (a cut link): the session's lock passes to a thread that decodes on
         — the client's next call takes those tokens with no compute (``_held``) — for at most ``keep_decoding``
-        tokens, until another call for the session comes (``Session.wanted``) or an end-of-sequence token."""
+        tokens, until another call for the session comes (``Session.wanted``), it is closed, or an end-of-sequence
+        token."""
         stop = set(self.target.eos_token_ids)
 
         def run() -> None:
             try:
                 for _ in range(self.limits.keep_decoding):
                     tokens = session.sequence.tokens
-                    if session.wanted.is_set() or tokens[-1] in stop or len(tokens) + 1 > self.limits.max_context:
+                    if self._done_for(session) or tokens[-1] in stop or len(tokens) + 1 > self.limits.max_context:
                         return
                     self._step(session, None, 1, stop)
             except ShuttingDown:
@@ -464,6 +465,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
         threading.Thread(target=run, name="splitspec-decode-on", daemon=True).start()
         return True
+
+    def _done_for(self, session) -> bool:
+        """Should decoding for a client that left stop? Another call for the session came, or it was closed."""
+        return session.wanted.is_set() or not self.sessions.holds(session.id)
 
     @staticmethod
     def _assumption_holds(session, request, context) -> bool:
@@ -548,7 +553,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         (``_decoding``), which holds the session's lock from the first step to the last: a client that leaves
         mid-stream (a cut link) does not stop them, since the tokens it asked for are the target's own whoever reads
         them. They go on for at most ``keep_decoding`` tokens of its budget, or until another call for the session
-        comes (``Session.wanted``); the client's next call takes them with no compute (``_held``)."""
+        comes (``Session.wanted``) or it is closed; the client's next call takes them with no compute (``_held``)."""
         start, prefilled = time.perf_counter(), None
         if session is None:
             session, prefilled = self._open(request.prompt_ids, request.sampling, spec, context)
@@ -605,7 +610,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                     self.sessions.pop(session.id, reason="cancelled")
                     return
                 left_at = produced if left_at is None else left_at
-                if session.wanted.is_set() or produced - left_at >= self.limits.keep_decoding:
+                if self._done_for(session) or produced - left_at >= self.limits.keep_decoding:
                     return
             try:
                 if first:

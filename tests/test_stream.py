@@ -186,6 +186,10 @@ def test_a_stream_decodes_on_for_a_client_gone_only_keep_decoding_tokens(tiny_ta
             rest = [c.token for c in chunks]  # what it went on to decode: the stream's own thread drops these
             assert taken + rest == plain_of(tiny_target, 9) and len(session.sequence.tokens) == len(PROMPT) + 10
 
+            verifier.close()  # a session closed meanwhile: nothing more is decoded for it
+            chunks = service._decoding(session, request, PayloadSpec(), set(), [], (None, 0.0), context)
+            assert [c.token for c in chunks] == []
+
 
 def test_a_verify_whose_client_left_decodes_on_and_the_next_call_takes_its_tokens(tiny_target, plain):
     """A cut while a drafted round is verified: the server decodes on after it (``keep_decoding`` tokens here), and the
