@@ -443,23 +443,27 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     def _decode_on(self, session) -> bool:
         """A Verify whose client left while it ran (a cut link): the session's lock passes to a thread that decodes on
-        — the client's next call takes those tokens with no compute (``_held``) — for at most ``keep_decoding``
-        tokens, until another call for the session comes (``Session.wanted``), it is closed, or an end-of-sequence
-        token."""
-        stop = set(self.target.eos_token_ids)
+        as a stream whose client left does (``_decoding``) — the client's next call takes those tokens with no compute
+        (``_held``) — for at most ``keep_decoding`` tokens, until another call for the session comes
+        (``Session.wanted``), it is closed, or an end-of-sequence token. False: nothing to decode (the lock stays)."""
+        stop, tokens = set(self.target.eos_token_ids), session.sequence.tokens
+        if tokens[-1] in stop or len(tokens) + 1 > self.limits.max_context:
+            return False
+        request = pb.DecodeRequest(session_id=session.id, max_new_tokens=self.limits.keep_decoding)
+
+        class Gone:  # the call's client: gone
+            @staticmethod
+            def is_active() -> bool:
+                return False
 
         def run() -> None:
             try:
-                for _ in range(self.limits.keep_decoding):
-                    tokens = session.sequence.tokens
-                    if self._done_for(session) or tokens[-1] in stop or len(tokens) + 1 > self.limits.max_context:
-                        return
-                    self._step(session, None, 1, stop)
-            except ShuttingDown:
-                return
-            except Exception:  # a bug, not the client's: logged, the session never served again, the server goes on
+                for _ in self._decoding(session, request, PayloadSpec(), stop, [], (None, 0.0), Gone()):
+                    pass  # nobody to send them to: the session keeps them
+            except (Abort, ShuttingDown):
+                pass
+            except Exception:  # a bug, not the client's (``_decoding`` dropped the session): logged, the server goes on
                 log.exception("decoding on for session %s failed", session.id[:8])
-                self.sessions.pop(session.id, reason="failed")
             finally:
                 session.release()
 
