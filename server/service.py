@@ -36,7 +36,7 @@ from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS, PUSHBACK
 from shared.engine.target import INITIAL_CAPACITY, Target, Verdict
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, feature_kinds
-from shared.tree import ROOT, DraftTree, validate_tree
+from shared.tree import DraftTree, validate_tree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
@@ -429,13 +429,13 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         path = tree.follow(held)
         if len(path) < len(held):
             return Verdict(path, [tree.tokens[i] for i in path] + [held[len(path)]], verified_nodes=len(tree)), 0
-        last = path[-1] if path else ROOT
-        rest, nodes = tree.subtree(last), tree.descendants(last)
+        rest = tree.subtree(path[-1]) if path else tree  # (no held tokens, the usual round: the tree as it came)
         verdict = session.sequence.verify(rest, self._runner(context))
         session.keep_hidden(verdict)
         cut = verdict.verified_nodes if verdict.verified_nodes is not None else len(rest)
         if not path:
             return verdict, cut
+        nodes = tree.descendants(path[-1])
         verified = nodes[cut] if cut < len(nodes) else len(tree)  # the first node not verified, by its index here
         accepted = path + [nodes[i] for i in verdict.accepted]
         return Verdict(accepted, [tree.tokens[i] for i in path] + verdict.new_tokens, verdict.compute_s,
