@@ -42,6 +42,11 @@ MEASURE = 2
 # tokens that came, predict what drafting would gain; MIN_REHEARSALS of them before the prediction is trusted.
 REHEARSALS = 16
 MIN_REHEARSALS = 3
+# A trial is run only where the rehearsals predict drafting at least this much faster than the stream: a trial has a
+# price (the stream cut, the first rounds' catching up) and a prediction from a few trees is noisy. On AMD Zen 3 the
+# pair's demo (the 0.5B against the 1.5B's stream, 4g) predicted 6.0-8.0 tok/s against a 6.6-7.9 stream: without a
+# margin the noise started a losing trial in a third of the runs.
+TRIAL_MARGIN = 1.1
 # tokens a stream's server may copy by prompt lookup and verify in one step (``DecodeRequest.lookup``): a CPU
 # forward's cost grows with its rows past a few, so a long copy that misses late costs more than it gains. The 1.5B
 # over 4g, HumanEval (4 prompts, server on one core): server ms a token 0.545x the API's at 10, 0.522x at 8,
@@ -134,7 +139,8 @@ class Schedule:
         return best
 
     def hopeless(self) -> bool:
-        """Could drafting not beat streaming? By the rehearsals once there are enough; before, even at its best: a
+        """Could drafting not beat streaming? By the rehearsals once there are enough (by ``TRIAL_MARGIN``); before,
+        even at its best: a
         round gains at most the tree's depth and its bonus token (at most twice what drafted rounds gained so far,
         once some ran) and takes at least a round trip, the measured drafting and a plain step's verification. Then
         a trial is not worth its price (a long round trip, a drafter that rarely hits)."""
@@ -143,7 +149,7 @@ class Schedule:
         if not rtt or not self.plain_seen:
             return False
         if (rate := self.rehearsed_rate()) is not None:
-            return rate < self.plain_seen
+            return rate < TRIAL_MARGIN * self.plain_seen
         gain = 1 + costs.depth if self.drafted_gain is None else min(1 + costs.depth, 2 * self.drafted_gain)
         wire = rtt + costs.verify_fit(1, default=0.0)
         seconds = wire + costs.exposed_s((costs.draft_step_s or 0.0) * costs.depth, 1.0, wire)  # at best: all hidden

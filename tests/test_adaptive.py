@@ -9,7 +9,7 @@ import pytest
 
 from client.adaptive import AdaptivePolicy, Ahead, Loaded, Pipelining, Rehearsal, Round, State, StaticPolicy, Streamed
 from client.costs import GAIN, LineFit
-from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, Phase, Schedule
+from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, TRIAL_MARGIN, Phase, Schedule
 from client.sizing import EXPLORE, EXPLORE_SPAN, Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
@@ -431,6 +431,11 @@ def test_rehearsals_predict_drafting_from_trees_never_sent():
     assert not right.hopeless()
     wrong = policy([])
     assert wrong.rehearsed_rate() < 100 and wrong.hopeless()
+    # a close call is not worth a trial: predicted drafting must beat the stream by TRIAL_MARGIN
+    right.plain_seen = right.rehearsed_rate() / (1 + (TRIAL_MARGIN - 1) / 2)
+    assert right.hopeless()
+    right.plain_seen = right.rehearsed_rate() / (TRIAL_MARGIN + 0.05)
+    assert not right.hopeless()
 
 
 def test_a_run_starts_from_what_the_previous_run_learnt():
