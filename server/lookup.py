@@ -1,41 +1,71 @@
-"""The server's own drafting inside a Decode stream: prompt lookup over the session's tokens, used while it pays.
+"""The server's own drafting inside a Decode stream: prompt lookup over the session's tokens, as far as it pays.
 
 A lookup's forward verifies the copied tokens with the next one; where the text repeats itself (code, quoting) it
-yields several tokens for little more than a step, with no round trip. On a CPU a forward's cost grows fast with its
-tokens (int8 kernels: 4 tokens cost ~2x a step), so a miss is not free: each kind of step is timed per token it
-yields, lookups run while theirs beat plain steps', and are tried again every ``RETRY`` matches otherwise.
+yields several tokens for little more than a step, with no round trip. But a forward's cost grows with its tokens —
+on a CPU whose kernels are compute-bound each one adds most of a step — so a copy that misses costs more than it
+can gain. Every copy the lookup finds is scored against the tokens that come, verified or not, for the chance that
+its i-th token is kept; a step copies as many tokens as maximise what it expects to yield per second by the
+server's cost of a forward (none where the text does not repeat, or where a token costs nearly a step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 from shared.lookup import NgramLookup
 from shared.tree import DraftTree
 
-RETRY = 16  # matches passed over before a lookup that was not paying is tried again
-GAIN = 0.2  # weight of a new step in the running seconds per token
+# Before any copy is scored, a copied token is taken to be kept 1 time in 2 (a Beta(1, 1) prior on each position):
+# a lookup runs at once where rows are cheap (a GPU, a memory-bound forward), and waits for the text to show that it
+# repeats where a row costs most of a step.
+PRIOR_KEPT, PRIOR_SEEN = 1.0, 2.0
 
 
 class SelfDraft:
-    def __init__(self, tokens: list[int], max_tokens: int):
-        """``tokens``: the session's committed tokens (its last the root); ``max_tokens``: the longest copy."""
-        self.lookup = NgramLookup(num_tokens=max(1, max_tokens))
+    def __init__(self, tokens: list[int], max_tokens: int, costs: Callable[[], tuple[float, float] | None]):
+        """``tokens``: the session's committed tokens (its last the root); ``max_tokens``: the longest copy;
+        ``costs``: (a forward's fixed seconds, the seconds each of its tokens adds) now, None while unknown (then
+        copies are whole)."""
+        self.lookup = NgramLookup(num_tokens=max(1, max_tokens), adaptive=False)
         self.lookup.begin(list(tokens))
-        self.per_token: dict[bool, float | None] = {True: None, False: None}  # seconds per token, drafted or not
-        self.passed = 0  # matches passed over since the last lookup
+        self.costs = costs
+        self.kept = np.zeros(max(1, max_tokens))  # kept[i]: scored copies whose first i + 1 tokens came
+        self.seen = np.zeros(max(1, max_tokens))  # seen[i]: scored copies whose first i came and that had an i-th
+        self.pending: list[tuple[int, list[int]]] = []  # copies not yet scored: (where in the history, tokens)
 
     def propose(self, max_nodes: int) -> DraftTree:
-        """The lookup's draft of at most ``max_nodes`` tokens, or an empty tree while lookups lose to plain steps."""
-        tree = self.lookup.propose(max_nodes)
-        drafted, plain = self.per_token[True], self.per_token[False]
-        if not tree or drafted is None or plain is None or drafted <= plain or self.passed >= RETRY:
-            self.passed = 0
+        """The lookup's copy of at most ``max_nodes`` tokens, cut to the length that pays (an empty tree: a plain
+        step)."""
+        tree = self.lookup.propose(max_nodes)  # a chain: one earlier occurrence
+        if not tree:
             return tree
-        self.passed += 1
-        self.lookup.discard()
-        return DraftTree()
+        self.pending.append((len(self.lookup.history), list(tree.tokens)))
+        return tree.head(self.length(len(tree)))
 
-    def observe(self, drafted: bool, tokens: list[int], seconds: float) -> None:
-        """A step's outcome: it verified a draft (``drafted``) and committed ``tokens`` in ``seconds``."""
+    def length(self, longest: int) -> int:
+        """How many of a ``longest``-token copy to verify: the k maximising (1 + expected tokens kept of the
+        first k) / (seconds of a forward of k + 1 tokens); ties to the shorter."""
+        costs = self.costs()
+        if costs is None or sum(costs) <= 0:
+            return longest
+        fixed, per_token = costs
+        chance = (self.kept[:longest] + PRIOR_KEPT) / (self.seen[:longest] + PRIOR_SEEN)  # i-th kept, those before it
+        expected = 1 + np.concatenate(([0.0], np.cumsum(np.cumprod(chance))))
+        seconds = fixed + per_token * np.arange(1, longest + 2)
+        return int(np.argmax(expected / seconds))
+
+    def observe(self, tokens: list[int]) -> None:
+        """A step committed ``tokens``: score the copies they settle."""
         self.lookup.absorb(tokens)
-        old, sample = self.per_token[drafted], seconds / max(1, len(tokens))
-        self.per_token[drafted] = sample if old is None else old + GAIN * (sample - old)
+        history, waiting = self.lookup.history, []
+        for start, copy in self.pending:
+            came = history[start : start + len(copy)]
+            kept = next((i for i, (a, b) in enumerate(zip(came, copy, strict=False)) if a != b), len(came))
+            if kept == len(came) < len(copy):
+                waiting.append((start, copy))  # all it could be compared with matched: wait for more
+                continue
+            self.kept[:kept] += 1
+            self.seen[: min(kept + 1, len(copy))] += 1
+        self.pending = waiting

@@ -282,15 +282,21 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         if not session.acquire(wait_s):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
 
+    def _costs(self, context_len: int) -> tuple[float, float] | None:
+        """(a forward's fixed seconds, per session sharing it; the seconds each of its tokens adds) at
+        ``context_len``: from the forwards served, before there are enough the path timing's; None if neither."""
+        batcher = self.batcher
+        costs = (batcher.budget.costs(context_len) if batcher.budget is not None else None) or self.target.costs
+        return None if costs is None else (costs[0] / max(1, batcher.sessions), costs[1])
+
     def _load(self, context_len: int) -> pb.Load:
         """What this server's compute costs now, for a sequence of ``context_len`` tokens (see ``pb.Load``)."""
         batcher = self.batcher
         sessions = max(1, batcher.sessions)
-        costs = batcher.budget.costs(context_len) if batcher.budget is not None else None
-        fixed, node = costs or self.target.costs or (0.0, 0.0)  # before its forwards are fitted: the path timing's
+        step, node = self._costs(context_len) or (0.0, 0.0)
         busy = sessions > 1 and batcher.budget is not None and batcher.budget.compute_bound()  # shared and saturated
         prefer = self.prefer if self.prefer != "auto" else "capacity" if busy else "latency"
-        return pb.Load(sessions=sessions, step_s=fixed / sessions, node_s=node, prefer=prefer)
+        return pb.Load(sessions=sessions, step_s=step, node_s=node, prefer=prefer)
 
     @contextlib.contextmanager
     def _place(self, prompt_len: int):
@@ -603,7 +609,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         tokens. A client gone: see ``_decode``."""
         sequence, every, budget = session.sequence, max(1, request.payload_every), request.max_new_tokens
         (first_token, start), held = prefilled, list(held)
-        drafter = SelfDraft(sequence.tokens, request.lookup) if request.lookup else None
+        drafter = SelfDraft(sequence.tokens, request.lookup, lambda: self._costs(len(sequence.tokens))) if (
+            request.lookup) else None  # fmt: skip
         at = len(sequence.tokens) - len(held) - (first_token is not None)  # the client's length before each chunk
         sent = max(0, at - 1) if first_token is None else 0  # cached tokens whose payloads the client has
         produced, left_at = 0, None  # left_at: tokens produced when the client was found gone
@@ -662,7 +669,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             session.truncate(len(sequence.tokens) - (len(tokens) - end))
             tokens = tokens[:end]
         if drafter is not None:
-            drafter.observe(bool(tree), tokens, time.perf_counter() - start)
+            drafter.observe(tokens)
         m.tokens_generated.inc(len(tokens))
         m.tokens_decoded.inc(len(tokens))
         session.stats.decoded += len(tokens)
