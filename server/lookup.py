@@ -33,7 +33,7 @@ class SelfDraft:
         self.costs = costs
         self.kept = np.zeros(max(1, max_tokens))  # kept[i]: scored copies whose first i + 1 tokens came
         self.seen = np.zeros(max(1, max_tokens))  # seen[i]: scored copies whose first i came and that had an i-th
-        self.pending: list[tuple[int, list[int]]] = []  # copies not yet scored: (where in the history, tokens)
+        self.pending: list[tuple[int, DraftTree]] = []  # copies not yet scored: (where in the history, the copy)
 
     def propose(self, max_nodes: int) -> DraftTree:
         """The lookup's copy of at most ``max_nodes`` tokens, cut to the length that pays (an empty tree: a plain
@@ -41,7 +41,7 @@ class SelfDraft:
         tree = self.lookup.propose(max_nodes)  # a chain: one earlier occurrence
         if not tree:
             return tree
-        self.pending.append((len(self.lookup.history), list(tree.tokens)))
+        self.pending.append((len(self.lookup.history), tree))
         return tree.head(self.length(len(tree)))
 
     def length(self, longest: int) -> int:
@@ -62,7 +62,7 @@ class SelfDraft:
         history, waiting = self.lookup.history, []
         for start, copy in self.pending:
             came = history[start : start + len(copy)]
-            kept = next((i for i, (a, b) in enumerate(zip(came, copy, strict=False)) if a != b), len(came))
+            kept = len(copy.follow(came))
             if kept == len(came) < len(copy):
                 waiting.append((start, copy))  # all it could be compared with matched: wait for more
                 continue
