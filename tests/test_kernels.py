@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -334,6 +335,50 @@ def test_every_build_computes_the_same_bits():
     for tag in builds[1:]:
         for i, (a, b) in enumerate(zip(results[first], results[tag], strict=True)):
             assert torch.equal(a, b), (first, tag, i)
+
+
+def tdpbssd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """An AMX tile multiply as Intel's manual states it: C[m][n] = sum over the 4-byte groups j of B's rows and i < 4
+    of A[m][4j + i] * B[j][4n + i], signed bytes, int32 sums."""
+    groups = b.shape[0]
+    return np.einsum("mji,jni->mn", a.astype(np.int32).reshape(a.shape[0], groups, 4),
+                     b.astype(np.int32).reshape(groups, -1, 4))  # fmt: skip
+
+
+def test_cols16_int8_weights_are_an_amx_tile_operand_as_they_are():
+    """The amx build multiplies cols16 weights as a tile multiply's second operand with no repacking: 16 of a tile's
+    K groups (64 bytes each: 16 columns x 4 values) are one B tile, the activations' 64 values the A tile. Checked
+    here on any CPU with the instruction's own definition: the tiles' sums over K are the exact integer product."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 40, 96 + 32, 5  # a K that ends in a half step of 32 values, as the kernel's last tile step
+    q, _ = pack_int8(torch.randn(n, k, generator=gen), "cols16")
+    x = torch.randint(-127, 128, (m, q.shape[1] * 4), generator=gen, dtype=torch.int8).numpy()
+    rows = q.permute(0, 2, 1, 3).reshape(q.shape[0] * 16, -1)  # back to [out padded to 16, K] row-major
+    want = x.astype(np.int64) @ rows.numpy().astype(np.int64).T
+    for t in range(q.shape[0]):
+        tile = q[t].reshape(-1, 64).numpy()  # K groups, each 16 columns' 4 values
+        got = np.zeros((m, 16), dtype=np.int32)
+        for g in range(0, tile.shape[0], 16):  # a step of 64 values of K (16 groups), or the last of 32 (8)
+            got += tdpbssd(x[:, 4 * g : 4 * (g + tile[g : g + 16].shape[0])], tile[g : g + 16])
+        assert np.array_equal(got, want[:, 16 * t : 16 * (t + 1)]), t
+
+
+@pytest.mark.parametrize("k", [64, 96, 1536])
+def test_the_amx_build_gives_the_vnni_builds_bits_at_every_row_count(k):
+    """The amx build takes int8 sums from AMX tiles from a few rows on (one or two tiles of 16 rows a pass) and from
+    the VNNI code below that: every row count gives the avx512-vnni build's bits, bias and residual included."""
+    if "amx" not in kernels.builds():
+        pytest.skip(f"no amx build here: {kernels.load('amx')}")
+    amx, vnni = kernels.ops("amx"), kernels.ops("avx512-vnni")
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(72, k, generator=gen) * 0.05
+    q, scale = pack_int8(w, "cols16")
+    for m in (1, 3, 4, 5, 16, 17, 32, 33, 70):
+        x, res = torch.randn(m, k, generator=gen), torch.randn(m, 72, generator=gen)
+        bias = torch.randn(72, generator=gen)
+        got = amx.linear(x, q, scale, bias, res)
+        assert torch.equal(got, vnni.linear(x, q, scale, bias, res)), m
+        assert torch.equal(amx.linear(x, q, scale, None, None), int8_reference(x, w)), m
 
 
 def test_bad_arguments_are_named():

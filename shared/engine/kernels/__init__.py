@@ -1,9 +1,10 @@
 """splitspec's compiled CPU kernels (``cpu.cpp``): low-bit linear layers and a fixed-order attention.
 
-One source, several builds, each for an instruction set: ``avx512-vnni`` (512-bit ``vpdpbusd`` for the integer
-dot products; Zen 4/5, Ice Lake and later Xeons), ``avx-vnni`` (the AVX2 kernels with 256-bit ``vpdpbusd``; Alder
-Lake and later client CPUs, Zen 5), ``avx2`` (AVX2+FMA+F16C), ``portable`` (plain C++). They are
-built from source on the machine that runs them, once per CPU kind and torch version, never with
+One source, several builds, each for an instruction set: ``amx`` (the ``avx512-vnni`` build whose int8 sums of a
+forward of several rows run on AMX tiles, ``tdpbssd``; Sapphire Rapids and later Xeons), ``avx512-vnni`` (512-bit
+``vpdpbusd`` for the integer dot products; Zen 4/5, Ice Lake and later Xeons), ``avx-vnni`` (the AVX2 kernels with
+256-bit ``vpdpbusd``; Alder Lake and later client CPUs, Zen 5), ``avx2`` (AVX2+FMA+F16C), ``portable`` (plain C++).
+They are built from source on the machine that runs them, once per CPU kind and torch version, never with
 ``-march=native`` (some VMs advertise it wrongly). The vector builds compute the same bits: integer sums are exact
 and the float steps are written once, in one order, so between them a build is a matter of speed only (the portable
 build's norms and exp sum in plain loops: a target of its own).
@@ -38,10 +39,11 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 # widest first: (the CPU flags a build needs to run at all, its compiler flags)
+_AVX512_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"})
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi"]
 BUILDS: dict[str, tuple[frozenset[str], list[str]]] = {
-    "avx512-vnni": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-                               "avx512vbmi"}),
-                    [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi"]),
+    "amx": (_AVX512_FLAGS | {"amx_tile", "amx_int8"}, [*_AVX512, "-mamx-tile", "-mamx-int8"]),
+    "avx512-vnni": (_AVX512_FLAGS, _AVX512),
     "avx-vnni": (frozenset({"avx2", "fma", "f16c", "avx_vnni"}), [*_AVX2, "-mavxvnni"]),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), _AVX2),
     "portable": (frozenset(), []),
@@ -146,6 +148,8 @@ def load(tag: str) -> str | None:
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)  # fmt: skip
     except Exception as e:  # a compiler or header missing: the engine says so and serves without them
         return f"building {SOURCE.name} for {tag} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+    if not getattr(torch.ops, namespace(tag)).ready():
+        return f"the {tag} build cannot run in this process (Linux refused it the AMX tile state)"
     return None
 
 
@@ -257,7 +261,7 @@ def Blocks(*args, tag: str | None = None):  # noqa: N802 - a class, as torch nam
 
 
 def isa() -> str:
-    """What the active build computes with: ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``portable``."""
+    """What the active build computes with: ``amx``, ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``portable``."""
     return ops().isa()
 
 

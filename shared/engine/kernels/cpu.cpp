@@ -32,6 +32,11 @@
 #if defined(SPLITSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VBMI__)
 #define SPLITSPEC_AVX512 1  // the integer dot products in 512-bit VNNI (vpdpbusd); everything else as AVX2
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SPLITSPEC_AMX 1  // the AVX-512 build whose int8 sums of a forward of several rows run on AMX tiles
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(SPLITSPEC_AVX2) && defined(__AVXVNNI__)
 #define SPLITSPEC_AVXVNNI 1  // the AVX2 kernels with 256-bit VNNI (vpdpbusd) for their integer dot products
 #endif
@@ -130,13 +135,19 @@ void for_range(int64_t n, int64_t grain, const Split& split, const F& f) {
   if (b < e) f(b, e);
 }
 
+#ifdef SPLITSPEC_AMX
+constexpr int64_t ROW_PAD = 15;
+#else
+constexpr int64_t ROW_PAD = 0;
+#endif
+
 // Room for M rows of K values in ``r`` (zeros in the padding): before quantize_rows_range fills rows.
 void prepare_rows(int64_t M, int64_t K, Rows& r, bool blocks) {
   r.M = M;
   r.Kp = padded(K);
   r.blocks = blocks;
   const int64_t Kb = r.Kp / KSTEP;
-  r.q.assign(M * r.Kp, 0);
+  r.q.assign((M + ROW_PAD) * r.Kp, 0);  // zero rows past M: an AMX tile loads 16 rows whatever a pass holds
 #ifdef SPLITSPEC_AVX512
   if (!blocks) r.u.assign(M * r.Kp, 128);  // the int8 kernel's offset values; 4-bit weights need none
 #else
@@ -237,6 +248,64 @@ struct Ahead {
   }
 };
 
+#ifdef SPLITSPEC_AMX
+// AMX: a tile multiply (tdpbssd) adds a tile of 16 rows x 64 signed bytes times one of 16 x 16 4-byte groups into
+// 16 x 16 int32s, ~16x what a vpdpbusd does. It computes the same exact integer sums as the VNNI code and the float
+// steps after it are that code's, in its order: the same bits, so the build takes either by row count. int8 weights
+// ride on it: a row's sum builds up over all of K in one tile, and the float steps come once per output. One row is
+// bound by the weight stream, and the VNNI code is as fast up to AMX_ROWS rows (measured on a Sapphire Rapids VM).
+// The block formats stay on the VNNI code: their float steps come every 32 values, so a tile's sums would be stored
+// and read back every block, and that costs more than the VNNI multiplies it saves (docs/engine.md, "AMX").
+constexpr int64_t AMX_ROWS = 4;
+
+// Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// A tile configuration (palette 1): rows and bytes a row of each tile register, loaded per thread before its tiles run
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileShapes& tile(int i, int r, int bytes) {
+    rows[i] = static_cast<uint8_t>(r);
+    colsb[i] = static_cast<uint16_t>(bytes);
+    return *this;
+  }
+};
+
+// The tiles a thread uses in a region (its share of a multiply): configured at the start, released at the end, since
+// other code in the thread (oneDNN's bf16 kernels) configures tiles of its own between our calls
+struct Tiles {
+  explicit Tiles(const TileShapes& shapes) {
+    TORCH_CHECK(amx_permitted(), "the amx kernel build: Linux refused this process the AMX tile state "
+                "(arch_prctl ARCH_REQ_XCOMP_PERM); use another build (SPLITSPEC_ISA=avx512-vnni)");
+    _tile_loadconfig(&shapes);
+  }
+  ~Tiles() { _tile_release(); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+#endif
+
+// Outputs [n, n + cols) of rows [r0, r0 + rows) from their int8 sums (acc, a row's ``width`` apart): the float steps
+// of every build, in the same order
+void int8_outputs(const Rows& x, int64_t r0, int64_t rows, const int32_t* acc, int64_t width, const float* w_scale,
+                  const float* bias, const float* residual, int64_t n, int64_t cols, int64_t ld, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + (r0 + r) * ld + n;
+    const float sx = x.scale[r0 + r];
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = static_cast<float>(acc[r * width + c]) * (sx * w_scale[n + c]);
+      if (bias) v += bias[n + c];
+      if (residual) v += residual[(r0 + r) * ld + n + c];
+      yr[c] = v;
+    }
+  }
+}
+
 constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's reduction over a short K
 // Bytes ahead of the weight stream to ask for: one thread alone cannot keep enough reads in flight to stream DRAM at
 // full speed. Far enough to cover the memory's latency at the pace of a pass of 8 rows (the compute of a verified
@@ -282,10 +351,65 @@ void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead
     _mm512_storeu_si512(out + r * W8, _mm512_sub_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), correction));
 }
 
+#ifdef SPLITSPEC_AMX
+// The int8 gemm on AMX tiles: cols16 weights are already a tile multiply's second operand (16 rows of 4-byte groups,
+// one per column), so a row's sum over all of K builds up in one int32 tile. A pass takes up to 32 rows, two tiles of
+// sums sharing each load of the weights. Tiles: 0-1 sums, 2-4 a step of 64 values of K (activations of the first and
+// second 16 rows, weights), 5-7 a last step of 32 (a K that is an odd number of 32s).
+// (GCC's tile intrinsics paste their tile numbers into the instruction's text: they must be literals)
+#define SPLITSPEC_AMX_STEP(A0, A1, B)              \
+  _tile_loadd(B, wt + k * W8, 64);                 \
+  _tile_loadd(A0, xr + k, Kp);                     \
+  _tile_dpbssd(0, A0, B);                          \
+  if constexpr (TWO) {                             \
+    _tile_loadd(A1, xr + 16 * Kp + k, Kp);         \
+    _tile_dpbssd(1, A1, B);                        \
+  }
+
+template <bool TWO>
+void amx_sums(const int8_t* xr, const int8_t* wt, int64_t Kp, int32_t* acc) {
+  _tile_zero(0);
+  if constexpr (TWO) _tile_zero(1);
+  int64_t k = 0;
+  for (; k + 64 <= Kp; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(wt + k * W8 + PREFETCH), _MM_HINT_T0);
+    SPLITSPEC_AMX_STEP(2, 3, 4)
+  }
+  if (k < Kp) {
+    SPLITSPEC_AMX_STEP(5, 6, 7)
+  }
+  _tile_stored(0, acc, W8 * 4);
+  if constexpr (TWO) _tile_stored(1, acc + 16 * W8, W8 * 4);
+}
+
+void gemm_amx(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
+              int64_t N, int64_t ld, float* y, const Split& split) {
+  const int64_t M = x.M, Kp = x.Kp, tiles = (N + W8 - 1) / W8, step = balanced(M, 32);
+  static const TileShapes shapes = TileShapes().tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64)
+                                       .tile(4, 16, 64).tile(5, 16, 32).tile(6, 16, 32).tile(7, 8, 64);  // fmt: skip
+  for_range(tiles, 2, split, [&](int64_t t0, int64_t t1) {
+    const Tiles use(shapes);
+    alignas(64) int32_t acc[32 * W8];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * W8, cols = std::min<int64_t>(W8, N - n);
+      for (int64_t r0 = 0; r0 < M; r0 += step) {
+        const int64_t rows = std::min<int64_t>(step, M - r0);
+        if (rows > 16) amx_sums<true>(x.q.data() + r0 * Kp, w + n * Kp, Kp, acc);
+        else amx_sums<false>(x.q.data() + r0 * Kp, w + n * Kp, Kp, acc);
+        int8_outputs(x, r0, rows, acc, W8, w_scale, bias, residual, n, cols, ld, y);
+      }
+    }
+  });
+}
+#endif
+
 // y[M, N] = dequant(x · wᵀ) (+ bias) (+ residual), rows ld apart, for "cols16" weights: threads split the tiles; a
 // tile's weights (Kp · 16 bytes) stay in L1 while every pass of up to 8 activation rows goes over them.
 void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
           int64_t N, int64_t ld, float* y, const Split& split = {}) {
+#ifdef SPLITSPEC_AMX
+  if (x.M >= AMX_ROWS) return gemm_amx(x, w, w_scale, bias, residual, N, ld, y, split);
+#endif
   const int64_t M = x.M, Kp = x.Kp;
   constexpr int64_t R = 8;
   const int64_t tiles = (N + W8 - 1) / W8, step = balanced(M, R);
@@ -304,16 +428,7 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
         const int64_t rows = std::min<int64_t>(step, M - r0);
         ahead.first = r0 / step * pairs;
         with_rows<R>(rows, [&](auto tile) { i8_tile<decltype(tile)::value>(x, r0, w + n * Kp, Kp, ahead, acc); });
-        for (int64_t r = 0; r < rows; ++r) {
-          float* yr = y + (r0 + r) * ld + n;
-          const float sx = x.scale[r0 + r];
-          for (int64_t c = 0; c < cols; ++c) {  // the float steps of every build, in the same order
-            float v = static_cast<float>(acc[r * W8 + c]) * (sx * w_scale[n + c]);
-            if (bias) v += bias[n + c];
-            if (residual) v += residual[(r0 + r) * ld + n + c];
-            yr[c] = v;
-          }
-        }
+        int8_outputs(x, r0, rows, acc, W8, w_scale, bias, residual, n, cols, ld, y);
       }
     }
   });
@@ -387,16 +502,7 @@ void gemm(const Rows& x, const int8_t* w, const float* w_scale, const float* bia
       for (int64_t r0 = 0; r0 < M; r0 += R) {
         const int64_t rows = std::min<int64_t>(R, M - r0);
         with_rows<R>(rows, [&](auto tile) { dot_tile<decltype(tile)::value>(x, r0, w + n * Kp, Kp, acc); });
-        for (int64_t r = 0; r < rows; ++r) {
-          float* yr = y + (r0 + r) * ld + n;
-          const float sx = x.scale[r0 + r];
-          for (int64_t c = 0; c < cols; ++c) {
-            float v = static_cast<float>(acc[r * C + c]) * (sx * w_scale[n + c]);
-            if (bias) v += bias[n + c];
-            if (residual) v += residual[(r0 + r) * ld + n + c];
-            yr[c] = v;
-          }
-        }
+        int8_outputs(x, r0, rows, acc, C, w_scale, bias, residual, n, cols, ld, y);
       }
     }
   });
@@ -1628,9 +1734,21 @@ struct Blocks : torch::CustomClassHolder {
   }
 };
 
+// Whether this build can run in this process: the CPU flags are checked before it loads; AMX also needs the kernel's
+// leave to use the tile state.
+bool ready() {
+#ifdef SPLITSPEC_AMX
+  return amx_permitted();
+#else
+  return true;
+#endif
+}
+
 // The ISA this build computes with: what the engine reports at start-up.
 std::string isa() {
-#if defined(SPLITSPEC_AVX512)
+#if defined(SPLITSPEC_AMX)
+  return "amx";
+#elif defined(SPLITSPEC_AVX512)
   return "avx512-vnni";
 #elif defined(SPLITSPEC_AVXVNNI)
   return "avx-vnni";
@@ -1651,6 +1769,7 @@ SPLITSPEC_LIBRARY(SPLITSPEC_NS, m) {
   m.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int at, Tensor? mask, "
         "int heads, int kv_heads, float scale) -> Tensor");
   m.def("isa() -> str", &isa);
+  m.def("ready() -> bool", &ready);
   m.def("int8_layout() -> str", &int8_layout);
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("norm_linear", c10::DispatchKey::CPU, &norm_linear);
