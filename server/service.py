@@ -483,10 +483,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     @staticmethod
     def _assumption_holds(session, request, context) -> bool:
         """Whether the session holds what chained ``request`` assumes: ``length`` tokens, then its ``assumed`` ones. A
-        request that overtook the round it follows (the session still at ``length``) first waits for that round."""
+        request that overtook the round it follows (the last Verify followed fewer tokens) first waits for that round;
+        one the session has moved past is answered at once."""
         sequence, end = session.sequence, request.length + len(request.assumed)
         give_up = time.monotonic() + CHAIN_WAIT_S
-        while (session.verified is None or session.verified[0] != request.length) and context.is_active() and \
+        while (session.verified is None or session.verified[0] < request.length) and context.is_active() and \
                 time.monotonic() < give_up:  # fmt: skip
             session.changed.wait(min(1.0, give_up - time.monotonic()))
         return session.verified == (request.length, end) and sequence.tokens[request.length :] == list(request.assumed)
