@@ -322,6 +322,8 @@ def test_every_build_computes_the_same_bits():
                         res),
                o.linear(torch.randn(T, 512, generator=torch.Generator().manual_seed(7)), *random_int4k(Fh, 512), bias,
                         res),
+               *(o.linear(torch.randn(m, 768, generator=torch.Generator().manual_seed(m)), *pack, None, None)
+                 for m in (1, 3, 40) for pack in (random_int4k(48, 768), random_int6(48, 768))),  # every tiling
                o.mlp(x, norm, 1e-5, *i8(gate_up), None, *i8(down), None),
                o.mlp(x, norm, 1e-5, *pack_int4(gate_up), None, *pack_int4(down), None)]  # fmt: skip
         for cache_dtype in (torch.float32, torch.float16, torch.bfloat16):
