@@ -188,6 +188,46 @@ def test_low_bit_drafter_weights_leave_the_target_untouched(tiny_target, kind):
     assert got.token_ids == plain.token_ids
 
 
+def test_the_gpu_plan_for_exact_bf16_keeps_rows_exact_here_too(tiny_model_dir, monkeypatch):
+    """Exact bf16 on a GPU (``decoder.exact_rows``: projections in fixed blocks of 64 rows, norms in fp64, attention
+    over an fp64 cache, no CPU kernels) run here: a tree's nodes get exactly the states their paths get a token at a
+    time, and one forward of two sequences what each gets alone. (What only a GPU can check, cuBLAS giving one
+    answer per shape, ``make bench-gpu`` does.)"""
+    from shared.engine import kernels
+    from shared.engine.decoder import Part, exact_rows
+    from shared.engine.linear import CUDA_ROWS
+
+    monkeypatch.setattr(kernels, "available", lambda: False)  # the GPU's path: torch's attention, not the kernels'
+    engine = load_target(str(tiny_model_dir), dtype="bfloat16").engine
+    exact_rows(engine)
+    assert engine.lm_head.exact_rows == CUDA_ROWS and engine.norm.exact and engine.new_cache(4).k.dtype == torch.float64
+    rng, vocab = random.Random(5), engine.cfg.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(11)]
+    tree = DraftTree()
+    for i in range(9):
+        tree.add(rng.randrange(vocab), rng.randrange(-1, i))
+    n = len(prompt)
+    with torch.no_grad():
+        cache = engine.new_cache(32)
+        engine(torch.tensor([prompt]), torch.arange(n)[None], causal_from(0, n), cache, 0)
+        ids = [prompt[-1], *tree.tokens]
+        batched = engine(torch.tensor([ids]), torch.tensor([tree_positions(tree.parents, n)]),
+                         tree_mask(tree.parents, n), cache, n)[0]  # fmt: skip
+        for node in range(-1, len(tree)):
+            path = [prompt[-1]] + [tree.tokens[i] for i in (path_to(tree.parents, node) if node >= 0 else [])]
+            for j, token in enumerate(path):
+                alone = engine(torch.tensor([[token]]), torch.tensor([[n + j]]), None, cache, n + j)[0, 0]
+            assert torch.equal(alone, batched[node + 1]), node
+        parts = [
+            Part(prompt, list(range(n)), causal_from(0, n), engine.new_cache(16), 0),
+            Part(ids, tree_positions(tree.parents, 0), tree_mask(tree.parents, 0), engine.new_cache(16), 0),
+        ]
+        together = engine.forward_many(parts)
+        for part, got in zip(parts, together, strict=True):
+            alone = engine(torch.tensor([part.ids]), torch.tensor([part.positions]), part.mask, engine.new_cache(16), 0)
+            assert torch.equal(got, alone[0])
+
+
 def test_a_bf16_linear_rows_do_not_depend_on_how_many_share_the_call():
     """bf16 GEMMs on a CPU pick kernels by shape (here, an Intel CPU with AMX: rows of a [1536 x 576] product differ
     between 16, 32 and 64 rows; a Zen 5: a single row with K = 1536): ``Linear`` multiplies bf16 rows in fixed

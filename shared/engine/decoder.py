@@ -30,7 +30,7 @@ from shared.engine.layers import (
     kernel_blocks,
     run_blocks,
 )
-from shared.engine.linear import Linear, quantize
+from shared.engine.linear import CUDA_ROWS, Linear, quantize
 from shared.errors import SplitspecError
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -181,9 +181,10 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> Cache:
         c = self.cfg
-        exact = self.exact and self.device.type == "cpu" and self.dtype == torch.bfloat16
-        # exact bf16 on a CPU: the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64
-        dtype = torch.float64 if exact and not kernels.available() else attention_dtype(self.dtype, self.device)
+        exact = self.exact and self.dtype == torch.bfloat16
+        # exact bf16: on a CPU the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64
+        on_kernels = self.device.type == "cpu" and kernels.available()
+        dtype = torch.float64 if exact and not on_kernels else attention_dtype(self.dtype, self.device)
         if self.lm_head.qweight is not None:  # low-bit on the kernels: an fp16 cache, half the bytes to attend over
             dtype = torch.float16
         return Cache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, dtype, self.device)
@@ -265,8 +266,9 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
                 exact: bool = True, weights: str = "native") -> tuple[Transformer, object]:  # fmt: skip
     """The engine for the Hugging Face folder at ``path`` (config.json + safetensors), and its HF config.
 
-    ``exact`` (bf16 on a CPU): attention whose result for a token does not depend on how many tokens share its
-    forward — the CPU kernels' fixed-order fp32 attention (``shared.engine.kernels``), or, where they could not be
+    ``exact`` (bf16; on a GPU see ``exact_rows``): attention whose result for a token does not depend on how many
+    tokens share its forward — the CPU kernels' fixed-order fp32 attention (``shared.engine.kernels``), or, where
+    they could not be
     built, the KV cache and attention in fp64. Attention kernels reduce over keys in an order that depends on the
     query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
@@ -345,12 +347,26 @@ def _assign_gguf(model: Transformer, state: dict[str, torch.Tensor]) -> None:
         model.lm_head.weight = model.embed_tokens.weight
 
 
+def exact_rows(model: nn.Module, rows: int = CUDA_ROWS) -> None:
+    """Exact bf16 on a GPU, where cuBLAS picks a kernel by shape and a row's result depends on the rows beside it:
+    every projection multiplies fixed blocks of ``rows`` rows (one shape, one kernel), the norms sum in fp64, and
+    attention runs over an fp64 cache (``new_cache``; bf16 products are exact there and the sums' order leaves
+    ~1e-16, far below a rounding step). Elementwise steps never mix rows."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.exact_rows = rows
+        elif isinstance(m, RMSNorm):
+            m.exact = True
+
+
 def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device = "cpu", exact: bool = True,
             weights: str = "native") -> Transformer:  # fmt: skip
     """A loaded model made ready to serve: moved, cast, its projections made low-bit (``load_engine``'s
     ``weights``); path timing (``shared.engine.paths``) prepares its timed slices the same way."""
     model = model.to(device=device, dtype=dtype)
     model.exact = exact
+    if exact and model.dtype == torch.bfloat16 and model.device.type != "cpu":
+        exact_rows(model)
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
     if weights in ("int8", "int4", "lowbit"):

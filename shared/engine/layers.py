@@ -22,12 +22,16 @@ from shared.engine.linear import Linear
 
 
 class RMSNorm(nn.Module):
+    exact = False  # sum in fp64: a row's norm then does not depend on how a GPU's reduction splits the rows
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return F.rms_norm(x.double(), self.weight.shape, self.weight.double(), self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op (computes in fp32)
 
 

@@ -26,6 +26,9 @@ from shared.engine.quant import (
 )
 
 BF16_ROWS = 16  # a bf16 GEMM on a CPU multiplies exactly this many rows per call (see ``Linear``)
+# the same for an exact target on a GPU (``exact_rows``): on a GPU a projection of 64 rows costs about what one does
+# (the weights' bytes are the cost), so one shape for every call costs a single row nothing
+CUDA_ROWS = 64
 
 
 class Linear(nn.Linear):
@@ -48,6 +51,7 @@ class Linear(nn.Linear):
     """
 
     qweight: torch.Tensor | None = None  # int8 in its kernel build's layout (pack_int8), or int4 quants (pack_int4)
+    exact_rows: int = 0  # bf16 rows multiplied in fixed blocks of this many, whatever the device (0: a CPU's only)
     kernel_build: str | None = None  # the kernel build that packed it (``shared.engine.kernels``)
     qscale: torch.Tensor | None = None  # fp32 [out], or int4 block scales
 
@@ -178,13 +182,14 @@ class Linear(nn.Linear):
             out = [linear(x.float(), p.qweight, p.qscale, b, None) for p, b in zip(parts, self.int8_biases(),
                                                                                     strict=True)]  # fmt: skip
             return torch.cat(out, dim=-1).to(x.dtype) if len(out) > 1 else out[0].to(x.dtype)
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        block = self.exact_rows or (BF16_ROWS if x.device.type == "cpu" else 0)
+        if x.dtype != torch.bfloat16 or not block:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         count = rows.shape[0]
-        if count % BF16_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(BF16_ROWS - count % BF16_ROWS, rows.shape[1])])
-        blocks = [F.linear(rows[i : i + BF16_ROWS], self.weight, self.bias) for i in range(0, len(rows), BF16_ROWS)]
+        if count % block:
+            rows = torch.cat([rows, rows.new_zeros(block - count % block, rows.shape[1])])
+        blocks = [F.linear(rows[i : i + block], self.weight, self.bias) for i in range(0, len(rows), block)]
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return out[:count].view(*x.shape[:-1], -1)
 
