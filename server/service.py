@@ -21,6 +21,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from server import payloads
 from server.batching import Batcher, ShuttingDown
@@ -45,6 +46,7 @@ SPARE_WORKERS = 8
 LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is told, by the same field names
 PREFER = ("auto", "latency", "capacity")
 LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
+KV_SHARE = 0.9  # of a GPU's free memory, the most the sessions' KV caches may hold (see ``attach``)
 CHAIN_WAIT_S = 30.0  # the most a chained Verify that overtook the round it follows waits for that round
 log = logging.getLogger("splitspec.server")
 
@@ -147,6 +149,13 @@ def rpc(method: Callable) -> Callable:
     return wrapper
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes free on an accelerator (None on a CPU, whose budget is ``--kv-memory-mb`` alone)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
 class SplitSpecService(pb_grpc.SplitSpecServicer):
     """The SplitSpec API over one target. Built before the model is loaded (every call is then UNAVAILABLE and
     health says NOT_SERVING), it serves once ``attach`` has given it the target."""
@@ -176,11 +185,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             self.attach(target)
 
     def attach(self, target: Target) -> None:
-        """Serve ``target`` from now on (health: SERVING)."""
+        """Serve ``target`` from now on (health: SERVING). On a GPU the KV budget is at most what the device has free
+        once the target is loaded (``KV_SHARE`` of it: forwards need room too)."""
         self.lsas = payloads.LSARegistry(target, self.bundle_dirs)
         self.limits = ServerLimits(**{**self.limits.as_dict(), "max_context": min(self.limits.max_context,
                                                                                   target.max_context)})  # fmt: skip
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
+        free = device_free_bytes(target.engine.device)
+        if free is not None and int(free * KV_SHARE) < self.sessions.max_bytes:
+            self.sessions.max_bytes = int(free * KV_SHARE)
+            log.info("KV budget %.0f MiB: %.0f%% of the %.0f MiB free on %s (--kv-memory-mb %d)",
+                     self.sessions.max_bytes / 2**20, 100 * KV_SHARE, free / 2**20, target.engine.device,
+                     self.limits.kv_memory_mb)  # fmt: skip
         lim = self.limits
         self.batcher = Batcher(target.engine, lim.max_batch, lim.max_batch_tokens, lim.batch_window_ms / 1000,
                                on_batch=self.metrics.forward, budget=TreeBudget(lim.min_tree_nodes))  # fmt: skip

@@ -128,6 +128,10 @@ class SessionStore:
     def _bytes(self) -> int:
         return sum(s.nbytes for s in self._sessions.values()) + sum(self._held.values())
 
+    def free_bytes(self) -> int:
+        """What the KV-memory budget has left (the caller holds the lock, or reads a moment's figure)."""
+        return max(0, (self.max_bytes or 0) - self._bytes())
+
     @contextlib.contextmanager
     def hold(self, nbytes: int):
         """Hold a place of ``nbytes`` for as long as the block runs (a session being opened, a stream)."""
@@ -161,7 +165,8 @@ class SessionStore:
         retry = min((self.evict_idle_s - (now - s.last_used) for s in busy), default=self.evict_idle_s)
         what = f"all {self.max_sessions} sessions are in use"
         if len(self._sessions) + len(self._held) < self.max_sessions:
-            what = f"the KV memory budget of {self.max_bytes / 2**20:.0f} MiB is in use"
+            what = (f"a session asks for {nbytes / 2**20:.1f} MiB of KV cache and {self.free_bytes() / 2**20:.1f} "
+                    f"MiB of the budget of {self.max_bytes / 2**20:.0f} MiB are free")  # fmt: skip
         raise StoreFull(f"{what} and none is idle; retry in {max(retry, 0.05):.2f}s", max(retry, 0.05))
 
     def add(self, sequence: TargetSession, owner: str = "") -> Session:

@@ -79,6 +79,26 @@ def test_a_kv_memory_budget_admits_by_bytes(serve, tiny_target):
     assert refused(lambda: stub.Verify(sessions[0].request(DraftTree()), timeout=TIMEOUT)).code() == Code.NOT_FOUND
 
 
+def test_on_a_gpu_the_budget_is_what_the_device_has_free_and_a_refusal_says_both(serve, tiny_target, monkeypatch):
+    """A target on a GPU: the KV budget is at most ``KV_SHARE`` of the device's free memory (read here through
+    ``device_free_bytes``, which a CPU answers with None); a session that would not fit is refused
+    RESOURCE_EXHAUSTED, naming what it asks for and what is free, and the sessions already open go on."""
+    import server.service
+
+    per_session = tiny_target.engine.new_cache(1).nbytes * 256  # a short prompt's cache (its initial capacity)
+    room = int(2.5 * per_session / server.service.KV_SHARE)  # for two short sessions and a half
+    monkeypatch.setattr(server.service, "device_free_bytes", lambda device: room)
+    stub, service = serve(max_sessions=64, kv_memory_mb=4096, evict_idle_s=30)
+    assert abs(service.sessions.max_bytes - 2.5 * per_session) <= 1
+    first, second = (Seq(stub, tiny_target, [5, 6, i], GREEDY) for i in range(2))
+    error = refused(lambda: stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[7, 8]), timeout=TIMEOUT))
+    assert error.code() == Code.RESOURCE_EXHAUSTED
+    asks, left = f"{per_session / 2**20:.1f} MiB", f"{0.5 * per_session / 2**20:.1f} MiB"
+    assert f"asks for {asks}" in error.details() and f"{left} of the budget" in error.details(), error.details()
+    first.step()
+    second.step()
+
+
 def test_expired_sessions_are_reaped_on_time_not_on_the_next_request(serve, tiny_target):
     stub, service = serve(max_sessions=8, session_ttl_s=0.2)
     for i in range(3):
