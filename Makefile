@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: gpu-parts bench-gpu setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts bench-gpu bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -102,6 +102,11 @@ bench-gpu:
 		--llama-bench= --llama-speculative= $(GPU_SINGLE) --out $(GPU_OUT)/single
 	$(GPU_PY) -m bench.serve --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 \
 		--drafter qwen2.5-coder-0.5b --dataset humaneval --modes batched,api,auto $(GPU_SERVE) --out $(GPU_OUT)/serve
+
+# Edge device profiles (netsim.device): how close a busy loop held to a phone's, a laptop's and a desktop's share of
+# one core comes, by this kernel's cgroups and by the duty cycle
+bench-device: setup
+	$(PY) -m bench.device --seconds 3 --repeats 3 --out bench/results/device
 
 bench-pair-disconnect: setup pair
 	$(PY) -m bench.disconnect --model qwen2.5-coder-1.5b --methods api,qwen2.5-coder-0.5b,moa-tli1,moa-tli1:qwen2.5-coder-0.5b --cuts 0,50 --limit 40 --window 192 --profile 4g --out bench/results/pair-disconnect

@@ -4,6 +4,7 @@ splitspec netsim serve [--host 127.0.0.1] [--port 8474]
 splitspec netsim apply --proxy NAME --profile 4g [--upstream HOST:PORT]
 splitspec netsim cut [--silent]|restore --proxy NAME
 splitspec netsim status
+splitspec netsim device --profile phone|laptop|desktop [--share S] [--check SECONDS] [-- COMMAND...]
 """
 
 from __future__ import annotations
@@ -45,11 +46,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="drop every byte both ways instead, closing nothing (a fading radio link)")  # fmt: skip
     sub.add_parser("restore", parents=[proxy], help="bring a proxy back up")
     sub.add_parser("status", parents=[url], help="list proxies and their toxics")
+    device = sub.add_parser("device", help="run a command with its CPU held to an edge device's share of one core")
+    device.add_argument("--profile", default="phone", help="phone, laptop or desktop (default phone)")
+    device.add_argument("--share", type=float, help="a share of one core instead of the profile's")
+    device.add_argument("--check", type=float, metavar="SECONDS",
+                        help="instead of a command: how close a busy loop comes to the share over SECONDS")  # fmt: skip
+    device.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what runs held to the share")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "serve":
         return _serve(args.host, args.port)
+    if args.action == "device":
+        return _device(args)
     client = ToxiproxyClient(args.url)
     if args.action == "apply":
         return _apply(client, args)
@@ -64,6 +73,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _status(client)
     return 0
+
+
+def _device(args: argparse.Namespace) -> int:
+    from netsim.device import get_device, measure, run_limited
+
+    share = args.share if args.share is not None else get_device(args.profile).cpu_share
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if args.check is not None:
+        got = measure(share, args.check)
+        print(f"held to {share:g} of a core by {got['how']}: a busy loop got {got['achieved']:.3f} of a core")
+        return 0
+    if not command:
+        raise SplitspecError("netsim device: give a command after --, or --check SECONDS")
+    return run_limited(command, share)
 
 
 def _serve(host: str, port: int) -> int:

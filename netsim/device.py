@@ -1,0 +1,202 @@
+"""Edge devices as they are: a client's CPU held to a share of one core, beside the link profiles.
+
+The deployment drafts on phones and laptops, whose cores run a draft step several times slower than one core of
+these machines. A device profile holds the client's process (and what it starts) to a share of one core, with
+whatever this kernel allows, in this order:
+
+* cgroup v2: a child group with ``cpu.max`` (quota per period), where the cpu controller is delegated;
+* cgroup v1: a group under ``/sys/fs/cgroup/cpu`` with ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``;
+* a duty cycle: the process group stopped and continued (SIGSTOP / SIGCONT), its CPU time kept to the share.
+
+Each says which it used (``CpuLimit.how``), and ``measure`` says how close a busy process comes to the share.
+
+Run:  splitspec netsim device --profile phone -- COMMAND...      (the command held to the profile's share)
+      splitspec netsim device --share 0.3 --check 3               (how close a busy loop comes, 3 s)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import SplitspecError
+
+CGROUP = Path("/sys/fs/cgroup")
+PERIOD_S = 0.02  # a short period: a quota of a few ms a period keeps the client's steps evenly slowed, not bursty
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    cpu_share: float  # of one core of the machine the client runs on
+    about: str
+
+
+# Shares of one server core (the kinds here: Zen 3 to Zen 5, Sapphire Rapids). DESIGN.md §5: a phone- or laptop-class
+# CPU runs a 0.5B draft step several times slower than one Zen 5 core; these are assumptions, stated as such.
+DEVICES: dict[str, DeviceProfile] = {
+    "phone": DeviceProfile("phone", 0.25, "a phone-class core: a quarter of one server core"),
+    "laptop": DeviceProfile("laptop", 0.5, "a laptop-class core on battery: half of one server core"),
+    "desktop": DeviceProfile("desktop", 1.0, "a desktop-class core: one server core"),
+}
+
+
+def get_device(name: str) -> DeviceProfile:
+    if name not in DEVICES:
+        raise SplitspecError(f"unknown device profile {name!r}; expected one of {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+class CpuLimit:
+    """Hold process ``pid`` (with its threads, and with a cgroup what it starts later; with a duty cycle its process
+    group) to ``share`` of one core while the block runs. ``how`` says which mechanism took it."""
+
+    def __init__(self, pid: int, share: float, period_s: float = PERIOD_S, root: Path = CGROUP) -> None:
+        if not 0 < share <= 64:
+            raise SplitspecError(f"a CPU share of {share}; expected a share of one core in (0, 64]")
+        self.pid, self.share, self.period_s, self.root = pid, share, period_s, root
+        self.how = ""
+        self._group: Path | None = None
+        self._home: Path | None = None  # v1: the group the process came from
+        self._stop = threading.Event()
+        self._cycler: threading.Thread | None = None
+
+    def __enter__(self) -> CpuLimit:
+        period_us = int(self.period_s * 1e6)
+        quota_us = max(1000, int(self.share * period_us))  # the kernel's smallest quota is 1 ms
+        for attempt in (self._cgroup_v2, self._cgroup_v1):
+            try:
+                if attempt(quota_us, period_us):
+                    return self
+            except OSError:
+                self._remove_group()
+        if self.pid == os.getpid():
+            raise SplitspecError("no cgroup could hold this process, and a duty cycle cannot stop the process that "
+                                 "runs it: limit a command instead (splitspec netsim device -- COMMAND)")  # fmt: skip
+        self._cycler = threading.Thread(target=self._cycle, daemon=True, name="splitspec-duty-cycle")
+        self._cycler.start()
+        self.how = f"a duty cycle: the process group stopped and continued, checked every {self.period_s * 100:g} ms"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cycler is not None:
+            self._stop.set()
+            self._cycler.join()
+        if self._group is not None:
+            try:
+                if self._home is not None:
+                    _write(self._home / "cgroup.procs", str(self.pid))
+            except OSError:
+                pass  # the process has ended
+            self._remove_group()
+
+    def _cgroup_v2(self, quota_us: int, period_us: int) -> bool:
+        if not (self.root / "cgroup.controllers").is_file():
+            return False
+        line = Path(f"/proc/{self.pid}/cgroup").read_text().splitlines()
+        here = next((ln.split(":", 2)[2] for ln in line if ln.startswith("0::")), None)
+        if here is None:
+            return False
+        parent = self.root / here.lstrip("/")
+        if "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
+            return False
+        self._group = parent / f"splitspec-device-{self.pid}"
+        self._group.mkdir(exist_ok=True)
+        self._home = parent
+        _write(self._group / "cpu.max", f"{quota_us} {period_us}")
+        _write(self._group / "cgroup.procs", str(self.pid))
+        self.how = f"cgroup v2: cpu.max {quota_us} {period_us}"
+        return True
+
+    def _cgroup_v1(self, quota_us: int, period_us: int) -> bool:
+        controller = self.root / "cpu"
+        if not (controller / "cpu.cfs_quota_us").is_file():
+            return False
+        line = Path(f"/proc/{self.pid}/cgroup").read_text().splitlines()
+        here = next((ln.split(":", 2)[2] for ln in line if ln.split(":")[1].split(",").count("cpu")), "/")
+        self._home = controller / here.lstrip("/")
+        self._group = controller / f"splitspec-device-{self.pid}"
+        self._group.mkdir(exist_ok=True)
+        _write(self._group / "cpu.cfs_period_us", str(period_us))
+        _write(self._group / "cpu.cfs_quota_us", str(quota_us))
+        _write(self._group / "cgroup.procs", str(self.pid))
+        self.how = f"cgroup v1: cpu.cfs_quota_us {quota_us} of cpu.cfs_period_us {period_us}"
+        return True
+
+    def _remove_group(self) -> None:
+        if self._group is not None:
+            try:
+                self._group.rmdir()
+            except OSError:
+                pass
+            self._group = None
+
+    def _cycle(self) -> None:
+        """Closed loop, a check every tenth of a period: the group runs while its leader's CPU time (every thread's,
+        from schedstat's nanoseconds) is below ``share`` of the wall time since the limit began, else it is
+        stopped. Open-loop sleeps overshoot: a 5 ms run per 20 ms gave a busy loop 0.36 of a core, not 0.25."""
+        group = os.getpgid(self.pid)
+        start, base, running = time.monotonic(), run_ns(self.pid), True
+        try:
+            while not self._stop.is_set():
+                over = run_ns(self.pid) - base > self.share * (time.monotonic() - start) * 1e9
+                if over == running:
+                    os.killpg(group, signal.SIGSTOP if running else signal.SIGCONT)
+                    running = not running
+                time.sleep(self.period_s / 10)
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        finally:
+            try:
+                os.killpg(group, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def run_ns(pid: int) -> int:
+    """Nanoseconds process ``pid``'s threads have run (schedstat: finer than the clock ticks of /proc/PID/stat)."""
+    return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir())
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used (user + system, its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(share: float, seconds: float = 3.0, period_s: float = PERIOD_S, root: Path = CGROUP) -> dict:
+    """How close a busy process held to ``share`` comes to it: {how, share, achieved} (CPU seconds over wall
+    seconds of a one-thread busy loop, measured over ``seconds``)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        with CpuLimit(busy.pid, share, period_s, root) as limit:
+            time.sleep(min(0.2, seconds / 5))  # settled into the limit
+            cpu0, wall0 = cpu_seconds(busy.pid), time.monotonic()
+            time.sleep(seconds)
+            cpu1, wall1 = cpu_seconds(busy.pid), time.monotonic()
+        return {"how": limit.how, "share": share, "achieved": (cpu1 - cpu0) / (wall1 - wall0)}
+    finally:
+        os.killpg(busy.pid, signal.SIGKILL)
+        busy.wait()
+
+
+def run_limited(command: list[str], share: float) -> int:
+    """Run ``command`` held to ``share`` of one core; its exit status."""
+    child = subprocess.Popen(command, start_new_session=True)
+    with CpuLimit(child.pid, share) as limit:
+        print(f"splitspec device: {command[0]} held to {share:g} of a core ({limit.how})", file=sys.stderr)
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            os.killpg(child.pid, signal.SIGINT)
+            return child.wait()
