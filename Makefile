@@ -33,7 +33,8 @@ demo-tiny: setup
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadscope -m "not timing and not pair"  # two workers, a module's tests together
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not timing and not pair and not apart"  # two workers, a module's tests together
+	$(PY) -m pytest -q -m apart  # Ray's tests, in a process where no other test's gRPC threads run (its start forks)
 	$(PY) -m pytest -q -m timing  # wall-clock measurements, apart: nothing else of the suite running beside them
 
 # Opt-in: the realistic pair's own tests (its GGUFs served as they are, lossless drafting local and split, ~1 min)

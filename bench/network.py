@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -72,6 +73,7 @@ from client.drafters import make_drafter
 from client.offline import Resilience
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
+from netsim.device import DEVICES, CpuLimit
 from netsim.profiles import PROFILES
 from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.server_process import cpus_label, server_child, two_machines
@@ -343,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="the target's dtype, served and here (default auto, as `serve`)")
     p.add_argument("--weights", default="auto", help="the target's weights, served and here (default auto: low-bit "
                    "where lossless; native with --dtype float32 for the check against transformers)")
+    p.add_argument("--edge", choices=list(DEVICES), help="the client's CPU held to an edge device's share of one core "
+                   "(netsim.device) while it drafts; default: the client's threads unheld")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
     args = p.parse_args(argv)
     args.profiles = [x.strip() for x in args.profiles.split(",") if x.strip()]
@@ -375,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                       "--weights", args.weights, "--device", args.device]  # fmt: skip
         upstream = stack.enter_context(server_child(serve_args, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
+        edge = args.edge and stack.enter_context(CpuLimit(os.getpid(), DEVICES[args.edge].cpu_share))  # children apart
         for profile in args.profiles:
             runs += run_profile(profile, upstream, netsim, target, args.methods, prompts, args)
     summary = summarize(runs)
@@ -382,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         **environment(args.client_threads, args.device),
         "server_threads": args.server_threads,
         "cpus": cpus_label(cpus),
+        "edge": edge and {"profile": args.edge, "cpu_share": edge.share, "how": edge.how},
     }
     compared = against_api(runs)
     report = markdown(summary)
@@ -398,10 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     result = {"environment": env, "settings": settings, "summary": summary, "against_api": compared,
               "runs": [asdict(r) for r in runs]}  # fmt: skip
+    held = f" held to {edge.share:g} of a core ({args.edge}: {edge.how})" if edge else ""
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
         f"{args.model} ({dtype}, weights {args.weights}, {args.device}): server child {args.server_threads} thread(s), "
-        f"client {args.client_threads}, "
+        f"client {args.client_threads}{held}, "
         f"on {env['cpu_count']} CPUs ({env['cpu']}; {env['cpus']}); {counts['mt-bench']} MT-Bench + "
         f"{counts['humaneval']} HumanEval "
         f"prompts, greedy, ≤{args.max_new_tokens} new tokens; medians over prompts (τ: mean). plain-local: the target "

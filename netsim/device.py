@@ -16,6 +16,7 @@ Run:  splitspec netsim device --profile phone -- COMMAND...      (the command he
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,8 +69,7 @@ class CpuLimit:
         self.how = ""
         self._group: Path | None = None
         self._home: Path | None = None  # v1: the group the process came from
-        self._stop = threading.Event()
-        self._cycler: threading.Thread | None = None
+        self._cycler: subprocess.Popen | None = None  # the duty cycle's process
 
     def __enter__(self) -> CpuLimit:
         period_us = int(self.period_s * 1e6)
@@ -80,18 +80,17 @@ class CpuLimit:
                     return self
             except OSError:
                 self._remove_group()
-        if self.pid == os.getpid():
-            raise SplitspecError("no cgroup could hold this process, and a duty cycle cannot stop the process that "
-                                 "runs it: limit a command instead (splitspec netsim device -- COMMAND)")  # fmt: skip
-        self._cycler = threading.Thread(target=self._cycle, daemon=True, name="splitspec-duty-cycle")
-        self._cycler.start()
-        self.how = f"a duty cycle: the process group stopped and continued, checked every {self.period_s * 100:g} ms"
+        # a process of its own (a session of its own too): it can stop this one, and goes on if this one is stopped
+        whole = "group" if self.pid != os.getpid() else "process"
+        self._cycler = subprocess.Popen([sys.executable, "-m", "netsim.device", str(self.pid), str(self.share),
+                                         str(self.period_s), whole], start_new_session=True)  # fmt: skip
+        self.how = f"a duty cycle: the {whole} stopped and continued, checked every {self.period_s * 100:g} ms"
         return self
 
     def __exit__(self, *exc) -> None:
         if self._cycler is not None:
-            self._stop.set()
-            self._cycler.join()
+            self._cycler.terminate()  # it continues what it stopped as it goes
+            self._cycler.wait()
         if self._group is not None:
             try:
                 if self._home is not None:
@@ -141,26 +140,28 @@ class CpuLimit:
                 pass
             self._group = None
 
-    def _cycle(self) -> None:
-        """Closed loop, a check every tenth of a period: the group runs while its leader's CPU time (every thread's,
-        from schedstat's nanoseconds) is below ``share`` of the wall time since the limit began, else it is
-        stopped. Open-loop sleeps overshoot: a 5 ms run per 20 ms gave a busy loop 0.36 of a core, not 0.25."""
-        group = os.getpgid(self.pid)
-        start, base, running = time.monotonic(), run_ns(self.pid), True
-        try:
-            while not self._stop.is_set():
-                over = run_ns(self.pid) - base > self.share * (time.monotonic() - start) * 1e9
-                if over == running:
-                    os.killpg(group, signal.SIGSTOP if running else signal.SIGCONT)
-                    running = not running
-                time.sleep(self.period_s / 10)
-        except (ProcessLookupError, FileNotFoundError):
-            return
-        finally:
-            try:
-                os.killpg(group, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+
+def cycle(pid: int, share: float, period_s: float, whole: str) -> None:
+    """The duty cycle, closed loop, a check every tenth of a period: ``pid`` (its process group with ``whole`` =
+    "group") runs while its threads' CPU time (schedstat's nanoseconds) is below ``share`` of the wall time since
+    the cycle began, else it is stopped; continued when the cycle ends (SIGTERM) or ``pid`` is gone. Open-loop
+    sleeps overshoot: a 5 ms run per 20 ms gave a busy loop 0.36 of a core, not 0.25."""
+    send = (lambda sig: os.killpg(os.getpgid(pid), sig)) if whole == "group" else (lambda sig: os.kill(pid, sig))
+    ending = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: ending.set())
+    start, base, running = time.monotonic(), run_ns(pid), True
+    try:
+        while not ending.is_set():
+            over = run_ns(pid) - base > share * (time.monotonic() - start) * 1e9
+            if over == running:
+                send(signal.SIGSTOP if running else signal.SIGCONT)
+                running = not running
+            ending.wait(period_s / 10)
+    except (ProcessLookupError, FileNotFoundError):
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            send(signal.SIGCONT)
 
 
 def run_ns(pid: int) -> int:
@@ -200,3 +201,7 @@ def run_limited(command: list[str], share: float) -> int:
         except KeyboardInterrupt:
             os.killpg(child.pid, signal.SIGINT)
             return child.wait()
+
+
+if __name__ == "__main__":  # the duty cycle's own process: PID SHARE PERIOD_S group|process
+    cycle(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4])

@@ -31,6 +31,7 @@ from shared.wire import splitspec_pb2_grpc as pb_grpc
 from tests.test_moa import make_moa
 
 ray = pytest.importorskip("ray", reason="serve --ray needs Ray Serve (in the dev extras)")
+pytestmark = pytest.mark.apart  # Ray's start forks this process: one where no other test's gRPC threads run
 
 PROMPT = [5, 9, 14, 5, 9, 21, 33, 40, 41, 5, 9]
 NEW = 48
