@@ -85,24 +85,32 @@ gpu-parts: pair
 
 # The sitting's tables, every one under GPU_OUT: the pair in bf16 on DEVICE, each drafter against plain decoding
 # (exactness and speed, one session), then many clients against one server (capacity: batched trees, the API, auto;
-# each replay checked against its recording). No setup: on the GPU machine its own python3 runs it (GPU_PY=python3).
+# each replay checked against its recording), then a phone-class client on this machine's CPU drafting over 4g / lte /
+# 5g against the server on DEVICE. No setup: on the GPU machine its own python3 runs it (GPU_PY=python3).
 # `make bench-gpu DEVICE=cpu` rehearses it at small sizes, so that the lent minutes go to measuring.
 DEVICE ?= cuda
 GPU_PY ?= $(PY)
 GPU_OUT ?= bench/results/gpu
+GPU_TAR ?=
 GPU_DRAFTERS ?= none,prompt-lookup,qwen2.5-coder-0.5b,moa-tli1,eagle
+GPU_EDGE_METHODS ?= api,moa-tli1-adaptive,eagle-adaptive,qwen2.5-coder-0.5b-adaptive,qwen2.5-coder-0.5b+lookup-auto
 ifeq ($(DEVICE),cpu)
 GPU_SINGLE ?= --limit 1 --max-new-tokens 8
 GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
+GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
 GPU_SINGLE ?= --limit 4 --max-new-tokens 128
 GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64
+GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 endif
 bench-gpu:
 	$(GPU_PY) -m bench.single --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 --drafters $(GPU_DRAFTERS) \
 		--llama-bench= --llama-speculative= $(GPU_SINGLE) --out $(GPU_OUT)/single
 	$(GPU_PY) -m bench.serve --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 \
 		--drafter qwen2.5-coder-0.5b --dataset humaneval --modes batched,api,auto $(GPU_SERVE) --out $(GPU_OUT)/serve
+	$(GPU_PY) -m bench.network --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 --client-device cpu \
+		--methods $(GPU_EDGE_METHODS) $(GPU_EDGE) --edge phone --out $(GPU_OUT)/edge-phone
+	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
 
 # Edge device profiles (netsim.device): how close a busy loop held to a phone's, a laptop's and a desktop's share of
 # one core comes, by this kernel's cgroups and by the duty cycle

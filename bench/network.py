@@ -345,6 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="the target's dtype, served and here (default auto, as `serve`)")
     p.add_argument("--weights", default="auto", help="the target's weights, served and here (default auto: low-bit "
                    "where lossless; native with --dtype float32 for the check against transformers)")
+    p.add_argument("--client-device", help="where the client's drafters (and the target pieces they reuse, and "
+                   "plain-local) run, when not where the server's target does: an edge beside a GPU server is "
+                   "--device cuda --client-device cpu (its dtype and weights then this CPU's own: auto); default "
+                   "--device")  # fmt: skip
     p.add_argument("--edge", choices=list(DEVICES), help="the client's CPU held to an edge device's share of one core "
                    "(netsim.device) while it drafts; default: the client's threads unheld")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="output folder")
@@ -364,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     start(args.client_threads)
-    target = load_target(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
+    apart = args.client_device not in (None, args.device)  # drafts only: the client's precision is its own
+    target = load_target(args.model, device=args.client_device or args.device, dtype="auto" if apart else args.dtype,
+                         weights="auto" if apart else args.weights)  # fmt: skip
     dtype = str(target.dtype).removeprefix("torch.")
     prompts = load_prompts(target.tokenizer, args.limit)
     args.methods, skipped = drop_unusable(args.methods, target, lambda m: None if m == REFERENCE else drafter_name(m))
@@ -407,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     held = f" held to {edge.share:g} of a core ({args.edge}: {edge.how})" if edge else ""
     header = (
         f"# Client–server benchmark under simulated networks\n\n`{env['command']}`\n\n{env['date']}, "
-        f"{args.model} ({dtype}, weights {args.weights}, {args.device}): server child {args.server_threads} thread(s), "
+        f"{args.model} ({args.dtype if apart else dtype}, weights {args.weights}, {args.device}): server child "
+        f"{args.server_threads} "
+        f"thread(s){f'; client on {args.client_device} ({dtype}, its own weights)' if apart else ''}, "
         f"client {args.client_threads}{held}, "
         f"on {env['cpu_count']} CPUs ({env['cpu']}; {env['cpus']}); {counts['mt-bench']} MT-Bench + "
         f"{counts['humaneval']} HumanEval "
