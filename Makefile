@@ -100,7 +100,8 @@ GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
 GPU_SINGLE ?= --limit 4 --max-new-tokens 128
-GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64
+GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64 --max-batch 256 \
+	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536"  # 256 trees a forward; exact bf16 keeps KV in fp64
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 endif
 bench-gpu:

@@ -10,7 +10,7 @@ same target in the same dtype, so its tokens are the recording's (checked: each 
 equal the recording's). Client i replays prompt i mod K.
 
 Per server mode and N in ``--clients`` (default 1,2,4,8,16,32), all clients start together and each
-generates its recording's tokens: ``batched`` (``--max-batch 16``), ``whole`` (the same, every node verified:
+generates its recording's tokens: ``batched`` (``--max-batch``, 16), ``whole`` (the same, every node verified:
 no cut at load, ``server.budget``), ``serial`` (``--max-batch 1``),
 ``api`` (each client one Generate stream of the same length, on the batched server: plain decoding,
 its steps batched too) and ``auto`` (each client the real decode loop with the adaptive policy in ``--mode auto``,
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import sys
 import tempfile
 import threading
@@ -58,12 +59,12 @@ from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = {
-    "batched": ["--max-batch", "16"],
-    "whole": ["--max-batch", "16", "--min-tree-nodes", "1000000"],
+MODES = {  # each mode's server flags; BATCH: --max-batch's steps per forward
+    "batched": ["--max-batch", "BATCH"],
+    "whole": ["--max-batch", "BATCH", "--min-tree-nodes", "1000000"],
     "serial": ["--max-batch", "1"],
-    "api": ["--max-batch", "16"],
-    "auto": ["--max-batch", "16"],
+    "api": ["--max-batch", "BATCH"],
+    "auto": ["--max-batch", "BATCH"],
 }
 TIMEOUT = 600.0
 
@@ -339,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                    "or cuda:N (default cpu); the trees are recorded on the same device and dtype, so a replay's "
                    "tokens are the served target's")
     p.add_argument("--dtype", default="auto", help="the served target's dtype (default auto)")
+    p.add_argument("--max-batch", type=int, default=16, help="steps per target forward, all modes but serial "
+                   "(default 16; a GPU's batch is hundreds)")  # fmt: skip
+    p.add_argument("--server-args", default="", help="more `splitspec serve` flags for every mode, e.g. "
+                   "\"--max-batch-tokens 8192 --kv-memory-mb 65536\"")  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
@@ -360,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
                           "--threads", str(args.server_threads), "--max-sessions",
-                          str(2 * max(counts)), "--metrics-port", "0", *MODES[mode]]  # fmt: skip
+                          str(2 * max(counts)), "--metrics-port", "0", *shlex.split(args.server_args),
+                          *(str(args.max_batch) if flag == "BATCH" else flag for flag in MODES[mode])]  # fmt: skip
             child = ServerChild(serve_args, Path(workdir) / mode, cpus=cpus and cpus[0])
             (Path(workdir) / mode).mkdir()
             child.start()
