@@ -58,6 +58,15 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def _cgroup_of(pid: int, controller: str) -> str | None:
+    """The group ``pid`` is in: on the v1 hierarchy of ``controller``, or on v2's (``controller`` "")."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers.split(",").count(controller):
+            return path
+    return None
+
+
 class CpuLimit:
     """Hold process ``pid`` (with its threads, and with a cgroup what it starts later; with a duty cycle its process
     group) to ``share`` of one core while the block runs. ``how`` says which mechanism took it."""
@@ -102,8 +111,7 @@ class CpuLimit:
     def _cgroup_v2(self, quota_us: int, period_us: int) -> bool:
         if not (self.root / "cgroup.controllers").is_file():
             return False
-        line = Path(f"/proc/{self.pid}/cgroup").read_text().splitlines()
-        here = next((ln.split(":", 2)[2] for ln in line if ln.startswith("0::")), None)
+        here = _cgroup_of(self.pid, "")
         if here is None:
             return False
         parent = self.root / here.lstrip("/")
@@ -121,9 +129,7 @@ class CpuLimit:
         controller = self.root / "cpu"
         if not (controller / "cpu.cfs_quota_us").is_file():
             return False
-        line = Path(f"/proc/{self.pid}/cgroup").read_text().splitlines()
-        here = next((ln.split(":", 2)[2] for ln in line if ln.split(":")[1].split(",").count("cpu")), "/")
-        self._home = controller / here.lstrip("/")
+        self._home = controller / (_cgroup_of(self.pid, "cpu") or "/").lstrip("/")
         self._group = controller / f"splitspec-device-{self.pid}"
         self._group.mkdir(exist_ok=True)
         _write(self._group / "cpu.cfs_period_us", str(period_us))
@@ -169,12 +175,6 @@ def run_ns(pid: int) -> int:
     return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir())
 
 
-def cpu_seconds(pid: int) -> float:
-    """The CPU time process ``pid`` has used (user + system, its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(share: float, seconds: float = 3.0, period_s: float = PERIOD_S, root: Path = CGROUP) -> dict:
     """How close a busy process held to ``share`` comes to it: {how, share, achieved} (CPU seconds over wall
     seconds of a one-thread busy loop, measured over ``seconds``)."""
@@ -182,10 +182,10 @@ def measure(share: float, seconds: float = 3.0, period_s: float = PERIOD_S, root
     try:
         with CpuLimit(busy.pid, share, period_s, root) as limit:
             time.sleep(min(0.2, seconds / 5))  # settled into the limit
-            cpu0, wall0 = cpu_seconds(busy.pid), time.monotonic()
+            cpu0, wall0 = run_ns(busy.pid), time.monotonic()
             time.sleep(seconds)
-            cpu1, wall1 = cpu_seconds(busy.pid), time.monotonic()
-        return {"how": limit.how, "share": share, "achieved": (cpu1 - cpu0) / (wall1 - wall0)}
+            cpu1, wall1 = run_ns(busy.pid), time.monotonic()
+        return {"how": limit.how, "share": share, "achieved": (cpu1 - cpu0) / 1e9 / (wall1 - wall0)}
     finally:
         os.killpg(busy.pid, signal.SIGKILL)
         busy.wait()

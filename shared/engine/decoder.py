@@ -268,9 +268,8 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
     ``exact`` (bf16; on a GPU see ``exact_rows``): attention whose result for a token does not depend on how many
     tokens share its forward — the CPU kernels' fixed-order fp32 attention (``shared.engine.kernels``), or, where
-    they could not be
-    built, the KV cache and attention in fp64. Attention kernels reduce over keys in an order that depends on the
-    query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
+    they could not be built, the KV cache and attention in fp64. Attention kernels reduce over keys in an order that
+    depends on the query and key counts; in fp32 those differences survive the cast back to bf16 and flip greedy
     choices at near-ties (EAGLE's issue #212). In fp64 (bf16 products are exact there) they stay
     ~1e-16 relative, far below a bf16 or fp32 rounding step, so tree verification and plain
     decoding give bit-identical states. It costs ~0.3 ms a token and ~4 ms a 17-token tree here.

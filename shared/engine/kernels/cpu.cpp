@@ -147,7 +147,7 @@ void prepare_rows(int64_t M, int64_t K, Rows& r, bool blocks) {
   r.Kp = padded(K);
   r.blocks = blocks;
   const int64_t Kb = r.Kp / KSTEP;
-  r.q.assign((M + ROW_PAD) * r.Kp, 0);  // zero rows past M: an AMX tile loads 16 rows whatever a pass holds
+  r.q.assign((M + (blocks ? 0 : ROW_PAD)) * r.Kp, 0);  // int8's zero rows past M: an AMX tile loads 16 rows
 #ifdef SPLITSPEC_AVX512
   if (!blocks) r.u.assign(M * r.Kp, 128);  // the int8 kernel's offset values; 4-bit weights need none
 #else
@@ -252,10 +252,10 @@ struct Ahead {
 // AMX: a tile multiply (tdpbssd) adds a tile of 16 rows x 64 signed bytes times one of 16 x 16 4-byte groups into
 // 16 x 16 int32s, ~16x what a vpdpbusd does. It computes the same exact integer sums as the VNNI code and the float
 // steps after it are that code's, in its order: the same bits, so the build takes either by row count. int8 weights
-// ride on it: a row's sum builds up over all of K in one tile, and the float steps come once per output. One row is
-// bound by the weight stream, and the VNNI code is as fast up to AMX_ROWS rows (measured on a Sapphire Rapids VM).
-// The block formats stay on the VNNI code: their float steps come every 32 values, so a tile's sums would be stored
-// and read back every block, and that costs more than the VNNI multiplies it saves (docs/engine.md, "AMX").
+// ride on it: a row's sum builds up over all of K in one tile, and the float steps come once per output. A few rows
+// are bound by the weight stream: below AMX_ROWS the VNNI code is as fast. The block formats stay on the VNNI code:
+// their float steps come every 32 values, so a tile's sums would be stored and read back every block, which costs
+// more than the multiplies it saves (docs/engine.md, "AMX tiles").
 constexpr int64_t AMX_ROWS = 4;
 
 // Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
