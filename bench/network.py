@@ -67,11 +67,9 @@ from bench.common import (
     times,
 )
 from bench.single import load_prompts
-from client.adaptive import AdaptivePolicy
-from client.decode import api_generate, generate
+from client.build import Client, ClientOptions, Shared
+from client.decode import generate
 from client.drafters import make_drafter
-from client.offline import Resilience
-from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim.device import DEVICES, CpuLimit
 from netsim.profiles import PROFILES
@@ -117,41 +115,36 @@ def drafter_name(method: str) -> str:
 
 
 class Method:
-    """One way to generate against the server: a drafter (or the API), its payload, tree and policy."""
+    """One way to generate against the server: a drafter (or the API), its payload, tree and policy, as a client
+    (``client.build.Client``) with its own connection."""
 
     def __init__(self, name: str, target, address: str):
-        self.name, self.target = name, target
-        self.drafter, self.nodes = None, STATIC_TREE[2]
-        self.resilience = Resilience("fail", heartbeat=False) if name.endswith("-fail") else Resilience()
+        self.name = name
         stem = name.removesuffix("-fail")
-        self.pipeline, self.chain = not stem.endswith("-serial"), not stem.endswith("-unchained")
-        stem = stem.removesuffix("-serial").removesuffix("-unchained")
-        self.mode = next((mode for suffix, mode in MODES.items() if stem.endswith(suffix)), None)
-        base = drafter_name(name)
-        if name != "api":
-            tree = PAPER_TREE if "-paper" in name else STATIC_TREE
-            trained = base not in ("prompt-lookup", "none")
-            self.drafter = make_drafter(base, target=target if trained else None, device=str(target.device),
-                                        **({"width": tree[0], "depth": tree[1]} if trained else {}))  # fmt: skip
-            self.nodes = tree[2] if trained else 64
-        self.verifier = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=self.drafter)
-        self.verifier.probe_link()
-        if self.mode is not None:
-            self.nodes = 64
-        # static methods: the drafter's first spec the server can send (lsa/fp16 for MoA: the server runs its LSA)
-        self.specs = self.verifier.usable(self.drafter.payload_specs()) if self.drafter is not None else []
+        mode = next((mode for suffix, mode in MODES.items() if stem.removesuffix("-serial").removesuffix(
+            "-unchained").endswith(suffix)), None)  # fmt: skip
+        base, tree, drafter = drafter_name(name), PAPER_TREE if "-paper" in name else STATIC_TREE, None
+        trained = name != "api" and base not in ("prompt-lookup", "none")
+        if name != "api":  # made here: a static tree's shape is the drafter's, not a pin on the policy
+            drafter = make_drafter(base, target=target if trained else None, device=str(target.device),
+                                   **({"width": tree[0], "depth": tree[1]} if trained else {}))  # fmt: skip
+        fail = name.endswith("-fail")
+        options = ClientOptions(server=address, probe_link=True, baseline="api" if name == "api" else None,
+                                static=mode is None, mode=mode or "auto",
+                                max_tree_nodes=None if mode else tree[2] if trained else 64,
+                                pipeline=not stem.endswith("-serial"), chain=not stem.endswith("-unchained"),
+                                on_reconnect="fail" if fail else None, heartbeat=not fail,
+                                device=str(target.device))  # fmt: skip
+        self.client = Client(options, Shared(target, target.tokenizer, target.fingerprint), drafter)
+        self.drafter = self.client.drafter
+        self.client.verifier  # noqa: B018 - connect and probe the link before any run is timed
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
-        if self.drafter is None:
-            return api_generate(self.verifier, prompt_ids, max_new_tokens)
-        # a fresh policy per generation: what it learns is this generation's
-        policy = AdaptivePolicy.for_run(self.verifier, self.specs, mode=self.mode) if self.mode else None
-        return generate(self.verifier, self.drafter, prompt_ids, max_new_tokens, max_tree_nodes=self.nodes,
-                        policy=policy, resilience=self.resilience, spec=self.specs[0] if self.specs else None,
-                        pipeline=self.pipeline, chain=self.chain)  # fmt: skip
+        self.client.forget()  # a fresh policy per generation: what it learns is this generation's
+        return self.client.generate(prompt_ids, max_new_tokens)
 
     def close(self) -> None:
-        self.verifier.shutdown()
+        self.client.close()
 
 
 def run_profile(profile: str, upstream: str, netsim, target, names: list[str], prompts, args) -> list[Run]:

@@ -44,12 +44,10 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
-from client.adaptive import AdaptivePolicy
+from client.build import Client, ClientOptions, Shared
 from client.decode import generate
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
-from client.offline import Resilience
-from client.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target
@@ -213,13 +211,11 @@ class Replay(Drafter):
 def adaptive(address: str, rec: Recording) -> tuple[list[int], float, int]:
     """The decode loop in mode auto, drafting by replay; (tokens, seconds, tokens the server decoded itself)."""
     start = time.perf_counter()
-    verifier = RemoteVerifier(address, rpc_timeout_s=TIMEOUT)
-    try:
-        policy = AdaptivePolicy.for_run(verifier, [], mode="auto")
-        gen = generate(verifier, Replay(rec), rec.prompt, len(rec.tokens), stop_ids=[], max_tree_nodes=16,
-                       policy=policy, resilience=Resilience("fail", heartbeat=False))  # fmt: skip
-    finally:
-        verifier.shutdown()
+    # (the recorded trees hold at most 16 nodes: the policy sizes within them, unpinned)
+    options = ClientOptions(server=address, rpc_timeout_s=TIMEOUT, on_reconnect="fail", heartbeat=False,
+                            stop_ids=())  # fmt: skip
+    with Client(options, Shared(None, None), Replay(rec)) as client:
+        gen = client.generate(rec.prompt, len(rec.tokens))
     return gen.token_ids, time.perf_counter() - start, gen.stats.streamed_tokens
 
 

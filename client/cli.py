@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -189,53 +188,50 @@ def stats_line(gen) -> str:
     )
 
 
-def _pinned_specs(drafter, args: argparse.Namespace) -> list:
-    """The drafter's payload specs within --payload and --precision; an error if none is left."""
-    from client.drafters.base import DRAFT_PRECISIONS
-    from shared.errors import SplitspecError
-
-    specs = drafter.payload_specs((args.precision,) if args.precision else DRAFT_PRECISIONS)
-    kept = [s for s in specs if args.payload in (None, s.mode)]
-    if args.payload and not kept:
-        modes = ", ".join(sorted({s.mode for s in specs})) or "none (it reads only tokens)"
-        raise SplitspecError(f"--payload {args.payload}: drafter {drafter.name} takes payload mode {modes}")
-    return kept
-
-
-def run(args: argparse.Namespace) -> int:
-    with contextlib.ExitStack() as stack:
-        return _run(args, stack)
-
-
-def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
-    import torch
-
-    from client.adaptive import AdaptivePolicy
-    from client.decode import api_generate, generate
-    from client.drafters import make_drafter, needs_target
+def options(args: argparse.Namespace):
+    """The flags as ``ClientOptions`` (which check their own combinations)."""
+    from client.build import ClientOptions
     from client.endpoint import Endpoint
-    from client.offline import Resilience
-    from client.remote import RemoteVerifier
-    from client.verifiers import LocalVerifier
     from shared.acceptance import SamplingParams
-    from shared.engine.models import encode_prompt, load_target, load_tokenizer
     from shared.errors import SplitspecError
-    from shared.payload import PayloadSpec
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.max_new_tokens < 1:
-        raise SplitspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.baseline and args.local:
-        raise SplitspecError("--baseline api needs a server; drop --local")
-    if args.via_netsim and args.local:
-        raise SplitspecError("--via-netsim shapes the link to a server; drop --local")
+    if args.greedy and args.temperature:
+        raise SplitspecError(f"--greedy with --temperature {args.temperature:g}: greedy decoding is temperature 0; "
+                             "drop one")  # fmt: skip
     try:
         sampling = SamplingParams(temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,
                                   acceptance=args.acceptance, epsilon=args.typical_epsilon,
                                   delta=args.typical_delta)  # fmt: skip
     except ValueError as exc:
         raise SplitspecError(str(exc)) from None
+    endpoint = None if args.local else Endpoint.from_files(args.server, args.tls, args.tls_ca, args.tls_cert,
+                                                           args.tls_key, args.auth_token_file)  # fmt: skip
+    return ClientOptions(
+        model=args.model, cache_dir=args.cache_dir, local=args.local, endpoint=endpoint,
+        connect_timeout_s=args.connect_timeout, via_netsim=args.via_netsim, probe_link=args.probe_link,
+        baseline=args.baseline, drafter=args.drafter, draft_tokens=args.draft_tokens,
+        draft_branches=args.draft_branches, tree_width=args.tree_width, tree_depth=args.tree_depth,
+        drafter_weights=args.drafter_weights, offline_drafter=args.offline_drafter, payload=args.payload,
+        precision=args.precision, mode=args.mode, static=args.static, max_tree_nodes=args.max_tree_nodes,
+        pipeline=False if args.no_pipeline else None, chain=not args.no_chain, on_reconnect=args.on_reconnect,
+        keep_after_s=args.keep_after, offline_cap=args.offline_cap, sampling=sampling, device=args.device,
+        dtype=args.dtype, weights=args.weights,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Flags in, one generation, its text (or one JSON object) out."""
+    import torch
+
+    from client.build import Client
+    from shared.engine.models import encode_prompt
+    from shared.errors import SplitspecError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1:
+        raise SplitspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    opts = options(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text:
         raise SplitspecError("empty prompt: pass --prompt TEXT")
@@ -243,112 +239,41 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         text, secrets = mask(text, args.private)
     except ValueError as exc:
         raise SplitspecError(str(exc)) from None
-
-    drafter = None
-    trained = args.baseline is None and needs_target(args.drafter)
-    if args.local or trained:  # a trained drafter reuses the target's frozen embeddings, last layers and head
-        target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                             weights=args.weights)  # fmt: skip
-        tokenizer = target.tokenizer
+    with Client(opts) as client:
         if args.local and not args.json:
-            print(f"splitspec: {target.name} on {target.describe()}", file=sys.stderr)
-    else:
-        target, tokenizer = None, load_tokenizer(args.model, args.cache_dir)
-    if args.baseline is None:
-        options = {}
-        if args.drafter in ("prompt-lookup", "pld"):
-            options = {"num_tokens": args.draft_tokens, "branches": args.draft_branches}
-        drafter = make_drafter(args.drafter, target=target, width=args.tree_width, depth=args.tree_depth,
-                               weights=args.drafter_weights, tokenizer=tokenizer, device=args.device,
-                               **options)  # fmt: skip
-    offline_writer = None
-    if args.offline_drafter:
-        if args.local or args.baseline:
-            raise SplitspecError("--offline-drafter writes while the link to a server is down: drop --local / "
-                                 "--baseline")  # fmt: skip
-        offline_writer = make_drafter(args.offline_drafter, target=target, tokenizer=tokenizer, device=args.device)
-        if offline_writer.payload_specs():
-            raise SplitspecError(f"--offline-drafter {args.offline_drafter} reads the target's features, which a cut "
-                                 "keeps away; give a model that reads tokens only (e.g. qwen2.5-coder-0.5b)")
-    if args.local and args.on_reconnect:
-        raise SplitspecError("--on-reconnect is about the link to a server; drop --local")
-    if args.keep_after is not None and (args.keep_after < 0 or (args.on_reconnect or "verify") != "verify"):
-        raise SplitspecError(f"--keep-after {args.keep_after:g}: expected seconds >= 0, with --on-reconnect verify")
-    if args.greedy and args.temperature:
-        raise SplitspecError(f"--greedy with --temperature {args.temperature:g}: greedy decoding is temperature 0; "
-                             "drop one")  # fmt: skip
-    if not 0 <= args.offline_cap < 1:
-        raise SplitspecError(f"--offline-cap {args.offline_cap:g}: expected a probability in [0, 1)")
-    if args.static and args.mode != "auto":
-        raise SplitspecError(f"--static verifies every drafted tree whole; --mode {args.mode} needs the adaptive "
-                             "policy: drop one of them")  # fmt: skip
-    if args.local:
-        verifier = LocalVerifier(target)
-    else:
-        from shared.engine.target import tokenizer_fingerprint
-
-        address = args.server
-        if args.via_netsim:
-            from netsim import simulated_link
-
-            address = stack.enter_context(simulated_link(args.server, args.via_netsim)).address
-        lsa = _pinned_specs(drafter, args)[0] if args.payload == "lsa" else PayloadSpec()
-        endpoint = Endpoint.from_files(address, args.tls, args.tls_ca, args.tls_cert, args.tls_key,
-                                       args.auth_token_file)  # fmt: skip
-        verifier = RemoteVerifier(endpoint, fingerprint=tokenizer_fingerprint(tokenizer),
-                                  connect_timeout_s=args.connect_timeout, drafter=drafter, spec=lsa)  # fmt: skip
-        stack.callback(verifier.shutdown)
-        if args.probe_link or args.via_netsim:
-            verifier.probe_link()
-    specs = verifier.usable(_pinned_specs(drafter, args)) if drafter is not None else []
-    prompt_ids = encode_prompt(tokenizer, text, args.chat)
-    on_reconnect = args.on_reconnect or "verify"
-    stream = None
-    if not args.json:
-        stream = SettledPrinter(TextPrinter(tokenizer, renderer=secrets.renderer()),
-                                final_offline=on_reconnect == "keep")
-    if args.baseline == "api":
-        gen = api_generate(verifier, prompt_ids, args.max_new_tokens, sampling, on_update=stream)
-        drafter_name = "api"
-    else:
-        policy = None
-        if not args.static:
-            policy = AdaptivePolicy.for_run(verifier, specs, pin_nodes=args.max_tree_nodes, pin_depth=args.tree_depth,
-                                            mode=args.mode)  # fmt: skip
-        gen = generate(
-            verifier, drafter, prompt_ids, args.max_new_tokens, sampling,
-            max_tree_nodes=args.max_tree_nodes or (16 if args.static else 64), policy=policy,
-            resilience=Resilience(on_reconnect, keep_after_s=args.keep_after, offline_cap=args.offline_cap,
-                                  offline=offline_writer),
-            on_update=stream, spec=specs[0] if specs else None, pipeline=False if args.no_pipeline else None,
-            chain=not args.no_chain,
-        )  # fmt: skip
-        drafter_name = drafter.name
-    if stream:
-        stream.finish(gen.token_ids, gen.verified)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": secrets.render(tokenizer.decode(gen.token_ids, skip_special_tokens=True)),
-                    "token_ids": gen.token_ids,  # the masked prompt's run
-                    "private_spans": len(secrets),
-                    "finish_reason": gen.finish_reason,
-                    "drafter": drafter_name,
-                    "acceptance": sampling.acceptance,  # "typical": the output is not the target's own distribution
-                    "verifier": "local" if args.local else "remote",
-                    "served": {"dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights}
-                    if args.local else None,  # the path the target ran on: the same whatever the drafter
-                    "network": args.via_netsim,
-                    "payload": None if args.local or not gen.spec
-                    else {"mode": gen.spec.mode, "precision": gen.spec.precision},
-                    "stats": gen.stats.as_dict(),
-                    "verified": gen.verified,
-                    "unverified_tokens": len(gen.verified) - sum(gen.verified),  # offline tokens never checked
-                }
-            )
-        )
-    else:
-        print(file=sys.stdout)
-        print(stats_line(gen), file=sys.stderr)
+            print(f"splitspec: {client.target.name} on {client.target.describe()}", file=sys.stderr)
+        prompt_ids = encode_prompt(client.tokenizer, text, args.chat)
+        stream = None
+        if not args.json:
+            stream = SettledPrinter(TextPrinter(client.tokenizer, renderer=secrets.renderer()),
+                                    final_offline=client.resilience.on_reconnect == "keep")  # fmt: skip
+        gen = client.generate(prompt_ids, args.max_new_tokens, on_update=stream)
+        if stream:
+            stream.finish(gen.token_ids, gen.verified)
+        if args.json:
+            print(json.dumps(report(args, client, gen, secrets)))
+        else:
+            print(file=sys.stdout)
+            print(stats_line(gen), file=sys.stderr)
     return 0
+
+
+def report(args: argparse.Namespace, client, gen, secrets) -> dict:
+    """``--json``'s object: the text, the tokens, how they were made and what it cost."""
+    target = client.target
+    return {
+        "text": secrets.render(client.tokenizer.decode(gen.token_ids, skip_special_tokens=True)),
+        "token_ids": gen.token_ids,  # the masked prompt's run
+        "private_spans": len(secrets),
+        "finish_reason": gen.finish_reason,
+        "drafter": "api" if args.baseline == "api" else client.drafter.name,
+        "acceptance": client.options.sampling.acceptance,  # "typical": not the target's own distribution
+        "verifier": "local" if args.local else "remote",
+        "served": {"dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights}
+        if args.local else None,  # the path the target ran on: the same whatever the drafter
+        "network": args.via_netsim,
+        "payload": None if args.local or not gen.spec else {"mode": gen.spec.mode, "precision": gen.spec.precision},
+        "stats": gen.stats.as_dict(),
+        "verified": gen.verified,
+        "unverified_tokens": len(gen.verified) - sum(gen.verified),  # offline tokens never checked
+    }

@@ -170,15 +170,14 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
             "verified": f"{len(out)}/{len(out)}"}  # fmt: skip
 
 
-def warm_up(remote, drafter, prompt_ids: list[int]) -> None:
+def warm_up(client, prompt_ids: list[int]) -> None:
     """A few tokens each way, unshown, so that neither timed run pays first-call costs (the server's kernels and
-    buffers, the drafter's first forward) that the other then skips."""
-    from client.adaptive import AdaptivePolicy
-    from client.decode import api_generate, generate
+    buffers, the drafter's first forward) that the other then skips; the timed run then learns afresh."""
+    from client.decode import api_generate
 
-    policy = AdaptivePolicy.for_run(remote, drafter.payload_specs())
-    generate(remote, drafter, prompt_ids, WARM_UP_TOKENS, policy=policy)
-    api_generate(remote, prompt_ids, WARM_UP_TOKENS)
+    client.generate(prompt_ids, WARM_UP_TOKENS)
+    api_generate(client.verifier, prompt_ids, WARM_UP_TOKENS)
+    client.forget()
 
 
 def offline_kept(shown: int, kept: int) -> str:
@@ -238,25 +237,23 @@ def run(args: argparse.Namespace) -> int:
 def demo_runs(args: argparse.Namespace, address: str, link, drafter, tokenizer, prompt_ids: list[int]) -> dict:
     """The split client through the cut, then the streaming API through the same cut: each run's figures."""
     from client.adaptive import AdaptivePolicy
+    from client.build import Client, ClientOptions, Shared
     from client.cli import TextPrinter
-    from client.decode import generate
-    from client.offline import Resilience
-    from client.remote import RemoteVerifier
     from shared.engine.target import tokenizer_fingerprint
 
     runs = {}
     print(f"splitspec demo: server at {address}, reached through {link.address} ({args.network}); "
           f"drafter {drafter.name} on this device\nprompt: {args.prompt}\n",
           file=sys.stderr, flush=True)  # fmt: skip
-    remote = RemoteVerifier(link.address, fingerprint=tokenizer_fingerprint(tokenizer), drafter=drafter)
-    try:
-        warm_up(remote, drafter, prompt_ids)
+    options = ClientOptions(model=args.model, server=link.address, drafter=drafter.name, keep_after_s=args.keep_after,
+                            offline_cap=args.offline_cap)  # fmt: skip
+    with Client(options, Shared(None, tokenizer, tokenizer_fingerprint(tokenizer)), drafter) as client:
+        remote = client.verifier
+        warm_up(client, prompt_ids)
+        client.forget(narrated(AdaptivePolicy))
         show = Show(TextPrinter(tokenizer), link, args.cut_after, args.cut_for, args.max_new_tokens,
                     remote.eos_token_ids)  # fmt: skip
-        policy = narrated(AdaptivePolicy).for_run(remote, drafter.payload_specs())
-        resilience = Resilience(keep_after_s=args.keep_after, offline_cap=args.offline_cap)
-        gen = generate(remote, drafter, prompt_ids, args.max_new_tokens, policy=policy, on_update=show,
-                       resilience=resilience)  # fmt: skip
+        gen = client.generate(prompt_ids, args.max_new_tokens, on_update=show)
         show.text(gen.token_ids[show.shown :])
         print(flush=True)
         runs[f"split, {drafter.name}"] = figures(gen, show)
@@ -267,8 +264,6 @@ def demo_runs(args: argparse.Namespace, address: str, link, drafter, tokenizer, 
                     remote.eos_token_ids)  # fmt: skip
             runs["streaming API"] = api_resuming(remote, prompt_ids, args.max_new_tokens, show)
             print(flush=True)
-    finally:
-        remote.shutdown()
     return runs
 
 

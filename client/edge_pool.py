@@ -136,83 +136,63 @@ class ServerHealth:
 
 
 class Edge:
-    """The drafter, the way to the server and the tokenizer, shared by every request; drafters and connections to
-    the server are pooled (one per concurrent generation, kept for the next)."""
+    """The tokenizer and the way to the server, shared by every request, and a pool of clients
+    (``client.build.Client``: a drafter, a connection, what its policy learnt), one per concurrent generation, kept
+    for the next."""
 
     def __init__(self, server: str, drafter: str | Callable[[], object] = "prompt-lookup", model: str = DEFAULT_MODEL,
                  on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
-                 connect_timeout_s: float = 10.0, max_tree_nodes: int = 64, mode: str = "auto"):  # fmt: skip
+                 connect_timeout_s: float = 10.0, max_tree_nodes: int | None = None, mode: str = "auto"):  # fmt: skip
         """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
         adaptive policy's (``client.adaptive``)."""
-        from client.drafters import make_drafter, needs_target
+        from client.build import ClientOptions, Shared
         from client.endpoint import Endpoint
-        from client.offline import Resilience
-        from shared.engine.models import load_target, load_tokenizer
-        from shared.engine.target import tokenizer_fingerprint
 
         self.stopping = threading.Event()  # SIGTERM/SIGINT: every generation ends now, wherever it is
         self.server, self.model = server, model
-        self.resilience = Resilience(on_reconnect, stop=self.stopping)
         self.endpoint = endpoint or Endpoint(server)
-        self.connect_timeout_s, self.max_tree_nodes, self.mode = connect_timeout_s, max_tree_nodes, mode
-        self.target = None
-        if isinstance(drafter, str) and needs_target(drafter):
-            self.target = load_target(model, dtype=dtype, cache=cache)  # a trained drafter reuses its frozen parts
-        self.tokenizer = self.target.tokenizer if self.target is not None else load_tokenizer(model, cache)
-        # once: hashing the vocabulary holds the GIL for ~0.1 s (a JSON dump of it), and a burst of new connections
-        # each doing it starved the event loop, /health included
-        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self._make = drafter if callable(drafter) else lambda: make_drafter(drafter, target=self.target,
-                                                                              tokenizer=self.tokenizer)
-        self._idle: list = []  # drafters not in use: one per concurrent generation, kept for the next
-        self._learnt: dict[int, object] = {}  # id(drafter) -> its latest generation's policy: where the next starts
-        self._connections: list[tuple[object, float]] = []  # (RemoteVerifier, time.monotonic() it went idle)
+        self.options = ClientOptions(model=model, cache_dir=cache, endpoint=self.endpoint,
+                                     connect_timeout_s=connect_timeout_s,
+                                     drafter=drafter if isinstance(drafter, str) else "none",
+                                     on_reconnect=on_reconnect, max_tree_nodes=max_tree_nodes, mode=mode,
+                                     dtype=dtype)  # fmt: skip
+        self.shared = Shared.load(self.options)
+        self.tokenizer = self.shared.tokenizer
+        self._make_drafter = None if isinstance(drafter, str) else drafter
+        self._idle: list[tuple[object, float]] = []  # (Client, time.monotonic() it went idle)
         self._lock = threading.Lock()
         self.counters = Counters()
         self.health = ServerHealth(self.endpoint)
         first = self.take()  # a bad drafter name fails now, not at the first request
-        self.drafter_name = first.name
+        self.drafter_name = first.drafter.name
+        self.resilience = first.resilience  # every client's is alike
         self.release(first)
 
     def take(self):
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._make()
+        """An idle client, else a new one. A connection idle for ``KEEP_IDLE_S`` or more is closed, not reused."""
+        from client.build import Client
 
-    def release(self, drafter) -> None:
         with self._lock:
-            self._idle.append(drafter)
+            client, since = self._idle.pop() if self._idle else (None, 0.0)
+        if client is None:
+            drafter = self._make_drafter() if self._make_drafter else None
+            return Client(self.options, self.shared, drafter, stopping=self.stopping)
+        if time.monotonic() - since >= KEEP_IDLE_S:
+            client.disconnect()
+        return client
 
-    def connect(self, drafter):
-        """A connection to the server that has done its Handshake (a ``RemoteVerifier``): an idle one kept from an
-        earlier request, else a new one (connections idle for ``KEEP_IDLE_S`` or more are closed)."""
-        from client.remote import RemoteVerifier
-
-        now = time.monotonic()
+    def release(self, client) -> None:
         with self._lock:
-            stale = [v for v, since in self._connections if now - since >= KEEP_IDLE_S]
-            self._connections = [(v, since) for v, since in self._connections if now - since < KEEP_IDLE_S]
-            verifier = self._connections.pop()[0] if self._connections else None
-        for old in stale:
-            old.shutdown()
-        if verifier is not None:
-            return verifier
-        return RemoteVerifier(self.endpoint, fingerprint=self.fingerprint,
-                              connect_timeout_s=self.connect_timeout_s, drafter=drafter)  # fmt: skip
-
-    def keep(self, verifier) -> None:
-        """Keep a connection that works for the next request."""
-        with self._lock:
-            self._connections.append((verifier, time.monotonic()))
+            self._idle.append((client, time.monotonic()))
 
     def close(self) -> None:
-        """Close the idle connections (generations running keep theirs until they end); stop the health checks."""
+        """Close the idle clients' connections (generations running keep theirs until they end); stop the health
+        checks."""
         self.health.close()
         with self._lock:
-            idle, self._connections = self._connections, []
-        for verifier, _ in idle:
-            verifier.shutdown()
+            idle, self._idle = self._idle, []
+        for client, _ in idle:
+            client.close()
 
     def prompt_ids(self, ask: Ask) -> tuple[list[int], object]:
         """The prompt's token ids, private spans replaced by placeholders (``client.private``), and their secrets."""
@@ -239,19 +219,17 @@ class Edge:
 
         The connection goes back to the pool unless the generation failed, was cancelled or lost the link: then it
         is closed, and the next request opens a new one."""
-        from client.adaptive import AdaptivePolicy
-        from client.decode import generate
         from shared.acceptance import SamplingParams
 
         sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed,
                                   acceptance=ask.acceptance)  # fmt: skip
-        drafter = self.take()
+        client = self.take()
         c = self.counters
         c.active.inc()
         start = time.perf_counter()
-        verifier, works = None, False
+        works = False
         try:
-            verifier = self.connect(drafter)
+            verifier = client.verifier
             if len(prompt_ids) >= verifier.max_context:
                 works = True  # the prompt is wrong, not the connection
                 raise context_exceeded(len(prompt_ids), verifier.max_context, "messages" if ask.chat else "prompt")
@@ -261,19 +239,13 @@ class Edge:
                 raise completion_exceeded(len(prompt_ids), ask.max_tokens, verifier.max_context, ask.chat)
             max_new = ask.max_tokens if ask.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
             on_start()
-            policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode=self.mode,
-                                            previous=self._learnt.get(id(drafter)))  # fmt: skip
-            self._learnt[id(drafter)] = policy  # a pooled drafter is used by one generation at a time
-            gen = generate(verifier, drafter, prompt_ids, max_new, sampling, max_tree_nodes=self.max_tree_nodes,
-                           policy=policy, resilience=self.resilience, on_update=on_update,
-                           stop_when=lambda tokens, verified: stop_when() or self.stopping.is_set())  # fmt: skip
+            gen = client.generate(prompt_ids, max_new, on_update,
+                                  lambda tokens, verified: stop_when() or self.stopping.is_set(), sampling)
             works = gen.stats.disconnects == 0
         finally:
-            if verifier is not None and works:
-                self.keep(verifier)
-            elif verifier is not None:
-                verifier.shutdown()
-            self.release(drafter)
+            if not works:
+                client.disconnect()
+            self.release(client)
             c.active.dec()
         s = gen.stats
         c.tokens.inc(s.new_tokens)
