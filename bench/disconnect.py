@@ -39,7 +39,8 @@ from bench.common import cell, drop_unusable, environment, finish, median, save_
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
-from client.decode import api_generate, generate
+from client.api import api_generate
+from client.decode import generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
@@ -179,7 +180,7 @@ def one_run(name, drafters, upstream, netsim, target, prompt, problem, n, refere
     with simulated_link(upstream, profile, netsim=netsim) as link:
         verifier = RemoteVerifier(link.address, fingerprint=target.fingerprint, drafter=drafter)
         try:
-            verifier.probe_link()
+            verifier.connection.probe_link()
             if drafter is None:
                 return api_run(verifier, link, target, prompt, problem, n, limit, reference, bound_ms, args)
             cutter = CutAfter(verifier, link, n)

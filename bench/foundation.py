@@ -32,10 +32,12 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
-from client.decode import Generation, api_generate, generate
+from client.api import api_generate
+from client.connection import LinkCounters
+from client.decode import Generation, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.remote import RemoteVerifier
-from client.verifiers import LinkCounters, LocalVerifier
+from client.verifiers import LocalVerifier
 from shared.engine.models import encode_prompt, load_target
 from shared.server_process import server_child
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from client.adaptive import AdaptivePolicy
-from client.decode import Generation, api_generate, generate
+from client.api import api_generate
+from client.decode import Generation, generate
 from client.drafters import make_drafter, needs_target
 from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.endpoint import Endpoint
@@ -262,5 +263,5 @@ class Client:
         verifier = RemoteVerifier(endpoint, fingerprint=self.shared.fingerprint, connect_timeout_s=o.connect_timeout_s,
                                   rpc_timeout_s=o.rpc_timeout_s, drafter=self.drafter, spec=lsa)  # fmt: skip
         if o.probe_link or o.via_netsim:
-            verifier.probe_link()
+            verifier.connection.probe_link()
         return verifier

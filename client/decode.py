@@ -232,10 +232,10 @@ class Run:
         verifier, policy, stats, clock = self.verifier, self.policy, self.stats, self.clock
         before = replace(verifier.counters)
         start = clock()
-        if verifier.link is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
-            self.heartbeat = Heartbeat(verifier.endpoint, verifier.link, busy=lambda: verifier.busy,
-                                       heard=verifier.heard, backlog_s=verifier.backlog_s)  # fmt: skip
-            self.heartbeat.on_dead(verifier.abort)
+        c = verifier.connection
+        if c is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
+            self.heartbeat = Heartbeat(c.endpoint, c.link, busy=lambda: c.busy, heard=c.heard, backlog_s=c.backlog_s)
+            self.heartbeat.on_dead(c.abort)
         reason = ""
         opens = 0  # tries to open the session
         if self.pipeline or verifier.link is not None:  # (a server's prefill beside the drafter's too: ``open``)
@@ -603,39 +603,6 @@ class Run:
 def verified_prefix(verified: list[bool]) -> int:
     """How many leading tokens the server has verified: what a stream may show under ``verify``."""
     return next((i for i, v in enumerate(verified) if not v), len(verified))
-
-
-def api_generate(
-    remote,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    stop_ids: list[int] | None = None,
-    on_update: Callable[[list[int], list[bool]], None] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Generation:
-    """The API baseline: the server decodes alone and streams tokens; no drafts, one call."""
-    stop = list(remote.eos_token_ids if stop_ids is None else stop_ids)
-    stats = GenerationStats()
-    before = replace(remote.counters)
-    start = clock()
-    out: list[int] = []
-    reason = "length"
-    for tokens in remote.api_tokens(list(prompt_ids), sampling, max_new_tokens, stop):
-        if not out:
-            stats.ttft_s = clock() - start
-        out += tokens
-        if on_update:
-            on_update(out, [True] * len(out))
-        if tokens and tokens[-1] in stop:
-            reason = "stop"
-    stats.wall_s = clock() - start
-    stats.new_tokens = len(out)
-    stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
-    stats.rounds = len(out)
-    stats.acceptance_length = 1.0
-    copy_link_stats(stats, remote, before)
-    return Generation(out, [True] * len(out), reason, stats)
 
 
 def copy_link_stats(stats: GenerationStats, verifier: Verifier, before) -> None:

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from client.endpoint import Endpoint
+from client.connection import Connection, LinkCounters
 from client.link import LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
@@ -27,28 +27,6 @@ NO_PAYLOAD = PayloadSpec()  # no features: what a call returns unless its spec a
 def first_spec(verifier: Verifier, specs: list[PayloadSpec]) -> PayloadSpec:
     """The first of ``specs`` (a drafter's ``payload_specs()``) that ``verifier`` can send; none if it can send none."""
     return next(iter(verifier.usable(specs)), NO_PAYLOAD)
-
-
-@dataclass
-class LinkCounters:
-    """What crossing the link cost so far (protobuf message bytes, not counting HTTP/2 framing).
-
-    Link probes are counted apart (``probe_*``): they measure the link, they are not a generation's traffic.
-    """
-
-    server_calls: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    server_compute_s: float = 0.0
-    probe_calls: int = 0
-    probe_bytes: int = 0  # both directions
-    payload_bytes: int = 0  # encoded feature payloads received (part of bytes_received), prefills included
-    prefill_payload_bytes: int = 0  # the prompts' share of payload_bytes
-    payload_refetches: int = 0  # payloads that failed to decode and were asked for again
-
-    def since(self, earlier: LinkCounters) -> LinkCounters:
-        """What was spent after ``earlier`` was copied: one generation's share of a reused link."""
-        return LinkCounters(*(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__))
 
 
 @dataclass(frozen=True)
@@ -68,7 +46,7 @@ class Verifier(ABC):
     with it (``shared.payload``; none by default); the loop may choose another for every call."""
 
     address: str = "in-process"
-    endpoint: Endpoint | None = None  # how to reach the server, for connections of one's own (the heartbeat)
+    connection: Connection | None = None  # the server's (``client.connection``): what a heartbeat watches and aborts
     eos_token_ids: list[int]
     max_tree_nodes: int
     max_context: int
@@ -144,23 +122,6 @@ class Verifier(ABC):
 
     def payload_bytes_per_token(self, spec: PayloadSpec) -> float:
         """Raw bytes (before zstd) one token's payload takes in ``spec`` across the link (none without a link)."""
-        return 0.0
-
-    def abort(self, reason: str) -> None:
-        """Abandon the call in flight (from another thread); the caller sees LinkDown naming ``reason``."""
-        return None  # nothing is ever in flight in-process
-
-    @property
-    def busy(self) -> bool:
-        """Is a call to the server in flight (what a heartbeat watches over)?"""
-        return False
-
-    def heard(self) -> float:
-        """When (``time.monotonic()``) the server was last heard from on the main connection (0: never)."""
-        return 0.0
-
-    def backlog_s(self) -> float:
-        """How long the link needs for the reply in flight, as far as it is known (0: nothing to wait for)."""
         return 0.0
 
 

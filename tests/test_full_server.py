@@ -84,7 +84,7 @@ def test_a_streamed_open_waits_too_and_gives_up_at_its_budget(full):
         with pytest.raises(ServerFull, match="RESOURCE_EXHAUSTED"):
             next(stream)
         waited = time.monotonic() - began
-        assert not client.busy  # nothing left in flight for a heartbeat to watch
+        assert not client.connection.busy  # nothing left in flight for a heartbeat to watch
     finally:
         client.shutdown()
     assert 0.35 < waited < 4, waited

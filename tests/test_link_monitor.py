@@ -209,7 +209,7 @@ def test_remote_generation_reports_the_link(tiny_server):
         assert "bandwidth_mbps" in stats and "uplink_mbps" in stats
 
         calls, sent = remote.counters.server_calls, remote.counters.bytes_sent
-        result = remote.probe_link(budget_s=1.0)
+        result = remote.connection.probe_link(budget_s=1.0)
         assert 0 < result["rtt_ms"] < 50 and result["bandwidth_mbps"] and result["uplink_mbps"]
         assert result["elapsed_s"] <= 1.2
         assert (remote.counters.server_calls, remote.counters.bytes_sent) == (calls, sent)  # counted apart

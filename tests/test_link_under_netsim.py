@@ -29,7 +29,7 @@ def test_link_monitor_sees_the_profile(tiny_server, netsim_server, profile):
         with simulated_link(address, profile, netsim=netsim_server) as link:
             remote = RemoteVerifier(link.address)
             try:
-                probe = remote.probe_link(budget_s=4.0)
+                probe = remote.connection.probe_link(budget_s=4.0)
                 gen = generate(remote, make_drafter("prompt-lookup"), [5, 6, 7, 5, 6, 7, 5], 24)
             finally:
                 remote.shutdown()

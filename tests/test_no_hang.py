@@ -105,8 +105,8 @@ def gone(front: Front, service):
 
     def arm(v: RemoteVerifier) -> None:
         service.sessions.pop(v.session_id)
-        front.hold("Verify", route=v.route, times=FOREVER)
-        front.hold("CloseSession", route=v.route, times=FOREVER)
+        front.hold("Verify", route=v.connection.route, times=FOREVER)
+        front.hold("CloseSession", route=v.connection.route, times=FOREVER)
 
     return arm
 
@@ -115,7 +115,7 @@ STAGES = {
     # the session's Verify never reaches a server: its replica is gone with the session
     "before a Verify": gone,
     # the server runs the session's calls (it moves on), their replies never come
-    "during the reply": lambda front, service: lambda v: front.hold("Verify", route=v.route, when="after",
+    "during the reply": lambda front, service: lambda v: front.hold("Verify", route=v.connection.route, when="after",
                                                                      times=FOREVER),
     # the replica is gone, and the first reopening is lost too
     "and the reopening": lambda front, service: lambda v: (gone(front, service)(v), front.hold("OpenSession")),
@@ -233,12 +233,13 @@ def test_a_call_grpc_never_ends_is_abandoned_here(backend, probes_answered):
     """The wait in this process is bounded too: a Verify whose deadline gRPC never fires is lost all the same — a
     lost session (with a new route key) when the server answers a probe, a cut when it does not."""
     verifier = RemoteVerifier(backend[0])
+    c = verifier.connection
     try:
-        verifier.route, verifier.stub = "old", _Stub(probes_answered)
+        c.route, c.stub = "old", _Stub(probes_answered)
         with pytest.raises(SessionLost if probes_answered else LinkDown, match="unanswered within"):
             verifier.verify(DraftTree.chain([5, 9]), timeout_s=0.01)
-        assert (verifier.route != "old") == probes_answered
-        assert not verifier.busy  # no call left in flight for the heartbeat to watch
+        assert (c.route != "old") == probes_answered
+        assert not c.busy  # no call left in flight for the heartbeat to watch
     finally:
         verifier.shutdown()
 
@@ -247,15 +248,16 @@ def test_a_connection_that_lost_a_call_is_not_used_again(backend):
     """A call lost for the link may have left its connection half-read (a silent cut drops bytes mid-stream): the
     next reconnection poll goes over a new connection, not the old one, even where the old would answer."""
     verifier = RemoteVerifier(backend[0])
+    c = verifier.connection
     try:
-        verifier.route, verifier.stub = "old", _Stub(probes_answered=False)
-        old = verifier.channel
+        c.route, c.stub = "old", _Stub(probes_answered=False)
+        old = c.channel
         with pytest.raises(LinkDown):
             verifier.verify(DraftTree.chain([5, 9]), timeout_s=0.01)
         assert verifier.reachable(timeout_s=5.0)  # (the never-answering stub is gone with its channel)
-        assert verifier.channel is not old
-        renewed = verifier.channel
-        assert verifier.reachable(timeout_s=5.0) and verifier.channel is renewed  # a sound one is kept
+        assert c.channel is not old
+        renewed = c.channel
+        assert verifier.reachable(timeout_s=5.0) and c.channel is renewed  # a sound one is kept
     finally:
         verifier.shutdown()
 
@@ -264,22 +266,23 @@ def test_polls_that_keep_failing_wait_longer_each_time(backend):
     """A reconnection poll that fails doubles the next one's time (up to POLL_GROWTH times): on a machine too busy to
     open a connection within a few round trips, polls of a fixed time would fail for ever (seen: 10 minutes
     offline on a restored link, the client at nice 19 beside a training run). An answered poll starts again."""
-    from client.remote import POLL_GROWTH
+    from client.connection import POLL_GROWTH
 
     verifier, asked = RemoteVerifier(backend[0]), []
+    c = verifier.connection
 
     def handshake(*args, timeout=None, **kwargs):
         asked.append(timeout)
         return _Answered() if len(asked) == 7 else _Never()
 
     try:
-        real = verifier.stub
-        verifier.stub = type("S", (), {"Handshake": type("M", (), {"future": staticmethod(handshake)})})()
-        verifier._renew = lambda: None  # keep the recording stub across failed polls
+        real = c.stub
+        c.stub = type("S", (), {"Handshake": type("M", (), {"future": staticmethod(handshake)})})()
+        c._renew = lambda: None  # keep the recording stub across failed polls
         results = [verifier.reachable(timeout_s=0.001) for _ in range(8)]
         assert results == [False] * 6 + [True, False]
         assert asked == pytest.approx([0.001 * min(2**k, POLL_GROWTH) for k in range(7)] + [0.001])
-        verifier.stub = real
+        c.stub = real
     finally:
         verifier.shutdown()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import api_generate, generate
+from client.api import api_generate
+from client.decode import generate
 from client.drafters import NoDrafter, PromptLookup
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
@@ -215,7 +216,7 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
             with simulated_link(address, profile, netsim=netsim_server) as link:
                 verifier = RemoteVerifier(link.address, drafter=drafter)
                 try:
-                    verifier.probe_link(budget_s=0.5)
+                    verifier.connection.probe_link(budget_s=0.5)
                     # draft: on a fast served path auto may stream the whole run, and this is about drafted trees
                     policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode="draft")
                     gen = generate(verifier, drafter, ids, 40, policy=policy)

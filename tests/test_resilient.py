@@ -257,7 +257,7 @@ def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, t
     with simulated_link(tiny_server[0], Profile("test-40ms", rtt_ms=40), netsim=netsim_server) as link:
         verifier = RemoteVerifier(link.address)
         try:
-            verifier.probe_link(budget_s=0.5)
+            verifier.connection.probe_link(budget_s=0.5)
             policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="draft")
             gen = generate(verifier, drafter, PROMPT, 24, policy=policy)
         finally:

@@ -114,14 +114,14 @@ def test_a_prefill_too_big_to_inline_is_streamed_in_chunks(tiny_target, bundles,
     drafter = load(tiny_target, bundles, "moa-tli1")
     verifier, spec = remote(server[0], drafter, "kv", "fp32")
     calls = []
-    original = verifier.stub.FetchPayload
+    original = verifier.connection.stub.FetchPayload
 
     def fetch(request, **kw):
         chunks = list(original(request, **kw))
         calls.append((request.start, request.end, len(chunks)))
         return iter(chunks)
 
-    verifier.stub.FetchPayload = fetch
+    verifier.connection.stub.FetchPayload = fetch
     try:
         got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
     finally:
@@ -168,7 +168,7 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
         hits.append(1)
         return reply
 
-    verifier.stub.Verify = Tampered(verifier.stub.Verify, change)
+    verifier.connection.stub.Verify = Tampered(verifier.connection.stub.Verify, change)
     try:
         got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
     finally:
@@ -180,7 +180,7 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
 def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundles, server):
     drafter = load(tiny_target, bundles, "moa-tli0")
     verifier, spec = remote(server[0], drafter, "kv", "fp16")
-    original_fetch = verifier.stub.FetchPayload
+    original_fetch = verifier.connection.stub.FetchPayload
 
     def change(reply):
         if reply.payload.tensors:
@@ -194,7 +194,8 @@ def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundl
             chunk.tensors[0].data = bytes(data)
             yield chunk
 
-    verifier.stub.Verify, verifier.stub.FetchPayload = Tampered(verifier.stub.Verify, change), fetch
+    stub = verifier.connection.stub
+    stub.Verify, stub.FetchPayload = Tampered(stub.Verify, change), fetch
     try:
         with pytest.raises(SplitspecError, match=r"does not decode after 2 re-requests.*version 99"):
             generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
@@ -236,7 +237,7 @@ def test_handshake_refuses_a_bundle_that_does_not_fit(tiny_target, bundles, tmp_
 
 
 def test_bad_payload_requests_get_clear_statuses(tiny_target, bundles, server):
-    stub = RemoteVerifier(server[0]).stub
+    stub = RemoteVerifier(server[0]).connection.stub
     sampling = pb.Sampling()
 
     def status(call):
