@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
+
+from server.refusals import Abort
 from shared import payload
 from shared.bundles import SHIPPED, find_bundle
 from shared.errors import SplitspecError
@@ -106,3 +110,23 @@ def raw_bytes_per_token(spec: PayloadSpec, target) -> int:
     kv_width = 2 * target.num_kv_heads * target.head_dim
     fp32 = PayloadSpec(spec.mode, "fp32", spec.tli_layers, spec.drafter)
     return int(payload.raw_bytes_per_token(fp32, target.num_layers, kv_width, target.hidden_size))
+
+
+def fetched(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int, chunk: int, context,
+            lock: Callable) -> Iterator[pb.Payload]:
+    """FetchPayload's stream: the features of cached tokens [start, end) in ``chunk``-token messages, each exported
+    under the session's lock (``lock(session)`` takes it); it stops when the client is gone."""
+    for a in range(start, end, chunk):
+        if not context.is_active():
+            return
+        b = min(a + chunk, end)
+        lock(session)
+        try:
+            if b > session.sequence.cached_len:  # the session was rolled back meanwhile (a stop token, a failure)
+                raise Abort(grpc.StatusCode.ABORTED,
+                            f"the session now caches {session.sequence.cached_len} tokens: payload range "
+                            f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
+            msg = export(session, spec, lsas, a, b)
+        finally:
+            session.lock.release()
+        yield msg

@@ -13,8 +13,6 @@ import functools
 import inspect
 import logging
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -27,13 +25,14 @@ from server import payloads
 from server.batching import Batcher, ShuttingDown
 from server.budget import TreeBudget
 from server.limits import ServerLimits
-from server.lookup import SelfDraft
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
+from server.refusals import MAX_DETAILS, Abort, shown
 from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
+from server.stretch import Stretches, held_tokens
 from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
-from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS, PUSHBACK
+from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS
 from shared.engine.target import INITIAL_CAPACITY, Target, Verdict
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, feature_kinds
@@ -85,30 +84,6 @@ def add_service(service, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
-MAX_DETAILS = 1000  # characters of a status message: far below gRPC's 16 KiB metadata limit
-SHOWN = 80  # characters of a client's string echoed in a message
-
-
-def shown(value) -> str:
-    """A client's value as a message may quote it: repr, cut to ``SHOWN`` characters."""
-    text = repr(value)
-    return text if len(text) <= SHOWN else f"{text[: SHOWN - 20]}...({len(text)} characters)"
-
-
-class Abort(Exception):
-    """A request the server refuses: carries the gRPC status code, a message naming the problem and, for
-    RESOURCE_EXHAUSTED, how long to wait before retrying (``grpc-retry-pushback-ms``)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_s: float | None = None):
-        super().__init__(message)
-        self.code, self.retry_s = code, retry_s
-
-    def send(self, context) -> None:
-        if self.retry_s is not None:
-            context.set_trailing_metadata(((PUSHBACK, str(int(1000 * self.retry_s))),))
-        context.abort(self.code, str(self)[:MAX_DETAILS])
-
-
 @contextlib.contextmanager
 def statuses(service: SplitSpecService, name: str, context: grpc.ServicerContext) -> Iterator[None]:
     """End call ``name`` with a status when what runs inside fails: an Abort's own; anything else (a bug, not bad
@@ -156,6 +131,65 @@ def device_free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def checked_sampling(msg: pb.Sampling) -> SamplingParams:
+    """A request's sampling, or INVALID_ARGUMENT naming what is wrong with it."""
+    temperature, top_p = msg.temperature, msg.top_p or 1.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"temperature {temperature} must be a finite number >= 0")
+    if not 0 < top_p <= 1:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {top_p} must be in (0, 1]")
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, seed=msg.seed,
+                              acceptance=msg.acceptance or "exact", epsilon=msg.epsilon or TYPICAL_EPSILON,
+                              delta=msg.delta or TYPICAL_DELTA)  # fmt: skip
+    except ValueError as exc:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}") from None
+
+def checked_prompt(ids, vocab_size: int, max_context: int) -> list[int]:
+    """A request's prompt, or INVALID_ARGUMENT: empty, a token outside the vocabulary, or no room to generate."""
+    ids = list(ids)
+    if not ids:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: expected at least one token id")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise Abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})",
+        )
+    if len(ids) >= max_context:
+        raise Abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt of {len(ids)} tokens exceeds the context limit of {max_context} "
+            "(the prompt plus one generated token must fit)",
+        )
+    return ids
+
+def checked_spec(msg: pb.PayloadSpec, target: Target, lsas: payloads.LSARegistry, session=None) -> PayloadSpec:
+    """A request's payload spec, or INVALID_ARGUMENT (malformed) / FAILED_PRECONDITION (not served here)."""
+    try:
+        spec = PayloadSpec.from_msg(msg)
+        if spec:
+            has_hidden = "hidden" in feature_kinds(spec) if session is None else session.hidden is not None
+            payloads.check_spec(spec, target, lsas, has_hidden)
+    except ValueError as exc:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"payload: {exc}") from None
+    except payloads.Unavailable as exc:
+        raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"payload: {exc}") from None
+    return spec
+
+
+def assumption_holds(session, request, context) -> bool:
+    """Whether the session holds what chained ``request`` assumes: ``length`` tokens, then its ``assumed`` ones. A
+    request that overtook the round it follows (the last Verify followed fewer tokens) first waits for that round;
+    one the session has moved past is answered at once."""
+    sequence, end = session.sequence, request.length + len(request.assumed)
+    give_up = time.monotonic() + CHAIN_WAIT_S
+    while (session.verified is None or session.verified[0] < request.length) and context.is_active() and \
+            time.monotonic() < give_up:  # fmt: skip
+        session.changed.wait(min(1.0, give_up - time.monotonic()))
+    return session.verified == (request.length, end) and sequence.tokens[request.length :] == list(request.assumed)
+
+
 class SplitSpecService(pb_grpc.SplitSpecServicer):
     """The SplitSpec API over one target. Built before the model is loaded (every call is then UNAVAILABLE and
     health says NOT_SERVING), it serves once ``attach`` has given it the target."""
@@ -181,6 +215,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.metrics = Metrics(self.sessions, lambda: self.batcher.waiting if self.batcher else 0)
         self.health = None  # the gRPC health servicer, set by build_server
         self.auth: TokenAuth | None = None  # bearer tokens, when the server runs with them
+        self.stretches = Stretches(self)  # what the server decodes by itself
         if target is not None:
             self.attach(target)
 
@@ -215,52 +250,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         if self.batcher is not None:
             self.batcher.close()
 
-    # --- validation -------------------------------------------------------------------------
-
-    def _sampling(self, msg: pb.Sampling) -> SamplingParams:
-        temperature, top_p = msg.temperature, msg.top_p or 1.0
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"temperature {temperature} must be a finite number >= 0")
-        if not 0 < top_p <= 1:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {top_p} must be in (0, 1]")
-        try:
-            return SamplingParams(temperature=temperature, top_p=top_p, seed=msg.seed,
-                                  acceptance=msg.acceptance or "exact", epsilon=msg.epsilon or TYPICAL_EPSILON,
-                                  delta=msg.delta or TYPICAL_DELTA)  # fmt: skip
-        except ValueError as exc:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}") from None
-
-    def _prompt(self, ids) -> list[int]:
-        ids = list(ids)
-        if not ids:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: expected at least one token id")
-        bad = next((t for t in ids if t >= self.target.vocab_size), None)
-        if bad is not None:
-            raise Abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt token id {bad} is outside the vocabulary [0, {self.target.vocab_size})",
-            )
-        if len(ids) >= self.limits.max_context:
-            raise Abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt of {len(ids)} tokens exceeds the context limit of {self.limits.max_context} "
-                "(the prompt plus one generated token must fit)",
-            )
-        return ids
-
-    def _spec(self, msg: pb.PayloadSpec, session=None) -> PayloadSpec:
-        try:
-            spec = PayloadSpec.from_msg(msg)
-            if spec:
-                has_hidden = "hidden" in feature_kinds(spec) if session is None else session.hidden is not None
-                payloads.check_spec(spec, self.target, self.lsas, has_hidden)
-        except ValueError as exc:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"payload: {exc}") from None
-        except payloads.Unavailable as exc:
-            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"payload: {exc}") from None
-        return spec
-
-    def _payload(self, session, spec: PayloadSpec, start: int, end: int) -> pb.Payload:
+    def payload(self, session, spec: PayloadSpec, start: int, end: int) -> pb.Payload:
         """Inline when it fits ``max_inline_payload_bytes``, else only the range, marked pending."""
         if not spec:
             return pb.Payload(start=start, count=0)
@@ -280,7 +270,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.NOT_FOUND, f"unknown or closed session {shown(session_id)}")
         return session
 
-    def _runner(self, context):
+    def runner(self, context):
         """Runs a call's steps through the batcher while its client is still there: a cancelled call (deadline
         past, client gone) stops at its next step — a long prompt's remaining pieces are never computed — and
         its place is released at once."""
@@ -292,30 +282,30 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
         return run
 
-    def _lock(self, session, wait_s: float = LOCK_WAIT_S) -> None:
+    def lock(self, session, wait_s: float = LOCK_WAIT_S) -> None:
         """Take the session's lock, waiting briefly for a call just ending (ABORTED if another holds it on); a chained
         Verify waits longer, for the round before it to be verified."""
         if not session.acquire(wait_s):
             raise Abort(grpc.StatusCode.ABORTED, f"session {session.id} is busy with another request")
 
-    def _costs(self, context_len: int) -> tuple[float, float] | None:
+    def costs(self, context_len: int) -> tuple[float, float] | None:
         """(a forward's fixed seconds, per session sharing it; the seconds each of its tokens adds) at
         ``context_len``: from the forwards served, before there are enough the path timing's; None if neither."""
         batcher = self.batcher
         costs = (batcher.budget.costs(context_len) if batcher.budget is not None else None) or self.target.costs
         return None if costs is None else (costs[0] / max(1, batcher.sessions), costs[1])
 
-    def _load(self, context_len: int) -> pb.Load:
+    def load(self, context_len: int) -> pb.Load:
         """What this server's compute costs now, for a sequence of ``context_len`` tokens (see ``pb.Load``)."""
         batcher = self.batcher
         sessions = max(1, batcher.sessions)
-        step, node = self._costs(context_len) or (0.0, 0.0)
+        step, node = self.costs(context_len) or (0.0, 0.0)
         busy = sessions > 1 and batcher.budget is not None and batcher.budget.compute_bound()  # shared and saturated
         prefer = self.prefer if self.prefer != "auto" else "capacity" if busy else "latency"
         return pb.Load(sessions=sessions, step_s=step, node_s=node, prefer=prefer)
 
     @contextlib.contextmanager
-    def _place(self, prompt_len: int):
+    def place(self, prompt_len: int):
         """Hold a place in the store for a sequence starting with ``prompt_len`` tokens (RESOURCE_EXHAUSTED if none)."""
         capacity = max(INITIAL_CAPACITY, 1 << prompt_len.bit_length())  # what its cache grows to for the prompt
         with contextlib.ExitStack() as stack:
@@ -363,23 +353,23 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     @rpc
     def OpenSession(self, request, context):
         start = time.perf_counter()
-        spec = self._spec(request.payload)
-        session, first = self._open(request.prompt_ids, request.sampling, spec, context)
+        spec = checked_spec(request.payload, self.target, self.lsas)
+        session, first = self.open_session(request.prompt_ids, request.sampling, spec, context)
         with session.lock:
-            payload = self._payload(session, spec, 0, session.sequence.cached_len)
+            payload = self.payload(session, spec, 0, session.sequence.cached_len)
         return pb.OpenSessionReply(session_id=session.id, first_token=first, length=len(session.sequence.tokens),
                                    compute_s=time.perf_counter() - start, payload=payload,
-                                   load=self._load(len(session.sequence.tokens)))  # fmt: skip
+                                   load=self.load(len(session.sequence.tokens)))  # fmt: skip
 
-    def _open(self, prompt_ids, sampling_msg: pb.Sampling, spec: PayloadSpec, context) -> tuple[Session, int]:
+    def open_session(self, prompt_ids, sampling_msg: pb.Sampling, spec: PayloadSpec, context) -> tuple[Session, int]:
         """A new session with ``prompt_ids`` prefilled (OpenSession, or a Decode that opens its session): the
         session and the first token."""
-        prompt = self._prompt(prompt_ids)
-        sampling = self._sampling(sampling_msg)
-        with self._place(len(prompt)):
+        prompt = checked_prompt(prompt_ids, self.target.vocab_size, self.limits.max_context)
+        sampling = checked_sampling(sampling_msg)
+        with self.place(len(prompt)):
             start = time.perf_counter()
             sequence = self.target.session(sampling, feature_kinds=feature_kinds(spec) & {"hidden"})
-            verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
+            verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self.runner(context))
             session = self.sessions.add(sequence, caller(context, self.auth))
             session.stats.prompt_tokens = len(prompt)
             if "hidden" in feature_kinds(spec):
@@ -398,18 +388,18 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             validate_tree(tokens, parents, self.target.vocab_size, self.limits.max_tree_nodes)
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        spec = self._spec(request.payload, session)
+        spec = checked_spec(request.payload, self.target, self.lsas, session)
         if request.assumed and not request.length:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a chained Verify (assumed tokens) needs the length they "
                         "follow, got length 0")  # fmt: skip
-        self._lock(session, CHAIN_WAIT_S if request.assumed else LOCK_WAIT_S)
-        handed = False  # the lock passed to a thread that decodes on for a client that left (``_decode_on``)
+        self.lock(session, CHAIN_WAIT_S if request.assumed else LOCK_WAIT_S)
+        handed = False  # the lock passed to a thread that decodes on for a client that left (``Stretches.decode_on``)
         try:
             sequence = session.sequence
-            if request.assumed and not self._assumption_holds(session, request, context):
+            if request.assumed and not assumption_holds(session, request, context):
                 self.metrics.chained_stale.inc()
-                return pb.VerifyReply(stale=True, length=len(sequence.tokens), load=self._load(len(sequence.tokens)))
-            held = self._held(session, request.length + len(request.assumed) if request.length else 0)
+                return pb.VerifyReply(stale=True, length=len(sequence.tokens), load=self.load(len(sequence.tokens)))
+            held = held_tokens(session, request.length + len(request.assumed) if request.length else 0)
             base = len(sequence.tokens) - len(held)  # the client's length: what the tree follows
             if base + len(tokens) + 1 > self.limits.max_context:  # + the bonus token
                 raise Abort(
@@ -420,11 +410,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             try:
                 verdict, computed = self._judge(session, DraftTree(tokens, parents), held, context)
                 session.verified = (base, base + len(verdict.new_tokens))
-                payload = self._payload(session, spec, before, before + len(verdict.new_tokens))
+                payload = self.payload(session, spec, before, before + len(verdict.new_tokens))
             except Exception:
                 self.sessions.pop(session.id, reason="failed")  # its cache may be half-written: never serve it again
                 raise
-            handed = not context.is_active() and self._decode_on(session)
+            handed = not context.is_active() and self.stretches.decode_on(session)
         finally:
             if not handed:
                 session.release()
@@ -440,7 +430,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         return pb.VerifyReply(accepted=verdict.accepted, bonus_token=verdict.bonus,
                               length=base + len(verdict.new_tokens), compute_s=time.perf_counter() - start,
                               payload=payload, verified=verdict.verified_nodes,
-                              load=self._load(len(sequence.tokens)))  # fmt: skip
+                              load=self.load(len(sequence.tokens)))  # fmt: skip
 
     def _judge(self, session, tree: DraftTree, held: list[int], context) -> tuple[Verdict, int]:
         """``tree`` verified after the client's length, ``held`` being the tokens the session already holds past it
@@ -452,7 +442,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         if len(path) < len(held):
             return Verdict(path, [tree.tokens[i] for i in path] + [held[len(path)]], verified_nodes=len(tree)), 0
         rest = tree.subtree(path[-1]) if path else tree  # (no held tokens, the usual round: the tree as it came)
-        verdict = session.sequence.verify(rest, self._runner(context))
+        verdict = session.sequence.verify(rest, self.runner(context))
         session.keep_hidden(verdict)
         cut = verdict.verified_nodes if verdict.verified_nodes is not None else len(rest)
         if not path:
@@ -463,67 +453,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         return Verdict(accepted, [tree.tokens[i] for i in path] + verdict.new_tokens, verdict.compute_s,
                        verdict.features, verified), cut
 
-    def _decode_on(self, session) -> bool:
-        """A Verify whose client left while it ran (a cut link): the session's lock passes to a thread that decodes on
-        as a stream whose client left does (``_decoding``) — the client's next call takes those tokens with no compute
-        (``_held``) — for at most ``keep_decoding`` tokens, until another call for the session comes
-        (``Session.wanted``), it is closed, or an end-of-sequence token. False: nothing to decode (the lock stays)."""
-        stop, tokens = set(self.target.eos_token_ids), session.sequence.tokens
-        if tokens[-1] in stop or len(tokens) + 1 > self.limits.max_context:
-            return False
-        request = pb.DecodeRequest(session_id=session.id, max_new_tokens=self.limits.keep_decoding)
-
-        class Gone:  # the call's client: gone
-            @staticmethod
-            def is_active() -> bool:
-                return False
-
-        def run() -> None:
-            try:
-                for _ in self._decoding(session, request, PayloadSpec(), stop, [], (None, 0.0), Gone()):
-                    pass  # nobody to send them to: the session keeps them
-            except (Abort, ShuttingDown):
-                pass
-            except Exception:  # a bug, not the client's (``_decoding`` dropped the session): logged, the server goes on
-                log.exception("decoding on for session %s failed", session.id[:8])
-            finally:
-                session.release()
-
-        threading.Thread(target=run, name="splitspec-decode-on", daemon=True).start()
-        return True
-
-    def _done_for(self, session) -> bool:
-        """Should decoding for a client that left stop? Another call for the session came, or it was closed."""
-        return session.wanted.is_set() or not self.sessions.holds(session.id)
-
-    @staticmethod
-    def _assumption_holds(session, request, context) -> bool:
-        """Whether the session holds what chained ``request`` assumes: ``length`` tokens, then its ``assumed`` ones. A
-        request that overtook the round it follows (the last Verify followed fewer tokens) first waits for that round;
-        one the session has moved past is answered at once."""
-        sequence, end = session.sequence, request.length + len(request.assumed)
-        give_up = time.monotonic() + CHAIN_WAIT_S
-        while (session.verified is None or session.verified[0] < request.length) and context.is_active() and \
-                time.monotonic() < give_up:  # fmt: skip
-            session.changed.wait(min(1.0, give_up - time.monotonic()))
-        return session.verified == (request.length, end) and sequence.tokens[request.length :] == list(request.assumed)
-
-    @staticmethod
-    def _held(session, length: int) -> list[int]:
-        """The tokens the session holds past the client's committed ``length`` (0: unchecked, none): the target's own,
-        which the client never received (a stream it left, a reply it lost). They are not rolled back: the call
-        takes them first (``_judge``, ``_decode``)."""
-        held = len(session.sequence.tokens)
-        if length > held:  # a sequencer check: ABORTED, as gRPC says
-            raise Abort(grpc.StatusCode.ABORTED,
-                        f"client believes the session holds {length} tokens, the server holds {held}")  # fmt: skip
-        return session.sequence.tokens[length:] if length else []
-
     @rpc
     def FetchPayload(self, request, context):
         """Stream features of cached tokens [start, end) in chunks that each fit the inline limit."""
         session = self._session(request.session_id, context)
-        spec = self._spec(request.spec, session)
+        spec = checked_spec(request.spec, self.target, self.lsas, session)
         if not spec:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "payload: FetchPayload needs a spec with a mode")
         cached = session.sequence.cached_len
@@ -533,7 +467,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                 f"payload range [{request.start}, {request.end}) is not within the {cached} cached tokens",
             )
         chunk = max(1, 2 * self.limits.max_inline_payload_bytes // payloads.raw_bytes_per_token(spec, self.target))
-        return self._fetch(session, spec, request.start, request.end, chunk, context)
+        return payloads.fetched(session, spec, self.lsas, request.start, request.end, chunk, context, self.lock)
 
     @rpc
     def CloseSession(self, request, context):
@@ -544,8 +478,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     @rpc
     def Generate(self, request, context):
-        prompt = self._prompt(request.prompt_ids)
-        sampling = self._sampling(request.sampling)
+        prompt = checked_prompt(request.prompt_ids, self.target.vocab_size, self.limits.max_context)
+        sampling = checked_sampling(request.sampling)
         budget = request.max_new_tokens
         if not 0 < budget <= self.limits.max_new_tokens:
             raise Abort(
@@ -554,11 +488,11 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             )
         budget = min(budget, self.limits.max_context - len(prompt))
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
-        return self._stream(prompt, sampling, budget, stop, context)
+        return self.stretches.api(prompt, sampling, budget, stop, context)
 
     @rpc
     def Decode(self, request, context):
-        """Server-side continuation (see the proto): validated here, streamed by ``_decode`` (which opens the
+        """Server-side continuation (see the proto): validated here, streamed by ``Stretches.stream`` (which opens the
         session first when the request carries a prompt)."""
         if request.prompt_ids and (request.session_id or request.length):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a Decode that opens its session (prompt_ids) takes no "
@@ -571,126 +505,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         if bad is not None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"stop token id {bad} is outside the vocabulary [0, {self.target.vocab_size})")  # fmt: skip
-        spec = self._spec(request.payload, session)
+        spec = checked_spec(request.payload, self.target, self.lsas, session)
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
-        return self._decode(session, request, spec, stop, context)
-
-    def _decode(self, session, request, spec: PayloadSpec, stop: set[int], context):
-        """The stream of a Decode call (``session`` None: open it first). Its steps run on a thread of their own
-        (``_decoding``), which holds the session's lock from the first step to the last: a client that leaves
-        mid-stream (a cut link) does not stop them, since the tokens it asked for are the target's own whoever reads
-        them. They go on for at most ``keep_decoding`` tokens of its budget, or until another call for the session
-        comes (``Session.wanted``) or it is closed; the client's next call takes them with no compute (``_held``)."""
-        start, prefilled = time.perf_counter(), None
-        if session is None:
-            session, prefilled = self._open(request.prompt_ids, request.sampling, spec, context)
-        self._lock(session)
-        try:
-            held = self._held(session, request.length)
-            session.verified = None  # no round a chained Verify may follow
-            if not held and len(session.sequence.tokens) + 1 > self.limits.max_context:
-                raise Abort(grpc.StatusCode.OUT_OF_RANGE, f"the session's {len(session.sequence.tokens)} tokens fill "
-                            f"the context limit of {self.limits.max_context}: nothing more to decode")  # fmt: skip
-        except BaseException:
-            session.release()
-            raise
-        chunks: queue.SimpleQueue = queue.SimpleQueue()
-
-        def produce() -> None:
-            try:
-                for chunk in self._decoding(session, request, spec, stop, held, (prefilled, start), context):
-                    chunks.put(chunk)
-            except BaseException as exc:  # noqa: BLE001 - the stream ends with it (its status), the server goes on
-                chunks.put(exc)
-            finally:
-                session.release()
-                chunks.put(None)
-
-        threading.Thread(target=produce, name="splitspec-decode", daemon=True).start()
-        return self._streamed(chunks)
-
-    @staticmethod
-    def _streamed(chunks: queue.SimpleQueue) -> Iterator[pb.DecodeChunk]:
-        """What ``_decode``'s thread makes, as the call's stream (an error it met ends the stream with it)."""
-        while (chunk := chunks.get()) is not None:
-            if isinstance(chunk, BaseException):
-                raise chunk
-            yield chunk
-
-    def _decoding(self, session, request, spec: PayloadSpec, stop: set[int], held: list[int], prefilled, context):
-        """Steps on the session, one token a chunk, the payload of the tokens cached since the last one every
-        ``payload_every`` tokens and on the last chunk. ``held``: tokens the session holds past the client's length,
-        streamed first without a forward. ``prefilled``: (the first token, when the call opened the session; the
-        call's start) — that token is the first chunk, sent before the prompt's features, which go with the second.
-        With ``request.lookup`` a step may verify the server's own prompt-lookup draft (``SelfDraft``): several
-        tokens. A client gone: see ``_decode``."""
-        sequence, every, budget = session.sequence, max(1, request.payload_every), request.max_new_tokens
-        (first_token, start), held = prefilled, list(held)
-        drafter = SelfDraft(sequence.tokens, request.lookup, lambda: self._costs(len(sequence.tokens))) if (
-            request.lookup) else None  # fmt: skip
-        at = len(sequence.tokens) - len(held) - (first_token is not None)  # the client's length before each chunk
-        sent = max(0, at - 1) if first_token is None else 0  # cached tokens whose payloads the client has
-        produced, left_at = 0, None  # left_at: tokens produced when the client was found gone
-        while True:
-            first = produced == 0 and first_token is not None
-            if not context.is_active():
-                if first:  # the client never learnt the session's id
-                    self.sessions.pop(session.id, reason="cancelled")
-                    return
-                left_at = produced if left_at is None else left_at
-                if self._done_for(session) or produced - left_at >= self.limits.keep_decoding:
-                    return
-            try:
-                if first:
-                    tokens, compute_s = [first_token], time.perf_counter() - start
-                elif held:
-                    tokens, compute_s = held[: budget - produced], 0.0
-                    tokens = tokens[: next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))]
-                    held = held[len(tokens) :]
-                else:
-                    tokens, compute_s = self._step(session, drafter, budget - produced, stop)
-                produced += len(tokens)
-                full = at + len(tokens) + 1 > self.limits.max_context
-                reason = ("stop" if tokens[-1] in stop else "length" if produced >= budget
-                          else "context" if full else "")  # fmt: skip
-                payload, cached = None, at + len(tokens) - 1
-                if reason or (cached - sent >= every and not first):
-                    payload, sent = self._payload(session, spec, sent, cached), cached
-            except (Abort, ShuttingDown):
-                raise
-            except Exception:
-                self.sessions.pop(session.id, reason="failed")  # a half-written cache is never served again
-                raise
-            for i, token in enumerate(tokens):  # a step's compute goes with its first token, its payload its last
-                last = i == len(tokens) - 1
-                told = first or (last and (payload is not None or reason))  # the load: now and then is enough
-                yield pb.DecodeChunk(token=token, length=at + i + 1, compute_s=0.0 if i else compute_s,
-                                     payload=payload if last else None, finish_reason=reason if last else "",
-                                     load=self._load(len(sequence.tokens)) if told else None,
-                                     session_id=session.id if first else "")  # fmt: skip
-            at += len(tokens)
-            if reason:
-                return
-
-    def _step(self, session, drafter: SelfDraft | None, budget: int, stop: set[int]) -> tuple[list[int], float]:
-        """One forward of a Decode stream: its new tokens (at most ``budget``, none past a stop token; the session
-        keeps only those) and its seconds."""
-        sequence, m, start = session.sequence, self.metrics, time.perf_counter()
-        room = min(budget, self.limits.max_context - len(sequence.tokens)) - 1  # drafted tokens, besides the bonus
-        tree = drafter.propose(room) if drafter is not None and room > 0 else DraftTree()
-        verdict = sequence.verify(tree, self.batcher.run)  # (not the call's runner: a client gone does not stop it)
-        session.keep_hidden(verdict)
-        tokens = verdict.new_tokens
-        end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
-        if end < len(tokens):  # a stop token inside an accepted draft: what follows it is not the answer
-            session.truncate(len(sequence.tokens) - (len(tokens) - end))
-            tokens = tokens[:end]
-        if drafter is not None:
-            drafter.observe(tokens)
-        m.tokens_generated.inc(len(tokens))
-        m.tokens_decoded.inc(len(tokens))
-        session.stats.decoded += len(tokens)
-        return tokens, time.perf_counter() - start
+        return self.stretches.stream(session, request, spec, stop, context)
 
     @rpc
     def Probe(self, request, context):
@@ -703,43 +520,6 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         start = time.perf_counter()
         payload = bytes(request.reply_bytes)
         return pb.ProbeReply(payload=payload, compute_s=time.perf_counter() - start)
-
-    def _fetch(self, session, spec: PayloadSpec, start: int, end: int, chunk: int, context):
-        for a in range(start, end, chunk):
-            if not context.is_active():
-                return
-            b = min(a + chunk, end)
-            self._lock(session)
-            try:
-                if b > session.sequence.cached_len:  # the session was rolled back meanwhile (a stop token, a failure)
-                    raise Abort(grpc.StatusCode.ABORTED,
-                                f"the session now caches {session.sequence.cached_len} tokens: payload range "
-                                f"[{start}, {end}) was cut short by a rollback at token {a}")  # fmt: skip
-                msg = payloads.export(session, spec, self.lsas, a, b)
-            finally:
-                session.lock.release()
-            yield msg
-
-    def _stream(self, prompt, sampling, budget, stop, context):
-        """One token per chunk, as an API streams; stops early when the client goes away. An open stream holds a
-        place in the session store, so streams cannot take every worker from the other calls."""
-        with self._place(len(prompt)):
-            sequence = self.target.session(sampling)
-            try:
-                verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self._runner(context))
-                self.metrics.tokens_generated.inc()
-                for produced in range(1, budget + 1):
-                    token = verdict.bonus
-                    done = token in stop or produced == budget
-                    reason = ("stop" if token in stop else "length") if done else ""
-                    yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
-                    if done or not context.is_active():
-                        return
-                    verdict = sequence.verify(DraftTree(), self._runner(context))
-                    self.metrics.tokens_generated.inc()
-            finally:
-                self.batcher.forget(sequence.cache)
-
 
 def build_server(target: Target | None, host: str, port: int, limits: ServerLimits = ServerLimits(),
                  bundle_dirs=(SHIPPED,), credentials: grpc.ServerCredentials | None = None,

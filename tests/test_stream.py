@@ -180,14 +180,14 @@ def test_a_stream_decodes_on_for_a_client_gone_only_keep_decoding_tokens(tiny_ta
             verifier.open(PROMPT, SamplingParams())
             session, context = service.sessions.get(verifier.session_id), Context()
             request = pb.DecodeRequest(session_id=verifier.session_id, length=verifier.length, max_new_tokens=60)
-            chunks = service._decoding(session, request, PayloadSpec(), set(), [], (None, 0.0), context)
+            chunks = service.stretches.steps(session, request, PayloadSpec(), set(), [], (None, 0.0), context)
             taken = [next(chunks).token for _ in range(4)]
             context.active = False
             rest = [c.token for c in chunks]  # what it went on to decode: the stream's own thread drops these
             assert taken + rest == plain_of(tiny_target, 9) and len(session.sequence.tokens) == len(PROMPT) + 10
 
             verifier.close()  # a session closed meanwhile: nothing more is decoded for it
-            chunks = service._decoding(session, request, PayloadSpec(), set(), [], (None, 0.0), context)
+            chunks = service.stretches.steps(session, request, PayloadSpec(), set(), [], (None, 0.0), context)
             assert [c.token for c in chunks] == []
 
 
