@@ -294,12 +294,12 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
                                                                                       monkeypatch):  # fmt: skip
     """A model whose vocabulary is 4x the draft vocabulary's size drafts only its frequent tokens and the prompt's
     (the head's rows cut, the same 4-bit values), outputs never change, and a one-level proposal — an offline step while
-    the link is down — is the whole head's argmax. The frequent tokens are counted once per tokenizer, then read
-    from the cache."""
+    the link is down — is the whole head's argmax. The frequent tokens are counted once per tokenizer by the training
+    side, then read from the cache; serving never counts."""
     from collections import Counter
 
     from client.decode import generate
-    from client.drafters import make_drafter
+    from client.drafters import make_drafter, vocabulary
     from client.drafters.model import ModelDrafter
     from client.training import vocab
     from client.verifiers import LocalVerifier
@@ -315,6 +315,10 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
     monkeypatch.setattr(vocab, "token_counts", token_counts)
     target = load_target(str(tiny_gguf), dtype="float32", weights="int4", cache=cache)
     whole = make_drafter(str(tiny_gguf), target=target, width=2, depth=3, weights="int4")
+    assert vocabulary.frequent_tokens(target.tokenizer, 3).tolist() == sorted(
+        {0, 1, 2} | set(target.tokenizer.all_special_ids))  # no ranking yet: the tokenizer's lowest ids, none counted
+    assert counted == []
+    vocab.count_ranking(target.tokenizer)  # the training side counts; serving only reads
     drafter = ModelDrafter(whole.lm, width=2, depth=3, floor=0.0, vocab=1000)
     assert counted == [2000] and drafter.vocabulary is not None
     ids = encode_prompt(target.tokenizer, PROMPT, False)
@@ -326,16 +330,17 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
     assert drafter.propose(1, 1).tokens == whole.propose(1, 1).tokens  # an offline step: the model's own argmax
     gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
     assert gen.token_ids == _plain(target, 24)
-    assert vocab.frequent_tokens(target.tokenizer, 10).tolist() == sorted(
+    assert vocabulary.frequent_tokens(target.tokenizer, 10).tolist() == sorted(
         {0, 2, 4, 6, 8, 10, 12, 14, 16, 18} | set(target.tokenizer.all_special_ids))
+    vocab.count_ranking(target.tokenizer)
     assert counted == [2000]  # read from the cache
     with pytest.raises(ValueError, match="draft vocabulary of 0 tokens"):
-        vocab.frequent_tokens(target.tokenizer, 0)
+        vocabulary.frequent_tokens(target.tokenizer, 0)
     shipped = cache / "shipped"  # a ranking that ships with splitspec (the pair's) is read, never counted
     shipped.mkdir()
     (shipped / f"{tokenizer_fingerprint(target.tokenizer)}-500.json").write_text(json.dumps([7, 5, 3]))
-    monkeypatch.setattr(vocab, "SHIPPED", shipped)
-    assert vocab.frequent_tokens(target.tokenizer, 2, sample=500).tolist() == sorted(
+    monkeypatch.setattr(vocabulary, "SHIPPED", shipped)
+    assert vocabulary.frequent_tokens(target.tokenizer, 2, sample=500).tolist() == sorted(
         {7, 5} | set(target.tokenizer.all_special_ids))
     assert counted == [2000]
 

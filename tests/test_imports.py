@@ -63,17 +63,20 @@ def graph(found: dict[str, Path]) -> dict[str, dict[str, int]]:
     return edges
 
 
+def reached(edges: dict[str, dict[str, int]], start: str) -> set[str]:
+    """Every module ``start`` imports, however indirectly."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
 def circles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
     """The strongly connected components of more than one module: each a set of modules that all reach each other."""
-    reach = {}
-    for start in edges:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in edges[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        reach[start] = seen
+    reach = {start: reached(edges, start) for start in edges}
     out, placed = [], set()
     for m in sorted(edges):
         if m in placed:
@@ -121,3 +124,16 @@ def test_the_engine_package_itself_imports_nothing():
     """``shared.engine``'s ``__init__`` is a docstring: importing one of its modules never drags in the others."""
     tree = ast.parse((ROOT / "shared" / "engine" / "__init__.py").read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def test_serving_never_reaches_into_training():
+    """No module of the client (but the training pipeline's own), the server or shared imports the training pipeline,
+    however indirectly: loading a drafter once counted its draft vocabulary over a training dataset. A drafter carries
+    its vocabulary or reads a ranking (``client.drafters.vocabulary``)."""
+    edges = graph(modules())
+    sides = ("client", "server", "shared")
+    serving = [m for m in edges if m.split(".")[0] in sides and not m.startswith("client.training")]
+    assert "client.drafters.model" in serving and "client.build" in serving
+    assert "client.training.datasets" in reached(edges, "client.training.vocab")  # the graph is read through
+    reaching = {m: sorted(t for t in reached(edges, m) if t.startswith("client.training")) for m in serving}
+    assert not {m: t for m, t in reaching.items() if t}, "serving modules that import the training pipeline"

@@ -484,7 +484,7 @@ def test_a_failure_mid_stream_ends_the_call_with_its_status_and_breaks_nothing(
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(service.stretches, "_step", fail)  # a Decode stream's steps after the first token (its prefill's)
+    monkeypatch.setattr(service.stretches, "_step", fail)  # a Decode stream's steps after the first (its prefill's)
     chunks = []
     request = pb.DecodeRequest(prompt_ids=VICTIM_PROMPT, max_new_tokens=8)
     failure = refused(lambda: chunks.extend(stub.Decode(request, timeout=TIMEOUT)))

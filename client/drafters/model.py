@@ -12,7 +12,7 @@ repeats its context (code quoting its prompt, edits) the copy is the draft and c
 drafts. A model step costs about a third of a target step here, so every free round counts.
 
 A model whose vocabulary is at least 4x ``VOCAB`` drafts from a draft vocabulary: the ``VOCAB`` tokens an assistant
-says most (``client.training.vocab.frequent_tokens``) and every token of the prompt. Its head is cut to those rows
+says most (``client.drafters.vocabulary.frequent_tokens``) and every token of the prompt. Its head is cut to those rows
 (the same 4-bit values, ``Linear.rows``): the 0.5B's 152k-row head is a quarter of a step's bytes, and 16k rows plus
 a prompt's cover 99.4 % of what the 1.5B writes on HumanEval prompts and 95.4 % on MT-Bench. A one-level proposal
 (an offline step, the link down) reads the whole head, and never copies: it is the model's own next token, not a
@@ -43,7 +43,7 @@ def draft_head(lm, size: int) -> tuple[torch.Tensor, set[int], Linear] | None:
     """The draft vocabulary of ``size`` frequent tokens of ``lm`` (a ``Target``), as ids, a set, and its head's rows
     (shared by every drafter of ``lm``); None where its vocabulary is under 4x ``size``, or its head's rows could not
     be cut without rounding them again (``Linear.cuttable``: int8, say)."""
-    from client.training.vocab import frequent_tokens
+    from client.drafters.vocabulary import frequent_tokens
 
     head = lm.engine.lm_head
     if head.out_features < 4 * size or not head.cuttable():

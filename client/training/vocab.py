@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from client.drafters.vocabulary import RANKED, SAMPLE, ranking_path
 from client.training.datasets import TrainingStream
 
 
@@ -49,31 +50,37 @@ def draft_vocab(tokenizer, size: int, sample: int = 3000, seq_len: int = 512, se
     return torch.tensor(sorted(chosen), dtype=torch.long), coverage
 
 
-RANKED = 32768  # tokens ranked and kept by ``frequent_tokens``: any smaller vocabulary is a prefix
-SHIPPED = Path(__file__).with_name("ranked")  # rankings counted once and committed: the pair's tokenizer's
+def count_ranking(tokenizer, sample: int = SAMPLE, cache: str | os.PathLike | None = None) -> Path:
+    """Count which tokens an assistant says most in ``sample`` ShareGPT conversations (a download and a minute), and
+    keep the first ``RANKED`` where serving reads them (``client.drafters.vocabulary``); its path. A shipped ranking
+    is never counted again."""
+    path = ranking_path(tokenizer, sample, cache)
+    if path.is_file():
+        return path
+    print(f"splitspec: counting a draft vocabulary over {sample} ShareGPT conversations (once for this tokenizer)",
+          file=sys.stderr)  # fmt: skip
+    ranked = [t for t, _ in token_counts(tokenizer, sample).most_common(RANKED)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(ranked))
+    tmp.replace(path)  # whole or not at all: another process may be counting too
+    return path
 
 
-def frequent_tokens(tokenizer, size: int, cache: str | os.PathLike | None = None, sample: int = 2000) -> torch.Tensor:
-    """The ``size`` tokens (at most ``RANKED``) an assistant says most in ``sample`` ShareGPT conversations, in
-    this tokenizer's ids, with its special tokens, sorted: a whole model's draft vocabulary. Counted once per
-    tokenizer (a ShareGPT download and a minute) and kept in the cache (``vocab/<fingerprint>-<sample>.json``); a
-    tokenizer whose ranking ships with splitspec (``SHIPPED``: Qwen2.5's) is never counted."""
-    from shared.engine.files import cache_dir
-    from shared.engine.target import tokenizer_fingerprint
+def main(argv: list[str] | None = None) -> int:
+    import argparse
 
-    if not 1 <= size <= RANKED:
-        raise ValueError(f"a draft vocabulary of {size} tokens; expected 1..{RANKED}")
-    name = f"{tokenizer_fingerprint(tokenizer)}-{sample}.json"
-    path = SHIPPED / name if (SHIPPED / name).is_file() else Path(cache_dir(cache)) / "vocab" / name
-    try:
-        ranked = json.loads(path.read_text())
-    except (OSError, ValueError):
-        print(f"splitspec: counting a draft vocabulary over {sample} ShareGPT conversations (once for this tokenizer)",
-              file=sys.stderr)  # fmt: skip
-        ranked = [t for t, _ in token_counts(tokenizer, sample).most_common(RANKED)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(ranked))
-        tmp.replace(path)  # whole or not at all: another process may be counting too
-    chosen = set(tokenizer.all_special_ids) | set(ranked[:size])
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    from shared.engine.models import load_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m client.training.vocab",
+                                description="Count a tokenizer's draft vocabulary ranking, once, for model drafters.")
+    p.add_argument("model", help="a model name, GGUF or Hugging Face folder whose tokenizer to count for")
+    p.add_argument("--sample", type=int, default=SAMPLE, help=f"conversations to count over (default {SAMPLE})")
+    p.add_argument("--cache-dir", help="where the ranking is kept (default the splitspec cache)")
+    args = p.parse_args(argv)
+    print(count_ranking(load_tokenizer(args.model, args.cache_dir), args.sample, args.cache_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
