@@ -30,6 +30,8 @@ FLOOR_S = 0.5  # no bound is shorter (a scheduler's hiccup, a garbage collection
 DECAY = 0.95  # what a high figure keeps per later observation
 UNMEASURED_RTT_S = 1.0  # stands in for the RTT bound before the link has been measured
 GRACE_S = 1.0  # a wait in this process outlasts gRPC's own deadline by this much before it abandons the call
+ROUND_FLOOR_S = 0.1  # no drafted round's deadline is shorter
+ROUND_MARGIN_S = 0.05  # a drafted round's deadline past its parts
 PROBE_MARGIN_S = 0.05  # a Probe's bound past the RTT bound (as the heartbeat's: the server answers one at once)
 
 
@@ -80,3 +82,13 @@ class Bounds:
         rtt = self.link.timeout_s()
         rtt = UNMEASURED_RTT_S if rtt is None else rtt
         return min(self.cap_s, rtt + self.link.transfer_s(up_bytes, down_bytes) + FLOOR_S)
+
+
+def round_s(link: LinkMonitor, compute_s: float, up_bytes: int, down_bytes: int) -> float:
+    """A drafted round's deadline, before which a Verify is not presumed lost: the RTT bound (SRTT + 4·RTTVAR), 1.5x
+    the compute it is expected to take, its bytes at the measured rates, and a margin. Tighter than ``Bounds.call_s``:
+    the decode loop has what a round of this size costs from its own policy, and a cut noticed early is text written
+    offline sooner."""
+    rtt = link.timeout_s()
+    rtt = UNMEASURED_RTT_S if rtt is None else rtt
+    return max(ROUND_FLOOR_S, rtt + 1.5 * compute_s + link.transfer_s(up_bytes, down_bytes) + ROUND_MARGIN_S)

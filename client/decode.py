@@ -6,21 +6,11 @@ the verifier verifies → the drafter absorbs the kept tokens → they are emitt
 the round gained and cost. It knows nothing about which drafter proposes
 or where verification happens; both are interfaces (``Drafter``, ``Verifier``).
 
-Over a link, rounds are pipelined: while a Verify is in flight the drafter drafts ahead — it takes the tree's
-likeliest path as accepted (``Drafter.assume``) and drafts the tree after it, whose first level holds its guesses
-for the server's bonus token. When the verdict is that path and a bonus it guessed, the subtree under that bonus is
-the next round's tree, ready at once: a round then costs the longer of drafting and the wire, not their sum. When
-it is not, the guess is taken back (``rewind``) and the round goes on as it would have. Nothing the server sees
-depends on the guess but which tree it verifies, so every output is as without it.
-
-Chained (``chain``, the default where the server takes it): the tree drafted ahead for the likeliest outcome is sent
-at once, before the verdict it assumes (``Verifier.verify_after``), so that the server verifies it straight after the
-round before instead of idling a round trip for it. Where the verdict is what it assumed, it is the next round, already
-under way; where not, the server answers it stale without computing, and the loop drops it and goes on as above.
-
-Instead of a round, the policy may have the server decode a stretch by itself (``Verifier.decode``,
-a stream): its tokens stream in with their payloads, the drafter absorbs them as they
-come, so drafting can resume — or the link fail — at any token.
+Over a link, rounds are pipelined: while a Verify is in flight the drafter drafts ahead of its verdict, and the tree
+drafted for the likeliest outcome may be sent before it, chained (``client.ahead``). Nothing the server sees depends
+on a guess but which tree it verifies, so every output is as without it. Instead of a round, the policy may have the
+server decode a stretch by itself, streamed, the drafter absorbing its tokens as they come (``client.stretch``), so
+drafting can resume, or the link fail, at any token.
 
 Losing the link is an event of this loop, not another loop: a Verify that fails for the link
 (``LinkDown``; ``SessionLost``) hands over to ``client.offline.Bridge``, which generates offline
@@ -36,9 +26,8 @@ calls are not rounds.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field, replace
@@ -46,32 +35,24 @@ from typing import TypeVar
 
 import torch
 
-from client.adaptive import Ahead, Loaded, Pipelining, Plan, Policy, Rehearsal, Round, State, StaticPolicy, Streamed
+from client import ahead, stretch
+from client.adaptive import Loaded, Pipelining, Plan, Policy, Round, State, StaticPolicy
+from client.ahead import FLIGHT_GRACE_S, UNBOUNDED_FLIGHT_S, Chained
 from client.costs import verify_request_bytes
+from client.deadlines import round_s
 from client.drafters.base import Drafter
 from client.failures import LinkDown, SessionLost, Stale
 from client.heartbeat import Heartbeat
 from client.offline import Bridge, Cut, OfflineStats, Resilience
-from client.sizing import Decision, outcomes
-from client.verifiers import NO_PAYLOAD, Pending, Verifier, first_spec
+from client.verifiers import NO_PAYLOAD, Verifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.engine.target import Verdict
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec
-from shared.tree import DraftTree, depths, path_to
+from shared.tree import DraftTree, depths
 
 T = TypeVar("T")  # what the call that opens a session returns (``Run.beside_prepare``)
-MIN_DEADLINE_S = 0.1
-DEADLINE_MARGIN_S = 0.05
-UNMEASURED_RTT_S = 1.0  # stands in for SRTT + 4·RTTVAR before the link has been measured
-# Tokens per payload while the server decodes: fewer, larger payloads cost the server less to make and compress
-# better; a cut may keep the last (up to this many tokens') from arriving, and the settlement fetches them then.
-PAYLOAD_EVERY = 8
 OPEN_TRIES = 3  # a session lost as it opened (a replica died under it) is opened again, up to this many tries in all
-AHEAD_NODES = 1.5  # a tree drafted ahead holds this many times a round's budget: its likeliest root's subtree is sent
-HEDGES = 3  # outcomes a round drafts ahead for, the likeliest first, the others only while its verdict is not in
-FLIGHT_GRACE_S = 2.0  # a Verify in flight is bounded by the verifier itself; this wait outlasts that bound
-UNBOUNDED_FLIGHT_S = 300.0  # (no deadline: on_reconnect fail) the most a wait for a Verify in flight lasts
 
 
 @dataclass
@@ -115,17 +96,6 @@ class GenerationStats(OfflineStats):
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
-
-
-@dataclass
-class Chained:
-    """A round sent before the verdict of the round before it (``Verifier.verify_after``): its call, its tree, how
-    it was sized, the tokens it assumes the round before commits."""
-
-    pending: Pending
-    tree: DraftTree
-    decision: Decision
-    assumed: list[int]
 
 
 @dataclass
@@ -252,7 +222,7 @@ class Run:
                     if self.plan.stream:
                         self.ready = None  # the stream moves the drafter on: a tree drafted ahead is stale
                         # a stretch that starts the generation opens the session in the same call
-                        self.stream(self.plan.stream, start if not self.out else None)
+                        stretch.stream(self, self.plan.stream, start if not self.out else None)
                     elif not self.out:  # the prefill: its compute is the first guess at a round's
                         self.verify_s = self.open().compute_s
                         self.started(start)
@@ -336,7 +306,7 @@ class Run:
         received = verifier.counters.bytes_received
         if self.pipeline and drafting:
             try:
-                result = self.pipelined(tree, chained)
+                result = ahead.pipelined(self, tree, chained)
             except Stale:  # the round before did not commit what this one assumed (the client judged otherwise:
                 return  # a tree the server cut); nothing verified, nothing changed: the next round drafts afresh
         else:
@@ -354,90 +324,6 @@ class Run:
         policy.observe(Round(decision, tree, result.accepted, len(result.new_tokens), result.compute_s, draft_s,
                              levels, clock() - t0, drafting, result.load))  # fmt: skip
 
-    def pipelined(self, tree: DraftTree, chained: Chained | None = None) -> Verdict:
-        """Verify ``tree`` (or wait for ``chained``, its call already under way) while drafting ahead of its verdict,
-        for its likeliest outcomes in turn (the first always, the next ones while the verdict is not in); the drafter
-        ends having absorbed the verdict, and ``self.ready`` holds the next tree when one of the guesses held — or
-        ``self.chained`` the next round, sent chained from the first guess, when that one held."""
-        drafter, stats = self.drafter, self.stats
-        deadline = self.deadline(len(tree))
-        if chained is None:
-            flight = self.flights.submit(self.verifier.verify, tree, timeout_s=deadline, spec=self.spec)
-            done = flight.done
-
-            def verdict() -> Verdict:
-                try:
-                    return flight.result(timeout=(deadline or UNBOUNDED_FLIGHT_S) + FLIGHT_GRACE_S)
-                except FutureTimeout:
-                    raise LinkDown(f"server {self.verifier.address}: a Verify unanswered past its bound") from None
-        else:
-            done, verdict = chained.pending.done, chained.pending.verdict
-        t0 = self.clock()
-        depth = self.plan.depth  # one level more: the first holds the guesses for the bonus
-        depth, size = None if depth is None else depth + 1, max(1, round(AHEAD_NODES * self.budget()))
-        aheads: list[tuple[list[int], DraftTree]] = []  # (a path guessed accepted, the tree drafted after it)
-        after: Chained | None = None  # the next round, sent now from the first guess
-        for leaf, _ in outcomes(tree, self.policy.calibration, self.sampling.temperature == 0)[:HEDGES]:
-            if aheads and done():
-                break
-            path = [tree.tokens[i] for i in path_to(tree.parents, leaf)] if leaf >= 0 else []
-            drafter.assume(path)
-            aheads.append((path, drafter.propose(size, depth)))
-            drafter.discard()  # verified, if at all, as the next round's tree
-            drafter.rewind(len(path))
-            if self.chain and len(aheads) == 1 and not done():
-                after = self.send_after(path, aheads[0][1], deadline)
-        ahead_s = self.clock() - t0
-        stats.ahead_s += ahead_s
-        stats.guesses += 1
-        try:
-            result = verdict()
-        except BaseException:
-            if after is not None:
-                after.pending.drop()
-            raise
-        drafter.absorb(result.new_tokens, result.features)
-        bonus, ready = result.new_tokens[-1], None
-        if after is not None and result.new_tokens == after.assumed:
-            self.chained = after  # under way already: the next round
-            stats.chained_held += 1
-        elif after is not None:
-            after.pending.drop()  # stale: the server answers it without computing
-        taken = next((ahead for path, ahead in aheads if result.new_tokens[:-1] == path), None)
-        if taken is not None and self.chained is None:
-            first = next((i for i, (t, p) in enumerate(zip(taken.tokens, taken.parents, strict=True))
-                          if p == -1 and t == bonus), None)  # fmt: skip
-            ready = taken.subtree(first) if first is not None else None
-        held = bool(ready) or self.chained is not None
-        self.policy.observe(Ahead(taken is not None, held, ahead_s, after is not None))
-        if ready:  # (an empty one is no guess: the drafter stopped at the bonus's level, unsure of it)
-            self.ready = ready
-        stats.guesses_held += held
-        return result
-
-    def send_after(self, path: list[int], ahead: DraftTree, before_s: float | None) -> Chained | None:
-        """Send the next round now, before this one's verdict: the tree ``ahead`` under its likeliest bonus guess,
-        assuming this round commits ``path`` and that bonus. None where it would not pay: the guess ends the
-        generation, or leaves nothing to send. ``before_s``: this round's deadline, which the chained one waits out
-        before its own."""
-        firsts = ahead.chain_of_firsts()
-        if not firsts:
-            return None
-        assumed = path + [ahead.tokens[firsts[0]]]
-        if self.stop.intersection(assumed) or len(self.out) + len(assumed) >= self.limit:
-            return None
-        tree = ahead.subtree(firsts[0]).head(self.budget(len(assumed)))  # what the tree ready then would send
-        decision = self.policy.size(tree, self.spec)
-        tree = tree.head(decision.nodes)
-        if not tree.tokens:
-            return None
-        deadline = self.deadline(len(tree))
-        bound = None if deadline is None or before_s is None else before_s + deadline
-        pending = self.verifier.verify_after(len(self.prompt_ids) + len(self.out), assumed, tree, timeout_s=bound,
-                                             spec=self.spec)  # fmt: skip
-        self.stats.chained += 1
-        return Chained(pending, tree, decision, assumed)
-
     def budget(self, ahead: int = 0) -> int:
         """The most tree nodes a round may send now (``ahead``: after this many more tokens are committed)."""
         room = self.verifier.max_context - len(self.prompt_ids) - len(self.out) - ahead
@@ -448,84 +334,6 @@ class Run:
         if self.heartbeat and self.heartbeat.dead.is_set():
             raise LinkDown(f"server {self.verifier.address}: {self.heartbeat.reason}")
 
-    def stream(self, stretch: int, opening: float | None = None) -> None:
-        """A stream: a stretch of ``stretch`` tokens decoded by the server alone (a Decode stream),
-        absorbed and emitted as they arrive. The server is asked for all the generation has left, so that the policy
-        may extend the stretch without a new call (a plan asked while ``streaming``);
-        the stream is cancelled when the stretch ends, or once the generation is finished (a stop string).
-        ``opening``: the session is opened by this stream (the time the generation began)."""
-        verifier, drafter, policy, stats, clock = self.verifier, self.drafter, self.policy, self.stats, self.clock
-        room = verifier.max_context - len(self.prompt_ids) - len(self.out)
-        limit = min(self.limit - len(self.out), room)
-        self.check_heartbeat()
-        spec, stop, lookup = self.spec, sorted(self.stop), self.plan.lookup
-        t0, got, compute = clock(), 0, 0.0
-        stats.streams += 1
-        if opening is None:
-            tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, lookup=lookup, spec=spec)
-            featured = cached = len(self.prompt_ids) + len(self.out) - 1  # the server caches all but the root
-        else:  # the prompt's features come with the first payload
-            tokens = verifier.open_decode(self.prompt_ids, self.sampling, limit, stop, PAYLOAD_EVERY,
-                                          lookup=lookup, spec=spec)  # fmt: skip
-            featured, cached = 0, len(self.prompt_ids) - 1
-        rehearsal = None  # (a tree drafted and not sent, its depth, where its root is in the output, seconds drafting)
-        try:
-            with contextlib.closing(tokens):
-                for result in tokens if opening is None else self.opening(tokens):
-                    if opening is not None and not self.out:
-                        drafter.begin(self.prompt_ids + result.new_tokens, result.features)
-                        self.started(opening)
-                        stretch += 1  # the prefill's token: every mode waits for it, so it does not time the stream
-                        t0, got, compute = clock(), -1, -result.compute_s
-                    else:
-                        drafter.absorb(result.new_tokens, result.features)
-                    cached += len(result.new_tokens)
-                    if result.features is not None:
-                        featured = result.features.start + len(result.features)
-                    got, compute = got + len(result.new_tokens), compute + result.compute_s
-                    # a streamed token's time on a loaded server (its batch's forward) bounds a Verify's from below
-                    self.verify_s = max(result.compute_s, 0.8 * self.verify_s + 0.2 * result.compute_s)
-                    stats.streamed_tokens += len(result.new_tokens)
-                    self.commit(self.out + result.new_tokens, self.verified + [True] * len(result.new_tokens))
-                    if result.load is not None:
-                        policy.observe(Loaded(result.load))
-                    if self.finished():
-                        break
-                    rehearsal = self.rehearse(rehearsal, featured == cached or not spec)
-                    # the stretch is over once its features are in too (a payload comes every PAYLOAD_EVERY tokens;
-                    # ending between two would leave the drafter without the last ones): told, then maybe extended
-                    if got >= stretch and (featured == cached or not spec):
-                        policy.observe(Streamed(got, compute, clock() - t0))
-                        t0, got, compute = clock(), 0, 0.0
-                        plan = policy.plan(State(len(self.prompt_ids), len(self.out), streaming=True))
-                        if not (stretch := plan.stream):
-                            break
-        except (LinkDown, SessionLost):
-            if featured < cached and spec:
-                self.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
-            raise
-        policy.observe(Streamed(got, compute, clock() - t0))
-
-    def rehearse(self, rehearsal, featured: bool):
-        """Drafting rehearsed during a stream (``client.schedule``): a tree drafted from the newest token once the
-        drafter has every feature (``featured``), never sent, scored once the tokens its depth reaches have streamed
-        in. Returns the rehearsal under way (None: none)."""
-        drafter, clock = self.drafter, self.clock
-        if rehearsal is not None:
-            tree, depth, at, draft_s = rehearsal
-            if len(self.out) - (at + 1) <= depth:  # (checked at every chunk: no copy of the output until then)
-                return rehearsal
-            self.policy.observe(Rehearsal(tree, tree.follow(self.out[at + 1 :]), draft_s))
-        if not featured or not self.plan.rehearse:
-            return None
-        t0 = clock()
-        tree = drafter.propose(self.budget(), self.plan.depth)
-        drafter.discard()
-        depth = max(depths(tree.parents), default=0)  # (an empty tree counts: a round that gains one)
-        draft_s = clock() - t0
-        self.stats.rehearse_s += draft_s
-        return tree, depth, len(self.out) - 1, draft_s
-
     def deadline(self, nodes: int) -> float | None:
         """How long a Verify may take before the link is presumed dead: the RTT bound (SRTT + 4·RTTVAR), the
         server's expected compute with headroom (the larger of the recent rounds' and what the policy's cost curve
@@ -535,15 +343,10 @@ class Run:
         link = self.verifier.link
         if link is None or self.resilience.on_reconnect == "fail":
             return None
-        rtt = link.timeout_s()
-        transfer = link.transfer_s(verify_request_bytes(nodes), int(2 * self.reply_bytes))
-        rtt = UNMEASURED_RTT_S if rtt is None else rtt
         # no tree measured yet (a first round, or the first after streams): up to a step a node, as on a CPU, whose
-        # verification grows with its rows (a streamed token's compute bounding a 36-node tree missed every time on
-        # an AMD Zen 4: 0.42 s against a 0.2 s deadline, each round a false cut, never measured)
-        compute = self.policy.estimate(nodes) or self.verify_s * (nodes + 1)
-        compute = max(self.verify_s, compute)
-        return max(MIN_DEADLINE_S, rtt + 1.5 * compute + transfer + DEADLINE_MARGIN_S)
+        # verification grows with its rows (a streamed token's compute bounding a 36-node tree missed every time)
+        compute = max(self.verify_s, self.policy.estimate(nodes) or self.verify_s * (nodes + 1))
+        return round_s(link, compute, verify_request_bytes(nodes), int(2 * self.reply_bytes))
 
     def open(self) -> Verdict:
         """Open the session after the prompt and return its round: the server's first token, now ``self.out``, and
@@ -567,13 +370,6 @@ class Run:
             return call.result(timeout=UNBOUNDED_FLIGHT_S + FLIGHT_GRACE_S)
         except FutureTimeout:
             raise LinkDown(f"server {self.verifier.address}: the session's opening unanswered past its bound") from None
-
-    def opening(self, tokens: Iterator[Verdict]) -> Iterator[Verdict]:
-        """A stream that opens the session: its first chunk awaited beside the drafter's preparing, then the rest."""
-        first = self.beside_prepare(lambda: next(tokens, None))
-        if first is not None:
-            yield first
-            yield from tokens
 
     def commit(self, out: list[int], verified: list[bool]) -> None:
         """The output is now ``out``, cut after its first stop token and at the token budget; tell ``on_update``."""

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from client import decode
+from client import stretch
 from client.adaptive import AdaptivePolicy
 from client.decode import generate
 from client.drafters.base import NoDrafter
@@ -254,7 +254,7 @@ def test_a_cut_before_the_prompts_features_arrived_waits_for_the_server_and_ends
     """The stream that opened the session sends the prompt's features with its first payload: cut before it (no
     payload for 200 tokens here), the drafter has nothing to generate from, so the client waits, fetches them
     all when the server is back, and goes on."""
-    monkeypatch.setattr(decode, "PAYLOAD_EVERY", 200)
+    monkeypatch.setattr(stretch, "PAYLOAD_EVERY", 200)
     with simulated_link(server[0], "none", netsim=netsim_server) as link, remote(link.address) as verifier:
         fetched, fetch, cut = [], verifier.fetch, []
         verifier.fetch = lambda a, b, spec: fetched.append((a, b)) or fetch(a, b, spec)
