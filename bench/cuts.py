@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from bench.common import environment, finish, start
 from bench.single import load_prompts
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import make_drafter
 from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
@@ -100,9 +100,13 @@ def main(argv: list[str] | None = None) -> int:
                            "guesses": 0, "guesses_held": 0, "chained_held": 0, "exact": False,
                            "error": None}  # fmt: skip
                     try:
-                        gen = generate(verifiers[name], drafters[name], q.ids, args.max_new_tokens,
-                                       resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)),
-                                       chain=not args.no_chain)  # fmt: skip
+                        gen = generate(
+                            verifiers[name], drafters[name], q.ids, args.max_new_tokens,
+                            Settings(
+                                resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)),
+                                chain=not args.no_chain,
+                            ),
+                        )  # fmt: skip
                     except SplitspecError as exc:  # a failed generation is a failure too, and the next run goes on
                         row["error"] = str(exc)
                     else:

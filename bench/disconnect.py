@@ -40,7 +40,7 @@ from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
 from client.api import api_generate
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.offline import Backoff, Resilience
 from client.remote import RemoteVerifier
@@ -185,10 +185,12 @@ def one_run(name, drafters, upstream, netsim, target, prompt, problem, n, refere
                 return api_run(verifier, link, target, prompt, problem, n, limit, reference, bound_ms, args)
             cutter = CutAfter(verifier, link, n)
             gen = generate(
-                verifier, drafter, prompt.ids, limit, max_tree_nodes=STATIC_TREE[2],
-                # the link never returns: every token after the cut is offline (no cap waiting for a server to verify)
-                resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n),
+                verifier, drafter, prompt.ids, limit,
+                Settings(
+                    max_tree_nodes=STATIC_TREE[2],
+                    resilience=Resilience(settle_wait_s=0.0, backoff=Backoff(base_s=0.05, cap_s=1.0, seed=n),
                                       offline_cap=0.0, offline=writer),
+                ),
             )  # fmt: skip
         finally:
             verifier.shutdown()

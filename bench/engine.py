@@ -68,7 +68,7 @@ from bench.common import (
     start,
 )
 from client.adaptive import AdaptivePolicy
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier, first_spec
@@ -238,8 +238,10 @@ def run_ours(method: Method, prompt_ids: list[int], max_new_tokens: int):
     budget) and stops drafting while it does not pay; ``--static``: the whole tree every round."""
     verifier = LocalVerifier(method.target)
     policy = None if method.static else AdaptivePolicy.for_run(verifier, [], mode="draft")  # drafters, measured
-    return generate(verifier, method.drafter, prompt_ids, max_new_tokens, max_tree_nodes=method.max_tree_nodes,
-                    policy=policy)  # fmt: skip
+    return generate(
+        verifier, method.drafter, prompt_ids, max_new_tokens,
+        Settings(max_tree_nodes=method.max_tree_nodes, policy=policy),
+    )  # fmt: skip
 
 
 @torch.inference_mode()

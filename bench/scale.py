@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from bench.serve import Recording, Replay, record, replay
-from client.decode import generate
+from client.decode import Settings, generate
 from client.remote import RemoteVerifier
 from client.training.datasets import mtbench_questions
 from server.limits import ServerLimits
@@ -112,7 +112,10 @@ def load_point(address: str, setup: str, n: int, recordings: list[Recording], mi
         rec = recordings[i % len(recordings)]
         if loop:
             verifier, start = RemoteVerifier(address), time.perf_counter()
-            gen = generate(verifier, Replay(rec), rec.prompt, len(rec.tokens), stop_ids=[], max_tree_nodes=16)
+            gen = generate(
+                verifier, Replay(rec), rec.prompt, len(rec.tokens),
+                Settings(stop_ids=[], max_tree_nodes=16),
+            )
             verifier.shutdown()
             results[i] = gen.token_ids, time.perf_counter() - start
             reopens.append(gen.stats.disconnects)
@@ -195,7 +198,10 @@ def kill_round(address: str, round_no: int, recordings: list[Recording], clients
                     return verify(tree, **kw)
 
                 verifier.verify = verify_and_kill
-            results[i] = generate(verifier, Replay(rec), rec.prompt, len(rec.tokens), stop_ids=[], max_tree_nodes=16)
+            results[i] = generate(
+                verifier, Replay(rec), rec.prompt, len(rec.tokens),
+                Settings(stop_ids=[], max_tree_nodes=16),
+            )
             verifier.shutdown()
         except Exception as exc:  # noqa: BLE001 - a round with an error is reported as not exact
             errors.append(exc)

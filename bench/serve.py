@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from client.build import Client, ClientOptions, Shared
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
@@ -143,7 +143,7 @@ def record(target, drafter_name: str, prompts: list[list[int]], max_new: int) ->
             return verify(DraftTree(), timeout_s, spec=spec)  # one token: the drafter drafts again at the next one
 
         verifier.verify = recorded
-        gen = generate(verifier, drafter, prompt, max_new, max_tree_nodes=16)
+        gen = generate(verifier, drafter, prompt, max_new, Settings(max_tree_nodes=16))
         recordings.append(Recording(prompt, trees, gen.token_ids))
     return recordings
 

@@ -59,7 +59,7 @@ from bench.common import (
     start,
     times,
 )
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import ALIASES, DRAFTERS, NoDrafter, is_model, make_drafter
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
@@ -267,7 +267,10 @@ def plain_side_by_side(target, binary: str, model: str, args: argparse.Namespace
     theirs, ours = [], []
     for _ in tqdm(range(args.llama_rounds), desc="plain beside llama-bench", unit="round", file=sys.stderr):
         theirs.append(plain_tokens_per_s(binary, model, args.max_new_tokens, args.threads, repeats=1))
-        s = generate(LocalVerifier(target), NoDrafter(), prompt, args.max_new_tokens, stop_ids=[]).stats
+        s = generate(
+            LocalVerifier(target), NoDrafter(), prompt, args.max_new_tokens,
+            Settings(stop_ids=[]),
+        ).stats
         ours.append((s.new_tokens - 1) / (s.wall_s - s.ttft_s))
     return {"plain_tokens_per_s": median(theirs), "plain_side_by_side": {
         "llama_tokens_per_s": [round(t, 3) for t in theirs], "ours_tokens_per_s": [round(t, 3) for t in ours],
@@ -304,8 +307,14 @@ def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: in
         # each prompt starts from what the previous ones taught the policy, as a serving process's would
         policy = AdaptivePolicy.for_run(verifier, method.drafter.payload_specs(), previous=method.policy)
         method.policy = policy
-    return generate(verifier, method.drafter, prompt_ids, max_new_tokens, replace(method.sampling, seed=seed),
-                    max_tree_nodes=64 if policy else method.max_tree_nodes, policy=policy)  # fmt: skip
+    return generate(
+        verifier, method.drafter, prompt_ids, max_new_tokens,
+        Settings(
+            sampling=replace(method.sampling, seed=seed),
+            max_tree_nodes=64 if policy else method.max_tree_nodes,
+            policy=policy,
+        ),
+    )  # fmt: skip
 
 
 def benchmark(target, methods: list[Method], prompts: list[Prompt], max_new_tokens: int) -> list[Run]:

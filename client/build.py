@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from client.adaptive import AdaptivePolicy
 from client.api import api_generate
-from client.decode import Generation, generate
+from client.decode import Generation, Settings, generate
 from client.drafters import make_drafter, needs_target
 from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.endpoint import Endpoint
@@ -199,10 +199,21 @@ class Client:
             policy = self.policy_type.for_run(verifier, specs, previous=self.policy, pin_nodes=o.max_tree_nodes,
                                               pin_depth=o.tree_depth, mode=o.mode)  # fmt: skip
             self.policy = policy
-        return generate(verifier, self.drafter, prompt_ids, max_new_tokens, sampling, stop_ids,
-                        max_tree_nodes=o.max_tree_nodes or (16 if o.static else 64), policy=policy,
-                        resilience=self.resilience, on_update=on_update, stop_when=stop_when,
-                        spec=specs[0] if specs else None, pipeline=o.pipeline, chain=o.chain)  # fmt: skip
+        return generate(
+            verifier, self.drafter, prompt_ids, max_new_tokens,
+            Settings(
+                sampling=sampling,
+                stop_ids=stop_ids,
+                max_tree_nodes=o.max_tree_nodes or (16 if o.static else 64),
+                policy=policy,
+                resilience=self.resilience,
+                stop_when=stop_when,
+                spec=specs[0] if specs else None,
+                pipeline=o.pipeline,
+                chain=o.chain,
+            ),
+            on_update=on_update,
+        )  # fmt: skip
 
     def forget(self, policy_type: type[AdaptivePolicy] | None = None) -> None:
         """The next generation learns afresh (what a warm-up learnt is not the timed run's), under ``policy_type``

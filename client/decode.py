@@ -107,46 +107,50 @@ class Generation:
     spec: PayloadSpec = NO_PAYLOAD  # the payload its last call asked for
 
 
-def generate(
-    verifier: Verifier,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    stop_ids: list[int] | None = None,
-    max_tree_nodes: int = 64,
-    policy: Policy | None = None,
-    resilience: Resilience | None = None,
-    on_update: Callable[[list[int], list[bool]], None] | None = None,
-    stop_when: Callable[[list[int], list[bool]], bool] | None = None,
-    spec: PayloadSpec | None = None,
-    pipeline: bool | None = None,
-    chain: bool = True,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Generation:
-    """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding.
+@dataclass(frozen=True)
+class Settings:
+    """How one generation runs, besides what it generates from (see ``generate``).
 
-    ``policy`` (``client.adaptive.AdaptivePolicy``) drafts each round's tree to its depth, cuts it to
-    the size it expects to pay off and picks the payload spec; by default (``StaticPolicy``) every round
-    verifies the drafter's whole tree of at most ``max_tree_nodes``. ``resilience`` (default ``Resilience()``:
-    survive, then verify) says what happens when the link fails. ``on_update(tokens, verified)`` sees
-    the whole output after every change: tokens made offline appear unverified and may be replaced
-    when the server is back (``verify``) — a stream prints what is verified, or everything under ``keep``.
-    ``stop_when(tokens, verified)``: the generation ends ("stop") once it says so (a stop sequence in the text).
-    ``spec``: the payload to start with (default: the first the drafter takes that the verifier can send).
-    ``pipeline``: draft the next tree while a Verify is in flight (default: over a link; in process the target and
-    the drafter would share the same cores). ``chain``: pipelined rounds also send the tree drafted ahead before the
-    verdict it assumes, where the verifier takes it (``Verifier.chains``; default on). ``clock``: seconds, for every
-    time the loop measures or bounds.
+    ``policy`` (``client.adaptive.AdaptivePolicy``) drafts each round's tree to its depth, cuts it to the size it
+    expects to pay off and picks the payload spec; by default (``StaticPolicy``) every round verifies the drafter's
+    whole tree of at most ``max_tree_nodes``. ``resilience`` (default ``Resilience()``: survive, then verify) says
+    what happens when the link fails. ``stop_ids``: the tokens that end a generation (default: the target's
+    end-of-sequence tokens). ``stop_when(tokens, verified)``: the generation ends ("stop") once it says so (a stop
+    sequence in the text). ``spec``: the payload to start with (default: the first the drafter takes that the
+    verifier can send). ``pipeline``: draft the next tree while a Verify is in flight (default: over a link; in
+    process the target and the drafter would share the same cores). ``chain``: pipelined rounds also send the tree
+    drafted ahead before the verdict it assumes, where the verifier takes it (``Verifier.chains``; default on).
+    ``clock``: seconds, for every time the loop measures or bounds.
     """
+
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: list[int] | tuple[int, ...] | None = None
+    max_tree_nodes: int = 64
+    policy: Policy | None = None
+    resilience: Resilience | None = None
+    stop_when: Callable[[list[int], list[bool]], bool] | None = None
+    spec: PayloadSpec | None = None
+    pipeline: bool | None = None
+    chain: bool = True
+    clock: Callable[[], float] = time.perf_counter
+
+
+def generate(verifier: Verifier, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
+             settings: Settings = Settings(),
+             on_update: Callable[[list[int], list[bool]], None] | None = None) -> Generation:  # fmt: skip
+    """Generate up to ``max_new_tokens`` with ``drafter`` proposing and ``verifier`` deciding, as ``settings`` say.
+    ``on_update(tokens, verified)`` sees the whole output after every change: tokens made offline appear unverified
+    and may be replaced when the server is back (``verify``); a stream prints what is verified, or everything under
+    ``keep``."""
+    s = settings
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    stop = set(verifier.eos_token_ids if stop_ids is None else stop_ids)
-    run = Run(verifier=verifier, drafter=drafter, prompt_ids=list(prompt_ids), limit=max_new_tokens, sampling=sampling,
-              stop=stop, policy=policy or StaticPolicy(), max_nodes=max_tree_nodes,
-              resilience=resilience or Resilience(), on_update=on_update, stop_when=stop_when,
-              spec=spec_for(verifier, drafter, spec), clock=clock,
-              pipeline=verifier.link is not None if pipeline is None else pipeline, chain=chain)  # fmt: skip
+    stop = set(verifier.eos_token_ids if s.stop_ids is None else s.stop_ids)
+    run = Run(verifier=verifier, drafter=drafter, prompt_ids=list(prompt_ids), limit=max_new_tokens,
+              sampling=s.sampling, stop=stop, policy=s.policy or StaticPolicy(), max_nodes=s.max_tree_nodes,
+              resilience=s.resilience or Resilience(), on_update=on_update, stop_when=s.stop_when,
+              spec=spec_for(verifier, drafter, s.spec), clock=s.clock,
+              pipeline=verifier.link is not None if s.pipeline is None else s.pipeline, chain=s.chain)  # fmt: skip
     return run.generate()
 
 

@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.endpoint import Endpoint
@@ -117,7 +117,7 @@ def test_payload_mode_lsa_works_whichever_replica_a_session_opens_on(app, tiny_t
         drafter.bundle = bundles / "moa-tli1"
         spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == "lsa")
         verifier = connect(app, drafter=drafter, spec=spec)
-        gen = generate(verifier, drafter, PROMPT, LSA_NEW, max_tree_nodes=8, spec=spec)
+        gen = generate(verifier, drafter, PROMPT, LSA_NEW, Settings(max_tree_nodes=8, spec=spec))
         assert gen.token_ids == plain[:LSA_NEW] and gen.spec.mode == "lsa" and gen.stats.payload_bytes > 0
         verifier.shutdown()
 
@@ -195,7 +195,7 @@ def _round_with_a_kill(address: str, target) -> tuple[list, list, list]:
             if i == 0:
                 _kill_on_round(verifier, 3, killed)
             drafter = MoADrafter(make_moa(target, 1), width=3, depth=3)
-            results[i] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+            results[i] = generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8))
             verifier.shutdown()
         except Exception as exc:  # noqa: BLE001 - reported by the caller's assertion
             errors.append(exc)

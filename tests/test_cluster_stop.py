@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.offline import Resilience
 from client.remote import RemoteVerifier
@@ -27,8 +27,11 @@ def test_serve_ray_exits_0_on_sigterm_with_a_generation_under_way(tiny_model_dir
 
     def long_generation() -> None:
         try:  # the server's going away ends it: its error is expected
-            generate(verifier, NoDrafter(), PROMPT, 200, resilience=Resilience("fail", heartbeat=False),
-                     on_update=lambda tokens, verified: started.set())  # fmt: skip
+            generate(
+                verifier, NoDrafter(), PROMPT, 200,
+                Settings(resilience=Resilience("fail", heartbeat=False)),
+                on_update=lambda tokens, verified: started.set(),
+            )  # fmt: skip
         except Exception:  # noqa: BLE001, S110 - the point of the test
             pass
         finally:

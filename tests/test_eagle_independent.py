@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import NoDrafter
 from client.drafters.eagle import Eagle, EagleConfig, EagleDrafter
 from client.drafters.independent import Independent, IndependentConfig, IndependentDrafter
@@ -121,7 +121,7 @@ def test_a_pruned_vocabulary_drafts_only_its_tokens(tiny_target, kind):
     drafter.begin(prompt + opened.new_tokens, opened.features)
     tree = drafter.propose(8)
     assert len(tree) and set(tree.tokens) <= set(vocab.tolist())
-    got = generate(LocalVerifier(tiny_target), drafter, prompt, 20, max_tree_nodes=8)
+    got = generate(LocalVerifier(tiny_target), drafter, prompt, 20, Settings(max_tree_nodes=8))
     assert got.token_ids == plain.token_ids
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.verifiers import LocalVerifier
 from shared.engine.models import load_target
@@ -183,8 +183,10 @@ def test_low_bit_drafter_weights_leave_the_target_untouched(tiny_target, kind):
     assert all(m.qweight is None for m in tiny_target.engine.modules() if hasattr(m, "qweight"))
     prompt = [5, 9, 14, 5, 9, 21, 33]
     plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24)
-    got = generate(LocalVerifier(tiny_target), MoADrafter(model, width=3, depth=3), prompt, 24,
-                               max_tree_nodes=8)  # fmt: skip
+    got = generate(
+        LocalVerifier(tiny_target), MoADrafter(model, width=3, depth=3), prompt, 24,
+        Settings(max_tree_nodes=8),
+    )  # fmt: skip
     assert got.token_ids == plain.token_ids
 
 

@@ -261,7 +261,7 @@ def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tin
 def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypatch):
     """A GGUF path as ``--drafter``: trees from the model's own top-k, greedy output equal to plain decoding, and a
     model drafting for itself on the same path has every draft accepted. Another tokenizer is refused."""
-    from client.decode import generate
+    from client.decode import Settings, generate
     from client.drafters import make_drafter, needs_target
     from client.verifiers import LocalVerifier
     from shared.engine.files import cache_dir
@@ -274,12 +274,12 @@ def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypat
     drafter.floor = 0.0  # a random model is unsure of every token: the default floor would stop its trees at depth 1
     assert cache_dir() == cache
     ids = encode_prompt(target.tokenizer, PROMPT, False)
-    gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
+    gen = generate(LocalVerifier(target), drafter, ids, 24, Settings(max_tree_nodes=6))
     assert gen.token_ids == _plain(target, 24)
     assert gen.stats.acceptance_length > 2  # the same model on the same path: its own argmax always leads the tree
     both = make_drafter(f"{tiny_gguf}+lookup", target=target, width=2, depth=3, weights="int8")
     assert both.name.endswith("+lookup") and both.engine is drafter.engine  # one model loaded, two drafters
-    assert generate(LocalVerifier(target), both, ids, 24, max_tree_nodes=6).token_ids == gen.token_ids
+    assert generate(LocalVerifier(target), both, ids, 24, Settings(max_tree_nodes=6)).token_ids == gen.token_ids
 
     class Other:
         def get_vocab(self):
@@ -298,7 +298,7 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
     side, then read from the cache; serving never counts."""
     from collections import Counter
 
-    from client.decode import generate
+    from client.decode import Settings, generate
     from client.drafters import make_drafter, vocabulary
     from client.drafters.model import ModelDrafter
     from client.training import vocab
@@ -328,7 +328,7 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
     assert tree.tokens and set(tree.tokens) <= allowed
     whole.begin(ids)
     assert drafter.propose(1, 1).tokens == whole.propose(1, 1).tokens  # an offline step: the model's own argmax
-    gen = generate(LocalVerifier(target), drafter, ids, 24, max_tree_nodes=6)
+    gen = generate(LocalVerifier(target), drafter, ids, 24, Settings(max_tree_nodes=6))
     assert gen.token_ids == _plain(target, 24)
     assert vocabulary.frequent_tokens(target.tokenizer, 10).tolist() == sorted(
         {0, 2, 4, 6, 8, 10, 12, 14, 16, 18} | set(target.tokenizer.all_special_ids))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import NoDrafter
 from client.drafters.medusa import TOP_K, Medusa, MedusaConfig, MedusaDrafter, prior_tree, sparse_tree
 from client.drafters.target_parts import TargetParts
@@ -90,14 +90,19 @@ def test_medusa_output_equals_plain_decoding(tiny_target, temperature):
     many tokens, the same ones again for the same seed."""
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
     sampling = SamplingParams(temperature=temperature, seed=3)
-    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 30, sampling=sampling)
+    plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 30, Settings(sampling=sampling))
     drafter = MedusaDrafter(make_model(tiny_target))
-    got = generate(LocalVerifier(tiny_target), drafter, prompt, 30, max_tree_nodes=10, sampling=sampling)
+    got = generate(
+        LocalVerifier(tiny_target), drafter, prompt, 30,
+        Settings(max_tree_nodes=10, sampling=sampling),
+    )
     if temperature == 0:
         assert got.token_ids == plain.token_ids and got.stats.rounds < len(got.token_ids)  # the heads' drafts paid
     else:
-        again = generate(LocalVerifier(tiny_target), MedusaDrafter(make_model(tiny_target)), prompt, 30,
-                         max_tree_nodes=10, sampling=sampling)  # fmt: skip
+        again = generate(
+            LocalVerifier(tiny_target), MedusaDrafter(make_model(tiny_target)), prompt, 30,
+            Settings(max_tree_nodes=10, sampling=sampling),
+        )  # fmt: skip
         assert len(got.token_ids) == len(plain.token_ids) and again.token_ids == got.token_ids
 
 
@@ -107,7 +112,7 @@ def test_medusa_over_the_network_equals_plain_decoding(tiny_server, tiny_target)
     drafter = MedusaDrafter(make_model(tiny_target))
     remote = RemoteVerifier(tiny_server[0], drafter=drafter)
     try:
-        got = generate(remote, drafter, prompt, 24, max_tree_nodes=10)
+        got = generate(remote, drafter, prompt, 24, Settings(max_tree_nodes=10))
     finally:
         remote.shutdown()
     assert got.token_ids == plain.token_ids
@@ -169,7 +174,7 @@ def test_the_adaptive_policy_runs_medusa_over_the_network(tiny_server, tiny_targ
     remote = RemoteVerifier(tiny_server[0], drafter=drafter)
     try:
         policy = AdaptivePolicy.for_run(remote, drafter.payload_specs(), mode="draft")
-        got = generate(remote, drafter, prompt, 24, policy=policy)
+        got = generate(remote, drafter, prompt, 24, Settings(policy=policy))
     finally:
         remote.shutdown()
     assert got.token_ids == plain and len(policy.sizing.history) == got.stats.rounds

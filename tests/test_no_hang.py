@@ -21,7 +21,7 @@ import pytest
 
 from client.adaptive import AdaptivePolicy
 from client.deadlines import FLOOR_S, PROBE_MARGIN_S, SLACK, UNMEASURED_RTT_S, Bounds
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.failures import LinkDown, SessionLost
@@ -82,8 +82,15 @@ def bounded_generate(tiny_target, front: Front, arm=None, mode: str | None = Non
 
     def run() -> None:
         try:
-            result.append(generate(verifier, drafter, PROMPT, NEW, spec=spec, max_tree_nodes=8, policy=policy,
-                                   resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1))))
+            result.append(generate(
+                verifier, drafter, PROMPT, NEW,
+                Settings(
+                    spec=spec,
+                    max_tree_nodes=8,
+                    policy=policy,
+                    resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)),
+                ),
+            ))
         except Exception as exc:  # noqa: BLE001 - handed to the test
             result.append(exc)
 

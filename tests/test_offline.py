@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
@@ -170,8 +170,11 @@ def test_another_drafter_may_write_the_offline_tokens_and_the_answer_ends_as_pla
     offline = ModelDrafter(tiny_target, width=1, vocab=None) if writer == "model" else None
     resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, offline_cap=0.0,
                             heartbeat=False, offline=offline)  # fmt: skip
-    gen = generate(verifier, drafter(tiny_target, "moa-tli1"), PROMPT, TOTAL, max_tree_nodes=8, resilience=resilience,
-                   on_update=seen)  # fmt: skip
+    gen = generate(
+        verifier, drafter(tiny_target, "moa-tli1"), PROMPT, TOTAL,
+        Settings(max_tree_nodes=8, resilience=resilience),
+        on_update=seen,
+    )  # fmt: skip
     assert gen.token_ids == plain[:TOTAL] and all(gen.verified)
     assert gen.stats.disconnects == 1 and gen.stats.offline_tokens >= 10
     if writer == "model":  # the target's own greedy tokens: the server keeps every one

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import make_drafter, prepare_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
@@ -81,11 +81,11 @@ def test_every_drafter_on_every_path_equals_plain_decoding(path_target, netsim_s
     target, address, plain = path_target
     drafter = drafter_for(name, target, tiny_model_dir)
     if where == "local":
-        got = generate(LocalVerifier(target), drafter, PROMPT, NEW, max_tree_nodes=8)
+        got = generate(LocalVerifier(target), drafter, PROMPT, NEW, Settings(max_tree_nodes=8))
     elif where == "remote":
         verifier = RemoteVerifier(address, drafter=drafter)
         try:
-            got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8)
+            got = generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8))
         finally:
             verifier.shutdown()
     else:
@@ -93,8 +93,13 @@ def test_every_drafter_on_every_path_equals_plain_decoding(path_target, netsim_s
             verifier = RemoteVerifier(link.address, drafter=drafter)
             try:
                 cut_on_round(verifier, link, 2, 0.2)
-                got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8,
-                               resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
+                got = generate(
+                    verifier, drafter, PROMPT, NEW,
+                    Settings(
+                        max_tree_nodes=8,
+                        resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)),
+                    ),
+                )  # fmt: skip
             finally:
                 verifier.shutdown()
         assert got.stats.disconnects >= 1, "the cut was not noticed"

@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import make_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
@@ -108,7 +108,10 @@ def test_the_outcome_drafted_ahead_for_is_a_leaf():
 @pytest.mark.parametrize("kind", KINDS)
 def test_pipelined_rounds_give_the_plain_tokens(tiny_target, twin, plain, kind):
     d = drafter(tiny_target, twin, kind)
-    gen = generate(slow(LocalVerifier(tiny_target)), d, PROMPT, NEW, max_tree_nodes=8, pipeline=True)
+    gen = generate(
+        slow(LocalVerifier(tiny_target)), d, PROMPT, NEW,
+        Settings(max_tree_nodes=8, pipeline=True),
+    )
     assert gen.token_ids == plain
     s = gen.stats
     assert s.guesses == s.rounds and 0 <= s.guesses_held <= s.guesses
@@ -119,10 +122,14 @@ def test_pipelined_rounds_give_the_plain_tokens(tiny_target, twin, plain, kind):
 def test_a_held_guess_sends_the_tree_drafted_ahead(tiny_target, twin, plain):
     """With an always-right drafter, every round after the first sends a tree drafted during the round before:
     drafting time is spent ahead, almost none between rounds."""
-    gen = generate(slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
-                   max_tree_nodes=8, pipeline=True)  # fmt: skip
-    unpiped = generate(slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
-                       max_tree_nodes=8, pipeline=False)  # fmt: skip
+    gen = generate(
+        slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
+        Settings(max_tree_nodes=8, pipeline=True),
+    )  # fmt: skip
+    unpiped = generate(
+        slow(LocalVerifier(tiny_target)), drafter(tiny_target, twin, "model"), PROMPT, NEW,
+        Settings(max_tree_nodes=8, pipeline=False),
+    )  # fmt: skip
     assert gen.token_ids == unpiped.token_ids == plain
     assert gen.stats.ahead_s > 0 and unpiped.stats.ahead_s == 0 and unpiped.stats.guesses == 0
     assert gen.stats.rounds == unpiped.stats.rounds  # the same trees, only drafted earlier
@@ -132,7 +139,10 @@ def test_a_tree_drafted_ahead_is_cut_to_the_rounds_budget(tiny_target, twin, pla
     """A tree drafted ahead holds more nodes than a round may send (its bonus guesses' subtrees); the one sent is cut
     to the budget, as a fresh tree would be."""
     chain = ModelDrafter(twin, width=1, depth=6, vocab=None, floor=0.0)  # ahead: a chain of 6, 5 under the bonus
-    gen = generate(slow(LocalVerifier(tiny_target)), chain, PROMPT, NEW, max_tree_nodes=4, pipeline=True)
+    gen = generate(
+        slow(LocalVerifier(tiny_target)), chain, PROMPT, NEW,
+        Settings(max_tree_nodes=4, pipeline=True),
+    )
     assert gen.token_ids == plain and gen.stats.guesses_held > 0
     assert max(gen.stats.tree_nodes) <= 4
 
@@ -144,8 +154,11 @@ def test_a_cut_with_a_tree_in_flight_ends_as_plain(tiny_target, twin, plain, kin
     verifier, seen = cut_until_offline(slow(LocalVerifier(tiny_target)), 4, 5)
     resilience = Resilience(backoff=Backoff(base_s=0.01, cap_s=0.02, seed=1), max_offline_s=60.0, offline_cap=0.0,
                             heartbeat=False)  # fmt: skip
-    gen = generate(verifier, drafter(tiny_target, twin, kind), PROMPT, NEW, max_tree_nodes=8, pipeline=True,
-                   resilience=resilience, on_update=seen)  # fmt: skip
+    gen = generate(
+        verifier, drafter(tiny_target, twin, kind), PROMPT, NEW,
+        Settings(max_tree_nodes=8, pipeline=True, resilience=resilience),
+        on_update=seen,
+    )  # fmt: skip
     assert gen.token_ids == plain and all(gen.verified)
     assert gen.stats.disconnects == 1 and gen.stats.offline_tokens >= 5
 
@@ -158,7 +171,7 @@ def test_over_grpc_pipelining_is_the_default_and_changes_no_token(tiny_target, t
     verifier = RemoteVerifier(tiny_server[0], drafter=d)
     try:
         policy = AdaptivePolicy.for_run(verifier, d.payload_specs(), mode="draft")
-        gen = generate(verifier, d, PROMPT, NEW, policy=policy)
+        gen = generate(verifier, d, PROMPT, NEW, Settings(policy=policy))
     finally:
         verifier.shutdown()
     assert gen.token_ids == plain
@@ -176,8 +189,10 @@ def test_sampled_pipelined_generations_follow_the_targets_distribution(tiny_targ
 
     def continuations(pipeline: bool, seeds: range) -> Counter:
         d = drafter(tiny_target, twin, "model")
-        return Counter(tuple(generate(LocalVerifier(tiny_target), d, PROMPT, 4, SamplingParams(temperature=0.1, seed=s),
-                                      max_tree_nodes=8, pipeline=pipeline).token_ids) for s in seeds)  # fmt: skip
+        return Counter(tuple(generate(
+            LocalVerifier(tiny_target), d, PROMPT, 4,
+            Settings(sampling=SamplingParams(temperature=0.1, seed=s), max_tree_nodes=8, pipeline=pipeline),
+        ).token_ids) for s in seeds)  # fmt: skip
 
     piped, serial = continuations(True, range(300)), continuations(False, range(1000, 1300))
     common = [c for c in set(piped) | set(serial) if piped[c] + serial[c] >= 10]
@@ -222,7 +237,7 @@ def test_a_model_drafter_prefills_the_prompt_while_the_server_does(tiny_target, 
         verifier.open_decode = opening_stream
     try:
         policy = AdaptivePolicy.for_run(verifier, d.payload_specs(), mode=mode)
-        gen = generate(verifier, d, PROMPT, NEW, policy=policy)
+        gen = generate(verifier, d, PROMPT, NEW, Settings(policy=policy))
     finally:
         verifier.shutdown()
     assert held == [True, True]
@@ -319,7 +334,10 @@ def run(tiny_server, d, chain: bool, sampling: SamplingParams = SamplingParams()
     verifier = RemoteVerifier(tiny_server[0], drafter=d)
     try:
         verifier = overtaken(verifier) if held else verifier
-        return generate(verifier, d, PROMPT, NEW, sampling, max_tree_nodes=8, pipeline=True, chain=chain)
+        return generate(
+            verifier, d, PROMPT, NEW,
+            Settings(sampling=sampling, max_tree_nodes=8, pipeline=True, chain=chain),
+        )
     finally:
         verifier.shutdown()
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.prompt_lookup import PromptLookup
@@ -301,7 +301,7 @@ def remote_run(tiny_target, address: str, ids: list[int], drafter: str):
     try:
         cut_on_round(verifier, proxy, 3, 0.3)
         resilience = Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=1), max_offline_s=30)
-        gen = generate(verifier, made, ids, NEW, max_tree_nodes=8, resilience=resilience)
+        gen = generate(verifier, made, ids, NEW, Settings(max_tree_nodes=8, resilience=resilience))
     finally:
         verifier.shutdown()
         proxy.close()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from client.api import api_generate
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import NoDrafter, PromptLookup
 from client.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
@@ -91,7 +91,7 @@ def test_shipped_trained_drafters_keep_greedy_output_exact(real_target, referenc
     drafter = make_drafter(name, target=real_target)
     for i in (0, 2, 9):  # chat, code-editing and raw-code prompts
         ids, expected = references[i]
-        gen = generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, max_tree_nodes=16)
+        gen = generate(LocalVerifier(real_target), drafter, ids, NEW_TOKENS, Settings(max_tree_nodes=16))
         assert gen.token_ids == expected[: len(gen.token_ids)], (name, i)
         assert gen.finish_reason == "stop" or len(gen.token_ids) == NEW_TOKENS
 
@@ -112,7 +112,7 @@ def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
             drafter = make_drafter("moa-tli1", target=real_target)
             spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == mode)
             remote = RemoteVerifier(address, drafter=drafter, spec=spec)
-            gen = generate(remote, drafter, ids, 24, max_tree_nodes=16, spec=spec)
+            gen = generate(remote, drafter, ids, 24, Settings(max_tree_nodes=16, spec=spec))
             remote.shutdown()
             assert gen.token_ids == want, mode
             assert gen.stats.server_calls >= gen.stats.rounds + 2  # open + FetchPayload for the prefill + rounds
@@ -186,7 +186,7 @@ def test_bf16_drafted_output_equals_bf16_plain_decoding(real_bf16, bf16_plain, n
     drafter = make_drafter(name, target=real_bf16)
     for i in BF16_PROMPTS:
         ids = encode_prompt(real_bf16.tokenizer, *PROMPTS[i])
-        gen = generate(LocalVerifier(real_bf16), drafter, ids, 48, max_tree_nodes=32)
+        gen = generate(LocalVerifier(real_bf16), drafter, ids, 48, Settings(max_tree_nodes=32))
         assert gen.token_ids == bf16_plain[i], (name, i)
 
 
@@ -219,7 +219,7 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
                     verifier.connection.probe_link(budget_s=0.5)
                     # draft: on a fast served path auto may stream the whole run, and this is about drafted trees
                     policy = AdaptivePolicy.for_run(verifier, drafter.payload_specs(), mode="draft")
-                    gen = generate(verifier, drafter, ids, 40, policy=policy)
+                    gen = generate(verifier, drafter, ids, 40, Settings(policy=policy))
                 finally:
                     verifier.shutdown()
             assert gen.stats.heartbeat_probes > 0  # the link survival was on
@@ -283,5 +283,5 @@ def test_lowbit_drafted_output_equals_its_plain_decoding(real_lowbit, name):
     for i in (2, 9):
         ids = encode_prompt(real_lowbit.tokenizer, *PROMPTS[i])
         plain = generate(LocalVerifier(real_lowbit), NoDrafter(), ids, 48)
-        gen = generate(LocalVerifier(real_lowbit), drafter, ids, 48, max_tree_nodes=32)
+        gen = generate(LocalVerifier(real_lowbit), drafter, ids, 48, Settings(max_tree_nodes=32))
         assert gen.token_ids == plain.token_ids, (name, i)

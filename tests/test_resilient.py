@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.adaptive import AdaptivePolicy
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.failures import LinkDown
@@ -76,8 +76,14 @@ def run(tiny_target, tiny_server, netsim_server, policy: str, before=None, error
         verifier = RemoteVerifier(link.address)
         try:
             cut_on_round(verifier, link, 3, 0.5, before and (lambda: before(verifier)), errors=errors)
-            return generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=8,
-                            resilience=Resilience(policy, Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
+            return generate(
+                verifier, drafter, PROMPT, NEW,
+                Settings(
+                    spec=PayloadSpec("kv", "fp16"),
+                    max_tree_nodes=8,
+                    resilience=Resilience(policy, Backoff(base_s=0.02, cap_s=0.2, seed=1)),
+                ),
+            )  # fmt: skip
         finally:
             verifier.shutdown()
 
@@ -130,8 +136,14 @@ def test_twenty_generations_cut_at_random_points_all_end_exactly(tiny_target, ti
             offline = 0
             for i in range(20):
                 cut_on_round(verifier, link, rng.randint(1, 8), rng.uniform(0.05, 0.4))
-                gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "int8"), max_tree_nodes=8,
-                               resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)))  # fmt: skip
+                gen = generate(
+                    verifier, drafter, PROMPT, NEW,
+                    Settings(
+                        spec=PayloadSpec("kv", "int8"),
+                        max_tree_nodes=8,
+                        resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=i)),
+                    ),
+                )  # fmt: skip
                 assert gen.token_ids == plain, i  # nothing lost, nothing duplicated, nothing changed
                 assert all(gen.verified) and gen.stats.reconnects == gen.stats.disconnects
                 offline += gen.stats.offline_tokens
@@ -149,8 +161,8 @@ def test_a_flapping_link_neither_hangs_nor_spins(tiny_target, tiny_server, netsi
         pool = ThreadPoolExecutor(1, thread_name_prefix="test-flapping")
         try:
             resilience = Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=3))
-            running = pool.submit(generate, verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"),
-                                  max_tree_nodes=4, resilience=resilience)  # fmt: skip
+            settings = Settings(spec=PayloadSpec("kv", "fp16"), max_tree_nodes=4, resilience=resilience)
+            running = pool.submit(generate, verifier, drafter, PROMPT, NEW, settings)
             gen = running.result(timeout=HANG_S)  # a bounded wait: a hung generation fails the test, not the suite
         finally:
             flapper.stop()
@@ -173,8 +185,14 @@ def test_a_silent_cut_is_detected_within_two_rtts_and_100ms(tiny_target, tiny_se
         verifier = RemoteVerifier(link.address)
         try:
             cut_at = cut_on_round(verifier, link, 8, 1.0, silent=True)
-            gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=4,
-                           resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=5)))  # fmt: skip
+            gen = generate(
+                verifier, drafter, PROMPT, NEW,
+                Settings(
+                    spec=PayloadSpec("kv", "fp16"),
+                    max_tree_nodes=4,
+                    resilience=Resilience(backoff=Backoff(base_s=0.02, cap_s=0.2, seed=5)),
+                ),
+            )  # fmt: skip
         finally:
             verifier.shutdown()
     switch = gen.stats.switched_at[0] - cut_at[0]
@@ -205,9 +223,15 @@ def test_a_server_killed_and_restarted_mid_generation(tiny_target, tiny_model_di
             verifier = RemoteVerifier(link.address)
             try:
                 cut_on_round(verifier, link, 3, 0.0, before=crash)
-                gen = generate(verifier, drafter, PROMPT, NEW, spec=PayloadSpec("kv", "fp16"), max_tree_nodes=8,
-                               resilience=Resilience(backoff=Backoff(base_s=0.05, cap_s=0.5, seed=2),
-                                                     max_offline_s=120))  # fmt: skip
+                gen = generate(
+                    verifier, drafter, PROMPT, NEW,
+                    Settings(
+                        spec=PayloadSpec("kv", "fp16"),
+                        max_tree_nodes=8,
+                        resilience=Resilience(backoff=Backoff(base_s=0.05, cap_s=0.5, seed=2),
+                                                     max_offline_s=120),
+                    ),
+                )  # fmt: skip
             finally:
                 verifier.shutdown()
     finally:
@@ -224,7 +248,10 @@ def test_fail_ends_with_an_error_naming_the_link(tiny_target, tiny_server, netsi
         try:
             cut_on_round(verifier, link, 3, 0.3)
             with pytest.raises(SplitspecError, match=f"the link failed \\(server {link.address}: .*on_reconnect fail"):
-                generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, resilience=Resilience("fail"))
+                generate(
+                    verifier, drafter, PROMPT, NEW,
+                    Settings(max_tree_nodes=8, resilience=Resilience("fail")),
+                )
         finally:
             verifier.shutdown()
 
@@ -238,7 +265,10 @@ def test_acceptance_length_is_one_quantity_in_local_remote_and_surviving_runs(ti
         verifier = LocalVerifier(tiny_target) if name == "local" else RemoteVerifier(tiny_server[0])
         resilience = Resilience("fail") if name == "remote-fail" else Resilience()
         try:
-            runs[name] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, resilience=resilience)
+            runs[name] = generate(
+                verifier, drafter, PROMPT, NEW,
+                Settings(max_tree_nodes=8, resilience=resilience),
+            )
         finally:
             if name != "local":
                 verifier.shutdown()
@@ -259,7 +289,7 @@ def test_the_adaptive_policy_plans_every_round_of_a_surviving_run(tiny_target, t
         try:
             verifier.connection.probe_link(budget_s=0.5)
             policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="draft")
-            gen = generate(verifier, drafter, PROMPT, 24, policy=policy)
+            gen = generate(verifier, drafter, PROMPT, 24, Settings(policy=policy))
         finally:
             verifier.shutdown()
     assert gen.stats.heartbeat_probes > 0 and gen.token_ids == generate(LocalVerifier(tiny_target), NoDrafter(),
@@ -369,7 +399,7 @@ def test_a_session_lost_as_it_opens_is_opened_again_a_bounded_number_of_times(ti
     assert len(calls) == OPEN_TRIES
     verifier, calls = losing(1)
     with pytest.raises(SessionLost):
-        generate(verifier, NoDrafter(), PROMPT, 12, resilience=Resilience("fail"))
+        generate(verifier, NoDrafter(), PROMPT, 12, Settings(resilience=Resilience("fail")))
     assert len(calls) == 1
 
 
@@ -411,7 +441,10 @@ def test_a_server_that_loses_every_session_is_given_up_on_not_retried_forever(ti
 
         verifier.verify = verify
         with pytest.raises(SplitspecError, match=f"lost the session {SETTLE_LOSSES} times in a row"):
-            generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, resilience=Resilience(heartbeat=False))
+            generate(
+                verifier, drafter, PROMPT, NEW,
+                Settings(max_tree_nodes=8, resilience=Resilience(heartbeat=False)),
+            )
         assert len(calls) - 1 == SETTLE_LOSSES  # one reopen per settlement, then no more
     finally:
         verifier.shutdown()
@@ -447,6 +480,9 @@ def test_serve_exits_0_on_sigterm_with_a_generation_under_way(tiny_model_dir, tm
 def _generate_quietly(verifier) -> None:
     """A long generation that the server's going away ends (its error is expected here)."""
     try:
-        generate(verifier, NoDrafter(), PROMPT, 200, resilience=Resilience("fail", heartbeat=False))
+        generate(
+            verifier, NoDrafter(), PROMPT, 200,
+            Settings(resilience=Resilience("fail", heartbeat=False)),
+        )
     except Exception:  # noqa: BLE001, S110 - the server went away: that is the point
         pass

@@ -12,7 +12,7 @@ import json
 import grpc
 import pytest
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import drafter_for
 from client.drafters.base import NoDrafter
 from client.drafters.bundle import save_bundle
@@ -84,14 +84,16 @@ def test_split_greedy_output_equals_the_target_for_every_mode_and_precision(
     drafter = load(tiny_target, bundles, name)
     verifier, spec = remote(server[0], drafter, mode, precision)
     try:
-        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
+        got = generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8, spec=spec))
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
     assert got.stats.payload_bytes > 0 and got.stats.payload_bytes_per_token > 0
     if precision == "fp32":  # exact features: the very same drafts as with the target in-process
-        local = generate(LocalVerifier(tiny_target), load(tiny_target, bundles, name), PROMPT, NEW,
-                                     max_tree_nodes=8)  # fmt: skip
+        local = generate(
+            LocalVerifier(tiny_target), load(tiny_target, bundles, name), PROMPT, NEW,
+            Settings(max_tree_nodes=8),
+        )  # fmt: skip
         assert got.stats.rounds == local.stats.rounds
         assert got.stats.acceptance_length == pytest.approx(local.stats.acceptance_length)
 
@@ -102,7 +104,8 @@ def test_lsa_mode_ships_far_fewer_bytes_than_kv(tiny_target, bundles, server):
         drafter = load(tiny_target, bundles, "moa-tli0")
         verifier, spec = remote(server[0], drafter, mode, "fp16")
         try:
-            sizes[mode] = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec).stats.payload_bytes
+            gen = generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8, spec=spec))
+            sizes[mode] = gen.stats.payload_bytes
         finally:
             verifier.shutdown()
     # tiny target: kv is L x 2·n_kv·d = 2 x 64 values per token, the memory E = 64 values
@@ -123,7 +126,7 @@ def test_a_prefill_too_big_to_inline_is_streamed_in_chunks(tiny_target, bundles,
 
     verifier.connection.stub.FetchPayload = fetch
     try:
-        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
+        got = generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8, spec=spec))
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -170,7 +173,7 @@ def test_a_corrupted_payload_is_fetched_again_and_nothing_changes(tiny_target, b
 
     verifier.connection.stub.Verify = Tampered(verifier.connection.stub.Verify, change)
     try:
-        got = generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
+        got = generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8, spec=spec))
     finally:
         verifier.shutdown()
     assert got.token_ids == plain
@@ -198,7 +201,7 @@ def test_a_payload_that_never_decodes_ends_with_a_clear_error(tiny_target, bundl
     stub.Verify, stub.FetchPayload = Tampered(stub.Verify, change), fetch
     try:
         with pytest.raises(SplitspecError, match=r"does not decode after 2 re-requests.*version 99"):
-            generate(verifier, drafter, PROMPT, NEW, max_tree_nodes=8, spec=spec)
+            generate(verifier, drafter, PROMPT, NEW, Settings(max_tree_nodes=8, spec=spec))
     finally:
         verifier.shutdown()
 
@@ -283,7 +286,10 @@ def test_the_loop_asks_for_what_the_drafter_declares_and_refuses_what_it_cannot_
         assert gen.token_ids == plain and gen.spec == PayloadSpec("kv", "fp16")
         calls = verifier.counters.server_calls
         with pytest.raises(SplitspecError, match="cannot use payload mode 'hidden'; it takes kv, lsa"):
-            generate(verifier, load(tiny_target, bundles, "moa-tli0"), PROMPT, NEW, spec=PayloadSpec("hidden"))
+            generate(
+                verifier, load(tiny_target, bundles, "moa-tli0"), PROMPT, NEW,
+                Settings(spec=PayloadSpec("hidden")),
+            )
         assert verifier.counters.server_calls == calls
     finally:
         verifier.shutdown()

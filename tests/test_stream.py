@@ -11,7 +11,7 @@ import pytest
 
 from client import stretch
 from client.adaptive import AdaptivePolicy
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.offline import Backoff, Resilience
@@ -36,7 +36,7 @@ server = pytest.fixture(scope="module", name="server")(own_server)
 
 @pytest.fixture(scope="module")
 def plain(tiny_target):
-    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, stop_ids=[]).token_ids
+    return generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, Settings(stop_ids=[])).token_ids
 
 
 def moa(tiny_target):
@@ -56,7 +56,7 @@ def remote(address, **kw):
 def test_streamed_and_switching_generations_equal_plain_decoding(tiny_target, server, plain, mode):
     with remote(server[0]) as verifier:
         policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode=mode)
-        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy)
+        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, Settings(stop_ids=[], policy=policy))
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
     # the first stretch opened the session (the prefill's token is its first): no OpenSession, and the close is
@@ -100,7 +100,7 @@ def test_auto_drafts_once_its_rehearsals_say_drafting_pays(tiny_target, server, 
     round lose to the stream, rightly.)"""
     with remote(server[0]) as verifier:
         policy = AdaptivePolicy.for_run(verifier, [], mode="auto", pin_depth=12)
-        gen = generate(verifier, Oracle(plain), PROMPT, NEW, stop_ids=[], policy=policy)
+        gen = generate(verifier, Oracle(plain), PROMPT, NEW, Settings(stop_ids=[], policy=policy))
     s = gen.stats
     assert gen.token_ids == plain and s.streamed_tokens >= PAUSE and s.rounds >= 1
     assert s.streamed_tokens + round(s.acceptance_length * s.rounds) >= NEW  # (the last round may overshoot)
@@ -113,14 +113,17 @@ def test_a_stretch_that_ends_between_two_payloads_reads_on_to_the_next(tiny_targ
     with remote(server[0]) as verifier:
         policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="auto")
         policy.schedule.left = 3
-        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy)
+        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, Settings(stop_ids=[], policy=policy))
     assert gen.token_ids == plain and gen.stats.rounds >= 1
     assert gen.stats.streamed_tokens >= 8  # the first stretch read on to its payload
 
 
 def test_in_process_the_same_loop_streams_plain_steps(tiny_target, plain):
     policy = AdaptivePolicy.for_run(LocalVerifier(tiny_target), [], mode="stream")
-    gen = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW, stop_ids=[], policy=policy)
+    gen = generate(
+        LocalVerifier(tiny_target), NoDrafter(), PROMPT, NEW,
+        Settings(stop_ids=[], policy=policy),
+    )
     assert gen.token_ids == plain and gen.stats.streamed_tokens == NEW
 
 
@@ -217,7 +220,7 @@ def test_a_verify_whose_client_left_decodes_on_and_the_next_call_takes_its_token
 
 
 def plain_of(target, n: int) -> list[int]:
-    return generate(LocalVerifier(target), NoDrafter(), PROMPT, n + 1, stop_ids=[]).token_ids[1:]
+    return generate(LocalVerifier(target), NoDrafter(), PROMPT, n + 1, Settings(stop_ids=[])).token_ids[1:]
 
 
 @pytest.mark.parametrize("kind", ["moa", "eagle"])
@@ -239,8 +242,16 @@ def test_a_cut_mid_stream_goes_offline_from_the_last_token_and_ends_exactly(tiny
                 threading.Timer(0.5, link.restore).start()
 
         policy = AdaptivePolicy.for_run(verifier, [spec], mode="stream")
-        gen = generate(verifier, drafter, PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
-                       resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)), spec=spec)  # fmt: skip
+        gen = generate(
+            verifier, drafter, PROMPT, NEW,
+            Settings(
+                stop_ids=[],
+                policy=policy,
+                resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)),
+                spec=spec,
+            ),
+            on_update=update,
+        )  # fmt: skip
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
     assert s.disconnects >= 1 and s.offline_tokens >= 1 and s.streams >= 2  # streamed again after the cut
@@ -266,8 +277,15 @@ def test_a_cut_before_the_prompts_features_arrived_waits_for_the_server_and_ends
                 threading.Timer(0.5, link.restore).start()
 
         policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="stream")
-        gen = generate(verifier, moa(tiny_target), PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
-                       resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)))  # fmt: skip
+        gen = generate(
+            verifier, moa(tiny_target), PROMPT, NEW,
+            Settings(
+                stop_ids=[],
+                policy=policy,
+                resilience=Resilience("verify", Backoff(base_s=0.02, cap_s=0.2, seed=1)),
+            ),
+            on_update=update,
+        )  # fmt: skip
     s = gen.stats
     assert gen.token_ids == plain and all(gen.verified)
     assert s.disconnects >= 1 and s.offline_tokens == 0 and fetched[0][0] == 0 and fetched[0][1] >= len(PROMPT) + 4
@@ -346,8 +364,11 @@ def cut_run(tiny_target, server, netsim_server, resilience, down_s: float = 0.8)
                 threading.Timer(down_s, link.restore).start()
 
         policy = AdaptivePolicy.for_run(verifier, [PayloadSpec("kv", "fp16")], mode="stream")
-        return generate(verifier, drafter, PROMPT, NEW, stop_ids=[], policy=policy, on_update=update,
-                        resilience=resilience)  # fmt: skip
+        return generate(
+            verifier, drafter, PROMPT, NEW,
+            Settings(stop_ids=[], policy=policy, resilience=resilience),
+            on_update=update,
+        )  # fmt: skip
 
 
 def test_offline_generation_waits_once_its_tokens_would_almost_surely_be_discarded(tiny_target, server, netsim_server,

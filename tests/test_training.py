@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from client.decode import generate
+from client.decode import Settings, generate
 from client.drafters import NoDrafter, drafter_for, make_drafter
 from client.drafters.bundle import load_bundle, save_bundle
 from client.training.datasets import TrainingStream
@@ -140,7 +140,7 @@ def test_bundle_round_trip_gives_the_same_drafts(tiny_target, tmp_path, kind, tl
     drafts = []
     for model in (trainer.models[name], load_bundle(path, tiny_target)[0]):
         drafter = drafter_for(model.eval(), name)
-        gen = generate(LocalVerifier(tiny_target), drafter, prompt, 24, max_tree_nodes=8)
+        gen = generate(LocalVerifier(tiny_target), drafter, prompt, 24, Settings(max_tree_nodes=8))
         assert gen.token_ids == plain.token_ids  # lossless whatever the drafter
         drafter.begin(prompt, tiny_target.session(feature_kinds=drafter.feature_kinds).prefill(prompt[:-1]).features)
         tree = drafter.propose(8)
@@ -328,7 +328,8 @@ def test_a_bundle_loads_with_another_draft_vocabulary(tiny_target, tmp_path):
         expected = len(vocab) if ids is None else len(ids) or tiny_target.vocab_size
         assert model.parts.logits(torch.zeros(1, model.cfg.hidden_size)).shape[-1] == expected
         drafter = drafter_for(model, "eagle")
-        assert generate(LocalVerifier(tiny_target), drafter, prompt, 16, max_tree_nodes=8).token_ids == plain.token_ids
+        gen = generate(LocalVerifier(tiny_target), drafter, prompt, 16, Settings(max_tree_nodes=8))
+        assert gen.token_ids == plain.token_ids
         drafter.begin(prompt, tiny_target.session(feature_kinds=drafter.feature_kinds).prefill(prompt[:-1]).features)
         tokens = drafter.propose(8).tokens
         assert tokens and (allowed is None or set(tokens) <= allowed)
@@ -411,8 +412,10 @@ def test_int8_bundles_are_half_the_bytes_and_draft_losslessly(tiny_target, tmp_p
                 assert stored[key].dtype == torch.int8
                 assert ((weights[key] - value.float()).abs() <= 0.51 * step + 1e-7).all(), key
         loaded = load_bundle(path, tiny_target)[0]
-        assert generate(LocalVerifier(tiny_target), drafter_for(loaded, name), prompt, 24,
-                        max_tree_nodes=8).token_ids == plain.token_ids  # fmt: skip
+        assert generate(
+            LocalVerifier(tiny_target), drafter_for(loaded, name), prompt, 24,
+            Settings(max_tree_nodes=8),
+        ).token_ids == plain.token_ids  # fmt: skip
     lsa, _ = load_lsa(tmp_path / "moa-tli1", tiny_target)
     assert torch.equal(lsa.lsa_in.weight.float(), read_weights(tmp_path / "moa-tli1")["lsa_in.weight"])
     (tmp_path / "checkpoint.pt").unlink()
