@@ -56,7 +56,7 @@ class Metrics:
         self.tokens_generated = Counter("splitspec_tokens_generated", "tokens committed (accepted + bonus, "
                                         "first tokens, streamed tokens)", registry=r)  # fmt: skip
         self.tokens_decoded = Counter("splitspec_tokens_decoded", "tokens the server decoded by itself for a session "
-                                      "(server-side continuation, Decode)", registry=r)
+                                      "(stretches, Decode)", registry=r)
         self.payload_bytes = Counter("splitspec_payload_bytes", "encoded payload bytes sent", registry=r)
         self.refusals = Counter("splitspec_refusals", "requests refused, by method and status",
                                 ["method", "code"], registry=r)  # fmt: skip

@@ -492,8 +492,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     @rpc
     def Decode(self, request, context):
-        """Server-side continuation (see the proto): validated here, streamed by ``Stretches.stream`` (which opens the
-        session first when the request carries a prompt)."""
+        """A stretch the server decodes by itself (see the proto): validated here, streamed by ``Stretches.stream``
+        (which opens the session first when the request carries a prompt)."""
         if request.prompt_ids and (request.session_id or request.length):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a Decode that opens its session (prompt_ids) takes no "
                         f"session_id or length, got {shown(request.session_id)} and {request.length}")  # fmt: skip

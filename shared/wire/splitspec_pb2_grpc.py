@@ -130,7 +130,7 @@ class SplitSpecServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Server-side continuation: the server goes on decoding the session by itself and streams each token
+        """A stretch: the server goes on decoding the session by itself and streams each token
         with the payload of the token it cached, so the client's drafter can resume drafting (or go offline)
         at any token. The client ends it early by cancelling. A client that leaves mid-stream (a cut link) does not
         stop it at once: the server decodes on for a while (--keep-decoding), and the client's next call takes the
