@@ -80,6 +80,78 @@ def finish_reason(gen, stopped: bool) -> str:
     return "stop" if stopped or gen.finish_reason == "stop" else "length"
 
 
+async def read_json(request) -> dict:
+    """A request's JSON body, or a RequestError: too big, or not JSON."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise RequestError(400, f"the request body is not JSON: {exc}") from None
+
+
+class Reply:
+    """One request's answer in OpenAI's shape: its id and object kind, then either its chunks as they come
+    (``events``) or its whole body (``whole``)."""
+
+    def __init__(self, edge: Edge, ask, chat: bool, prompt_tokens: int) -> None:
+        self.edge, self.ask, self.chat, self.prompt_tokens = edge, ask, chat, prompt_tokens
+        self.ident, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+
+    def head(self) -> dict:
+        """What every chunk and the whole body begin with."""
+        kind = f"{self.kind}.chunk" if self.chat else self.kind
+        return {"id": self.ident, "object": kind, "created": self.created, "model": self.edge.model}
+
+    def chunk(self, text: str | None, reason: str | None, first: bool = False, extra: dict | None = None) -> str:
+        if self.chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return json.dumps(self.head() | {"choices": [choice]} | ({"splitspec": extra} if extra else {}))
+
+    async def events(self, job):
+        """The stream's events: the text as it settles (with provisional text and link events when asked), the
+        finish, the usage when asked, ``[DONE]``; an error once the stream has begun goes in it."""
+        chat, ask = self.chat, self.ask
+        try:
+            if chat:
+                yield self.chunk("", None, first=True)
+            shown = ""  # the provisional text the app has
+            async for delta in job.deltas():
+                extra = {}
+                if ask.provisional:
+                    if delta.provisional != shown:
+                        extra["provisional"] = shown = delta.provisional
+                    if delta.events:
+                        extra["events"] = delta.events
+                if delta.settled or extra:
+                    yield self.chunk(delta.settled or (None if chat else ""), None, extra=extra)
+            gen = job.result()
+            yield self.chunk(None if chat else "", finish_reason(gen, job.stopped))
+            if ask.include_usage:
+                yield json.dumps(self.head() | {"choices": [], "usage": usage(self.prompt_tokens, gen),
+                                                "splitspec": extension(gen, self.edge.drafter_name, ask.acceptance)})
+        except Exception as exc:  # noqa: BLE001 - the stream has begun: the error goes in it
+            yield json.dumps(RequestError(502, f"generation failed: {exc}", kind="server_error").body())
+        finally:
+            job.cancel()
+        yield "[DONE]"
+
+    def whole(self, job, gen) -> dict:
+        """The body of an answer that is not streamed."""
+        text = job.text
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
+                  else {"index": 0, "text": text, "logprobs": None})  # fmt: skip
+        choice["finish_reason"] = finish_reason(gen, job.stopped)
+        return {"id": self.ident, "object": self.kind, "created": self.created, "model": self.edge.model,
+                "choices": [choice], "usage": usage(self.prompt_tokens, gen),
+                "splitspec": extension(gen, self.edge.drafter_name, self.ask.acceptance)}  # fmt: skip
+
+
 def app(edge: Edge):
     """The Starlette application serving ``edge``."""
     from prometheus_client import make_asgi_app
@@ -110,14 +182,7 @@ def app(edge: Edge):
     async def completion(request: Request, chat: bool):
         route = "chat" if chat else "completions"
         try:
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise RequestError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise RequestError(400, f"the request body is not JSON: {exc}") from None
-            ask = parse(body, chat, edge.model)
+            ask = parse(await read_json(request), chat, edge.model)
         except RequestError as exc:
             return error(exc, route)
         job = Job(edge, ask)
@@ -129,49 +194,10 @@ def app(edge: Edge):
             raise
         if not begun and isinstance(job.error, RequestError):
             return error(job.error, route)
-        prompt_tokens = len(job.prompt_ids)
-        ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
+        reply = Reply(edge, ask, chat, len(job.prompt_ids))
         if ask.stream:
             c.requests.labels(route, "200").inc()
-
-            def chunk(text: str | None, reason: str | None, first: bool = False, extra: dict | None = None) -> str:
-                if chat:
-                    delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
-                    choice = {"index": 0, "delta": delta, "finish_reason": reason}
-                else:
-                    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-                body = {"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                        "model": edge.model, "choices": [choice]}  # fmt: skip
-                return json.dumps(body | ({"splitspec": extra} if extra else {}))
-
-            async def events():
-                try:
-                    if chat:
-                        yield chunk("", None, first=True)
-                    shown = ""  # the provisional text the app has
-                    async for delta in job.deltas():
-                        extra = {}
-                        if ask.provisional:
-                            if delta.provisional != shown:
-                                extra["provisional"] = shown = delta.provisional
-                            if delta.events:
-                                extra["events"] = delta.events
-                        if delta.settled or extra:
-                            yield chunk(delta.settled or (None if chat else ""), None, extra=extra)
-                    gen = job.result()
-                    yield chunk(None if chat else "", finish_reason(gen, job.stopped))
-                    if ask.include_usage:
-                        yield json.dumps({"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                                          "model": edge.model, "choices": [], "usage": usage(prompt_tokens, gen),
-                                          "splitspec": extension(gen, edge.drafter_name, ask.acceptance)})  # fmt: skip
-                except Exception as exc:  # noqa: BLE001 - the stream has begun: the error goes in it
-                    yield json.dumps(RequestError(502, f"generation failed: {exc}", kind="server_error").body())
-                finally:
-                    job.cancel()
-                yield "[DONE]"
-
-            return EventSourceResponse(events(), ping=15)
+            return EventSourceResponse(reply.events(job), ping=15)
         try:
             async for _ in job.deltas():
                 pass
@@ -181,13 +207,7 @@ def app(edge: Edge):
         finally:
             job.cancel()
         c.requests.labels(route, "200").inc()
-        text = job.text
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text, "logprobs": None})  # fmt: skip
-        choice["finish_reason"] = finish_reason(gen, job.stopped)
-        return JSONResponse({"id": ident, "object": kind, "created": created, "model": edge.model,
-                             "choices": [choice], "usage": usage(prompt_tokens, gen),
-                             "splitspec": extension(gen, edge.drafter_name, ask.acceptance)})  # fmt: skip
+        return JSONResponse(reply.whole(job, gen))
 
     async def chat(request: Request):
         return await completion(request, chat=True)
