@@ -90,7 +90,7 @@ class Fuzzer:
         return pb.Sampling(temperature=self.number(), top_p=self.number(), seed=self.rng.randrange(2**64))
 
     def spec(self) -> pb.PayloadSpec:
-        return pb.PayloadSpec(mode=self.rng.choice(["", "kv", "lsa", "hidden", "x" * 50, "KV"]),
+        return pb.PayloadSpec(form=self.rng.choice(["", "kv", "lsa", "hidden", "x" * 50, "KV"]),
                               precision=self.rng.choice(["", "fp16", "int4", "fp64", "\x00"]),
                               tli_layers=self.rng.choice([0, 1, 3, 1000, 2**31]),
                               drafter=self.rng.choice(["", "moa-tli1", "../x", "a" * 300]))  # fmt: skip

@@ -172,7 +172,7 @@ def run_profile(profile: str, upstream: str, netsim, target, names: list[str], p
                     round(s.tokens_per_s, 3), round(s.acceptance_length, 4), s.rounds, profile, s.server_calls,
                     round(s.server_compute_s, 4), s.bytes_sent, s.bytes_received, s.payload_bytes,
                     s.prefill_payload_bytes, round(s.ttft_s, 4),
-                    f"{payload.mode}/{payload.precision}" if payload else "-", s.streamed_tokens, s.guesses,
+                    f"{payload.form}/{payload.precision}" if payload else "-", s.streamed_tokens, s.guesses,
                     s.guesses_held, round(s.draft_s + s.ahead_s + s.rehearse_s, 4), s.chained_held,
                 )  # fmt: skip
                 runs.append(run)

@@ -52,7 +52,7 @@ class ClientOptions:
     tree_depth: int | None = None
     drafter_weights: str = "auto"
     offline_drafter: str | None = None  # writes the offline tokens instead of the drafter
-    payload: str | None = None  # pin the payload mode (kv, lsa)
+    payload: str | None = None  # pin the payload form (kv, lsa)
     precision: str | None = None  # pin the payload precision
     mode: str = "auto"  # who decodes (``client.adaptive``)
     static: bool = False  # no adaptive policy: every round verifies the drafter's whole tree
@@ -222,15 +222,15 @@ class Client:
         self.policy_type = policy_type or self.policy_type
 
     def pinned_specs(self) -> list[PayloadSpec]:
-        """The drafter's payload specs within the pinned payload mode and precision; an error if none is left."""
+        """The drafter's payload specs within the pinned payload form and precision; an error if none is left."""
         if self.drafter is None:
             return []
         o = self.options
         specs = self.drafter.payload_specs((o.precision,) if o.precision else DRAFT_PRECISIONS)
-        kept = [s for s in specs if o.payload in (None, s.mode)]
+        kept = [s for s in specs if o.payload in (None, s.form)]
         if o.payload and not kept:
-            modes = ", ".join(sorted({s.mode for s in specs})) or "none (it reads only tokens)"
-            raise SplitspecError(f"--payload {o.payload}: drafter {self.drafter.name} takes payload mode {modes}")
+            modes = ", ".join(sorted({s.form for s in specs})) or "none (it reads only tokens)"
+            raise SplitspecError(f"--payload {o.payload}: drafter {self.drafter.name} takes payload form {modes}")
         return kept
 
     def disconnect(self) -> None:

@@ -272,7 +272,7 @@ def report(args: argparse.Namespace, client, gen, secrets) -> dict:
         "served": {"dtype": str(target.dtype).removeprefix("torch."), "weights": target.weights}
         if args.local else None,  # the path the target ran on: the same whatever the drafter
         "network": args.via_netsim,
-        "payload": None if args.local or not gen.spec else {"mode": gen.spec.mode, "precision": gen.spec.precision},
+        "payload": None if args.local or not gen.spec else {"form": gen.spec.form, "precision": gen.spec.precision},
         "stats": gen.stats.as_dict(),
         "verified": gen.verified,
         "unverified_tokens": len(gen.verified) - sum(gen.verified),  # offline tokens never checked

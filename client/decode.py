@@ -158,13 +158,13 @@ def spec_for(verifier: Verifier, drafter: Drafter, wanted: PayloadSpec | None) -
     """The payload spec to open with: ``wanted`` if the drafter can use it, else the drafter's first usable."""
     needs = drafter.payload_specs()
     usable = verifier.usable(needs)
-    if wanted and wanted.mode not in {s.mode for s in needs}:
-        takes = ", ".join(sorted({s.mode for s in needs})) or "none"
-        raise SplitspecError(f"drafter {drafter.name} cannot use payload mode {wanted.mode!r}; it takes {takes}")
+    if wanted and wanted.form not in {s.form for s in needs}:
+        takes = ", ".join(sorted({s.form for s in needs})) or "none"
+        raise SplitspecError(f"drafter {drafter.name} cannot use payload form {wanted.form!r}; it takes {takes}")
     if needs and not usable:
         raise SplitspecError(
             f"drafter {drafter.name} needs payload "
-            f"{' or '.join(sorted({s.mode for s in needs}))}, which this verifier cannot send"
+            f"{' or '.join(sorted({s.form for s in needs}))}, which this verifier cannot send"
         )
     return wanted or first_spec(verifier, needs)
 

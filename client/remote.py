@@ -39,9 +39,9 @@ class RemoteVerifier(Verifier):
     """A splitspec server reached over gRPC; checks at connect that both sides share a tokenizer.
 
     Each call's ``spec`` says which features of newly cached tokens the server sends with its reply.
-    Given a ``drafter`` whose needs include mode ``lsa``, the Handshake names its bundle (the server
+    Given a ``drafter`` whose needs include form ``lsa``, the Handshake names its bundle (the server
     compares the weights digest with its own copy and loads the LSA); a server that cannot run it
-    leaves mode lsa unusable, with a warning, unless ``spec`` (the payload the caller pins, if any; only the
+    leaves form lsa unusable, with a warning, unless ``spec`` (the payload the caller pins, if any; only the
     Handshake reads it) pins lsa: then that is an error. ``bundle``:
     the folder whose weights digest is sent (default: the drafter's).
 
@@ -71,11 +71,11 @@ class RemoteVerifier(Verifier):
         self.session_id = ""
         self.length = 0
         self._closing: grpc.Future | None = None  # a CloseSession sent without waiting (see close)
-        self.lsa_drafter = ""  # whose LSA the server runs for us (mode lsa), if any
-        lsa = [s for s in (drafter.payload_specs() if drafter is not None else []) if s.mode == "lsa"]
-        if spec.mode == "lsa" or (lsa and not spec):
-            name = spec.drafter if spec.mode == "lsa" else lsa[0].drafter
-            self._name_drafter(name, bundle or (drafter.bundle if drafter else None), pinned=spec.mode == "lsa")
+        self.lsa_drafter = ""  # whose LSA the server runs for us (form lsa), if any
+        lsa = [s for s in (drafter.payload_specs() if drafter is not None else []) if s.form == "lsa"]
+        if spec.form == "lsa" or (lsa and not spec):
+            name = spec.drafter if spec.form == "lsa" else lsa[0].drafter
+            self._name_drafter(name, bundle or (drafter.bundle if drafter else None), pinned=spec.form == "lsa")
         info = self.info = c.info
         self.dims = (info.num_layers, 2 * info.num_kv_heads * info.head_dim, info.hidden_size)
         self.eos_token_ids = list(info.eos_token_ids)
@@ -100,7 +100,7 @@ class RemoteVerifier(Verifier):
         from shared.lsa import weights_digest
 
         if bundle is None:
-            raise SplitspecError(f"payload mode lsa needs the bundle of drafter {name!r}")
+            raise SplitspecError(f"payload form lsa needs the bundle of drafter {name!r}")
         c = self.connection
         hello = pb.HandshakeRequest()
         hello.CopyFrom(c.hello)
@@ -112,12 +112,12 @@ class RemoteVerifier(Verifier):
         except SplitspecError as exc:
             if pinned:
                 raise
-            c.say(f"payload mode lsa unavailable ({exc}); using kv")
+            c.say(f"payload form lsa unavailable ({exc}); using kv")
             return
         c.hello, self.lsa_drafter = hello, name
 
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
-        return [s for s in specs if s.mode != "lsa" or s.drafter == self.lsa_drafter]
+        return [s for s in specs if s.form != "lsa" or s.drafter == self.lsa_drafter]
 
     # --- the Verifier interface ---
 

@@ -128,7 +128,7 @@ class Verifier(ABC):
 class LocalVerifier(Verifier):
     """The target in-process: no network, the single-device reference (it counts no server calls).
 
-    Its features are exact (precision is moot) and it runs no drafter's LSA: MoA drafters get mode kv. A session
+    Its features are exact (precision is moot) and it runs no drafter's LSA: MoA drafters get form kv. A session
     computes the features its opening's ``spec`` asks for and returns them with every later round, whatever that
     round's ``spec`` says (in process the policy has no payload to choose among, so the loop never changes it)."""
 
@@ -141,7 +141,7 @@ class LocalVerifier(Verifier):
         self.session = None
 
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
-        return [s for s in specs if s.mode != "lsa"]
+        return [s for s in specs if s.form != "lsa"]
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
         self.session = self.target.session(sampling, payload.feature_kinds(spec))

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bundle-dir",
         action="append",
-        help="folder of drafter bundles whose LSA clients may ask the server to run (payload mode lsa); "
+        help="folder of drafter bundles whose LSA clients may ask the server to run (payload form lsa); "
         "repeatable (default: the shipped client/drafters/bundles)",
     )
     p.add_argument("--tls-cert", help="serve TLS with this PEM certificate (and --tls-key)")

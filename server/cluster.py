@@ -113,7 +113,7 @@ class Replica:
         limits = ServerLimits(**config.limits)
         self.service = SplitSpecService(target, limits, config.bundle_dirs, config.prefer)
         self.service.auth = TokenAuth(config.tokens) if config.tokens else None
-        self.service.lsas.preload()  # a session in payload mode lsa may open on a replica the Handshake did not reach
+        self.service.lsas.preload()  # a session in payload form lsa may open on a replica the Handshake did not reach
         self.route = RouteMetrics(self.service.metrics.registry)
         # every session or stream may wait on the batcher in a thread of its own; the spare ones keep the rest going
         self.pool = ThreadPoolExecutor(limits.max_sessions + SPARE_WORKERS, thread_name_prefix="splitspec-call")

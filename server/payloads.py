@@ -1,4 +1,4 @@
-"""What the server exports about cached tokens, and the LSAs it runs for clients (payload mode ``lsa``).
+"""What the server exports about cached tokens, and the LSAs it runs for clients (payload form ``lsa``).
 
 Every payload is derived from state the session already holds — the KV cache (all layers, every
 committed token but the root) and, for EAGLE-style clients, the final hidden states kept beside
@@ -57,7 +57,7 @@ class LSARegistry:
         if digest and digest != ours:
             raise SplitspecError(
                 f"the server's bundle {name!r} has weights {ours}, the client's has {digest}: "
-                "both sides must hold the same bundle for payload mode 'lsa'"
+                "both sides must hold the same bundle for payload form 'lsa'"
             )
         return lsa
 
@@ -89,10 +89,10 @@ def check_spec(spec: PayloadSpec, target, lsas: LSARegistry, has_hidden: bool) -
     """ValueError for a spec that is wrong for this target, Unavailable for one this session cannot serve."""
     if spec.tli_layers > target.num_layers:
         raise ValueError(f"tli_layers {spec.tli_layers} exceeds the target's {target.num_layers} layers")
-    if spec.mode == "lsa" and lsas.get(spec.drafter) is None:
+    if spec.form == "lsa" and lsas.get(spec.drafter) is None:
         raise Unavailable(f"drafter {spec.drafter!r} was not named at Handshake: the server has not loaded its LSA")
     if "hidden" in payload.feature_kinds(spec) and not has_hidden:
-        raise Unavailable("this session was opened without payload mode 'hidden'; its hidden states were not kept")
+        raise Unavailable("this session was opened without payload form 'hidden'; its hidden states were not kept")
 
 
 def export(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int) -> pb.Payload:
@@ -101,14 +101,14 @@ def export(session, spec: PayloadSpec, lsas: LSARegistry, start: int, end: int) 
         return pb.Payload(start=start, count=0)
     kv = cache_kv(session.sequence.cache, start, end).float()
     hidden = session.hidden[start:end].float() if session.hidden is not None else None
-    tensors = payload.tensors_for(spec, kv, hidden, lsas.get(spec.drafter) if spec.mode == "lsa" else None)
+    tensors = payload.tensors_for(spec, kv, hidden, lsas.get(spec.drafter) if spec.form == "lsa" else None)
     return payload.encode(start, tensors, spec.precision)  # the codec converts to float32 itself
 
 
 def raw_bytes_per_token(spec: PayloadSpec, target) -> int:
     """Raw fp32 bytes of one token's payload, however it will be encoded: sizes FetchPayload's chunks."""
     kv_width = 2 * target.num_kv_heads * target.head_dim
-    fp32 = PayloadSpec(spec.mode, "fp32", spec.tli_layers, spec.drafter)
+    fp32 = PayloadSpec(spec.form, "fp32", spec.tli_layers, spec.drafter)
     return int(payload.raw_bytes_per_token(fp32, target.num_layers, kv_width, target.hidden_size))
 
 

@@ -54,7 +54,7 @@ class Session:
     stats: SessionStats = field(default_factory=SessionStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
-    hidden: torch.Tensor | None = None  # [cached, E] final hidden states, kept for payload mode "hidden"
+    hidden: torch.Tensor | None = None  # [cached, E] final hidden states, kept for payload form "hidden"
     # told (under ``lock``) when a call that may have committed tokens lets go: a chained Verify that came in ahead of
     # the round it follows waits on it
     changed: threading.Condition = field(init=False)

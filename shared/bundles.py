@@ -3,7 +3,7 @@
 A bundle is a folder: ``weights.safetensors`` (the trainable weights only) and ``config.json``
 (format, kind, TLI, dimensions, the target's name and tokenizer fingerprint, the training
 budget). The client builds whole drafters from bundles (``client.drafters.bundle``); the server
-only ever loads a MoA bundle's LSA (``shared.lsa``), for payload mode ``lsa``. Either way the
+only ever loads a MoA bundle's LSA (``shared.lsa``), for payload form ``lsa``. Either way the
 bundle is checked first, so a drafter is never paired with a target whose token ids or shapes
 mean something else.
 """

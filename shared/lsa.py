@@ -2,8 +2,8 @@
 
 A verified token's K and V from every target layer form a short sequence (positions = layer
 indices); one bidirectional block mixes them, a mean pools them and a linear map gives one
-memory vector per token. In payload mode ``kv`` the client runs it on the all-layer KV the
-server ships (~23 KB per token at fp16 for SmolLM2); in mode ``lsa`` the server runs it and ships
+memory vector per token. In payload form ``kv`` the client runs it on the all-layer KV the
+server ships (~23 KB per token at fp16 for SmolLM2); in form ``lsa`` the server runs it and ships
 the memory vector alone (~1.1 KB). The client's MoA drafter *is* a LayerSelfAttention plus its
 other parts, so both sides load the same weights under the same names from the same bundle.
 """

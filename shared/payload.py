@@ -1,10 +1,10 @@
 """Payloads: what the server tells the client's drafter about newly cached tokens, over the wire.
 
 The words: a drafter *needs* the target's ``Features`` (``shared.features``) of the tokens it
-drafts after; a ``PayloadSpec`` (mode, precision, TLI layers, drafter) says which of them cross
+drafts after; a ``PayloadSpec`` (form, precision, TLI layers, drafter) says which of them cross
 the link and how; the *payload* is the encoded message itself (``pb.Payload``).
 
-One place for both sides and the adaptive policy: the table of modes (``MODES``: which tensors
+One place for both sides and the adaptive policy: the table of forms (``FORMS``: which tensors
 each carries, their shapes, what the target must keep to make them), how they are encoded
 (``shared.codec``, one blob per tensor) and how a received payload is checked and turned back
 into ``Features``.
@@ -30,63 +30,63 @@ from shared.wire import splitspec_pb2 as pb
 
 
 @dataclass(frozen=True)
-class Mode:
-    """One payload mode: the tensor it is named for, and what the target must keep per token to make it."""
+class Form:
+    """One payload form: the tensor it is named for, and what the target must keep per token to make it."""
 
     tensor: str  # "kv", "memory" or "hidden"
     keeps: str  # "kv" (its KV cache: every session has it) or "hidden" (its final hidden states)
     tli: bool  # carries the last N layers' KV as well (``tli_kv``) when the spec has tli_layers = N
 
 
-MODES = {"kv": Mode("kv", "kv", tli=False), "lsa": Mode("memory", "kv", tli=True),
-         "hidden": Mode("hidden", "hidden", tli=True)}  # fmt: skip
+FORMS = {"kv": Form("kv", "kv", tli=False), "lsa": Form("memory", "kv", tli=True),
+         "hidden": Form("hidden", "hidden", tli=True)}  # fmt: skip
 DEFAULT_PRECISION = "fp16"
 PRECISION_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # per value, before zstd
 
 
 @dataclass(frozen=True)
 class PayloadSpec:
-    mode: str = ""  # "" asks for nothing
+    form: str = ""  # which features cross: "kv", "lsa" or "hidden"; "" asks for nothing
     precision: str = DEFAULT_PRECISION
     tli_layers: int = 0
-    drafter: str = ""  # mode lsa: whose LSA the server runs
+    drafter: str = ""  # form lsa: whose LSA the server runs
 
     def __post_init__(self) -> None:
-        if self.mode and self.mode not in MODES:
-            raise ValueError(f"payload mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.form and self.form not in FORMS:
+            raise ValueError(f"payload form {self.form!r} is not one of {', '.join(FORMS)}")
         if self.precision not in codec.PRECISIONS:
             raise ValueError(f"payload precision {self.precision!r} is not one of {', '.join(codec.PRECISIONS)}")
         if self.tli_layers < 0:
             raise ValueError(f"tli_layers must be >= 0, got {self.tli_layers}")
-        if self.mode == "lsa" and not self.drafter:
-            raise ValueError("payload mode 'lsa' needs the drafter whose LSA the server should run")
+        if self.form == "lsa" and not self.drafter:
+            raise ValueError("payload form 'lsa' needs the drafter whose LSA the server should run")
 
     def __bool__(self) -> bool:
-        return bool(self.mode)
+        return bool(self.form)
 
     def to_msg(self) -> pb.PayloadSpec:
-        return pb.PayloadSpec(mode=self.mode, precision=self.precision, tli_layers=self.tli_layers,
+        return pb.PayloadSpec(form=self.form, precision=self.precision, tli_layers=self.tli_layers,
                               drafter=self.drafter)  # fmt: skip
 
     @classmethod
     def from_msg(cls, msg: pb.PayloadSpec) -> PayloadSpec:
         """Raises ValueError naming the bad field (the server answers INVALID_ARGUMENT with it)."""
-        return cls(msg.mode, msg.precision or DEFAULT_PRECISION, msg.tli_layers, msg.drafter)
+        return cls(msg.form, msg.precision or DEFAULT_PRECISION, msg.tli_layers, msg.drafter)
 
 
 def tensors_for(spec: PayloadSpec, kv: torch.Tensor, hidden: torch.Tensor | None, lsa=None) -> dict[str, torch.Tensor]:
     """The named tensors ``spec`` asks for, from the target's features of n tokens (``kv`` [n, L, Ekv])."""
-    if spec.mode == "kv":
+    if spec.form == "kv":
         return {"kv": kv}
     out = {}
-    if spec.mode == "lsa":
+    if spec.form == "lsa":
         if lsa is None:
-            raise ValueError(f"payload mode 'lsa' needs the LSA of {spec.drafter!r} loaded")
+            raise ValueError(f"payload form 'lsa' needs the LSA of {spec.drafter!r} loaded")
         with torch.inference_mode():
             out["memory"] = lsa.memory(kv.to(next(lsa.parameters()).dtype))
-    elif spec.mode == "hidden":
+    elif spec.form == "hidden":
         if hidden is None:
-            raise ValueError("payload mode 'hidden' needs the target's hidden states")
+            raise ValueError("payload form 'hidden' needs the target's hidden states")
         out["hidden"] = hidden
     if spec.tli_layers:
         out["tli_kv"] = kv[:, kv.shape[1] - spec.tli_layers :]
@@ -101,7 +101,7 @@ def encode(start: int, tensors: dict[str, torch.Tensor], precision: str) -> pb.P
 
 def feature_kinds(spec: PayloadSpec) -> frozenset[str]:
     """What a target session must keep to serve ``spec`` ("kv" and/or "hidden")."""
-    return frozenset({MODES[spec.mode].keeps}) if spec else frozenset()
+    return frozenset({FORMS[spec.form].keeps}) if spec else frozenset()
 
 
 def expected_shapes(spec: PayloadSpec, count: int, num_layers: int, kv_width: int, hidden_size: int) -> dict:
@@ -109,15 +109,15 @@ def expected_shapes(spec: PayloadSpec, count: int, num_layers: int, kv_width: in
     if not spec:
         return {}
     per_token = {"kv": (num_layers, kv_width), "memory": (hidden_size,), "hidden": (hidden_size,)}
-    mode = MODES[spec.mode]
-    shapes = {mode.tensor: (count, *per_token[mode.tensor])}
-    if mode.tli and spec.tli_layers:
+    form = FORMS[spec.form]
+    shapes = {form.tensor: (count, *per_token[form.tensor])}
+    if form.tli and spec.tli_layers:
         shapes["tli_kv"] = (count, spec.tli_layers, kv_width)
     return shapes
 
 
 def raw_bytes_per_token(spec: PayloadSpec, num_layers: int, kv_width: int, hidden_size: int) -> float:
-    """Bytes one token's payload holds before zstd (int8/int4 scales ignored): sizes and compares modes."""
+    """Bytes one token's payload holds before zstd (int8/int4 scales ignored): sizes and compares forms."""
     values = sum(math.prod(s) for s in expected_shapes(spec, 1, num_layers, kv_width, hidden_size).values())
     return values * PRECISION_BYTES[spec.precision]
 

@@ -150,7 +150,7 @@ def test_a_new_sequence_does_not_inherit_an_ended_ones_state(bf16, monkeypatch):
 
 
 def test_a_batched_server_answers_every_session_as_the_serial_one_does(bf16):
-    """Through gRPC: sessions with different prompts, trees, sampling and payload modes (none, kv, hidden) verify
+    """Through gRPC: sessions with different prompts, trees, sampling and payload forms (none, kv, hidden) verify
     concurrently on a batching server; every reply — accepted path, bonus token, payload bytes — equals what
     the serial server (--max-batch 1) answers the same session."""
     from concurrent.futures import ThreadPoolExecutor
@@ -162,9 +162,9 @@ def test_a_batched_server_answers_every_session_as_the_serial_one_does(bf16):
     from tests.conftest import start_server
 
     cases = [([5, 9, 14, 5, 9, 21, 33], pb.Sampling(), pb.PayloadSpec()),
-             (list(range(5, 45)), pb.Sampling(), pb.PayloadSpec(mode="kv", precision="fp32")),
-             ([7, 8, 9], pb.Sampling(temperature=1.5, top_p=0.9, seed=7), pb.PayloadSpec(mode="hidden")),
-             (list(range(60, 80)), pb.Sampling(temperature=0.8, seed=3), pb.PayloadSpec(mode="kv", precision="int8"))]
+             (list(range(5, 45)), pb.Sampling(), pb.PayloadSpec(form="kv", precision="fp32")),
+             ([7, 8, 9], pb.Sampling(temperature=1.5, top_p=0.9, seed=7), pb.PayloadSpec(form="hidden")),
+             (list(range(60, 80)), pb.Sampling(temperature=0.8, seed=3), pb.PayloadSpec(form="kv", precision="int8"))]
 
     def conversation(stub, prompt, sampling, spec) -> list:
         opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt, sampling=sampling, payload=spec),

@@ -77,6 +77,6 @@ def test_a_remote_client_connects_once_and_again_after_disconnect(tiny_target, t
 def test_a_pinned_payload_the_drafter_cannot_take_is_an_error_naming_both(tiny_target):
     options = ClientOptions(local=True, drafter="prompt-lookup", payload="kv")
     with Client(options, Shared(tiny_target, tiny_target.tokenizer)) as client, pytest.raises(
-        SplitspecError, match="--payload kv: drafter prompt-lookup takes payload mode none"
+        SplitspecError, match="--payload kv: drafter prompt-lookup takes payload form none"
     ):
         client.generate([1, 2, 3], 4)

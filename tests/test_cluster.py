@@ -44,7 +44,7 @@ LSA_NEW = 12  # tokens per generation of the payload-mode test: what it checks i
 
 @pytest.fixture(scope="module")
 def bundles(tiny_target, tmp_path_factory):
-    """A random MoA bundle for the tiny target, in a folder the replicas read (payload mode lsa)."""
+    """A random MoA bundle for the tiny target, in a folder the replicas read (payload form lsa)."""
 
     from client.drafters.bundle import save_bundle
 
@@ -115,10 +115,10 @@ def test_payload_mode_lsa_works_whichever_replica_a_session_opens_on(app, tiny_t
         model, config = load_bundle(bundles / "moa-tli1", tiny_target)
         drafter = drafter_for(model, name=config["name"], width=3, depth=3)
         drafter.bundle = bundles / "moa-tli1"
-        spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == "lsa")
+        spec = next(s for s in drafter.payload_specs(("fp16",)) if s.form == "lsa")
         verifier = connect(app, drafter=drafter, spec=spec)
         gen = generate(verifier, drafter, PROMPT, LSA_NEW, Settings(max_tree_nodes=8, spec=spec))
-        assert gen.token_ids == plain[:LSA_NEW] and gen.spec.mode == "lsa" and gen.stats.payload_bytes > 0
+        assert gen.token_ids == plain[:LSA_NEW] and gen.spec.form == "lsa" and gen.stats.payload_bytes > 0
         verifier.shutdown()
 
 

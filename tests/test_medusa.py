@@ -178,4 +178,4 @@ def test_the_adaptive_policy_runs_medusa_over_the_network(tiny_server, tiny_targ
     finally:
         remote.shutdown()
     assert got.token_ids == plain and len(policy.sizing.history) == got.stats.rounds
-    assert {spec.mode for spec in policy.sizing.specs} == {"hidden"} and got.stats.payload_bytes > 0
+    assert {spec.form for spec in policy.sizing.specs} == {"hidden"} and got.stats.payload_bytes > 0

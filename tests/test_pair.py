@@ -111,7 +111,7 @@ def test_its_own_drafters_split_over_loopback_with_payloads(pair, name, mode):
     """Payloads sized for the 1.5B's 28 layers (kv: every layer's keys and values; lsa: the server's LSA memory)."""
     target, ids, plain = pair
     drafter = own_drafter(target, name)
-    spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == mode)
+    spec = next(s for s in drafter.payload_specs(("fp16",)) if s.form == mode)
     with served(target, max_sessions=2) as (address, _):  # the shipped bundles, as `splitspec serve` reads them
         remote = RemoteVerifier(address, fingerprint=target.fingerprint, drafter=drafter, spec=spec)
         try:

@@ -110,7 +110,7 @@ def test_split_moa_over_grpc_with_a_prefill_payload_beyond_4mb(real_target):
     try:
         for mode in ("kv", "lsa"):
             drafter = make_drafter("moa-tli1", target=real_target)
-            spec = next(s for s in drafter.payload_specs(("fp16",)) if s.mode == mode)
+            spec = next(s for s in drafter.payload_specs(("fp16",)) if s.form == mode)
             remote = RemoteVerifier(address, drafter=drafter, spec=spec)
             gen = generate(remote, drafter, ids, 24, Settings(max_tree_nodes=16, spec=spec))
             remote.shutdown()

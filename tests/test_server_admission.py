@@ -183,7 +183,7 @@ def test_a_payload_stream_cut_by_a_rollback_fails_instead_of_ending_short(serve,
     import server.service
 
     stub, service = serve(max_sessions=2, max_inline_payload_bytes=2048)
-    kv = pb.PayloadSpec(mode="kv", precision="fp32")
+    kv = pb.PayloadSpec(form="kv", precision="fp32")
     prompt = list(range(5, 40))
     reply = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt, payload=kv), timeout=TIMEOUT)
     length = reply.length

@@ -1,4 +1,4 @@
-"""Split MoA/EAGLE over gRPC: payload modes and precisions, chunked prefills, bad payloads, bundle checks.
+"""Split MoA/EAGLE over gRPC: payload forms and precisions, chunked prefills, bad payloads, bundle checks.
 
 Everything on the tiny random Llama with random drafters saved as bundles in the test: the
 assertions are about exactness (outputs, and for fp32 payloads the drafts themselves) and about
@@ -64,7 +64,7 @@ def load(tiny_target, bundles, name: str):
 def remote(address: str, drafter, mode: str = "kv", precision: str = "fp16") -> tuple[RemoteVerifier, PayloadSpec]:
     """A verifier for ``drafter`` and the payload spec its generations ask for."""
     specs = drafter.payload_specs((precision,))
-    spec = next((s for s in specs if s.mode == mode), specs[0])  # EAGLE has one mode: hidden
+    spec = next((s for s in specs if s.form == mode), specs[0])  # EAGLE has one mode: hidden
     return RemoteVerifier(address, drafter=drafter, spec=spec), spec
 
 
@@ -249,28 +249,28 @@ def test_bad_payload_requests_get_clear_statuses(tiny_target, bundles, server):
         return info.value.code(), info.value.details()
 
     code, details = status(lambda: stub.OpenSession(pb.OpenSessionRequest(
-        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(mode="everything"))))  # fmt: skip
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "payload mode 'everything' is not one of" in details
+        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(form="everything"))))  # fmt: skip
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "payload form 'everything' is not one of" in details
     code, details = status(lambda: stub.OpenSession(pb.OpenSessionRequest(
-        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(mode="kv", precision="int3"))))  # fmt: skip
+        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(form="kv", precision="int3"))))  # fmt: skip
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "precision 'int3'" in details
     code, details = status(lambda: stub.OpenSession(pb.OpenSessionRequest(
-        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(mode="lsa", drafter="moa-tli7"))))  # fmt: skip
+        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(form="lsa", drafter="moa-tli7"))))  # fmt: skip
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "'moa-tli7' was not named at Handshake" in details
     code, details = status(lambda: stub.OpenSession(pb.OpenSessionRequest(
-        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(mode="hidden", tli_layers=99))))  # fmt: skip
+        prompt_ids=PROMPT, sampling=sampling, payload=pb.PayloadSpec(form="hidden", tli_layers=99))))  # fmt: skip
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "tli_layers 99 exceeds" in details
 
     opened = stub.OpenSession(pb.OpenSessionRequest(prompt_ids=PROMPT, sampling=sampling,
-                                                    payload=pb.PayloadSpec(mode="kv")))  # fmt: skip
+                                                    payload=pb.PayloadSpec(form="kv")))  # fmt: skip
     sid = opened.session_id
     code, details = status(lambda: list(stub.FetchPayload(pb.FetchPayloadRequest(
-        session_id=sid, start=3, end=len(PROMPT) + 5, spec=pb.PayloadSpec(mode="kv")))))  # fmt: skip
+        session_id=sid, start=3, end=len(PROMPT) + 5, spec=pb.PayloadSpec(form="kv")))))  # fmt: skip
     assert code == grpc.StatusCode.OUT_OF_RANGE and f"not within the {len(PROMPT)} cached tokens" in details
-    code, details = status(lambda: stub.Verify(pb.VerifyRequest(session_id=sid, payload=pb.PayloadSpec(mode="hidden"))))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "opened without payload mode 'hidden'" in details
+    code, details = status(lambda: stub.Verify(pb.VerifyRequest(session_id=sid, payload=pb.PayloadSpec(form="hidden"))))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "opened without payload form 'hidden'" in details
     # the session survived every refusal: it still verifies and ships its payload
-    reply = stub.Verify(pb.VerifyRequest(session_id=sid, payload=pb.PayloadSpec(mode="kv")))
+    reply = stub.Verify(pb.VerifyRequest(session_id=sid, payload=pb.PayloadSpec(form="kv")))
     assert reply.length == len(PROMPT) + 2 and reply.payload.start == len(PROMPT) and reply.payload.count == 1
 
 
@@ -285,7 +285,7 @@ def test_the_loop_asks_for_what_the_drafter_declares_and_refuses_what_it_cannot_
         gen = generate(verifier, drafter, PROMPT, NEW)
         assert gen.token_ids == plain and gen.spec == PayloadSpec("kv", "fp16")
         calls = verifier.counters.server_calls
-        with pytest.raises(SplitspecError, match="cannot use payload mode 'hidden'; it takes kv, lsa"):
+        with pytest.raises(SplitspecError, match="cannot use payload form 'hidden'; it takes kv, lsa"):
             generate(
                 verifier, load(tiny_target, bundles, "moa-tli0"), PROMPT, NEW,
                 Settings(spec=PayloadSpec("hidden")),

@@ -22,7 +22,7 @@ class Drafter(ABC):
     name: str = "drafter"
     #: how many of the target's last layers the drafter runs itself (MoA's Target Layer Inference)
     tli: int = 0
-    #: the bundle folder a trained drafter was loaded from (payload mode lsa names it to the server)
+    #: the bundle folder a trained drafter was loaded from (payload form lsa names it to the server)
     bundle = None
 
     def payload_specs(self, precisions: tuple[str, ...] = DRAFT_PRECISIONS) -> list[PayloadSpec]:

@@ -31,7 +31,7 @@ class Eagle(DrafterModel):
     """Trainable fc (2E -> E) and one causal block; the target's embeddings and LM head, frozen, in ``parts``."""
 
     kind = "eagle"
-    payload_modes = ("hidden",)  # the target's final hidden states
+    payload_forms = ("hidden",)  # the target's final hidden states
 
     def __init__(self, cfg: EagleConfig, parts: TargetParts):
         super().__init__()

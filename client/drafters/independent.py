@@ -34,7 +34,7 @@ class Independent(DrafterModel):
     """A few trainable Llama blocks and a final norm between the target's frozen embeddings and LM head."""
 
     kind = "independent"
-    payload_modes = ()  # nothing: it reads only tokens
+    payload_forms = ()  # nothing: it reads only tokens
 
     def __init__(self, cfg: IndependentConfig, parts: TargetParts):
         super().__init__()

@@ -78,7 +78,7 @@ class Medusa(DrafterModel):
     """K residual heads; the target's frozen LM head (cut to the draft vocabulary) in ``parts``."""
 
     kind = "medusa"
-    payload_modes = ("hidden",)  # the target's final hidden states
+    payload_forms = ("hidden",)  # the target's final hidden states
 
     def __init__(self, cfg: MedusaConfig, parts: TargetParts):
         super().__init__()

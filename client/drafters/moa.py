@@ -65,7 +65,7 @@ class MoA(LayerSelfAttention, DrafterModel):
     ``parts`` is excluded from saved weights."""
 
     kind = "moa"
-    payload_modes = ("lsa", "kv")  # its memory made by the server's copy of its LSA, else every layer's KV
+    payload_forms = ("lsa", "kv")  # its memory made by the server's copy of its LSA, else every layer's KV
 
     def __init__(self, cfg: MoAConfig, parts: TargetParts):
         super().__init__(**LayerSelfAttention.dims(cfg.to_dict()))
@@ -176,7 +176,7 @@ class MoADrafter(TreeDrafter):
         if features.memory is None and features.kv is None:
             raise ValueError(f"MoA needs kv or memory features, got {features}")
         if self.pending and _kinds(self.pending[-1]) != _kinds(features):
-            self._settle()  # another payload mode: the batch so far goes through first
+            self._settle()  # another payload form: the batch so far goes through first
         self.pending.append(features)
         self.cached = features.start + len(features)
 
@@ -191,7 +191,7 @@ class MoADrafter(TreeDrafter):
         features = Features(batch[0].start, kv=joined["kv"], memory=joined["memory"], tli_kv=joined["tli_kv"])
         m, N = self.model, self.model.parts.tli
         kv = None if features.kv is None else features.kv.to(self._device, self._dtype)
-        if features.memory is not None:  # payload mode lsa: the server ran our LSA
+        if features.memory is not None:  # payload form lsa: the server ran our LSA
             memory = features.memory.to(self._device, self._dtype)
         else:
             memory = m.memory(kv)

@@ -111,7 +111,7 @@ class DrafterModel(nn.Module):
     stores (they come back from whatever target is loaded)."""
 
     kind: str
-    payload_modes: tuple[str, ...]  # what it reads from the target: ``shared.payload`` modes
+    payload_forms: tuple[str, ...]  # what it reads from the target: ``shared.payload`` forms
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith("parts.")}

@@ -28,9 +28,9 @@ class TreeDrafter(Drafter):
         self.tli = model.parts.tli
 
     def payload_specs(self, precisions: tuple[str, ...] = DRAFT_PRECISIONS) -> list[PayloadSpec]:
-        """The model's payload modes (``payload_modes``) in each precision; mode lsa only with a bundle the
+        """The model's payload forms (``payload_forms``) in each precision; form lsa only with a bundle the
         server can load (it runs that bundle's LSA), carrying the last ``tli`` layers' KV as well."""
-        modes = [m for m in self.model.payload_modes if m != "lsa" or self.bundle is not None]
+        modes = [m for m in self.model.payload_forms if m != "lsa" or self.bundle is not None]
         return [PayloadSpec(m, p, self.tli if m == "lsa" else 0, self.name if m == "lsa" else "")
                 for m in modes for p in precisions]  # fmt: skip
 

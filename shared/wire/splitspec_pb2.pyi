@@ -69,16 +69,16 @@ class Limits(_message.Message):
     def __init__(self, max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_probe_bytes: _Optional[int] = ..., max_inline_payload_bytes: _Optional[int] = ..., chained_verify: _Optional[bool] = ...) -> None: ...
 
 class PayloadSpec(_message.Message):
-    __slots__ = ("mode", "precision", "tli_layers", "drafter")
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("form", "precision", "tli_layers", "drafter")
+    FORM_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     TLI_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
-    mode: str
+    form: str
     precision: str
     tli_layers: int
     drafter: str
-    def __init__(self, mode: _Optional[str] = ..., precision: _Optional[str] = ..., tli_layers: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    def __init__(self, form: _Optional[str] = ..., precision: _Optional[str] = ..., tli_layers: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "data")
