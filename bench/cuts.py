@@ -27,10 +27,10 @@ from tqdm import tqdm
 
 from bench.common import environment, finish, start
 from bench.single import load_prompts
-from client.decode import Settings, generate
 from client.drafters import make_drafter
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.errors import SplitspecError

@@ -5,8 +5,8 @@ this process. Per HumanEval prompt, cut point N and method, a generation starts 
 once the server has delivered N new tokens (at the first round boundary from there; N=0: right after
 the prefill's first token), the link is cut *silently* — every byte dropped both ways, nothing closed,
 as when a radio link fades — and never restored. The API client stops dead; a speculative client
-notices the dead link by its heartbeat or deadline (``client.decode``) and finishes the generation on its own
-(``client.offline.offline_token``: greedy, the drafter alone or with the target's last N layers, TLI).
+notices the dead link by its heartbeat or deadline (``client.loop.decode``) and finishes the generation on its own
+(``client.loop.offline.offline_token``: greedy, the drafter alone or with the target's last N layers, TLI).
 
 Per run: the moment of the switch to offline generation after the cut (against the issue's bound
 2 x RTT + 100 ms, RTT = the profile's), offline tokens/s, the *agreement* of the offline continuation
@@ -39,11 +39,11 @@ from bench.common import cell, drop_unusable, environment, finish, median, save_
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
-from client.api import api_generate
-from client.decode import Settings, generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.net.api import api_generate
+from client.net.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems
 from client.verifiers import LocalVerifier, Pending, first_spec
 from netsim.profiles import PROFILES

@@ -19,7 +19,7 @@ All in one run, ``--threads`` torch threads (default 2), medians over ``--repeat
 * decode    greedy decoding, tokens/s over ``--prompts`` MT-Bench first turns (chat template, ≤
             ``--max-new-tokens``, stop at EOS, prefill included): transformers' own ``generate`` at fp32 (the
             reference), and per dtype our plain decoding (``none``) and each drafter of ``--drafters`` through
-            ``client.decode.generate`` with a ``LocalVerifier`` (trained drafters: EAGLE-2 trees of
+            ``client.loop.decode.generate`` with a ``LocalVerifier`` (trained drafters: EAGLE-2 trees of
             ``--tree-width``/``--tree-depth``, ≤ ``--max-tree-nodes`` nodes; a trained drafter without a bundle is
             skipped with a warning). All methods run on every prompt, rotated from prompt to prompt. Per method:
             median tok/s, median over prompts of the ratio to transformers' generate and to plain decoding of
@@ -67,9 +67,9 @@ from bench.common import (
     save_figure,
     start,
 )
-from client.adaptive import AdaptivePolicy
-from client.decode import Settings, generate
 from client.drafters import ALIASES, DRAFTERS, make_drafter
+from client.loop.adaptive import AdaptivePolicy
+from client.loop.decode import Settings, generate
 from client.training.datasets import mtbench_questions
 from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams

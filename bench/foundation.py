@@ -32,11 +32,11 @@ import torch
 from tqdm import tqdm
 
 from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
-from client.api import api_generate
-from client.connection import LinkCounters
-from client.decode import Generation, generate
 from client.drafters import NoDrafter, PromptLookup
-from client.remote import RemoteVerifier
+from client.loop.decode import Generation, generate
+from client.net.api import api_generate
+from client.net.connection import LinkCounters
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.engine.models import encode_prompt, load_target
 from shared.server_process import server_child

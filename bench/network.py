@@ -12,16 +12,16 @@ generates greedily, interleaved and rotated as in ``bench.single``:
 * ``moa-tliN``       MoA, static: payload ``lsa`` at fp16 (the server runs the LSA; TLI>0 adds the last N
                      layers' KV), EAGLE-2 tree B=4, D=5, 16 nodes, all of it verified every round
 * ``moa-tliN-paper`` the same with the MoA paper's fixed tree (B=8, D=6, 62 nodes)
-* ``moa-tliN-adaptive`` the adaptive policy (``client.adaptive``, ``--mode draft``): tree size, depth and payload
+* ``moa-tliN-adaptive`` the adaptive policy (``client.loop.adaptive``, ``--mode draft``): tree size, depth and payload
                      per round, plain verification rounds while drafting loses
 * ``<drafter>-auto`` the adaptive policy in ``--mode auto`` (the client's default): the server decodes stretches by
                      itself (server-side continuation) and drafting is tried between them, kept where it is faster
 * ``<drafter>-stream`` ``--mode stream``: the server decodes everything after the prompt, streaming payloads the
                      drafter absorbs (what it costs over the API: the payloads; what it buys: offline text on a cut)
 * ``<method>-serial`` the method without pipelined rounds: the client waits for each verdict before drafting the
-                     next tree (every method over a link is pipelined by default, ``client.decode``)
+                     next tree (every method over a link is pipelined by default, ``client.loop.decode``)
 * ``<method>-unchained`` pipelined rounds that never send a tree before the verdict it assumes (chained rounds, the
-                     default over a link, ``client.decode``: the server verifies it straight after the round before)
+                     default over a link, ``client.loop.ahead``: the server verifies it right after the round before)
 * ``<method>-fail``  the method with ``on_reconnect="fail"`` (no heartbeat, no offline generation to fall back
                      on): every other method survives link drops as ``splitspec generate`` does by default,
                      so ``X`` beside ``X-fail`` is what that costs on a healthy link
@@ -68,8 +68,8 @@ from bench.common import (
 )
 from bench.single import load_prompts
 from client.build import Client, ClientOptions, Shared
-from client.decode import generate
 from client.drafters import make_drafter
+from client.loop.decode import generate
 from client.verifiers import LocalVerifier
 from netsim.device import DEVICES, CpuLimit
 from netsim.profiles import PROFILES

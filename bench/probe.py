@@ -40,9 +40,9 @@ from tqdm import tqdm
 
 from bench.common import environment, finish, save_figure, start
 from bench.single import bundle_path, load_prompts
-from client.decode import generate
 from client.drafters import NoDrafter
 from client.drafters.bundle import load_bundle
+from client.loop.decode import generate
 from client.training.teacher import TargetBatch, pad_batch, run_teacher
 from client.verifiers import LocalVerifier
 from shared.engine.decoder import DTYPES

@@ -26,8 +26,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import environment, first_difference, save_results
-from client.decode import generate
 from client.drafters import NoDrafter
+from client.loop.decode import generate
 from client.training.datasets import encode_chat, is_contaminated, sharegpt_conversations
 from client.verifiers import LocalVerifier
 from shared.engine.models import DEFAULT_MODEL, load_target

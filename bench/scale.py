@@ -41,8 +41,8 @@ from tqdm import tqdm
 
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from bench.serve import Recording, Replay, record, replay
-from client.decode import Settings, generate
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.net.remote import RemoteVerifier
 from client.training.datasets import mtbench_questions
 from server.limits import ServerLimits
 from shared.channel import ROUTE_KEY

@@ -45,9 +45,9 @@ from tqdm import tqdm
 
 from bench.common import cell, clients_figure, environment, median, run_clients, save_results
 from client.build import Client, ClientOptions, Shared
-from client.decode import Settings, generate
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
+from client.loop.decode import Settings, generate
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target

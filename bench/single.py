@@ -59,8 +59,8 @@ from bench.common import (
     start,
     times,
 )
-from client.decode import Settings, generate
 from client.drafters import ALIASES, DRAFTERS, NoDrafter, is_model, make_drafter
+from client.loop.decode import Settings, generate
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.acceptance import ACCEPTANCE, SamplingParams
@@ -302,7 +302,7 @@ def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: in
     verifier = LocalVerifier(target)
     policy = None
     if method.adaptive and method.name != REFERENCE:
-        from client.adaptive import AdaptivePolicy
+        from client.loop.adaptive import AdaptivePolicy
 
         # each prompt starts from what the previous ones taught the policy, as a serving process's would
         policy = AdaptivePolicy.for_run(verifier, method.drafter.payload_specs(), previous=method.policy)

@@ -3,7 +3,7 @@ parts a generation needs and owns them: the target (in process) or a connection 
 adaptive policy and what to do on a cut.
 
 The CLI, the demo, the edge and the benchmarks build their clients here, so that a flag means the same everywhere
-and the wiring lives once. ``client.decode.generate`` stays the loop itself, for tests and for benchmarks that
+and the wiring lives once. ``client.loop.decode.generate`` stays the loop itself, for tests and for benchmarks that
 drive it by hand.
 """
 
@@ -14,13 +14,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from client.adaptive import AdaptivePolicy
-from client.api import api_generate
-from client.decode import Generation, Settings, generate
 from client.drafters import make_drafter, needs_target
 from client.drafters.base import DRAFT_PRECISIONS, Drafter
-from client.endpoint import Endpoint
-from client.offline import OFFLINE_CAP, Resilience
+from client.loop.adaptive import AdaptivePolicy
+from client.loop.decode import Generation, Settings, generate
+from client.loop.offline import OFFLINE_CAP, Resilience
+from client.net.api import api_generate
+from client.net.endpoint import Endpoint
 from shared.acceptance import SamplingParams
 from shared.engine.models import DEFAULT_MODEL
 from shared.errors import SplitspecError
@@ -33,7 +33,7 @@ ON_RECONNECT = ("verify", "keep", "fail")
 @dataclass(frozen=True)
 class ClientOptions:
     """How a client generates. Checked when made: a combination that cannot work is an error naming the options,
-    before anything loads. The CLI's flags map onto it one to one (``client.cli.options``)."""
+    before anything loads. The CLI's flags map onto it one to one (``client.apps.cli.options``)."""
 
     model: str = DEFAULT_MODEL  # the target (local) or its tokenizer (remote)
     cache_dir: str | None = None
@@ -54,7 +54,7 @@ class ClientOptions:
     offline_drafter: str | None = None  # writes the offline tokens instead of the drafter
     payload: str | None = None  # pin the payload form (kv, lsa)
     precision: str | None = None  # pin the payload precision
-    mode: str = "auto"  # who decodes (``client.adaptive``)
+    mode: str = "auto"  # who decodes (``client.loop.adaptive``)
     static: bool = False  # no adaptive policy: every round verifies the drafter's whole tree
     max_tree_nodes: int | None = None  # pin the nodes verified per round (default: adaptive, at most 64; 16 static)
     pipeline: bool | None = None  # draft while a Verify is in flight (default: over a link)
@@ -260,7 +260,7 @@ class Client:
             from client.verifiers import LocalVerifier
 
             return LocalVerifier(self.target)
-        from client.remote import RemoteVerifier
+        from client.net.remote import RemoteVerifier
 
         endpoint = o.endpoint or Endpoint(o.server)
         if self._address is None:

@@ -1,6 +1,6 @@
 """Where drafts get verified: the ``Verifier`` interface, and the target in this process (``LocalVerifier``).
 
-The remote server over gRPC is the other ``Verifier`` (``client.remote``); the decode loop cannot tell them apart,
+The remote server over gRPC is the other ``Verifier`` (``client.net.remote``); the decode loop cannot tell them apart,
 so ``--local`` is the single-device baseline of the very same loop.
 """
 
@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from client.connection import Connection, LinkCounters
-from client.link import LinkMonitor
+from client.net.connection import Connection, LinkCounters
+from client.net.link import LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
 from shared.engine.target import Verdict
@@ -32,7 +32,7 @@ def first_spec(verifier: Verifier, specs: list[PayloadSpec]) -> PayloadSpec:
 @dataclass(frozen=True)
 class Pending:
     """A chained round on its way (``Verifier.verify_after``). ``verdict()`` waits for it and takes it — the session
-    moves on by it —, raising ``client.failures.Stale`` where the round before committed other tokens than assumed;
+    moves on by it —, raising ``client.net.failures.Stale`` where the round before committed other tokens than assumed;
     ``drop()`` abandons it untaken (its reply, if any, changes nothing the client holds; the session's next call
     rolls back whatever it may have committed); ``done()``: whether its reply is in (or it failed)."""
 
@@ -46,7 +46,7 @@ class Verifier(ABC):
     with it (``shared.payload``; none by default); the loop may choose another for every call."""
 
     address: str = "in-process"
-    connection: Connection | None = None  # the server's (``client.connection``): what a heartbeat watches and aborts
+    connection: Connection | None = None  # the server's (``client.net.connection``): what a heartbeat watches
     eos_token_ids: list[int]
     max_tree_nodes: int
     max_context: int

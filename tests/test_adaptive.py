@@ -1,5 +1,5 @@
-"""The adaptive policy's choices follow its cost model (``client.sizing``: slow links buy bigger trees, costly nodes
-smaller ones) and its schedule follows what drafting and plain decoding measured (``client.schedule``)."""
+"""The adaptive policy's choices follow its cost model (``client.loop.sizing``: slow links buy bigger trees, costly
+nodes smaller ones) and its schedule follows what drafting and plain decoding measured (``client.loop.schedule``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ import math
 
 import pytest
 
-from client.adaptive import AdaptivePolicy, Ahead, Loaded, Pipelining, Rehearsal, Round, State, StaticPolicy, Streamed
-from client.costs import GAIN, LineFit
-from client.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, TRIAL_MARGIN, Phase, Schedule
-from client.sizing import EXPLORE, EXPLORE_SPAN, Decision, Sizing
+from client.loop.adaptive import (
+    AdaptivePolicy,
+    Ahead,
+    Loaded,
+    Pipelining,
+    Rehearsal,
+    Round,
+    State,
+    StaticPolicy,
+    Streamed,
+)
+from client.loop.costs import GAIN, LineFit
+from client.loop.schedule import MEASURE, MIN_REHEARSALS, PAUSE, TRIAL, TRIAL_MARGIN, Phase, Schedule
+from client.loop.sizing import EXPLORE, EXPLORE_SPAN, Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -301,7 +311,7 @@ def test_a_trial_that_turns_hopeless_stops_at_once_even_in_its_explorations():
     """On 4G a trial starts (a depth-3 tree could beat the 80 tok/s stream); its first round — an exploration, not
     judged as drafting — gains one token after 9 ms of drafting: at best 2 tokens a ~40 ms round, below the stream.
     Mode auto streams on at once, for the longest stretch, instead of finishing the trial."""
-    from client.schedule import MAX_PAUSE
+    from client.loop.schedule import MAX_PAUSE
 
     policy = AdaptivePolicy(FakeLink(0.03, 1e6))
     assert policy.plan(ROUND).stream == PAUSE
@@ -399,7 +409,7 @@ def test_a_busy_server_is_spared_when_drafting_costs_it_less_per_token():
 def test_a_convex_cost_curve_is_read_as_measured():
     """A CPU's verify cost: flat for a few tokens, then steep. The curve interpolates what was measured (a line
     through all sizes would price 4 nodes at ~2x one token), so the cut sends the cheap small tree."""
-    from client.costs import CostCurve
+    from client.loop.costs import CostCurve
 
     costs = {1: 0.013, 2: 0.0135, 5: 0.018, 9: 0.030, 17: 0.060}
     curve = CostCurve()
@@ -480,7 +490,7 @@ def test_the_decode_loop_tells_the_policy_and_never_writes_its_fields():
 
     root = Path(__file__).resolve().parents[1]
     writes = []
-    for name in ("client/decode.py", "client/offline.py", "client/edge_pool.py", "client/cli.py"):
+    for name in ("client/loop/decode.py", "client/loop/offline.py", "client/apps/edge_pool.py", "client/apps/cli.py"):
         for node in ast.walk(ast.parse((root / name).read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
@@ -499,7 +509,7 @@ def test_the_policys_questions_change_nothing():
                  "size", "round_spec", "stream_spec", "prompt_spec", "transfer_s", "round_s", "verify_s",
                  "payload_per_token", "estimate", "calibration"}  # fmt: skip
     root, found, writes = Path(__file__).resolve().parents[1], set(), []
-    for name in ("client/adaptive.py", "client/sizing.py", "client/schedule.py"):
+    for name in ("client/loop/adaptive.py", "client/loop/sizing.py", "client/loop/schedule.py"):
         for cls in (n for n in ast.parse((root / name).read_text()).body if isinstance(n, ast.ClassDef)):
             for method in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in questions):
                 found.add(method.name)
@@ -540,10 +550,10 @@ def test_a_trees_deadline_before_any_tree_was_measured_allows_a_step_a_node():
     bounds it."""
     from types import SimpleNamespace
 
-    from client.adaptive import AdaptivePolicy
-    from client.costs import CostCurve
-    from client.decode import Run
-    from client.offline import Resilience
+    from client.loop.adaptive import AdaptivePolicy
+    from client.loop.costs import CostCurve
+    from client.loop.decode import Run
+    from client.loop.offline import Resilience
     from shared.acceptance import SamplingParams
 
     link = SimpleNamespace(timeout_s=lambda: 0.05, transfer_s=lambda up, down: 0.0)

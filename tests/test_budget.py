@@ -96,9 +96,9 @@ def test_cut_trees_still_give_exactly_the_targets_tokens(bf16):
 def test_a_remote_client_is_told_of_the_cut_and_gets_the_same_tokens(bf16):
     """Through gRPC: the reply says how many nodes were verified, the client counts those, the tokens are the
     target's as with whole trees, and the server's metrics count the nodes it cut."""
-    from client.decode import generate
     from client.drafters import make_drafter
-    from client.remote import RemoteVerifier
+    from client.loop.decode import generate
+    from client.net.remote import RemoteVerifier
     from client.verifiers import LocalVerifier
     from tests.conftest import start_server
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from client.build import Client, ClientOptions, Shared
-from client.decode import generate
 from client.drafters import make_drafter
+from client.loop.decode import generate
 from client.verifiers import LocalVerifier
 from shared.errors import SplitspecError
 

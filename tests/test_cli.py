@@ -55,7 +55,7 @@ def test_the_old_local_cap_flag_still_sets_the_offline_cap(capsys):
     """``--local-cap`` (an earlier name of ``--offline-cap``) still works, for generate and demo, and says so."""
     import argparse
 
-    from client import cli, demo
+    from client.apps import cli, demo
 
     for module, required in ((cli, ["--prompt", "hi"]), (demo, [])):
         parser = argparse.ArgumentParser()
@@ -147,7 +147,7 @@ class Words:
 def test_settled_stream_holds_offline_tokens_back_until_verified(capsys):
     import io
 
-    from client.cli import SettledPrinter, TextPrinter
+    from client.apps.cli import SettledPrinter, TextPrinter
 
     out = io.StringIO()
     stream = SettledPrinter(TextPrinter(Words(), out), final_offline=False, status=io.StringIO())
@@ -168,8 +168,8 @@ def test_settled_stream_holds_offline_tokens_back_until_verified(capsys):
 def test_settled_stream_shows_offline_tokens_dim_on_a_terminal_and_rewrites_them():
     import io
 
-    from client.cli import SettledPrinter, TextPrinter
-    from client.text import DIM, PLAIN, RESTORE_CLEAR, SAVE
+    from client.apps.cli import SettledPrinter, TextPrinter
+    from client.apps.text import DIM, PLAIN, RESTORE_CLEAR, SAVE
 
     class Screen(io.StringIO):
         def isatty(self) -> bool:

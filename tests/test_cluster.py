@@ -12,12 +12,12 @@ import threading
 import grpc
 import pytest
 
-from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
-from client.endpoint import Endpoint
-from client.failures import SessionLost
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.net.endpoint import Endpoint
+from client.net.failures import SessionLost
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from server import cluster
 from server.limits import ServerLimits
@@ -252,7 +252,7 @@ def test_serve_ray_refuses_what_serves_proxy_cannot_do():
 def test_a_full_replicas_retry_hint_reaches_the_client_without_trailing_metadata():
     """Serve's proxy sends an error's code and message but not its trailing metadata: the replica puts the server's
     retry hint at the end of the message, and the client reads it there (``ServerFull`` waits it out)."""
-    from client.failures import ServerFull, rpc_error
+    from client.net.failures import ServerFull, rpc_error
     from server.cluster import CallContext, Refused
     from server.service import Abort
 

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
-from client.offline import Resilience
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import Resilience
+from client.net.remote import RemoteVerifier
 from shared.server_process import ServerChild
 
 pytest.importorskip("ray", reason="serve --ray needs Ray Serve (in the dev extras)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from client.adaptive import Policy
+from client.loop.adaptive import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def test_the_loop_knows_a_policy_only_by_its_interface():
     interface = {n for n in vars(Policy) if not n.startswith("_")}
     assert interface == {"plan", "size", "observe", "calibration", "estimate", "survival"}
     used = set()
-    for node in ast.walk(parsed("client/decode.py")):
+    for node in ast.walk(parsed("client/loop/decode.py")):
         if isinstance(node, ast.Attribute) and (
             (isinstance(node.value, ast.Name) and node.value.id == "policy")
             or (isinstance(node.value, ast.Attribute) and node.value.attr == "policy")
@@ -47,7 +47,7 @@ def test_no_policy_is_none_anywhere_in_the_client():
 def test_the_output_has_one_writer():
     """``out`` and ``verified`` of the loop are assigned in ``Run.commit`` alone."""
     writers = []
-    for cls in (n for n in parsed("client/decode.py").body if isinstance(n, ast.ClassDef) and n.name == "Run"):
+    for cls in (n for n in parsed("client/loop/decode.py").body if isinstance(n, ast.ClassDef) and n.name == "Run"):
         for method in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
             for node in ast.walk(method):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -60,9 +60,9 @@ def test_the_output_has_one_writer():
 
 
 def test_the_offline_stage_writes_nothing_of_the_loop():
-    """``client.offline`` assigns attributes only of its own objects (``self``, its stats), never of the ``Cut`` it
+    """``client.loop.offline`` assigns attributes only of its own objects (``self``, its stats), never of the ``Cut`` it
     was handed, and does not import the loop."""
-    module = parsed("client/offline.py")
+    module = parsed("client/loop/offline.py")
     foreign = []
     for node in ast.walk(module):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -77,4 +77,4 @@ def test_the_offline_stage_writes_nothing_of_the_loop():
                 elif isinstance(t.value, ast.Attribute) and t.value.attr == "cut":
                     foreign.append(f"{ast.unparse(t)}:{node.lineno}")
     imports = {n.module for n in ast.walk(module) if isinstance(n, ast.ImportFrom)}
-    assert foreign == [] and "client.decode" not in imports
+    assert foreign == [] and "client.loop.decode" not in imports

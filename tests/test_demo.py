@@ -23,7 +23,7 @@ def test_the_demo_runs_through_a_cut_without_a_terminal(real_target):
 
 def test_the_verdict_judges_the_speed_it_prints():
     """1.00x is "even", not "SLOWER" (a 0.998 ratio printed as 1.00x once read as a loss)."""
-    from client.demo import verdict
+    from client.apps.demo import verdict
 
     run = {"tok_s": 13.8, "wait_s": 0.3}
     assert "1.00x the tokens/s (even)" in verdict(run, {"tok_s": 13.82, "wait_s": 3.5})
@@ -36,9 +36,9 @@ def test_the_api_baseline_gives_up_on_a_stream_that_never_starts(monkeypatch):
     """A stream that breaks before its first token, again and again, is a failure, not a cut: the baseline stops after
     RESUME_TRIES and says why (it once retried for ever, each try taking a place on the server). Breaks that yield
     tokens between them are a cut and are resumed."""
-    import client.api
-    from client.connection import LinkCounters
-    from client.demo import RESUME_TRIES, api_resuming
+    import client.net.api
+    from client.apps.demo import RESUME_TRIES, api_resuming
+    from client.net.connection import LinkCounters
     from shared.errors import SplitspecError
 
     class Remote:
@@ -53,7 +53,7 @@ def test_the_api_baseline_gives_up_on_a_stream_that_never_starts(monkeypatch):
         calls.append(len(prompt_ids))
         raise SplitspecError("Generate unanswered within 1.09s")
 
-    monkeypatch.setattr(client.api, "api_generate", never)
+    monkeypatch.setattr(client.net.api, "api_generate", never)
     with pytest.raises(SplitspecError, match=f"broke {RESUME_TRIES} times in a row.*1.09s"):
         api_resuming(Remote(), [1, 2, 3], 10, show=None, clock=lambda: 0.0, sleep=lambda s: None)
     assert len(calls) == RESUME_TRIES
@@ -64,7 +64,7 @@ def test_the_api_baseline_gives_up_on_a_stream_that_never_starts(monkeypatch):
         raise SplitspecError("the link broke")
 
     calls.clear()
-    monkeypatch.setattr(client.api, "api_generate", a_token_a_try)
+    monkeypatch.setattr(client.net.api, "api_generate", a_token_a_try)
     class Shown(list):
         longest_wait = longest_stall = 0.0
 

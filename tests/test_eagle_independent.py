@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import Settings, generate
 from client.drafters import NoDrafter
 from client.drafters.eagle import Eagle, EagleConfig, EagleDrafter
 from client.drafters.independent import Independent, IndependentConfig, IndependentDrafter
 from client.drafters.target_parts import TargetParts
+from client.loop.decode import Settings, generate
 from client.training.losses import loss as drafter_loss
 from client.training.teacher import pad_batch, run_teacher
 from client.verifiers import LocalVerifier, first_spec

@@ -15,10 +15,10 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.apps.edge import app
+from client.apps.edge_pool import Edge
+from client.apps.text import TextDeltas
 from client.drafters.moa import MoADrafter
-from client.edge import app
-from client.edge_pool import Edge
-from client.text import TextDeltas
 from netsim import simulated_link
 from tests.conftest import served, start_server, wait_until
 from tests.test_cli import splitspec
@@ -282,7 +282,7 @@ def test_settled_text_holds_back_what_may_change():
 
 def test_private_spans_never_reach_the_prompt_the_server_gets(tiny_server, tiny_model_dir):
     """The edge masks markers in any message and whole messages flagged private before encoding."""
-    from client.openai_request import parse
+    from client.apps.openai_request import parse
 
     edge = Edge(tiny_server[0], "none", model=str(tiny_model_dir))
     body = {"model": str(tiny_model_dir), "messages": [
@@ -328,8 +328,8 @@ class ScriptedEdge:
     (two offline tokens), the server back (it keeps the first offline token and replaces the second), one more."""
 
     def __init__(self, model_dir):
-        from client.edge_pool import Counters
-        from client.offline import Resilience
+        from client.apps.edge_pool import Counters
+        from client.loop.offline import Resilience
         from shared.engine.models import load_tokenizer
 
         self.tokenizer, self.model, self.drafter_name = load_tokenizer(str(model_dir)), str(model_dir), "scripted"
@@ -340,12 +340,12 @@ class ScriptedEdge:
                        ([a, b, c, e, f], [True] * 5)]  # fmt: skip
 
     def prompt_ids(self, ask):
-        from client.private import Secrets
+        from client.apps.private import Secrets
 
         return [0], Secrets()
 
     def generate(self, ask, prompt_ids, on_update, stop_when, on_start=lambda: None):
-        from client.decode import Generation, GenerationStats
+        from client.loop.decode import Generation, GenerationStats
 
         on_start()
         for tokens, verified in self.script:
@@ -417,8 +417,8 @@ class HeldEdge(ScriptedEdge):
     Its /health checks the server at ``address``, a check waiting up to ``LONG_S`` for it."""
 
     def __init__(self, model_dir, address: str):
-        from client.edge_pool import ServerHealth
-        from client.endpoint import Endpoint
+        from client.apps.edge_pool import ServerHealth
+        from client.net.endpoint import Endpoint
 
         super().__init__(model_dir)
         self.server, self.health = address, ServerHealth(Endpoint(address), timeout_s=LONG_S)
@@ -491,8 +491,8 @@ def test_health_answers_while_streams_and_the_servers_health_check_are_held(tiny
 def test_the_servers_health_is_checked_only_while_health_is_asked(tiny_model_dir):
     """``ServerHealth`` on a clock of the test's: it checks while /health was asked within ``idle_s``; then it stops,
     and the next /health waits for a fresh check rather than answer from a stale one."""
-    from client.edge_pool import ServerHealth
-    from client.endpoint import Endpoint
+    from client.apps.edge_pool import ServerHealth
+    from client.net.endpoint import Endpoint
 
     now, checks = [0.0], HeldHealth()
     with health_server(checks) as address:

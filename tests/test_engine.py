@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from client.decode import Settings, generate
 from client.drafters import NoDrafter, PromptLookup
+from client.loop.decode import Settings, generate
 from client.verifiers import LocalVerifier
 from shared.engine.models import load_target
 from shared.errors import SplitspecError

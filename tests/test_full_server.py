@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from client.decode import generate
 from client.drafters import make_drafter
-from client.failures import ServerFull
-from client.remote import RemoteVerifier
+from client.loop.decode import generate
+from client.net.failures import ServerFull
+from client.net.remote import RemoteVerifier
 from shared.acceptance import SamplingParams
 from tests.conftest import start_server
 

@@ -5,7 +5,7 @@ session belongs to another token (``make fuzz`` runs 10,000 requests on the real
 from __future__ import annotations
 
 from bench.fuzz import Canary, run
-from client.endpoint import Endpoint
+from client.net.endpoint import Endpoint
 from server.limits import ServerLimits
 from server.service import build_server
 from shared.tree import DraftTree

@@ -166,8 +166,8 @@ PROMPT = "def add(a, b):"
 
 
 def _plain(target, n: int = 12) -> list[int]:
-    from client.decode import generate
     from client.drafters import NoDrafter
+    from client.loop.decode import generate
     from client.verifiers import LocalVerifier
     from shared.engine.models import encode_prompt
 
@@ -261,8 +261,8 @@ def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tin
 def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypatch):
     """A GGUF path as ``--drafter``: trees from the model's own top-k, greedy output equal to plain decoding, and a
     model drafting for itself on the same path has every draft accepted. Another tokenizer is refused."""
-    from client.decode import Settings, generate
     from client.drafters import make_drafter, needs_target
+    from client.loop.decode import Settings, generate
     from client.verifiers import LocalVerifier
     from shared.engine.files import cache_dir
     from shared.engine.models import encode_prompt, load_target
@@ -298,9 +298,9 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
     side, then read from the cache; serving never counts."""
     from collections import Counter
 
-    from client.decode import Settings, generate
     from client.drafters import make_drafter, vocabulary
     from client.drafters.model import ModelDrafter
+    from client.loop.decode import Settings, generate
     from client.training import vocab
     from client.verifiers import LocalVerifier
     from shared.engine.models import encode_prompt, load_target

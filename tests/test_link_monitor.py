@@ -12,10 +12,10 @@ import random
 import grpc
 import pytest
 
-from client.decode import generate
 from client.drafters import make_drafter
-from client.link import LinkMonitor
-from client.remote import RemoteVerifier
+from client.loop.decode import generate
+from client.net.link import LinkMonitor
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from server.limits import ServerLimits
 from shared.wire import splitspec_pb2 as pb

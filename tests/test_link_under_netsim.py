@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from client.decode import generate
 from client.drafters import make_drafter
-from client.remote import RemoteVerifier
+from client.loop.decode import generate
+from client.net.remote import RemoteVerifier
 from netsim import get_profile, simulated_link
 from shared.cli import main as splitspec
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.decode import Settings, generate
 from client.drafters import NoDrafter
 from client.drafters.medusa import TOP_K, Medusa, MedusaConfig, MedusaDrafter, prior_tree, sparse_tree
 from client.drafters.target_parts import TargetParts
-from client.offline import offline_token, settle_verify
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import offline_token, settle_verify
+from client.net.remote import RemoteVerifier
 from client.training.losses import medusa_loss
 from client.training.teacher import pad_batch, run_teacher
 from client.verifiers import LocalVerifier
@@ -166,7 +166,7 @@ def test_offline_medusa_spends_its_heads_then_waits_and_settles_losslessly(tiny_
 
 
 def test_the_adaptive_policy_runs_medusa_over_the_network(tiny_server, tiny_target):
-    from client.adaptive import AdaptivePolicy
+    from client.loop.adaptive import AdaptivePolicy
 
     prompt = [5, 9, 14, 5, 9, 21, 33, 5, 9]
     plain = generate(LocalVerifier(tiny_target), NoDrafter(), prompt, 24).token_ids

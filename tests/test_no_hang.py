@@ -19,15 +19,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.adaptive import AdaptivePolicy
-from client.deadlines import FLOOR_S, PROBE_MARGIN_S, SLACK, UNMEASURED_RTT_S, Bounds
-from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
-from client.failures import LinkDown, SessionLost
-from client.link import LinkMonitor
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
+from client.loop.adaptive import AdaptivePolicy
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.net.deadlines import FLOOR_S, PROBE_MARGIN_S, SLACK, UNMEASURED_RTT_S, Bounds
+from client.net.failures import LinkDown, SessionLost
+from client.net.link import LinkMonitor
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
@@ -273,7 +273,7 @@ def test_polls_that_keep_failing_wait_longer_each_time(backend):
     """A reconnection poll that fails doubles the next one's time (up to POLL_GROWTH times): on a machine too busy to
     open a connection within a few round trips, polls of a fixed time would fail for ever (seen: 10 minutes
     offline on a restored link, the client at nice 19 beside a training run). An answered poll starts again."""
-    from client.connection import POLL_GROWTH
+    from client.net.connection import POLL_GROWTH
 
     verifier, asked = RemoteVerifier(backend[0]), []
     c = verifier.connection

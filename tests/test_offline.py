@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import offline_token, settle_verify
+from client.loop.decode import Settings, generate
+from client.loop.offline import offline_token, settle_verify
 from client.verifiers import LocalVerifier, first_spec
 from shared.acceptance import SamplingParams
 from tests.test_eagle_independent import make_model
@@ -139,7 +139,7 @@ def cut_until_offline(verifier: LocalVerifier, call_no: int, offline: int):
     unverified tokens (told through the ``on_update`` returned with it): a cut of a set length, no clock involved."""
     import threading
 
-    from client.failures import LinkDown
+    from client.net.failures import LinkDown
 
     calls, back, verify = [], threading.Event(), verifier.verify
 
@@ -164,7 +164,7 @@ def test_another_drafter_may_write_the_offline_tokens_and_the_answer_ends_as_pla
     the pair). Here the model is the target itself, so every offline token it writes is kept; the drafter follows its
     tokens, so the settlement and the rounds after go on as ever. The link is down until 10 offline tokens exist."""
     from client.drafters.model import ModelDrafter
-    from client.offline import Backoff, Resilience
+    from client.loop.offline import Backoff, Resilience
 
     verifier, seen = cut_until_offline(LocalVerifier(tiny_target), 3, 10)
     offline = ModelDrafter(tiny_target, width=1, vocab=None) if writer == "model" else None

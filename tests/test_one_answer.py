@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from client.decode import generate
 from client.drafters.base import NoDrafter
+from client.loop.decode import generate
 from client.verifiers import LocalVerifier
 from shared.cli import main
 from shared.engine import kernels, paths
@@ -83,7 +83,7 @@ def cli_prompt(target) -> list[int]:
 
 def test_serve_and_generate_default_to_the_same_precision():
     """The server and the client parse the same defaults, so they load the model the same way."""
-    from client import cli as client_cli
+    from client.apps import cli as client_cli
     from server import cli as server_cli
 
     defaults = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import generate
 from client.drafters import NoDrafter, make_drafter
-from client.remote import RemoteVerifier
+from client.loop.decode import generate
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.engine.files import cache_dir
 from shared.engine.linear import Linear
@@ -126,7 +126,7 @@ def test_its_own_drafters_split_over_loopback_with_payloads(pair, name, mode):
 def test_its_own_drafters_generate_through_a_cut_and_settle_to_the_plain_tokens(pair, name):
     """Offline: the drafter alone (MoA-TLI1 through the target's last layer) writes 12 tokens, then the target
     verifies them: the answer ends as plain decoding's."""
-    from client.offline import offline_token, settle_verify
+    from client.loop.offline import offline_token, settle_verify
     from client.verifiers import first_spec
     from shared.acceptance import SamplingParams
 
@@ -155,7 +155,7 @@ def test_the_edge_endpoint_drafts_with_its_own_moa(pair):
     the bundle trained for the 1.5B answers greedily as plain decoding does, and samples with a seed."""
     import openai
 
-    from client.edge_pool import Edge
+    from client.apps.edge_pool import Edge
     from tests.test_edge import serve
 
     target, ids, plain = pair

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from client.decode import Settings, generate
 from client.drafters import make_drafter, prepare_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
 from client.drafters.independent import IndependentDrafter
 from client.drafters.medusa import MedusaDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from shared.engine.decoder import DTYPES

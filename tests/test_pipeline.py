@@ -14,7 +14,6 @@ import time
 import grpc
 import pytest
 
-from client.decode import Settings, generate
 from client.drafters import make_drafter
 from client.drafters.base import NoDrafter
 from client.drafters.eagle import EagleDrafter
@@ -22,8 +21,9 @@ from client.drafters.independent import IndependentDrafter
 from client.drafters.medusa import MedusaDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.model import ModelDrafter
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.acceptance import SamplingParams
 from shared.engine.models import load_target
@@ -94,7 +94,7 @@ def test_subtree_and_chain_of_firsts():
 
 def test_the_outcome_drafted_ahead_for_is_a_leaf():
     """Greedy: the end of the drafter's first choices; sampling: the leaf its probabilities reach most likely."""
-    from client.sizing import likeliest_outcome
+    from client.loop.sizing import likeliest_outcome
 
     # root -> 10 (0, p .5) -> 11 (2, .5·.3) ; root -> 20 (1, .4, a leaf)
     tree = DraftTree([10, 20, 11], [-1, -1, 0], [math.log(0.5), math.log(0.4), math.log(0.15)])
@@ -165,7 +165,7 @@ def test_a_cut_with_a_tree_in_flight_ends_as_plain(tiny_target, twin, plain, kin
 
 @pytest.mark.parametrize("kind", ["moa-tli1", "model"])
 def test_over_grpc_pipelining_is_the_default_and_changes_no_token(tiny_target, tiny_server, twin, plain, kind):
-    from client.adaptive import AdaptivePolicy
+    from client.loop.adaptive import AdaptivePolicy
 
     d = drafter(tiny_target, twin, kind)
     verifier = RemoteVerifier(tiny_server[0], drafter=d)
@@ -209,7 +209,7 @@ def test_a_model_drafter_prefills_the_prompt_while_the_server_does(tiny_target, 
     other, would not happen before the wait's bound (the test then fails)."""
     import threading
 
-    from client.adaptive import AdaptivePolicy
+    from client.loop.adaptive import AdaptivePolicy
 
     d = drafter(tiny_target, twin, "model")
     preparing, opening, prepare = threading.Event(), threading.Event(), d.prepare

@@ -10,13 +10,13 @@ import threading
 
 import pytest
 
-from client.decode import Settings, generate
+from client.apps.private import mask, mask_messages
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
 from client.drafters.prompt_lookup import PromptLookup
-from client.offline import Backoff, Resilience
-from client.private import mask, mask_messages
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.engine.models import encode_messages, encode_prompt
 from shared.payload import PayloadSpec
@@ -131,7 +131,7 @@ class Pieces:
 
 
 def test_the_cli_stream_renders_placeholders_split_across_tokens():
-    from client.cli import SettledPrinter, TextPrinter
+    from client.apps.cli import SettledPrinter, TextPrinter
 
     _, secrets = mask("<private>Ann</private> <private>Bo</private>")
     out = io.StringIO()

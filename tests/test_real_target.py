@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.api import api_generate
-from client.decode import Settings, generate
 from client.drafters import NoDrafter, PromptLookup
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.net.api import api_generate
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.engine.models import encode_prompt
 from tests.conftest import start_server
@@ -198,9 +198,9 @@ def test_adaptive_trees_follow_the_link_in_a_surviving_run(real_target, netsim_s
     few and noisy, since it stops drafting while drafting loses, and so is a cost curve learned from them.)"""
     import math
 
-    from client.adaptive import AdaptivePolicy
-    from client.costs import CostCurve
     from client.drafters import make_drafter
+    from client.loop.adaptive import AdaptivePolicy
+    from client.loop.costs import CostCurve
     from netsim import simulated_link
     from netsim.profiles import Profile
     from shared.tree import DraftTree

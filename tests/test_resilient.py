@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.adaptive import AdaptivePolicy
-from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
-from client.failures import LinkDown
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
-from client.sizing import EXPLORE
+from client.loop.adaptive import AdaptivePolicy
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.loop.sizing import EXPLORE
+from client.net.failures import LinkDown
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from netsim.harness import Flapper
@@ -373,8 +373,8 @@ def test_a_session_lost_as_it_opens_is_opened_again_a_bounded_number_of_times(ti
     """A replica that dies under an OpenSession (the server answers, the session is gone) costs the generation
     nothing: it opens again and ends as plain decoding. A server that loses every opening is an error after
     ``OPEN_TRIES``; so is the first failure under ``fail``."""
-    from client.decode import OPEN_TRIES
-    from client.failures import SessionLost
+    from client.loop.decode import OPEN_TRIES
+    from client.net.failures import SessionLost
 
     plain = generate(LocalVerifier(tiny_target), NoDrafter(), PROMPT, 12).token_ids
 
@@ -408,8 +408,8 @@ def test_a_server_that_loses_every_session_is_given_up_on_not_retried_forever(ti
     lost session): the client reopens a bounded number of times, then ends with an error saying so."""
     import grpc
 
-    from client.failures import SessionLost, rpc_error
-    from client.offline import SETTLE_LOSSES
+    from client.loop.offline import SETTLE_LOSSES
+    from client.net.failures import SessionLost, rpc_error
 
     class Internal(grpc.RpcError):
         def code(self):

@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.decode import generate
 from client.drafters import NoDrafter, make_drafter
-from client.endpoint import Endpoint
-from client.remote import RemoteVerifier
+from client.loop.decode import generate
+from client.net.endpoint import Endpoint
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from server.limits import ServerLimits
 from server.security import server_credentials

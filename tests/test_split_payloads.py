@@ -12,11 +12,11 @@ import json
 import grpc
 import pytest
 
-from client.decode import Settings, generate
 from client.drafters import drafter_for
 from client.drafters.base import NoDrafter
 from client.drafters.bundle import save_bundle
-from client.remote import RemoteVerifier
+from client.loop.decode import Settings, generate
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec

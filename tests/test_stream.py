@@ -9,14 +9,14 @@ import time
 import grpc
 import pytest
 
-from client import stretch
-from client.adaptive import AdaptivePolicy
-from client.decode import Settings, generate
 from client.drafters.base import NoDrafter
 from client.drafters.moa import MoADrafter
-from client.offline import Backoff, Resilience
-from client.remote import RemoteVerifier
-from client.schedule import PAUSE
+from client.loop import stretch
+from client.loop.adaptive import AdaptivePolicy
+from client.loop.decode import Settings, generate
+from client.loop.offline import Backoff, Resilience
+from client.loop.schedule import PAUSE
+from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from netsim import simulated_link
 from shared.acceptance import SamplingParams
@@ -399,9 +399,9 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
     """A probe unanswered while the server's stream kept arriving (a congested slow link) does not mark the link
     dead; one unanswered with nothing heard since it was sent does. The reply in flight's transfer time extends a
     probe's deadline."""
-    from client.endpoint import Endpoint
-    from client.heartbeat import Heartbeat
-    from client.link import LinkMonitor
+    from client.net.endpoint import Endpoint
+    from client.net.heartbeat import Heartbeat
+    from client.net.link import LinkMonitor
 
     class Failed:
         def cancelled(self):
@@ -432,9 +432,9 @@ def test_a_probe_queued_behind_a_stream_is_not_a_cut(server):
 def test_no_probe_goes_out_while_the_stream_is_heard_from(server):
     """A stream's chunks arriving say the link is up: the heartbeat stays quiet, and probes once they stop. The
     heartbeat's clock is the test's: the link is quiet exactly when the test moves it on past the last chunk."""
-    from client.endpoint import Endpoint
-    from client.heartbeat import Heartbeat
-    from client.link import LinkMonitor
+    from client.net.endpoint import Endpoint
+    from client.net.heartbeat import Heartbeat
+    from client.net.link import LinkMonitor
 
     now, turns = [100.0], [0]  # a chunk was heard at 100.0 (``heard``), and the clock stands there
 
@@ -459,10 +459,10 @@ def test_no_probe_goes_out_while_the_stream_is_heard_from(server):
 def test_a_probe_grpc_never_ends_is_counted_unanswered_once_its_deadline_and_grace_pass(server):
     """``_overdue`` on the heartbeat's clock: a probe out for its deadline plus ``GRACE_S`` marks the link dead, one
     a moment short of that does not, whatever the wall clock did meanwhile."""
-    from client.deadlines import GRACE_S
-    from client.endpoint import Endpoint
-    from client.heartbeat import Heartbeat
-    from client.link import LinkMonitor
+    from client.net.deadlines import GRACE_S
+    from client.net.endpoint import Endpoint
+    from client.net.heartbeat import Heartbeat
+    from client.net.link import LinkMonitor
 
     class Stuck:  # a probe whose callback never comes
         def cancel(self):

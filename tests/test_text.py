@@ -1,4 +1,4 @@
-"""client.text: from (tokens, verified) snapshots to settled text, provisional text and link events."""
+"""client.apps.text: from (tokens, verified) snapshots to settled text, provisional text and link events."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from client.private import mask
-from client.text import DIM, PLAIN, RESTORE_CLEAR, SAVE, Delta, Terminal, TextDeltas, column, fit
+from client.apps.private import mask
+from client.apps.text import DIM, PLAIN, RESTORE_CLEAR, SAVE, Delta, Terminal, TextDeltas, column, fit
 
 TEXT = "Café 3 € 日本語 🙂 naïve façade, the cat sat on the mat"
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from client.decode import Settings, generate
 from client.drafters import NoDrafter, drafter_for, make_drafter
 from client.drafters.bundle import load_bundle, save_bundle
+from client.loop.decode import Settings, generate
 from client.training.datasets import TrainingStream
 from client.training.trainer import TrainConfig, Trainer
 from client.verifiers import LocalVerifier

@@ -1,4 +1,4 @@
-"""The client's other threads racing its end: a reconnection poll (``client.offline``'s thread, through
+"""The client's other threads racing its end: a reconnection poll (``client.loop.offline``'s thread, through
 ``RemoteVerifier.reachable``) and the heartbeat reconnecting, each while the client shuts down.
 
 Before: a poll that failed because shutdown closed the channel swapped in a new one that nobody closed, and a
@@ -19,12 +19,12 @@ from concurrent import futures
 import grpc
 import pytest
 
-from client import heartbeat as heartbeat_module
-from client.endpoint import Endpoint
-from client.heartbeat import Heartbeat
-from client.link import LinkMonitor
-from client.offline import Backoff, Reconnector
-from client.remote import RemoteVerifier
+from client.loop.offline import Backoff, Reconnector
+from client.net import heartbeat as heartbeat_module
+from client.net.endpoint import Endpoint
+from client.net.heartbeat import Heartbeat
+from client.net.link import LinkMonitor
+from client.net.remote import RemoteVerifier
 from shared.errors import SplitspecError
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
@@ -102,7 +102,7 @@ def test_a_reconnection_poll_racing_shutdown_leaves_no_channel_and_no_thread(ope
         reconnector = Reconnector(lambda: verifier.reachable(timeout_s=LONG_S), Backoff(seed=0))
         reconnector.start()
         assert stalling.stalled.wait(30), "the poll never reached the server"
-        reconnector.stop.set()  # as client.offline.bridge does when it gives up
+        reconnector.stop.set()  # as client.loop.offline.bridge does when it gives up
         verifier.shutdown(timeout_s=JOIN_S)  # the server holds the poll and its time is LONG_S: only a cancel ends it
         assert not stalling.release.is_set() and not reconnector.is_alive(), "shutdown did not cancel the poll"
         assert len(opened) >= 1 and all_closed(opened), [is_closed(c) for c in opened]

@@ -15,7 +15,7 @@ the server already sends for EAGLE.
 
 Without the server (a link cut), no new f_q arrives: the heads of the last one still give the next
 K tokens (head k for the k-th token after it), after which the drafter has nothing to offer and the
-loop waits for the link (``client.offline``).
+loop waits for the link (``client.loop.offline``).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def add_connection_arguments(p: argparse.ArgumentParser, server_group=None) -> N
 
 
 def add_mode_argument(p: argparse.ArgumentParser) -> None:
-    """--mode: who decodes (``client.adaptive``)."""
+    """--mode: who decodes (``client.loop.adaptive``)."""
     p.add_argument("--mode", default="auto", choices=["auto", "draft", "stream"],
                    help="draft: the drafter proposes and the server verifies every round; stream: the server decodes "
                         "by itself and streams tokens with the drafter's payloads (no round trip per token; offline "

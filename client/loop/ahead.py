@@ -1,11 +1,11 @@
-"""Drafting ahead of a verdict, and chained rounds (``client.decode``'s pipelined rounds over a link).
+"""Drafting ahead of a verdict, and chained rounds (``client.loop.decode``'s pipelined rounds over a link).
 
 While a Verify is in flight the drafter drafts ahead: it takes the tree's likeliest path as accepted
 (``Drafter.assume``) and drafts the tree after it, whose first level holds its guesses for the server's bonus token.
 When the verdict is that path and a bonus it guessed, the subtree under that bonus is the next round's tree, ready at
 once. Chained (``chain``): that tree is sent at once, before the verdict it assumes (``Verifier.verify_after``), so the
 server verifies it straight after the round before; where the guess was wrong the server answers it stale without
-computing. Each function here takes the generation's ``client.decode.Run``.
+computing. Each function here takes the generation's ``client.loop.decode.Run``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from client.adaptive import Ahead
-from client.failures import LinkDown
-from client.sizing import Decision, outcomes
+from client.loop.adaptive import Ahead
+from client.loop.sizing import Decision, outcomes
+from client.net.failures import LinkDown
 from client.verifiers import Pending
 from shared.engine.target import Verdict
 from shared.tree import DraftTree, path_to

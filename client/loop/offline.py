@@ -1,6 +1,6 @@
 """Generating without the server, and making peace with it afterwards.
 
-``Bridge`` is what the decode loop (``client.decode``) runs when a Verify fails for the link: the
+``Bridge`` is what the decode loop (``client.loop.decode``) runs when a Verify fails for the link: the
 drafter itself is the model — its most likely next token (for MoA with TLI>0, through the target's
 own last layers) is committed unverified, one at a time, through the ordinary drafter interface
 (``propose(1, depth=1)`` then ``absorb``), no drafter-specific code — while a background thread
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from client.drafters.base import Drafter
-from client.failures import LinkDown, SessionLost
-from client.heartbeat import Heartbeat
+from client.net.failures import LinkDown, SessionLost
+from client.net.heartbeat import Heartbeat
 from client.verifiers import NO_PAYLOAD, Verifier
 from shared.acceptance import SamplingParams, target_probs
 from shared.errors import SplitspecError
@@ -89,7 +89,7 @@ class Resilience:
     ``max_offline_s`` bounds one stretch without the server; ``settle_wait_s`` bounds how long a
     generation already complete offline waits for the server to settle it (None: the rest of
     ``max_offline_s``; 0: return at once with the tail unverified). ``heartbeat`` probes the server
-    on a connection of its own (``client.heartbeat``) so that a silent cut is noticed within about
+    on a connection of its own (``client.net.heartbeat``) so that a silent cut is noticed within about
     two round trips, not only at a Verify's deadline. ``keep_after_s``: under ``verify``, a cut that
     lasts longer keeps its offline tokens as ``keep`` does (None: never). ``offline_cap``: while offline
     tokens are to be verified, offline generation waits once the chance that all of them survive — the

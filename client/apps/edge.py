@@ -3,7 +3,7 @@
 Apps on a device talk to language models through the OpenAI API (llama.cpp's server, Ollama and LM
 Studio serve it locally), so the edge serves it too: ``GET /v1/models``, ``POST /v1/chat/completions``
 and ``POST /v1/completions`` (streamed as server-sent events or not), ``GET /health`` and ``GET /metrics``.
-Behind them every request is one generation of the one decode loop (``client.decode.generate``): the
+Behind them every request is one generation of the one decode loop (``client.loop.decode.generate``): the
 drafter here, verification on ``--server``, offline generation when the link drops. A stream carries only
 text that can no longer change (what the server verified; offline tokens once settled), so an app never
 sees text taken back. Replies carry OpenAI's ``usage`` and splitspec's own figures under ``splitspec``.
@@ -15,7 +15,7 @@ the content streamed so far that may still change, whole: it replaces the previo
 a chunk without it leaves it as it was. Such chunks may have no content of their own (an empty
 ``delta``, or ``text: ""``), and ``"events"`` there narrates the link ("no answer from the server:
 generating offline", "server back: ..."). The content itself is the same as a plain client's, which
-never sees either (``client.text.TextDeltas`` makes both); the usage chunk's ``splitspec`` holds the
+never sees either (``client.apps.text.TextDeltas`` makes both); the usage chunk's ``splitspec`` holds the
 figures, as always. With the ``openai`` client: ``extra_body={"splitspec": {"provisional": True}}``, and
 ``chunk.model_extra.get("splitspec")``.
 
@@ -23,7 +23,7 @@ figures, as always. With the ``openai`` client: ``extra_body={"splitspec": {"pro
 leaves no room in the server's context is OpenAI's ``400 context_length_exceeded``.
 
 Built on Starlette + uvicorn (and sse-starlette for the event streams): well-kept ASGI libraries, the
-same stack as netsim's Toxiproxy API. What answers the requests is ``client.edge_pool``: generations run in worker
+same stack as netsim's Toxiproxy API. What answers the requests is ``client.apps.edge_pool``: generations run in worker
 threads (torch releases the GIL), so
 several requests proceed at once, each with its own drafter state and server session; a worker hands its
 text to the event loop (``call_soon_threadsafe``), so a waiting request holds no thread. Connections to the
@@ -42,8 +42,8 @@ import threading
 import time
 import uuid
 
-from client.edge_pool import Edge, Job
-from client.openai_request import RequestError, parse
+from client.apps.edge_pool import Edge, Job
+from client.apps.openai_request import RequestError, parse
 from shared.engine.decoder import DTYPES
 from shared.engine.models import DEFAULT_MODEL
 
@@ -235,7 +235,7 @@ def app(edge: Edge):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from client.options import add_connection_arguments, add_mode_argument
+    from client.apps.options import add_connection_arguments, add_mode_argument
 
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this device only)")
     p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from client.endpoint import Endpoint
+    from client.net.endpoint import Endpoint
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,8 +10,8 @@ A round costs ``draft + verify(n) + RTT + upload(n)/up_rate + download/down_rate
   keeping its first n nodes is exactly the tree a budget of n would have given.
 * ``verify(n)`` — the server reports its compute time per call; running averages per size, interpolated
   between sizes and extended by a least-squares line, predict it for any n (``CostCurve``).
-* ``RTT``, rates — the link monitor (``client.link``).
-* ``draft`` — measured per depth step; with pipelined rounds (``client.decode``) only the part not hidden behind
+* ``RTT``, rates — the link monitor (``client.net.link``).
+* ``draft`` — measured per depth step; with pipelined rounds (``client.loop.decode``) only the part not hidden behind
   the wire: a round whose likeliest path is accepted (the drafter's own probability of it, calibrated) and whose
   bonus it guessed (``hit``, measured) finds its next tree drafted during the flight, so drafting costs only what
   drafting ahead (``ahead_s``, measured) takes past the wire; the others draft as ever. Chained (the tree drafted
@@ -30,7 +30,7 @@ server holds the drafter's bundle; precision only drops below fp16 on very slow 
 
 ``Sizing`` answers (``size``, ``round_spec``, ``stream_spec``, ``prompt_spec``) without changing itself and learns
 only when told what a round cost (``observe``) or what a stretch of a stream cost (``streamed``). Which kind of
-round comes next — drafted, plain, or the server decoding alone — is ``client.schedule``'s question.
+round comes next — drafted, plain, or the server decoding alone — is ``client.loop.schedule``'s question.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from client.costs import GAIN, CostCurve, verify_request_bytes
+from client.loop.costs import GAIN, CostCurve, verify_request_bytes
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree, depths
 
@@ -106,7 +106,7 @@ class Sizing:
     faithful first; ``raw_bytes_per_token(spec)`` sizes them. ``pin_nodes``/``pin_depth``/``pin_spec`` fix a
     choice instead of adapting it."""
 
-    link: object  # client.link.LinkMonitor (or None for a local verifier)
+    link: object  # client.net.link.LinkMonitor (or None for a local verifier)
     max_nodes: int = 64
     max_depth: int = 8
     min_depth: int = 2

@@ -1,6 +1,6 @@
 """The remote ``Verifier``: a splitspec server over gRPC. It turns the loop's trees into calls on its
-``client.connection.Connection`` (which bounds, times and counts them, and keeps the link measured) and their replies
-into ``Verdict``s, decoding the payloads that come with them."""
+``client.net.connection.Connection`` (which bounds, times and counts them, and keeps the link measured) and their
+replies into ``Verdict``s, decoding the payloads that come with them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from client.connection import SHUTDOWN_JOIN_S, Connection, LinkCounters, _say
-from client.deadlines import GRACE_S
-from client.endpoint import Endpoint
-from client.failures import LinkDown, Stale
+from client.net.connection import SHUTDOWN_JOIN_S, Connection, LinkCounters, _say
+from client.net.deadlines import GRACE_S
+from client.net.endpoint import Endpoint
+from client.net.failures import LinkDown, Stale
 from client.verifiers import NO_PAYLOAD, Pending, Verifier
 from shared import payload
 from shared.acceptance import SamplingParams

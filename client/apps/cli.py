@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from client.offline import OFFLINE_CAP
-from client.options import Deprecated, add_connection_arguments, add_mode_argument
-from client.private import Renderer, mask
-from client.text import Terminal, TextDeltas, note
+from client.apps.options import Deprecated, add_connection_arguments, add_mode_argument
+from client.apps.private import Renderer, mask
+from client.apps.text import Terminal, TextDeltas, note
+from client.loop.offline import OFFLINE_CAP
 from shared.acceptance import ACCEPTANCE, TYPICAL_DELTA, TYPICAL_EPSILON
 from shared.engine.decoder import DTYPES
 from shared.engine.models import DEFAULT_MODEL
@@ -137,8 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class TextPrinter:
     """Prints text as tokens arrive (each call: the tokens after the last call's, all final), on ``out`` through a
-    ``client.text.Terminal``; ``renderer`` (``client.private.Renderer``) names the private texts to put back in
-    place of their placeholders. ``SettledPrinter`` and the demo show a whole generation on its terminal."""
+    ``client.apps.text.Terminal``; ``renderer`` (``client.apps.private.Renderer``) names the private texts to put
+    back in place of their placeholders. ``SettledPrinter`` and the demo show a whole generation on its terminal."""
 
     def __init__(self, tokenizer, out=None, renderer: Renderer | None = None):
         self.tokenizer, self.out = tokenizer, out or sys.stdout
@@ -152,7 +152,7 @@ class TextPrinter:
 
 
 class SettledPrinter:
-    """Shows a generation as ``on_update`` reports it (``client.text.TextDeltas``), on ``text``'s terminal.
+    """Shows a generation as ``on_update`` reports it (``client.apps.text.TextDeltas``), on ``text``'s terminal.
 
     Verified tokens are final, and so are offline ones under ``keep``; under ``verify`` an offline token may still be
     replaced when the server is back: on a terminal it is shown dim meanwhile and rewritten in place (through a
@@ -191,7 +191,7 @@ def stats_line(gen) -> str:
 def options(args: argparse.Namespace):
     """The flags as ``ClientOptions`` (which check their own combinations)."""
     from client.build import ClientOptions
-    from client.endpoint import Endpoint
+    from client.net.endpoint import Endpoint
     from shared.acceptance import SamplingParams
     from shared.errors import SplitspecError
 

@@ -1,6 +1,6 @@
 """From tokens to the text a display shows: one class for the CLI, the edge endpoint and the demo.
 
-The decode loop (``client.decode.generate``) reports the whole output after every change,
+The decode loop (``client.loop.decode.generate``) reports the whole output after every change,
 ``on_update(tokens, verified)``. Most of it is final: what the server verified, and under ``keep`` the
 offline tokens too. But while the link is cut the tail is made offline, and under ``verify`` the server
 may replace part of it once it is back. A display wants text, and wants to know which text can still
@@ -17,7 +17,7 @@ with it minus the text of the window without it (a token's text can depend on th
 SentencePiece word's leading space). What could still change is held back: an incomplete UTF-8
 character (text ending in U+FFFD, until the next token completes it), what could begin a stop string
 (the text ends before the first one, and ``stopped`` tells the generation to end) and what could begin
-a private placeholder (``client.private``: the private text is put back for whole placeholders only).
+a private placeholder (``client.apps.private``: the private text is put back for whole placeholders only).
 At the end (``final``) nothing is held back and every token is final.
 
 ``Terminal`` shows deltas on a terminal: settled text as it comes and, on a TTY, the provisional text
@@ -33,7 +33,7 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from client.decode import verified_prefix
+from client.loop.decode import verified_prefix
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TextDeltas:
     """Successive ``(tokens, verified)`` snapshots of one generation as text ``Delta``s (see the module docstring).
 
     ``final_offline``: offline tokens are final at once (``--on-reconnect keep``); ``stop``: stop strings;
-    ``secrets`` (``client.private.Secrets``): the private texts to put back in place of their placeholders.
+    ``secrets`` (``client.apps.private.Secrets``): the private texts to put back in place of their placeholders.
     """
 
     def __init__(self, tokenizer, final_offline: bool = False, stop: Sequence[str] = (), secrets=None):

@@ -13,7 +13,7 @@ what it takes, and every such call would be lost. A tree's token includes its sh
 the figure errs long for longer calls, never short. A stream is bounded per gap, the time between two of
 its messages, so a stream of any length is watched as closely as one call.
 
-A missed bound is a lost call (``client.remote``), which the decode loop handles as a cut: offline generation, then
+A missed bound is a lost call (``client.net.remote``), which the decode loop handles as a cut: offline generation, then
 the settlement. A call a few times slower than the server has ever been is not worth waiting for: a replica that
 died behind a proxy that keeps the connection open answers no call ever, and nothing else would say so.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.link import LinkMonitor
+from client.net.link import LinkMonitor
 
 SMALL = 64  # tokens up to which a call is one forward of a few tokens
 SLACK = 4.0  # times the compute a call is expected to take

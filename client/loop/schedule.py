@@ -18,7 +18,7 @@ The schedule is a small state machine (``Phase``), changed only by what it is to
   judged.
 
 Each trial that fails again doubles the next pause (quadruples it when drafting ran under half the plain speed),
-up to ``MAX_PAUSE``, and one that pays resets it. The costs it judges by are ``client.sizing``'s.
+up to ``MAX_PAUSE``, and one that pays resets it. The costs it judges by are ``client.loop.sizing``'s.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from client.costs import GAIN, verify_request_bytes
-from client.sizing import Sizing
+from client.loop.costs import GAIN, verify_request_bytes
+from client.loop.sizing import Sizing
 from shared.tree import DraftTree
 
 TRIAL = 2

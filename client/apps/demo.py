@@ -21,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from client.offline import OFFLINE_CAP
-from client.options import Deprecated
+from client.apps.options import Deprecated
+from client.loop.offline import OFFLINE_CAP
 from netsim.profiles import PROFILES
 from shared.engine.models import DEFAULT_MODEL
 from shared.server_process import cpus_label, server_child, two_machines
@@ -57,13 +57,13 @@ def say(message: str) -> None:
 
 
 class Show:
-    """Shows a generation on ``text`` (a ``client.cli.TextPrinter``: its ``client.text`` deltas and terminal): the
-    settled text, the offline tail dim while the link is cut (on a terminal), the link's events narrated. Cuts the link
-    (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later. Measures the longest wait for more
-    settled text (``longest_stall``) and for any new text on the screen, provisional text included (``longest_wait``;
-    while a whole answer is on the screen — ``limit`` tokens, or a stop token in ``stop`` — the user waits for no
-    more text, only for the server to confirm it: that time is not a wait).
-    """
+    """Shows a generation on ``text`` (a ``client.apps.cli.TextPrinter``: its ``client.apps.text`` deltas and
+    terminal): the settled text, the offline tail dim while the link is cut (on a terminal), the link's events
+    narrated. Cuts the link (``link.cut``) once ``cut_after`` tokens are out, restores it ``cut_for`` later.
+    Measures the longest wait for more settled text (``longest_stall``) and for any new text on the screen,
+    provisional text included (``longest_wait``; while a whole answer is on the screen — ``limit`` tokens, or a stop
+    token in ``stop`` — the user waits for no more text, only for the server to confirm it: that time is not a
+    wait)."""
 
     def __init__(self, text, link, cut_after: int, cut_for: float, limit: int, stop: list[int]):
         self.text, self.link, self.cut_after, self.cut_for = text, link, cut_after, cut_for
@@ -106,7 +106,8 @@ class Show:
 
 
 def narrated(policy_class):
-    """The adaptive policy, saying when it switches between the server decoding and drafting (``client.adaptive``)."""
+    """The adaptive policy (``client.loop.adaptive``), saying when it switches between the server decoding and
+    drafting."""
 
     class Narrated(policy_class):
         said = ""
@@ -136,7 +137,7 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
     for the server and asks again for the rest (the prompt and what it already has). A stream that breaks ``tries``
     times in a row without a token is not a cut but a failure: raised, not retried for ever. Its figures for the
     table."""
-    from client.api import api_generate
+    from client.net.api import api_generate
     from shared.errors import SplitspecError
 
     before, start, out, barren = remote.counters.server_calls, time.perf_counter(), [], 0
@@ -173,7 +174,7 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
 def warm_up(client, prompt_ids: list[int]) -> None:
     """A few tokens each way, unshown, so that neither timed run pays first-call costs (the server's kernels and
     buffers, the drafter's first forward) that the other then skips; the timed run then learns afresh."""
-    from client.api import api_generate
+    from client.net.api import api_generate
 
     client.generate(prompt_ids, WARM_UP_TOKENS)
     api_generate(client.verifier, prompt_ids, WARM_UP_TOKENS)
@@ -236,9 +237,9 @@ def run(args: argparse.Namespace) -> int:
 
 def demo_runs(args: argparse.Namespace, address: str, link, drafter, tokenizer, prompt_ids: list[int]) -> dict:
     """The split client through the cut, then the streaming API through the same cut: each run's figures."""
-    from client.adaptive import AdaptivePolicy
+    from client.apps.cli import TextPrinter
     from client.build import Client, ClientOptions, Shared
-    from client.cli import TextPrinter
+    from client.loop.adaptive import AdaptivePolicy
     from shared.engine.target import tokenizer_fingerprint
 
     runs = {}

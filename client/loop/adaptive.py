@@ -4,8 +4,8 @@ A policy answers questions without changing (``plan``: what kind of call comes n
 payload; ``size``: how much of a drafted tree to send) and learns only from the outcomes it is told (``Round``,
 ``Streamed``, ``Ahead``, ``Rehearsal``, ``Loaded``, ``Pipelining``). Two policies share that interface:
 ``StaticPolicy`` drafts every round to the drafter's own depth and sends the whole tree; ``AdaptivePolicy`` joins
-two small parts, each in its own module — ``client.sizing`` (how big a round should be: the tree's size, its depth,
-the payload, by a cost model measured as decoding goes) and ``client.schedule`` (which kind of round comes next:
+two small parts, each in its own module — ``client.loop.sizing`` (how big a round should be: the tree's size, its depth,
+the payload, by a cost model measured as decoding goes) and ``client.loop.schedule`` (which kind of round comes next:
 drafted, plain, or the server decoding by itself, ``--mode``). Any choice can be pinned (``--max-tree-nodes``,
 ``--tree-depth``, ``--payload``, ``--precision``).
 """
@@ -16,8 +16,8 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from client.schedule import LOOKUP, Schedule
-from client.sizing import Decision, Sizing
+from client.loop.schedule import LOOKUP, Schedule
+from client.loop.sizing import Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 
@@ -37,7 +37,7 @@ class Plan:
     """The next call: ``stream`` tokens for the server to decode by itself (0: a round), else a round that drafts
     (``draft``; False: a plain step) ``depth`` levels deep (None: the drafter's own depth); ``spec``: the payload
     it asks for (None: as before); ``lookup``: tokens a stream's server may copy by prompt lookup; ``rehearse``: a
-    stream drafts trees it will not send, to learn what drafting would gain (``client.schedule``)."""
+    stream drafts trees it will not send, to learn what drafting would gain (``client.loop.schedule``)."""
 
     stream: int = 0
     draft: bool = True
@@ -105,7 +105,7 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Pipelining:
-    """Whether the loop drafts ahead while a Verify is in flight (``client.decode``): drafting then costs a round
+    """Whether the loop drafts ahead while a Verify is in flight (``client.loop.decode``): drafting then costs a round
     less than it takes; ``chained``: and sends that tree before the verdict, hiding the round trip too."""
 
     on: bool

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from client.connection import Connection
-from client.decode import Generation, GenerationStats, copy_link_stats
-from client.remote import RemoteVerifier, sampling_msg
+from client.loop.decode import Generation, GenerationStats, copy_link_stats
+from client.net.connection import Connection
+from client.net.remote import RemoteVerifier, sampling_msg
 from shared.acceptance import SamplingParams
 from shared.wire import splitspec_pb2 as pb
 

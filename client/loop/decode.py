@@ -7,13 +7,13 @@ the round gained and cost. It knows nothing about which drafter proposes
 or where verification happens; both are interfaces (``Drafter``, ``Verifier``).
 
 Over a link, rounds are pipelined: while a Verify is in flight the drafter drafts ahead of its verdict, and the tree
-drafted for the likeliest outcome may be sent before it, chained (``client.ahead``). Nothing the server sees depends
-on a guess but which tree it verifies, so every output is as without it. Instead of a round, the policy may have the
-server decode a stretch by itself, streamed, the drafter absorbing its tokens as they come (``client.stretch``), so
-drafting can resume, or the link fail, at any token.
+drafted for the likeliest outcome may be sent before it, chained (``client.loop.ahead``). Nothing the server sees
+depends on a guess but which tree it verifies, so every output is as without it. Instead of a round, the policy may
+have the server decode a stretch by itself, streamed, the drafter absorbing its tokens as they come
+(``client.loop.stretch``), so drafting can resume, or the link fail, at any token.
 
 Losing the link is an event of this loop, not another loop: a Verify that fails for the link
-(``LinkDown``; ``SessionLost``) hands over to ``client.offline.Bridge``, which generates offline
+(``LinkDown``; ``SessionLost``) hands over to ``client.loop.offline.Bridge``, which generates offline
 (the drafter, with MoA's TLI layers) until the server answers again and then settles the
 unverified tail (``verify``: the server checks it, greedy output ends as if never cut; ``keep``:
 taken as is); the loop applies what it yields, as it applies a round's tokens, through its one writer
@@ -35,15 +35,15 @@ from typing import TypeVar
 
 import torch
 
-from client import ahead, stretch
-from client.adaptive import Loaded, Pipelining, Plan, Policy, Round, State, StaticPolicy
-from client.ahead import FLIGHT_GRACE_S, UNBOUNDED_FLIGHT_S, Chained
-from client.costs import verify_request_bytes
-from client.deadlines import round_s
 from client.drafters.base import Drafter
-from client.failures import LinkDown, SessionLost, Stale
-from client.heartbeat import Heartbeat
-from client.offline import Bridge, Cut, OfflineStats, Resilience
+from client.loop import ahead, stretch
+from client.loop.adaptive import Loaded, Pipelining, Plan, Policy, Round, State, StaticPolicy
+from client.loop.ahead import FLIGHT_GRACE_S, UNBOUNDED_FLIGHT_S, Chained
+from client.loop.costs import verify_request_bytes
+from client.loop.offline import Bridge, Cut, OfflineStats, Resilience
+from client.net.deadlines import round_s
+from client.net.failures import LinkDown, SessionLost, Stale
+from client.net.heartbeat import Heartbeat
 from client.verifiers import NO_PAYLOAD, Verifier, first_spec
 from shared.acceptance import SamplingParams
 from shared.engine.target import Verdict
@@ -111,7 +111,7 @@ class Generation:
 class Settings:
     """How one generation runs, besides what it generates from (see ``generate``).
 
-    ``policy`` (``client.adaptive.AdaptivePolicy``) drafts each round's tree to its depth, cuts it to the size it
+    ``policy`` (``client.loop.adaptive.AdaptivePolicy``) drafts each round's tree to its depth, cuts it to the size it
     expects to pay off and picks the payload spec; by default (``StaticPolicy``) every round verifies the drafter's
     whole tree of at most ``max_tree_nodes``. ``resilience`` (default ``Resilience()``: survive, then verify) says
     what happens when the link fails. ``stop_ids``: the tokens that end a generation (default: the target's
@@ -202,7 +202,7 @@ class Run:
 
     def generate(self) -> Generation:
         """prompt → prefill → {plan → (stream | draft → size → verify → accept → absorb) → emit} → text; a link that
-        fails hands over to the offline stage (``client.offline.Bridge``) and the loop goes on after it."""
+        fails hands over to the offline stage (``client.loop.offline.Bridge``) and the loop goes on after it."""
         verifier, policy, stats, clock = self.verifier, self.policy, self.stats, self.clock
         before = replace(verifier.counters)
         start = clock()

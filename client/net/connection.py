@@ -1,8 +1,8 @@
 """A connection to one splitspec server: the calls the client makes on it, each bounded, timed and counted, and what
-the heartbeat and the reconnection polls do to it. ``client.remote.RemoteVerifier`` turns verdicts into these calls
+the heartbeat and the reconnection polls do to it. ``client.net.remote.RemoteVerifier`` turns verdicts into these calls
 and their replies back; this module knows nothing of trees or payloads.
 
-No wait here is unbounded: every call has a bound from what was measured (``client.deadlines``), enforced in this
+No wait here is unbounded: every call has a bound from what was measured (``client.net.deadlines``), enforced in this
 process as well as by gRPC's deadline (a wait outlasts it by ``GRACE_S``, then the call is abandoned), a stream's
 messages are awaited one gap at a time, and channels are closed off the caller's thread (``close_soon``). A call
 that misses its bound is lost: ``LinkDown`` if the server does not answer a probe either, ``SessionLost`` if it does
@@ -23,10 +23,10 @@ from typing import TypeVar
 
 import grpc
 
-from client.deadlines import GRACE_S, Bounds
-from client.endpoint import Endpoint
-from client.failures import LinkDown, ServerFull, SessionLost, rpc_error
-from client.link import PROBE_MAX_BYTES, LinkMonitor
+from client.net.deadlines import GRACE_S, Bounds
+from client.net.endpoint import Endpoint
+from client.net.failures import LinkDown, ServerFull, SessionLost, rpc_error
+from client.net.link import PROBE_MAX_BYTES, LinkMonitor
 from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY, close_soon, off_thread
 from shared.errors import SplitspecError
 from shared.wire import splitspec_pb2 as pb
@@ -369,8 +369,9 @@ class Connection:
         return self.link.probe(call, budget_s, max_bytes)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_JOIN_S) -> None:
-        """Close the connection for good. A reconnection poll racing it (``client.offline``'s thread) is cancelled and
-        its thread waited for (at most ``timeout_s``): no channel is opened after this, and no poll outlives it."""
+        """Close the connection for good. A reconnection poll racing it (``client.loop.offline``'s thread) is
+        cancelled and its thread waited for (at most ``timeout_s``): no channel is opened after this, and no poll
+        outlives it."""
         with self._lock:
             self._shut.set()
             polls, channel = dict(self._polls), self.channel

@@ -1,4 +1,4 @@
-"""What answers the edge's requests (``client.edge`` is the HTTP side): the drafters and server connections pooled
+"""What answers the edge's requests (``client.apps.edge`` is the HTTP side): the drafters and server connections pooled
 across requests (``Edge``), one generation on a worker thread of its own whose text the event loop awaits
 (``Job``), the server's health as /health tells it (``ServerHealth``), and the edge's metrics (``Counters``).
 """
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from client.openai_request import Ask, RequestError, completion_exceeded, context_exceeded
-from client.text import Delta, TextDeltas
+from client.apps.openai_request import Ask, RequestError, completion_exceeded, context_exceeded
+from client.apps.text import Delta, TextDeltas
 from shared.engine.models import DEFAULT_MODEL
 
 DEFAULT_MAX_TOKENS = 256  # a request that sets no max_tokens gets what fits its context, at most this many
@@ -144,9 +144,9 @@ class Edge:
                  on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
                  connect_timeout_s: float = 10.0, max_tree_nodes: int | None = None, mode: str = "auto"):  # fmt: skip
         """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
-        adaptive policy's (``client.adaptive``)."""
+        adaptive policy's (``client.loop.adaptive``)."""
         from client.build import ClientOptions, Shared
-        from client.endpoint import Endpoint
+        from client.net.endpoint import Endpoint
 
         self.stopping = threading.Event()  # SIGTERM/SIGINT: every generation ends now, wherever it is
         self.server, self.model = server, model
@@ -195,8 +195,9 @@ class Edge:
             client.close()
 
     def prompt_ids(self, ask: Ask) -> tuple[list[int], object]:
-        """The prompt's token ids, private spans replaced by placeholders (``client.private``), and their secrets."""
-        from client.private import Secrets, mask, mask_messages
+        """The prompt's token ids, private spans replaced by placeholders (``client.apps.private``), and their
+        secrets."""
+        from client.apps.private import Secrets, mask, mask_messages
         from shared.engine.models import encode_messages
 
         if ask.chat:
@@ -258,7 +259,7 @@ class Edge:
 
 class Job:
     """One generation on a worker thread of its own, its text handed to the event loop as ``Delta``s
-    (``client.text``) with ``call_soon_threadsafe``: a request waiting for text holds no thread (a thread of the
+    (``client.apps.text``) with ``call_soon_threadsafe``: a request waiting for text holds no thread (a thread of the
     loop's executor per stream starved every other request, /health included, once streams outnumbered them)."""
 
     def __init__(self, edge: Edge, ask: Ask):

@@ -37,9 +37,9 @@ from collections.abc import Callable
 
 import grpc
 
-from client.deadlines import GRACE_S
-from client.endpoint import Endpoint
-from client.link import LinkMonitor
+from client.net.deadlines import GRACE_S
+from client.net.endpoint import Endpoint
+from client.net.link import LinkMonitor
 from shared.channel import RECONNECT_OPTIONS, close_soon, off_thread
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc

@@ -1,6 +1,6 @@
 """What a round costs, as the client measures it: running fits of seconds against size (``LineFit``, and
 ``CostCurve`` for a verification by the tokens it verifies) and a Verify request's bytes on the wire. The adaptive
-policy (``client.adaptive``) decides with them."""
+policy (``client.loop.adaptive``) decides with them."""
 
 from __future__ import annotations
 

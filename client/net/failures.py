@@ -59,7 +59,7 @@ def rpc_error(address: str, exc: grpc.RpcError) -> SplitspecError:
         return ServerFull(message, retry_s)
     # INTERNAL: the server failed the call: a splitspec server drops a session whose call failed (its cache may be
     # half-written), and Ray Serve's proxy answers INTERNAL for a call whose replica died: the session is gone either
-    # way, and reopening it from history is the way on (client.offline bounds how often that is tried)
+    # way, and reopening it from history is the way on (client.loop.offline bounds how often that is tried)
     lost = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL)
     kind = LinkDown if exc.code() in LINK_CODES else SessionLost if exc.code() in lost else None
     return (kind or SplitspecError)(message)

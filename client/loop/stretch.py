@@ -1,6 +1,6 @@
 """Stretches: the server decodes by itself and streams (a Decode call), the client absorbing and emitting the tokens
 as they come, and rehearsing its drafting on them (mode auto) without sending a tree. Each function here takes the
-generation's ``client.decode.Run``.
+generation's ``client.loop.decode.Run``.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from client.adaptive import Loaded, Rehearsal, State, Streamed
-from client.failures import LinkDown, SessionLost
+from client.loop.adaptive import Loaded, Rehearsal, State, Streamed
+from client.net.failures import LinkDown, SessionLost
 from shared.engine.target import Verdict
 from shared.tree import depths
 
@@ -72,12 +72,12 @@ def stream(run, stretch: int, opening: float | None = None) -> None:
                         break
     except (LinkDown, SessionLost):
         if featured < cached and spec:
-            run.unfeatured = (featured, cached)  # fetched when the server is back (client.offline)
+            run.unfeatured = (featured, cached)  # fetched when the server is back (client.loop.offline)
         raise
     policy.observe(Streamed(got, compute, clock() - t0))
 
 def rehearse(run, rehearsal, featured: bool):
-    """Drafting rehearsed during a stream (``client.schedule``): a tree drafted from the newest token once the
+    """Drafting rehearsed during a stream (``client.loop.schedule``): a tree drafted from the newest token once the
     drafter has every feature (``featured``), never sent, scored once the tokens its depth reaches have streamed
     in. Returns the rehearsal under way (None: none)."""
     drafter, clock = run.drafter, run.clock
