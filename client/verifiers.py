@@ -84,12 +84,12 @@ class Verifier(ABC):
         return self.open(prompt_ids, sampling, spec=spec)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None, lookup: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
+               timeout_s: float | None = None, self_draft: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
                ) -> Iterator[Verdict]:  # fmt: skip
         """A stream: the target decodes by itself, one round per token, until a stop token or
         ``max_new_tokens``; the features of the tokens cached come every ``payload_every`` rounds and with the last;
-        closing the iterator early ends it; ``lookup``: the server may verify its own prompt-lookup drafts of up to
-        this many tokens (``DecodeRequest.lookup``). Here: plain verifications one by one (in process there is no
+        closing the iterator early ends it; ``self_draft``: the server may verify its own prompt-lookup drafts of up to
+        this many tokens (``DecodeRequest.self_draft``). Here: plain verifications one by one (in process there is no
         round trip to save, and features come with every token); a server streams them (``RemoteVerifier.decode``)."""
         for _ in range(max_new_tokens):
             result = self.verify(DraftTree(), timeout_s, spec=spec)
@@ -98,7 +98,7 @@ class Verifier(ABC):
                 return
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
-                    payload_every: int = 1, timeout_s: float | None = None, lookup: int = 0, *,
+                    payload_every: int = 1, timeout_s: float | None = None, self_draft: int = 0, *,
                     spec: PayloadSpec = NO_PAYLOAD) -> Iterator[Verdict]:  # fmt: skip
         """``open`` then ``decode``, in one call where there is a server (a round trip less): the first round is the
         open's, the rest as ``decode``'s, ``max_new_tokens`` in all. The prompt's features may come with a later
@@ -106,7 +106,7 @@ class Verifier(ABC):
         first = self.open(prompt_ids, sampling, spec=spec)
         yield first
         if max_new_tokens > 1 and first.new_tokens[-1] not in stop_ids:
-            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s, lookup, spec=spec)
+            yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s, self_draft, spec=spec)
 
     def fetch(self, start: int, end: int, spec: PayloadSpec) -> Features:
         """The features of cached tokens [start, end), asked for again (a cut kept a stream's last payload away)."""

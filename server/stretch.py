@@ -3,7 +3,7 @@ a prompt), decoding on for a client that left mid-call, and the API baseline's G
 
 A client that leaves (a cut link) does not stop a stretch: the tokens it asked for are the target's own whoever reads
 them, so the session keeps them (``held_tokens``) and the client's next call takes them with no forward. Its own lookup
-(``server.lookup.SelfDraft``) may verify several tokens a step.
+(``server.self_draft.SelfDraft``) may verify several tokens a step.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import grpc
 
 from server.batching import ShuttingDown
-from server.lookup import SelfDraft
 from server.refusals import Abort
+from server.self_draft import SelfDraft
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
@@ -92,12 +92,12 @@ class Stretches:
         ``payload_every`` tokens and on the last chunk. ``held``: tokens the session holds past the client's length,
         streamed first without a forward. ``prefilled``: (the first token, when the call opened the session; the
         call's start) — that token is the first chunk, sent before the prompt's features, which go with the second.
-        With ``request.lookup`` a step may verify the server's own prompt-lookup draft (``SelfDraft``): several
+        With ``request.self_draft`` a step may verify the server's own prompt-lookup draft (``SelfDraft``): several
         tokens. A client gone: see ``stream``."""
         sequence, every, budget = session.sequence, max(1, request.payload_every), request.max_new_tokens
         (first_token, start), held = prefilled, list(held)
-        drafter = SelfDraft(sequence.tokens, request.lookup, lambda: self.service.costs(len(sequence.tokens))) if (
-            request.lookup) else None  # fmt: skip
+        drafter = SelfDraft(sequence.tokens, request.self_draft, lambda: self.service.costs(len(sequence.tokens))) if (
+            request.self_draft) else None  # fmt: skip
         at = len(sequence.tokens) - len(held) - (first_token is not None)  # the client's length before each chunk
         sent = max(0, at - 1) if first_token is None else 0  # cached tokens whose payloads the client has
         produced, left_at = 0, None  # left_at: tokens produced when the client was found gone

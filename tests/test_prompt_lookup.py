@@ -61,7 +61,7 @@ def test_unknown_drafter_is_a_clear_error():
 
 
 def test_the_servers_own_lookup_copies_as_far_as_its_scored_copies_pay_by_the_servers_costs():
-    from server.lookup import SelfDraft
+    from server.self_draft import SelfDraft
 
     dear = lambda: (0.01, 0.05)  # noqa: E731 -- a token adds 0.83 of a step: a CPU whose kernels are compute-bound
     draft = SelfDraft([7, 8, 9, 7, 8], max_tokens=4, costs=dear)  # the suffix 7 8 came before: 9 7 8 is its copy

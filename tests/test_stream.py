@@ -490,7 +490,7 @@ def test_the_servers_own_lookup_decodes_several_tokens_a_step_exactly(server, pl
     stub = pb_grpc.SplitSpecStub(channel)
     never = next(t for t in range(1000) if t not in plain)
     try:
-        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=NEW, lookup=8,
+        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=NEW, self_draft=8,
                                                    stop_token_ids=[never]), timeout=30))  # fmt: skip
         assert [c.token for c in chunks] == plain
         assert [c.length for c in chunks] == [len(PROMPT) + i for i in range(1, NEW + 1)]
@@ -498,7 +498,7 @@ def test_the_servers_own_lookup_decodes_several_tokens_a_step_exactly(server, pl
         stub.CloseSession(pb.CloseSessionRequest(session_id=chunks[0].session_id), timeout=10)
         stop = plain[-10]
         end = plain.index(stop) + 1
-        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=NEW, lookup=8,
+        chunks = list(stub.Decode(pb.DecodeRequest(prompt_ids=PROMPT, max_new_tokens=NEW, self_draft=8,
                                                    stop_token_ids=[stop]), timeout=30))  # fmt: skip
         assert [c.token for c in chunks] == plain[:end] and chunks[-1].finish_reason == "stop"
         more = list(stub.Decode(pb.DecodeRequest(session_id=chunks[0].session_id, length=chunks[-1].length,

@@ -16,7 +16,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from client.loop.schedule import LOOKUP, Schedule
+from client.loop.schedule import SELF_DRAFT, Schedule
 from client.loop.sizing import Decision, Sizing
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
@@ -36,14 +36,14 @@ class State:
 class Plan:
     """The next call: ``stream`` tokens for the server to decode by itself (0: a round), else a round that drafts
     (``draft``; False: a plain step) ``depth`` levels deep (None: the drafter's own depth); ``spec``: the payload
-    it asks for (None: as before); ``lookup``: tokens a stream's server may copy by prompt lookup; ``rehearse``: a
+    it asks for (None: as before); ``self_draft``: tokens a stream's server may copy by prompt lookup; ``rehearse``: a
     stream drafts trees it will not send, to learn what drafting would gain (``client.loop.schedule``)."""
 
     stream: int = 0
     draft: bool = True
     depth: int | None = None
     spec: PayloadSpec | None = None
-    lookup: int = 0
+    self_draft: int = 0
     rehearse: bool = False
 
 
@@ -162,13 +162,14 @@ class StaticPolicy:
 
 class AdaptivePolicy:
     """Sizes each round (``sizing``) and schedules the kind of the next (``schedule``). ``link``: the verifier's
-    ``LinkMonitor`` (None in process); ``mode``: auto, draft or stream; ``lookup``: tokens a stream's server may
+    ``LinkMonitor`` (None in process); ``mode``: auto, draft or stream; ``self_draft``: tokens a stream's server may
     copy by prompt lookup; the rest (``pin_nodes``, ``pin_depth``, ``pin_spec``, ``max_nodes``, ``specs``, ...)
     are ``Sizing``'s."""
 
-    def __init__(self, link, mode: str = "auto", lookup: int = LOOKUP, **sizing) -> None:
+    def __init__(self, link, mode: str = "auto", self_draft: int = SELF_DRAFT, **sizing) -> None:
         self.sizing = Sizing(link, **sizing)
-        self.schedule = Schedule(self.sizing, mode, pinned=self.sizing.pin_nodes is not None, lookup=lookup)
+        self.schedule = Schedule(self.sizing, mode, pinned=self.sizing.pin_nodes is not None,
+                                 self_draft=self_draft)
 
     @classmethod
     def for_run(cls, verifier, specs: list[PayloadSpec], previous: AdaptivePolicy | None = None,
@@ -189,7 +190,8 @@ class AdaptivePolicy:
             # where its trials and pauses stood, under this run's mode and pins
             new, old_schedule = policy.schedule, previous.schedule
             policy.schedule = replace(old_schedule, costs=learnt, mode=new.mode, pinned=new.pinned,
-                                      lookup=new.lookup, rehearsals=copy.copy(old_schedule.rehearsals))  # fmt: skip
+                                      self_draft=new.self_draft,
+                                      rehearsals=copy.copy(old_schedule.rehearsals))  # fmt: skip
             policy.schedule.resumed()
         return policy
 
@@ -205,7 +207,7 @@ class AdaptivePolicy:
             spec = sizing.prompt_spec(state.prompt_tokens)
         else:
             spec = sizing.round_spec()
-        return Plan(stream, schedule.drafts(), sizing.depth, spec, schedule.lookup, schedule.rehearse())
+        return Plan(stream, schedule.drafts(), sizing.depth, spec, schedule.self_draft, schedule.rehearse())
 
     def size(self, tree: DraftTree, spec: PayloadSpec = PayloadSpec()) -> Decision:
         """How many of ``tree``'s first nodes to send (``Sizing.size``)."""

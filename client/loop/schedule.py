@@ -47,11 +47,11 @@ MIN_REHEARSALS = 3
 # pair's demo (the 0.5B against the 1.5B's stream, 4g) predicted 6.0-8.0 tok/s against a 6.6-7.9 stream: without a
 # margin the noise started a losing trial in a third of the runs.
 TRIAL_MARGIN = 1.1
-# tokens a stream's server may copy by prompt lookup and verify in one step (``DecodeRequest.lookup``): a CPU
+# tokens a stream's server may copy by prompt lookup and verify in one step (``DecodeRequest.self_draft``): a CPU
 # forward's cost grows with its rows past a few, so a long copy that misses late costs more than it gains. The 1.5B
 # over 4g, HumanEval (4 prompts, server on one core): server ms a token 0.545x the API's at 10, 0.522x at 8,
 # 0.504-0.515x at 6, 0.542x at 4; MT-Bench 1.01-1.05x at each (whole bench-pair-network runs: 0.536x -> 0.530x)
-LOOKUP = 6
+SELF_DRAFT = 6
 MODES = ("auto", "draft", "stream")
 STREAM_ALL = 1 << 30  # mode stream: the rest of the generation in one stream
 
@@ -81,7 +81,7 @@ class Schedule:
     drafted_rounds: int = 0  # drafted rounds since the trial began
     drafted_nodes: float | None = None  # tree nodes sent per drafted round (running average)
     drafted_gain: float | None = None  # tokens gained per drafted round (running average)
-    lookup: int = LOOKUP  # a stream lets the server draft this many tokens itself by prompt lookup (0: plain steps)
+    self_draft: int = SELF_DRAFT  # a stream lets the server draft this many tokens itself (0: plain steps)
     # trees drafted during streams and never sent (see ``rehearse``): (nodes, the path the streamed tokens took
     # through it, seconds drafting it took), the latest REHEARSALS
     rehearsals: deque = field(default_factory=lambda: deque(maxlen=REHEARSALS))

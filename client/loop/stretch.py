@@ -28,15 +28,15 @@ def stream(run, stretch: int, opening: float | None = None) -> None:
     room = verifier.max_context - len(run.prompt_ids) - len(run.out)
     limit = min(run.limit - len(run.out), room)
     run.check_heartbeat()
-    spec, stop, lookup = run.spec, sorted(run.stop), run.plan.lookup
+    spec, stop, self_draft = run.spec, sorted(run.stop), run.plan.self_draft
     t0, got, compute = clock(), 0, 0.0
     stats.streams += 1
     if opening is None:
-        tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, lookup=lookup, spec=spec)
+        tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, self_draft=self_draft, spec=spec)
         featured = cached = len(run.prompt_ids) + len(run.out) - 1  # the server caches all but the root
     else:  # the prompt's features come with the first payload
         tokens = verifier.open_decode(run.prompt_ids, run.sampling, limit, stop, PAYLOAD_EVERY,
-                                      lookup=lookup, spec=spec)  # fmt: skip
+                                      self_draft=self_draft, spec=spec)  # fmt: skip
         featured, cached = 0, len(run.prompt_ids) - 1
     rehearsal = None  # (a tree drafted and not sent, its depth, where its root is in the output, seconds drafting)
     try:

@@ -185,7 +185,7 @@ class RemoteVerifier(Verifier):
         return Verdict(accepted, new, reply.compute_s, self._features(reply.payload, spec), verified, reply.load)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
-               timeout_s: float | None = None, lookup: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
+               timeout_s: float | None = None, self_draft: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
                ) -> Iterator[Verdict]:  # fmt: skip
         """The server decodes the session by itself and streams each token with the payload of the token it cached
         (the Decode call): no round trip per token. Closing the iterator cancels the stream; the tokens the server
@@ -193,15 +193,15 @@ class RemoteVerifier(Verifier):
         whole stream (a silent cut is noticed by the heartbeat, which aborts it)."""
         request = pb.DecodeRequest(session_id=self.session_id, length=self.length, max_new_tokens=max_new_tokens,
                                    stop_token_ids=stop_ids, payload=spec.to_msg(),
-                                   payload_every=payload_every, lookup=lookup)  # fmt: skip
+                                   payload_every=payload_every, self_draft=self_draft)  # fmt: skip
         return self._decode(request, payload_every, timeout_s, spec)
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
-                    payload_every: int = 1, timeout_s: float | None = None, lookup: int = 0, *,
+                    payload_every: int = 1, timeout_s: float | None = None, self_draft: int = 0, *,
                     spec: PayloadSpec = NO_PAYLOAD) -> Iterator[Verdict]:  # fmt: skip
         request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=sampling_msg(sampling),
                                    max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=spec.to_msg(),
-                                   payload_every=payload_every, lookup=lookup)  # fmt: skip
+                                   payload_every=payload_every, self_draft=self_draft)  # fmt: skip
         self._closed()
         self.session_id, self.length, self.connection.route = "", 0, secrets.token_hex(8)
         return self._decode(request, payload_every, timeout_s, spec, prompt=len(prompt_ids))
@@ -215,7 +215,7 @@ class RemoteVerifier(Verifier):
         per_token = self.payload_bytes_per_token(spec)
         self.connection.backlog = int((prompt + payload_every) * per_token)
         first_bound = self.bounds.call_s(max(prompt, 1), request.ByteSize(), self.connection.backlog)
-        steps = max(1, request.lookup + 1)  # a chunk may wait for a verified guess of the server's own lookup
+        steps = max(1, request.self_draft + 1)  # a chunk may wait for the server's own draft, verified
 
         def gap_s(i: int) -> float:  # the first chunk waits for the prefill (or a step), the others for a step each
             return first_bound if i == 0 else self.bounds.call_s(steps, 0, self.connection.backlog)

@@ -203,7 +203,7 @@ class VerifyReply(_message.Message):
     def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every", "prompt_ids", "sampling", "lookup")
+    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every", "prompt_ids", "sampling", "self_draft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -212,7 +212,7 @@ class DecodeRequest(_message.Message):
     PAYLOAD_EVERY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    SELF_DRAFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     max_new_tokens: int
@@ -221,8 +221,8 @@ class DecodeRequest(_message.Message):
     payload_every: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
-    lookup: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., lookup: _Optional[int] = ...) -> None: ...
+    self_draft: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_draft: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load", "session_id")
