@@ -42,7 +42,7 @@ from bench.single import load_prompts
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.loop.decode import Settings, generate
 from client.loop.offline import Backoff, Resilience
-from client.net.api import api_generate
+from client.net.api import api_complete
 from client.net.remote import RemoteVerifier
 from client.training.datasets import humaneval_problems
 from client.verifiers import LocalVerifier, Pending, first_spec
@@ -222,7 +222,7 @@ def api_run(verifier, link, target, prompt, problem, n, limit, reference, bound_
             raise _Cut
 
     with contextlib.suppress(_Cut):
-        api_generate(verifier, prompt.ids, limit, on_update=on_update)
+        api_complete(verifier, prompt.ids, limit, on_update=on_update)
     cut_at = len(out) if len(out) < limit and not set(out) & set(verifier.eos_token_ids) else None
     agree, run = agreement(out, reference, cut_at, args.window) if cut_at is not None else (None, None)
     text = target.tokenizer.decode(out, skip_special_tokens=True)

@@ -6,7 +6,7 @@ Every method runs greedy on the same chat-templated prompts in one process, inte
 * plain-local  our loop, no drafts, target in-process: what speculation has to beat
 * pld-local    our loop with prompt lookup, target in-process
 * pld-grpc     prompt lookup verified by a `splitspec serve` child on loopback: the cost of the wire
-* api-grpc     the server's streaming Generate: the "just call an API" baseline
+* api-grpc     the server's streaming Complete: the "just call an API" baseline
 * hf-generate  transformers' greedy generate: the speed reference and the token-id reference
 * hf-pld       transformers' own prompt lookup decoding (prompt_lookup_num_tokens=10)
 
@@ -34,7 +34,7 @@ from tqdm import tqdm
 from bench.common import cell, environment, finish, mark_differences, median, save_figure, start
 from client.drafters import NoDrafter, PromptLookup
 from client.loop.decode import Generation, generate
-from client.net.api import api_generate
+from client.net.api import api_complete
 from client.net.connection import LinkCounters
 from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
@@ -136,7 +136,7 @@ def make_methods(names: list[str], target, remote: RemoteVerifier | None) -> dic
 
     def api(prompt_ids: list[int], max_new: int) -> tuple[list[int], dict]:
         remote.counters = LinkCounters()
-        gen = api_generate(remote, prompt_ids, max_new)
+        gen = api_complete(remote, prompt_ids, max_new)
         return gen.token_ids, _our_stats(gen)
 
     def hf(**extra) -> Runner:
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as tmp:
         needs_server = bool(REMOTE_METHODS & set(args.methods))
         with server_process(args.threads, Path(tmp)) if needs_server else nullcontext(None) as address:
-            # the default 120 s deadline covers a whole Generate stream, too short for long budgets
+            # the default 120 s deadline covers a whole Complete stream, too short for long budgets
             timeout = max(120.0, 2.0 * args.max_new_tokens)
             remote = RemoteVerifier(address, fingerprint=target.fingerprint, rpc_timeout_s=timeout) if address else None
             try:

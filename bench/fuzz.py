@@ -27,7 +27,7 @@ from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["SplitSpec"].full_name
-METHODS = ("Handshake", "OpenSession", "Verify", "FetchPayload", "CloseSession", "Generate", "Probe")
+METHODS = ("Handshake", "OpenSession", "Verify", "FetchPayload", "CloseSession", "Complete", "Probe")
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 TIMEOUT = 60.0
 
@@ -118,7 +118,7 @@ class Fuzzer:
             if kind == "garbage":
                 method = self.rng.choice(METHODS)
                 body = bytes(self.rng.randrange(256) for _ in range(self.rng.randrange(1, 64)))
-                if method in ("FetchPayload", "Generate"):
+                if method in ("FetchPayload", "Complete"):
                     raw = self.channel.unary_stream(f"/{SERVICE}/{method}")
                     list(raw(body, timeout=TIMEOUT))
                 else:
@@ -148,14 +148,14 @@ class Fuzzer:
                 list(stream)
             elif kind == "CloseSession":
                 self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id(others)), timeout=TIMEOUT)
-            elif kind == "Generate":
-                stream = self.stub.Generate(pb.GenerateRequest(
+            elif kind == "Complete":
+                stream = self.stub.Complete(pb.CompleteRequest(
                     prompt_ids=self.tokens(), sampling=self.sampling(),
                     max_new_tokens=self.rng.choice([0, 1, 3, 2**31, 2**32 - 1]),
                     stop_token_ids=[self.token()]), timeout=TIMEOUT)  # fmt: skip
                 list(stream)
             elif kind == "abandon-stream":
-                stream = self.stub.Generate(pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=500),
+                stream = self.stub.Complete(pb.CompleteRequest(prompt_ids=[5, 6, 7], max_new_tokens=500),
                                             timeout=TIMEOUT)  # fmt: skip
                 next(stream, None)
                 stream.cancel()

@@ -12,7 +12,7 @@ equal the recording's). Client i replays prompt i mod K.
 Per server mode and N in ``--clients`` (default 1,2,4,8,16,32), all clients start together and each
 generates its recording's tokens: ``batched`` (``--max-batch``, 16), ``whole`` (the same, every node verified:
 no cut at load, ``server.budget``), ``serial`` (``--max-batch 1``),
-``api`` (each client one Generate stream of the same length, on the batched server: plain decoding,
+``api`` (each client one Complete stream of the same length, on the batched server: plain decoding,
 its steps batched too) and ``auto`` (each client the real decode loop with the adaptive policy in ``--mode auto``,
 replaying the recorded trees when it drafts: it streams, tries drafting between stretches, and drafts where the
 server's reported load says that spares it compute — ``Load.prefer``, ``step_s``, ``node_s``).
@@ -221,8 +221,8 @@ def adaptive(address: str, rec: Recording) -> tuple[list[int], float, int]:
 
 def stream(stub, rec: Recording) -> tuple[list[int], float]:
     start = time.perf_counter()
-    request = pb.GenerateRequest(prompt_ids=rec.prompt, max_new_tokens=len(rec.tokens))
-    tokens = [t for chunk in stub.Generate(request, timeout=TIMEOUT) for t in chunk.tokens]
+    request = pb.CompleteRequest(prompt_ids=rec.prompt, max_new_tokens=len(rec.tokens))
+    tokens = [t for chunk in stub.Complete(request, timeout=TIMEOUT) for t in chunk.tokens]
     return tokens, time.perf_counter() - start
 
 

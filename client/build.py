@@ -19,7 +19,7 @@ from client.drafters.base import DRAFT_PRECISIONS, Drafter
 from client.loop.adaptive import AdaptivePolicy
 from client.loop.decode import Generation, Settings, generate
 from client.loop.offline import OFFLINE_CAP, Resilience
-from client.net.api import api_generate
+from client.net.api import api_complete
 from client.net.endpoint import Endpoint
 from shared.acceptance import SamplingParams
 from shared.engine.models import DEFAULT_MODEL
@@ -192,7 +192,7 @@ class Client:
         sampling = sampling or o.sampling
         stop_ids = None if o.stop_ids is None else list(o.stop_ids)
         if o.baseline == "api":
-            return api_generate(verifier, prompt_ids, max_new_tokens, sampling, stop_ids, on_update)
+            return api_complete(verifier, prompt_ids, max_new_tokens, sampling, stop_ids, on_update)
         specs = verifier.usable(self.pinned_specs())
         policy = None
         if not o.static:

@@ -5,7 +5,7 @@ share nothing. Clients keep the wire contract of ``protos/`` and talk to Serve's
 routes every call by its ``multiplexed_model_id`` metadata — the *route key* a client draws for each
 session it opens (``shared.channel.ROUTE_KEY``): the replica that opens a session registers the key
 as a multiplexed "model", so Serve's router sends the session's later calls to it. Handshake, Probe,
-Generate and health carry no key and go to any replica.
+Complete (the API baseline) and health carry no key and go to any replica.
 
 Affinity is Serve's, best effort: a call whose key no live replica holds (its replica died or was
 replaced) lands elsewhere and gets NOT_FOUND at once; the client reopens the session from its
@@ -224,9 +224,11 @@ class Replica:
                 await self._opened(grpc_context)
             yield chunk
 
-    async def Generate(self, request, grpc_context):
-        async for chunk in self._stream("Generate", request, grpc_context):
+    async def Complete(self, request, grpc_context):
+        async for chunk in self._stream("Complete", request, grpc_context):
             yield chunk
+
+    Generate = Complete  # the deprecated name of the same call
 
     async def Check(self, request, grpc_context):
         """grpc.health.v1: a replica that answers has its model loaded (Serve starts routing to it only then)."""

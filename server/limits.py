@@ -16,7 +16,7 @@ class ServerLimits:
     max_sessions: int = limit(16, "--max-sessions", "concurrent sessions")
     max_tree_nodes: int = limit(128, "--max-tree-nodes", "draft tree nodes per verification")
     max_context: int = limit(4096, "--max-context", "tokens per session, prompt included")
-    max_new_tokens: int = limit(4096, "--max-new-tokens", "tokens per Generate call")
+    max_new_tokens: int = limit(4096, "--max-new-tokens", "tokens per Complete call (the API baseline)")
     session_ttl_s: float = limit(600.0, "--session-ttl", "seconds an idle session is kept")
     max_probe_bytes: int = limit(16 * 1024 * 1024, "--max-probe-bytes", "reply bytes per Probe call")
     max_inline_payload_bytes: int = limit(1024 * 1024, "--max-inline-payload",

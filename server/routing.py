@@ -7,7 +7,7 @@ lands beside its session, and the client must reopen it (measured by ``make benc
 router needs no news from the controller: a key goes to the replica known to hold it, else to the
 replica it hashes to among the live ones (rendezvous hashing), which is where its OpenSession went.
 A replica's death or a new replica moves only the keys hashed to it, and a key already held stays
-with its holder. Calls without a key (Handshake, Probe, Generate) take the less loaded of two.
+with its holder. Calls without a key (Handshake, Probe, Complete) take the less loaded of two.
 
 Imported by Serve's proxy and by handles (``request_router_class``), never by ``splitspec serve``.
 """

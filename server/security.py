@@ -18,7 +18,7 @@ from server.observability import SERVICE
 from shared.auth import METADATA_KEY
 from shared.errors import SplitspecError
 
-STREAMING = {"FetchPayload", "Generate"}  # the SplitSpec methods that answer with a stream
+STREAMING = {"FetchPayload", "Complete", "Generate"}  # the SplitSpec methods that answer with a stream
 UNAUTHENTICATED = f"{METADATA_KEY} metadata with a valid bearer token is required (the server runs with auth)"
 
 

@@ -477,7 +477,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         return pb.CloseSessionReply(length=len(session.sequence.tokens))
 
     @rpc
-    def Generate(self, request, context):
+    def Complete(self, request, context):
+        """The API baseline: the server decodes alone and streams, as a completion API answers."""
         prompt = checked_prompt(request.prompt_ids, self.target.vocab_size, self.limits.max_context)
         sampling = checked_sampling(request.sampling)
         budget = request.max_new_tokens
@@ -489,6 +490,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         budget = min(budget, self.limits.max_context - len(prompt))
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
         return self.stretches.api(prompt, sampling, budget, stop, context)
+
+    Generate = Complete  # its name before the rename, kept for older clients (the proto's deprecated Generate)
 
     @rpc
     def Decode(self, request, context):

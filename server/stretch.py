@@ -1,5 +1,5 @@
 """What the server decodes by itself: the stretch a Decode call streams (opening its session first when it carries
-a prompt), decoding on for a client that left mid-call, and the API baseline's Generate stream.
+a prompt), decoding on for a client that left mid-call, and the API baseline's Complete stream.
 
 A client that leaves (a cut link) does not stop a stretch: the tokens it asked for are the target's own whoever reads
 them, so the session keeps them (``held_tokens``) and the client's next call takes them with no forward. Its own lookup
@@ -207,7 +207,7 @@ class Stretches:
                     token = verdict.bonus
                     done = token in stop or produced == budget
                     reason = ("stop" if token in stop else "length") if done else ""
-                    yield pb.GenerateChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
+                    yield pb.CompleteChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
                     if done or not context.is_active():
                         return
                     verdict = sequence.verify(DraftTree(), self.service.runner(context))

@@ -26,7 +26,7 @@ from shared.channel import MESSAGE_OPTIONS, ROUTE_KEY
 from shared.wire import splitspec_pb2 as pb
 
 SERVICE = "/splitspec.v1.SplitSpec/"
-STREAMS = {"Generate", "FetchPayload", "Decode"}
+STREAMS = {"Complete", "Generate", "FetchPayload", "Decode"}
 HOLD_CAP_S = 60.0  # the longest a held call waits for the front to stop
 
 

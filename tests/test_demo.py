@@ -51,9 +51,9 @@ def test_the_api_baseline_gives_up_on_a_stream_that_never_starts(monkeypatch):
 
     def never(remote, prompt_ids, limit, on_update):
         calls.append(len(prompt_ids))
-        raise SplitspecError("Generate unanswered within 1.09s")
+        raise SplitspecError("Complete unanswered within 1.09s")
 
-    monkeypatch.setattr(client.net.api, "api_generate", never)
+    monkeypatch.setattr(client.net.api, "api_complete", never)
     with pytest.raises(SplitspecError, match=f"broke {RESUME_TRIES} times in a row.*1.09s"):
         api_resuming(Remote(), [1, 2, 3], 10, show=None, clock=lambda: 0.0, sleep=lambda s: None)
     assert len(calls) == RESUME_TRIES
@@ -64,7 +64,7 @@ def test_the_api_baseline_gives_up_on_a_stream_that_never_starts(monkeypatch):
         raise SplitspecError("the link broke")
 
     calls.clear()
-    monkeypatch.setattr(client.net.api, "api_generate", a_token_a_try)
+    monkeypatch.setattr(client.net.api, "api_complete", a_token_a_try)
     class Shown(list):
         longest_wait = longest_stall = 0.0
 

@@ -7,7 +7,7 @@ import torch
 
 from client.drafters import NoDrafter, PromptLookup
 from client.loop.decode import Settings, generate
-from client.net.api import api_generate
+from client.net.api import api_complete
 from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from shared.engine.models import encode_prompt
@@ -73,7 +73,7 @@ def test_grpc_greedy_equals_transformers(real_target, references):
                 mismatches.append((PROMPTS[i][0][:40], gen.token_ids, want))
         assert not mismatches, mismatches
         ids, want = references[0]
-        assert api_generate(remote, ids, NEW_TOKENS).token_ids == want
+        assert api_complete(remote, ids, NEW_TOKENS).token_ids == want
         assert remote.counters.server_compute_s > 0
         remote.shutdown()
     finally:

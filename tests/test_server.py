@@ -156,8 +156,8 @@ class Ctx:
         return self.stub.OpenSession(pb.OpenSessionRequest(prompt_ids=prompt, sampling=sampling), timeout=TIMEOUT)
 
     def generate(self, prompt: list[int], max_new_tokens: int = 4, sampling: pb.Sampling = GREEDY) -> list:
-        request = pb.GenerateRequest(prompt_ids=prompt, sampling=sampling, max_new_tokens=max_new_tokens)
-        return list(self.stub.Generate(request, timeout=TIMEOUT))
+        request = pb.CompleteRequest(prompt_ids=prompt, sampling=sampling, max_new_tokens=max_new_tokens)
+        return list(self.stub.Complete(request, timeout=TIMEOUT))
 
     def verify(self, tokens: list[int], parents: list[int], **fields) -> pb.VerifyReply:
         return self.stub.Verify(self.victim.request(DraftTree(tokens, parents), **fields), timeout=TIMEOUT)
@@ -195,7 +195,7 @@ def verify_busy_session(c: Ctx) -> None:
 
 V = "{V}"  # the vocabulary size, filled in by the test
 BAD_REQUESTS = [
-    # prompts (OpenSession and Generate validate them alike)
+    # prompts (OpenSession and Complete validate them alike)
     pytest.param(lambda c: c.open([5, 300]), Code.INVALID_ARGUMENT, "prompt token id 300 is outside the vocabulary",
                  id="open-prompt-token-oov"),
     pytest.param(lambda c: c.open([5, 2**32 - 1]), Code.INVALID_ARGUMENT, "prompt token id 4294967295 is outside",
@@ -230,7 +230,7 @@ BAD_REQUESTS = [
                  "temperature -2.0 must be", id="generate-negative-temperature"),
     pytest.param(lambda c: c.generate([5], sampling=pb.Sampling(top_p=2.0)), Code.INVALID_ARGUMENT,
                  "top_p 2.0 must be in (0, 1]", id="generate-top-p-above-one"),
-    # Generate's budget
+    # Complete's budget
     pytest.param(lambda c: c.generate([5], max_new_tokens=0), Code.INVALID_ARGUMENT,
                  "max_new_tokens 0 must be in [1, 4096]", id="generate-zero-new-tokens"),
     pytest.param(lambda c: c.generate([5], max_new_tokens=4097), Code.INVALID_ARGUMENT,
@@ -363,13 +363,15 @@ def test_generate_streams_the_reference_decode(
     cut = next((i + 1 for i, t in enumerate(continuation) if t in stop_set), None)
     expected, reason = (continuation[:cut], "stop") if cut else (continuation, "length")
 
-    request = pb.GenerateRequest(
+    request = pb.CompleteRequest(
         prompt_ids=prompt, sampling=sampling, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids
     )
-    chunks = list(stub.Generate(request, timeout=TIMEOUT))
+    chunks = list(stub.Complete(request, timeout=TIMEOUT))
     assert all(len(chunk.tokens) == 1 for chunk in chunks)
     assert [chunk.tokens[0] for chunk in chunks] == expected
     assert [chunk.finish_reason for chunk in chunks] == [""] * (len(chunks) - 1) + [reason]
+    old = list(stub.Generate(request, timeout=TIMEOUT))  # the call's name before the rename answers the same
+    assert [(c.tokens, c.finish_reason) for c in old] == [(c.tokens, c.finish_reason) for c in chunks]
 
 
 def test_session_limit_and_close_frees_a_slot(tiny_target, witness_reference):
@@ -437,7 +439,7 @@ def test_tiny_temperature_is_not_an_internal_error(stub, service):
 
 
 def test_a_session_never_holds_more_than_max_context_tokens(stub, service, open_seq):
-    """max_context counts committed tokens (prompt included), as OpenSession and Generate enforce it."""
+    """max_context counts committed tokens (prompt included), as OpenSession and Complete enforce it."""
     seq = open_seq([5] * (MAX_CONTEXT - 2))
     seq.step(DraftTree())
     assert len(seq.tokens) == MAX_CONTEXT  # full

@@ -111,7 +111,7 @@ def test_expired_sessions_are_reaped_on_time_not_on_the_next_request(serve, tiny
 
 
 def test_open_streams_cannot_starve_the_other_calls(serve, tiny_target):
-    """Before: 20 Generate streams (not counted as sessions) took every worker; Handshake, Probe and
+    """Before: 20 Complete streams (not counted as sessions) took every worker; Handshake, Probe and
     OpenSession timed out for everyone until they were cancelled.
 
     The streams are held in the model (every forward waits for ``gate``) while the other calls are made: each must be
@@ -127,15 +127,15 @@ def test_open_streams_cannot_starve_the_other_calls(serve, tiny_target):
 
     service.batcher.run = gated
     try:
-        streams = [stub.Generate(pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=200, stop_token_ids=[0]),
+        streams = [stub.Complete(pb.CompleteRequest(prompt_ids=[5, 6, 7], max_new_tokens=200, stop_token_ids=[0]),
                                  timeout=TIMEOUT * 4) for _ in range(3)]  # fmt: skip
         assert all(held.acquire(timeout=TIMEOUT) for _ in streams), "the streams did not all reach the model"
         stub.Handshake(pb.HandshakeRequest(), timeout=TIMEOUT)
         stub.Probe(pb.ProbeRequest(), timeout=TIMEOUT)
         error = refused(lambda: stub.OpenSession(pb.OpenSessionRequest(prompt_ids=[5, 6]), timeout=TIMEOUT))
         assert error.code() == Code.RESOURCE_EXHAUSTED  # streams count against the limit: refused, not queued
-        request = pb.GenerateRequest(prompt_ids=[5], max_new_tokens=5)
-        error = refused(lambda: next(stub.Generate(request, timeout=TIMEOUT)))
+        request = pb.CompleteRequest(prompt_ids=[5], max_new_tokens=5)
+        error = refused(lambda: next(stub.Complete(request, timeout=TIMEOUT)))
         assert error.code() == Code.RESOURCE_EXHAUSTED
         assert not gate.is_set()  # all of it answered while every stream was held in the model
     finally:

@@ -137,7 +137,7 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
     for the server and asks again for the rest (the prompt and what it already has). A stream that breaks ``tries``
     times in a row without a token is not a cut but a failure: raised, not retried for ever. Its figures for the
     table."""
-    from client.net.api import api_generate
+    from client.net.api import api_complete
     from shared.errors import SplitspecError
 
     before, start, out, barren = remote.counters.server_calls, time.perf_counter(), [], 0
@@ -150,7 +150,7 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
             show(done + tokens, [True] * (len(done) + len(tokens)))
 
         try:
-            gen = api_generate(remote, prompt_ids + out, limit - len(out), on_update=update)
+            gen = api_complete(remote, prompt_ids + out, limit - len(out), on_update=update)
             out += gen.token_ids
             break
         except SplitspecError as exc:
@@ -174,10 +174,10 @@ def api_resuming(remote, prompt_ids: list[int], limit: int, show: Show, tries: i
 def warm_up(client, prompt_ids: list[int]) -> None:
     """A few tokens each way, unshown, so that neither timed run pays first-call costs (the server's kernels and
     buffers, the drafter's first forward) that the other then skips; the timed run then learns afresh."""
-    from client.net.api import api_generate
+    from client.net.api import api_complete
 
     client.generate(prompt_ids, WARM_UP_TOKENS)
-    api_generate(client.verifier, prompt_ids, WARM_UP_TOKENS)
+    api_complete(client.verifier, prompt_ids, WARM_UP_TOKENS)
     client.forget()
 
 

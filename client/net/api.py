@@ -1,4 +1,4 @@
-"""The API baseline: the server decodes alone and streams its tokens (the ``Generate`` call), as a streaming
+"""The API baseline: the server decodes alone and streams its tokens (the ``Complete`` call), as a streaming
 completion API does. It is what every split figure is compared against; it drafts nothing and verifies nothing."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shared.acceptance import SamplingParams
 from shared.wire import splitspec_pb2 as pb
 
 
-def api_generate(
+def api_complete(
     remote: RemoteVerifier,
     prompt_ids: list[int],
     max_new_tokens: int,
@@ -49,8 +49,8 @@ def api_generate(
 
 def api_tokens(connection: Connection, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                stop_ids: list[int]) -> Iterator[list[int]]:
-    """The Generate call: the server's plain streaming decode (the API baseline); yields lists of tokens."""
-    request = pb.GenerateRequest(
+    """The Complete call: the server's plain streaming decode (the API baseline); yields lists of tokens."""
+    request = pb.CompleteRequest(
         prompt_ids=prompt_ids,
         sampling=sampling_msg(sampling),
         max_new_tokens=max_new_tokens,
@@ -62,7 +62,7 @@ def api_tokens(connection: Connection, prompt_ids: list[int], sampling: Sampling
         return first_bound if i == 0 else connection.bounds.call_s(1)
 
     # gRPC's deadline covers the whole stream: allow a generous second per requested token
-    call, start, chunks = connection.stream("Generate", request, connection.rpc_timeout_s + max_new_tokens, gap_s,
+    call, start, chunks = connection.stream("Complete", request, connection.rpc_timeout_s + max_new_tokens, gap_s,
                                        watched=False, opens=True)  # fmt: skip
     for i, chunk in enumerate(chunks):
         size = connection.count(received=chunk)

@@ -254,7 +254,7 @@ class CloseSessionReply(_message.Message):
     length: int
     def __init__(self, length: _Optional[int] = ...) -> None: ...
 
-class GenerateRequest(_message.Message):
+class CompleteRequest(_message.Message):
     __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_token_ids")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -266,7 +266,7 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class GenerateChunk(_message.Message):
+class CompleteChunk(_message.Message):
     __slots__ = ("tokens", "compute_s", "finish_reason")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]

@@ -54,10 +54,15 @@ class SplitSpecStub:
                 request_serializer=shared_dot_wire_dot_splitspec__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=shared_dot_wire_dot_splitspec__pb2.CloseSessionReply.FromString,
                 _registered_method=True)
+        self.Complete = channel.unary_stream(
+                '/splitspec.v1.SplitSpec/Complete',
+                request_serializer=shared_dot_wire_dot_splitspec__pb2.CompleteRequest.SerializeToString,
+                response_deserializer=shared_dot_wire_dot_splitspec__pb2.CompleteChunk.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/splitspec.v1.SplitSpec/Generate',
-                request_serializer=shared_dot_wire_dot_splitspec__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=shared_dot_wire_dot_splitspec__pb2.GenerateChunk.FromString,
+                request_serializer=shared_dot_wire_dot_splitspec__pb2.CompleteRequest.SerializeToString,
+                response_deserializer=shared_dot_wire_dot_splitspec__pb2.CompleteChunk.FromString,
                 _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/splitspec.v1.SplitSpec/Probe',
@@ -107,8 +112,15 @@ class SplitSpecServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Complete(self, request, context):
+        """Plain autoregressive decoding on the server, streamed, as a completion API answers: the API baseline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
-        """Plain autoregressive decoding on the server, streamed: the "API call" baseline.
+        """Complete's name before it was renamed (one word for the API baseline); the same call, kept for older clients.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,10 +175,15 @@ def add_SplitSpecServicer_to_server(servicer, server):
                     request_deserializer=shared_dot_wire_dot_splitspec__pb2.CloseSessionRequest.FromString,
                     response_serializer=shared_dot_wire_dot_splitspec__pb2.CloseSessionReply.SerializeToString,
             ),
+            'Complete': grpc.unary_stream_rpc_method_handler(
+                    servicer.Complete,
+                    request_deserializer=shared_dot_wire_dot_splitspec__pb2.CompleteRequest.FromString,
+                    response_serializer=shared_dot_wire_dot_splitspec__pb2.CompleteChunk.SerializeToString,
+            ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=shared_dot_wire_dot_splitspec__pb2.GenerateRequest.FromString,
-                    response_serializer=shared_dot_wire_dot_splitspec__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=shared_dot_wire_dot_splitspec__pb2.CompleteRequest.FromString,
+                    response_serializer=shared_dot_wire_dot_splitspec__pb2.CompleteChunk.SerializeToString,
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
@@ -303,6 +320,33 @@ class SplitSpec:
             _registered_method=True)
 
     @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitspec.v1.SplitSpec/Complete',
+            shared_dot_wire_dot_splitspec__pb2.CompleteRequest.SerializeToString,
+            shared_dot_wire_dot_splitspec__pb2.CompleteChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Generate(request,
             target,
             options=(),
@@ -317,8 +361,8 @@ class SplitSpec:
             request,
             target,
             '/splitspec.v1.SplitSpec/Generate',
-            shared_dot_wire_dot_splitspec__pb2.GenerateRequest.SerializeToString,
-            shared_dot_wire_dot_splitspec__pb2.GenerateChunk.FromString,
+            shared_dot_wire_dot_splitspec__pb2.CompleteRequest.SerializeToString,
+            shared_dot_wire_dot_splitspec__pb2.CompleteChunk.FromString,
             options,
             channel_credentials,
             insecure,
