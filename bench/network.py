@@ -137,7 +137,7 @@ class Method:
                                 device=str(target.device))  # fmt: skip
         self.client = Client(options, Shared(target, target.tokenizer, target.fingerprint), drafter)
         self.drafter = self.client.drafter
-        self.client.verifier  # noqa: B018 - connect and probe the link before any run is timed
+        self.client.connect()  # the link probed before any run is timed
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
         self.client.forget()  # a fresh policy per generation: what it learns is this generation's

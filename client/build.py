@@ -175,6 +175,10 @@ class Client:
     @property
     def verifier(self):
         """The target in process, or a connection to the server that has done its handshake (opened on first use)."""
+        return self.connect()
+
+    def connect(self):
+        """The verifier, connected now (and the link probed, where asked) rather than at the first generation."""
         if self._verifier is None:
             self._verifier = self._connect()
         return self._verifier
