@@ -65,6 +65,14 @@ def start(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def served_target(model: str):
+    """The target as ``splitspec serve`` serves it here (``auto``: one path per model and machine), and its dtype."""
+    from shared.engine.models import load_target
+
+    target = load_target(model, dtype="auto")
+    return target, str(target.dtype).removeprefix("torch.")
+
+
 def finish(out: Path, stem: str, result: dict, markdown: str, table: str | None = None, notes: list[str] = (),
            png: bool = True) -> int:  # fmt: skip
     """The last step: ``stem``.json and .md saved (``save_results``), ``table`` printed (default: the markdown),

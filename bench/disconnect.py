@@ -35,7 +35,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, drop_unusable, environment, finish, median, save_figure, skipped_note, start, table
+from bench.common import (
+    cell,
+    drop_unusable,
+    environment,
+    finish,
+    median,
+    save_figure,
+    served_target,
+    skipped_note,
+    start,
+    table,
+)
 from bench.humaneval import passes
 from bench.network import STATIC_TREE
 from bench.single import load_prompts
@@ -48,7 +59,7 @@ from client.training.datasets import humaneval_problems
 from client.verifiers import LocalVerifier, Pending, first_spec
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
-from shared.engine.models import DEFAULT_MODEL, load_target
+from shared.engine.models import DEFAULT_MODEL
 from shared.server_process import cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
@@ -345,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     start(args.client_threads)
-    target = load_target(args.model, dtype="auto")
-    dtype = str(target.dtype).removeprefix("torch.")
+    target, dtype = served_target(args.model)
     problems = humaneval_problems()
     prompts = [p for p in load_prompts(target.tokenizer, args.limit) if p.dataset == "humaneval"]
     args.methods, skipped = drop_unusable(args.methods, target, lambda m: None if m == "api" else m.partition(":")[0])

@@ -2,9 +2,9 @@
 
 MoA drafts from three sources: its own SA over the tokens, CA over the target's memory of tokens verified
 before the draft began, and (TLI > 0) the target's last layers. If it learnt to lean on SA alone it is an
-independent LM with extra steps, which would explain MoA ≈ EAGLE and TLI=3 ≈ TLI=0 (docs/moa-reference.md,
-ablation 1: the reference's staircase curriculum exists to force the use of CA). This measures it, with no
-training, on the bundles at hand.
+independent LM with extra steps, which would explain MoA ≈ EAGLE and TLI=3 ≈ TLI=0
+(bench/results/moa-probe/reference.md, ablation 1: the reference's staircase curriculum exists to force the use of
+CA). This measures it, with no training, on the bundles at hand.
 
 Data: the target's own greedy answers (≤ ``--max-new-tokens``) to the first ``--limit`` MT-Bench first turns
 and HumanEval problems, worded as ``bench.single`` words them; none are training data. One target forward

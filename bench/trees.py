@@ -20,9 +20,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import single
-from bench.common import bundle_problem, environment, finish, start
+from bench.common import bundle_problem, environment, finish, served_target, start
 from client.drafters import make_drafter
-from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target
+from shared.engine.models import DEFAULT_MODEL, encode_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SHAPES = "2x3x6,3x4x10,4x5x16,4x6x24,8x6x32,8x6x62"  # the last is the MoA paper's B=8, D=6, m=62
@@ -64,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start(args.threads)
-    target = load_target(args.model, dtype="auto")
-    dtype = str(target.dtype).removeprefix("torch.")
+    target, dtype = served_target(args.model)
     path = single.bundle_path(args.drafter, None, target) if not Path(args.drafter).is_dir() else Path(args.drafter)
     if path is None:
         print(f"error: no bundle for {args.drafter!r}; train one or pass a bundle folder", file=sys.stderr)

@@ -15,7 +15,7 @@ DOCS_BYTES = 150 * 1024
 def documents() -> list[Path]:
     """The README, docs/, and the benchmarks' READMEs (where measurement history lives)."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
-            *sorted((ROOT / "bench" / "results").glob("*/README.md"))]
+            *sorted((ROOT / "bench" / "results").glob("**/*.md"))]
 
 
 def slug(heading: str) -> str:
