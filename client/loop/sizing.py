@@ -49,7 +49,7 @@ EXPLORE = (0.5, 0.25)
 EXPLORE_EVERY = 8
 # ... of the tree's first EXPLORE_SPAN x the nodes worth sending by the costs known so far (the server's Load before a
 # round is measured): around the best size, not the whole tree where each node is dear (a CPU target on its low-bit
-# kernels, whose nodes cost 0.4 of a step on an AMD Zen 4: a first trial's 32-node tree took 0.38 s for ~2 tokens)
+# kernels, where a node costs a good share of a step)
 EXPLORE_SPAN = 4
 # The first trees' depth; each round's grows to one past the deepest node that paid. Shallow first: where a
 # draft step costs a good share of a target step (a CPU target on its low-bit kernels), a deep first tree

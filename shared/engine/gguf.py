@@ -98,7 +98,7 @@ def folder_for(path: str | os.PathLike, cache: Path, name: str | None = None) ->
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             # A GGUF has no tokenizer_config.json, so AutoTokenizer takes the class registered for the config's
             # type where there is one: taken here directly, as AutoTokenizer would parse the whole header once
-            # more for the config (~23 s for a Qwen2.5 file on AMD Zen 3). Where none is (llama), AutoTokenizer.
+            # more for the config (tens of seconds for a Qwen2.5 file). Where none is (llama), AutoTokenizer.
             tokenizer = TOKENIZER_MAPPING.get(type(config), AutoTokenizer).from_pretrained(
                 path.parent, gguf_file=path.name)
         except (ValueError, KeyError, OSError) as exc:
@@ -143,8 +143,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A GGUF file's scalar metadata (strings and numbers; arrays skipped) and its tensor table, by name. Walks the
-    header once: gguf's own ``GGUFReader`` makes an array view of every one of a vocabulary's 150k strings (~17 s for
-    a Qwen2.5 file on AMD Zen 3), this skips them (well under a second)."""
+    header once: gguf's own ``GGUFReader`` makes an array view of every one of a vocabulary's 150k strings (seconds
+    for a Qwen2.5 file), this skips them."""
     gguf = _gguf()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
         if blob[:4] != b"GGUF":

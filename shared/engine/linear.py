@@ -35,12 +35,11 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose rows do not depend on how many rows are multiplied together, optionally int8.
 
     A bf16 GEMM on a CPU rounds a row differently depending on how many rows share the call (oneDNN picks its
-    kernel and blocking by shape: on a Zen 5 a single row with K = 1536 went another way; on an Intel CPU with
-    AMX, torch 2.13, rows differ between M = 2, 16, 32 and 64 for SmolLM2's head): plain decoding (one token)
+    kernel and blocking by shape, docs/engine.md "Exact at every dtype"): plain decoding (one token)
     then drifts from tree verification (many) and greedy outputs part at near-ties. So bf16 rows on a CPU are
     multiplied in blocks of exactly ``BF16_ROWS`` (the last padded with zero rows): every row goes through the
-    same call shape, whatever the forward. A forward of up to ``BF16_ROWS`` tokens is one call (one token: ~1.05x
-    its own cost on AMX, the weights are streamed once either way); a prefill is several (~2.5x). fp32 rows are
+    same call shape, whatever the forward. A forward of up to ``BF16_ROWS`` tokens is one call (the weights are
+    streamed once either way); a prefill is several. fp32 rows are
     left alone: MKL's single-row path is a fast GEMV, and fp32 exactness is against transformers, within ties.
 
     ``quantize`` makes it low-bit on a CPU (``shared.engine.kernels``): ``int8`` weights with one scale per output

@@ -309,8 +309,8 @@ void int8_outputs(const Rows& x, int64_t r0, int64_t rows, const int32_t* acc, i
 constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's reduction over a short K
 // Bytes ahead of the weight stream to ask for: one thread alone cannot keep enough reads in flight to stream DRAM at
 // full speed. Far enough to cover the memory's latency at the pace of a pass of 8 rows (the compute of a verified
-// tree), not only at one row's, when the hardware's own prefetch keeps up: with 1024 a 7-row forward of a 1.5B took
-// compute time + memory time; with 8192 1.32x less (Zen 5, 36.3 -> 27.5 ms; 4096 and 16384 close, 2048 halfway).
+// tree), not only at one row's, when the hardware's own prefetch keeps up: too short, and a forward of several rows
+// takes compute time plus memory time (docs/engine.md).
 constexpr int64_t PREFETCH = 8192;
 
 #if defined(SPLITSPEC_AVX512)
