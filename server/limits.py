@@ -6,9 +6,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 
-def limit(default, flag: str, help: str):
-    """A limit's default, its command-line flag and what it bounds."""
-    return field(default=default, metadata={"flag": flag, "help": help})
+def limit(default, flag: str, help: str, off: bool = False):
+    """A limit's default, its command-line flag and what it bounds; ``off``: 0 turns it off."""
+    return field(default=default, metadata={"flag": flag, "help": help, "off": off})
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class ServerLimits:
     kv_memory_mb: int = limit(4096, "--kv-memory-mb", "MiB of KV cache all sessions together may hold")
     keep_decoding: int = limit(64, "--keep-decoding", "tokens a Decode stream goes on decoding after its client left "
                                "mid-stream (a cut link): the client's next call takes them without compute")
+    prefix_cache_mb: int = limit(1024, "--prefix-cache-mb", "MiB of KV the prefix cache keeps of finished "
+                                 "sequences, so that a prompt starting with one (a conversation's next turn) prefills "
+                                 "only the rest; 0: off", off=True)
     evict_idle_s: float = limit(1.0, "--evict-idle", "seconds a session must have been idle before it may be evicted "
                                 "to admit a new one (its client reopens it from history)")
 
@@ -46,8 +49,10 @@ class ServerLimits:
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
         """The limits the flags gave; ValueError naming the flag of one that is not positive."""
         for f in fields(cls):
-            if getattr(args, f.name) <= 0:
-                raise ValueError(f"{f.metadata['flag']} must be > 0, got {getattr(args, f.name)}")
+            value = getattr(args, f.name)
+            if value < 0 or (value == 0 and not f.metadata["off"]):
+                raise ValueError(f"{f.metadata['flag']} must be > 0{' (or 0: off)' if f.metadata['off'] else ''}, "
+                                 f"got {value}")
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def as_dict(self) -> dict:

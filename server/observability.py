@@ -28,7 +28,7 @@ class Metrics:
     """The server's figures; ``store`` (the session store) and ``waiting()`` (steps queued for the model) are
     read when scraped."""
 
-    def __init__(self, store, waiting) -> None:
+    def __init__(self, store, waiting, prefixes=None) -> None:
         self.registry = r = CollectorRegistry()
         Gauge("splitspec_sessions", "open sessions", registry=r).set_function(lambda: len(store))
         Gauge("splitspec_kv_bytes", "KV cache bytes held by sessions and places being opened",
@@ -38,6 +38,15 @@ class Metrics:
               registry=r).set_function(lambda: store.evicted)  # fmt: skip
         Gauge("splitspec_sessions_expired", "sessions reaped after the TTL", registry=r).set_function(
             lambda: store.expired)
+        if prefixes is not None:
+            for name, help, read in (
+                ("hit_tokens", "prompt tokens whose KV came from the prefix cache", lambda: prefixes.hit_tokens),
+                ("miss_tokens", "prompt tokens prefilled (not in the prefix cache)", lambda: prefixes.miss_tokens),
+                ("evictions", "prefix cache entries evicted for room", lambda: prefixes.evictions),
+                ("bytes", "KV bytes the prefix cache holds", lambda: prefixes.nbytes),
+                ("entries", "sequences the prefix cache holds", lambda: len(prefixes)),
+            ):
+                Gauge(f"splitspec_prefix_{name}", help, registry=r).set_function(read)
         self.forward_tokens = Histogram("splitspec_forward_tokens", "tokens per target forward (prefill pieces, "
                                         "trees with their root, decode steps)", registry=r,
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # fmt: skip
@@ -129,6 +138,7 @@ def log_session(session, reason: str) -> None:
     log.info(json.dumps({
         "event": "session_end", "session": session.id[:8], "owner": session.owner or None, "reason": reason,
         "age_s": round(time.monotonic() - s.opened, 3), "prompt_tokens": s.prompt_tokens,
-        "tokens": len(session.sequence.tokens), "rounds": s.rounds, "nodes": s.nodes, "accepted": s.accepted,
+        "reused_tokens": s.reused_tokens, "tokens": len(session.sequence.tokens), "rounds": s.rounds,
+        "nodes": s.nodes, "accepted": s.accepted,
         "decoded": s.decoded, "verify_s": round(s.verify_s, 4), "payload_bytes": s.payload_bytes,
     }))  # fmt: skip

@@ -26,6 +26,7 @@ from server.batching import Batcher, ShuttingDown
 from server.budget import TreeBudget
 from server.limits import ServerLimits
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
+from server.prefixes import PrefixCache
 from server.refusals import MAX_DETAILS, Abort, shown
 from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
@@ -46,6 +47,7 @@ LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is
 PREFER = ("auto", "latency", "capacity")
 LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
 KV_SHARE = 0.9  # of a GPU's free memory, the most the sessions' KV caches may hold (see ``attach``)
+PREFIX_SHARE = 0.25  # of that, the most the prefix cache may keep on a GPU
 CHAIN_WAIT_S = 30.0  # the most a chained Verify that overtook the round it follows waits for that round
 log = logging.getLogger("splitspec.server")
 
@@ -211,8 +213,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         self.sessions = SessionStore(self.limits.max_sessions, self.limits.session_ttl_s,
                                      self.limits.kv_memory_mb * 2**20, self.limits.evict_idle_s,
                                      on_end=self._ended)  # fmt: skip
+        self.prefixes = PrefixCache(self.limits.prefix_cache_mb * 2**20)  # finished sequences' KV, for their next turn
         self.batcher: Batcher | None = None  # runs every forward, once the target is attached
-        self.metrics = Metrics(self.sessions, lambda: self.batcher.waiting if self.batcher else 0)
+        self.metrics = Metrics(self.sessions, lambda: self.batcher.waiting if self.batcher else 0, self.prefixes)
         self.health = None  # the gRPC health servicer, set by build_server
         self.auth: TokenAuth | None = None  # bearer tokens, when the server runs with them
         self.stretches = Stretches(self)  # what the server decodes by itself
@@ -227,11 +230,16 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                                                                                   target.max_context)})  # fmt: skip
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
         free = device_free_bytes(target.engine.device)
-        if free is not None and int(free * KV_SHARE) < self.sessions.max_bytes:
-            self.sessions.max_bytes = int(free * KV_SHARE)
+        if free is not None and int(free * KV_SHARE) < self.sessions.max_bytes + self.prefixes.max_bytes:
+            self.prefixes.max_bytes = min(self.prefixes.max_bytes, int(free * KV_SHARE * PREFIX_SHARE))
+            self.sessions.max_bytes = int(free * KV_SHARE) - self.prefixes.max_bytes
             log.info("KV budget %.0f MiB: %.0f%% of the %.0f MiB free on %s (--kv-memory-mb %d)",
                      self.sessions.max_bytes / 2**20, 100 * KV_SHARE, free / 2**20, target.engine.device,
                      self.limits.kv_memory_mb)  # fmt: skip
+        if not target.rows_independent and self.prefixes.max_bytes:
+            log.info("prefix cache off: on this path (%s) a row's rounding depends on the rows beside it, so a reused "
+                     "prefix would not be what a cold prefill computes", target.describe())  # fmt: skip
+            self.prefixes.max_bytes = 0
         lim = self.limits
         self.batcher = Batcher(target.engine, lim.max_batch, lim.max_batch_tokens, lim.batch_window_ms / 1000,
                                on_batch=self.metrics.forward, budget=TreeBudget(lim.min_tree_nodes))  # fmt: skip
@@ -240,7 +248,13 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             set_serving(self.health)
 
     def _ended(self, session, reason: str) -> None:
+        """A session ends: logged, and (unless it failed, or a call still holds it) kept in the prefix cache."""
         log_session(session, reason)
+        if reason != "failed" and self.prefixes.max_bytes and session.lock.acquire(blocking=False):
+            try:
+                self.prefixes.keep(session.owner, session.sequence, session.hidden)
+            finally:
+                session.lock.release()
         if self.batcher is not None:
             self.batcher.forget(session.sequence.cache)
 
@@ -368,12 +382,17 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
         sampling = checked_sampling(sampling_msg)
         with self.place(len(prompt)):
             start = time.perf_counter()
-            sequence = self.target.session(sampling, feature_kinds=feature_kinds(spec) & {"hidden"})
+            hidden, owner = "hidden" in feature_kinds(spec), caller(context, self.auth)
+            sequence = self.target.session(sampling, feature_kinds={"hidden"} if hidden else ())
+            reuse = self.prefixes.take(owner, prompt, hidden, self.sessions.idle(owner))
+            if reuse:
+                sequence.reuse(reuse.k, reuse.v)
             verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self.runner(context))
-            session = self.sessions.add(sequence, caller(context, self.auth))
-            session.stats.prompt_tokens = len(prompt)
-            if "hidden" in feature_kinds(spec):
-                session.hidden = verdict.features.hidden
+            session = self.sessions.add(sequence, owner)
+            session.stats.prompt_tokens, session.stats.reused_tokens = len(prompt), reuse.length if reuse else 0
+            if hidden:
+                before = [reuse.hidden] if reuse else []
+                session.hidden = torch.cat([*before, verdict.features.hidden])
         self.metrics.tokens_generated.inc()
         log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt),
                  time.perf_counter() - start)  # fmt: skip

@@ -37,6 +37,7 @@ class SessionStats:
     """What a session did, for its log line when it ends."""
 
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # of them, taken from the prefix cache
     rounds: int = 0
     nodes: int = 0  # draft nodes verified
     accepted: int = 0
@@ -185,6 +186,11 @@ class SessionStore:
                 return None
             session.last_used = time.monotonic()
             return session
+
+    def idle(self, owner: str) -> list[Session]:
+        """``owner``'s sessions that no call holds now (a snapshot: one may be taken a moment later)."""
+        with self._lock:
+            return [s for s in self._sessions.values() if s.owner == owner and not s.lock.locked()]
 
     def holds(self, session_id: str) -> bool:
         """Does the store hold session ``session_id`` (whoever owns it)? For routing figures, not for access."""

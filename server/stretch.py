@@ -18,6 +18,7 @@ import grpc
 
 from server.batching import ShuttingDown
 from server.refusals import Abort
+from server.security import caller
 from server.self_draft import SelfDraft
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree
@@ -198,8 +199,12 @@ class Stretches:
     def api(self, prompt, sampling, budget, stop, context):
         """One token per chunk, as an API streams; stops early when the client goes away. An open stream holds a
         place in the session store, so streams cannot take every worker from the other calls."""
+        owner, prefixes, failed = caller(context, self.service.auth), self.service.prefixes, False
         with self.service.place(len(prompt)):
             sequence = self.service.target.session(sampling)
+            reuse = prefixes.take(owner, prompt, live=self.service.sessions.idle(owner))
+            if reuse:
+                sequence.reuse(reuse.k, reuse.v)
             try:
                 verdict = sequence.prefill(prompt, self.service.limits.prefill_chunk, self.service.runner(context))
                 self.service.metrics.tokens_generated.inc()
@@ -212,5 +217,10 @@ class Stretches:
                         return
                     verdict = sequence.verify(DraftTree(), self.service.runner(context))
                     self.service.metrics.tokens_generated.inc()
+            except Exception:
+                failed = True  # a forward failed: its cache may be half-written, never kept for another prompt
+                raise
             finally:
+                if not failed:  # done, or the client went away between tokens
+                    prefixes.keep(owner, sequence)
                 self.service.batcher.forget(sequence.cache)

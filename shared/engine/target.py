@@ -87,6 +87,13 @@ class Target:
         kinds = {m.weights_kind() for m in self.engine.layers.modules() if isinstance(m, Linear)}
         return kinds.pop() if len(kinds) == 1 else "+".join(sorted(kinds))
 
+    @property
+    def rows_independent(self) -> bool:
+        """Is a token's state the same whatever rows share its forward? On splitspec's kernels and in exact bf16, yes;
+        fp32 on torch's GEMMs no (a row's rounding follows the row count): there the KV of a prefix computed before
+        would not be what a cold prefill computes, so the server does not reuse it."""
+        return self.weights != "native" or (self.dtype == torch.bfloat16 and self.engine.exact)
+
     def describe(self) -> str:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""
         dtype = str(self.dtype).removeprefix("torch.")
@@ -169,6 +176,18 @@ class TargetSession:
         with torch.inference_mode():
             return step.finish(self.target.engine.forward_many([step.part])[0])
 
+    def reuse(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take the KV of the prompt's first ``k.shape[3]`` tokens from a sequence computed before (the server's prefix
+        cache); ``prefill`` then computes only the rest. The same values a cold prefill gives where
+        ``Target.rows_independent``."""
+        if self.tokens or self.cached_len:
+            raise RuntimeError("reuse after prefill: a prefix is taken before the prompt runs")
+        n = k.shape[3]
+        self.cache.reserve(n, self.target.max_context)
+        self.cache.k[:, :, :, :n] = k
+        self.cache.v[:, :, :, :n] = v
+        self.cached_len = n
+
     def prefill(self, prompt_ids: list[int], chunk: int | None = None, run: Callable[[Step], object] | None = None
                 ) -> Verdict:  # fmt: skip
         """Run the prompt, pick the first token; afterwards the cache holds the whole prompt.
@@ -176,9 +195,13 @@ class TargetSession:
         ``chunk``: at most that many tokens per forward; ``run`` runs each piece (default: alone, now). In
         bf16 on a CPU (exact mode) the result is bit-identical to one forward; in fp32 the last bits of the
         prompt's states may differ (MKL's GEMM rows depend on the row count), as between any two batch shapes.
+        After ``reuse`` only the tokens past the reused ones run, and the features start there.
         """
         if self.tokens:
             raise RuntimeError("prefill called twice on one session")
+        if self.cached_len >= len(prompt_ids):
+            raise ValueError(f"a reused prefix of {self.cached_len} tokens leaves nothing of a {len(prompt_ids)}-token "
+                             "prompt to run: expected at most all but its last token")  # fmt: skip
         if not prompt_ids:
             raise ValueError("empty prompt: expected at least one token")
         if len(prompt_ids) + 1 > self.target.max_context:
@@ -187,10 +210,10 @@ class TargetSession:
             )
         run = run or self.run
         start = time.perf_counter()
-        n = len(prompt_ids)
+        n, first_run = len(prompt_ids), self.cached_len
         step = max(1, chunk or n)
         pieces = []
-        for a in range(0, n, step):
+        for a in range(first_run, n, step):
             b = min(a + step, n)
             part = self._part(list(prompt_ids[a:b]), list(range(a, b)), causal_from(a, b - a, self.target.device))
             pieces.append(run(Step(part, lambda hidden, b=b: self._filled(b, hidden))))
@@ -199,7 +222,7 @@ class TargetSession:
             logits = self.target.engine.logits(hidden[-1:])
             _, first = accept_tree([], [], logits, self.sampling, self.generator)
             self.tokens = list(prompt_ids) + [first]
-            return Verdict([], [first], time.perf_counter() - start, self._features(0, hidden))
+            return Verdict([], [first], time.perf_counter() - start, self._features(first_run, hidden))
 
     def _filled(self, end: int, hidden: torch.Tensor) -> torch.Tensor:
         self.cached_len = end  # a prompt piece is committed as soon as it is cached: the next goes after it

@@ -1,0 +1,175 @@
+"""The server's prefix cache (``server.prefixes``): a conversation's next turn prefills only what is new, gives the
+tokens a cold prefill gives, and never reuses another caller's prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.build import Client, ClientOptions, Shared
+from client.drafters import make_drafter
+from client.loop.decode import generate
+from client.net.api import api_complete
+from client.net.endpoint import Endpoint
+from client.net.remote import RemoteVerifier
+from client.verifiers import LocalVerifier
+from server.limits import ServerLimits
+from server.prefixes import BLOCK, MIN_TOKENS, PrefixCache, block_hashes
+from server.service import build_server
+from shared.engine.models import load_target
+from shared.tree import DraftTree
+from tests.conftest import served, wait_until
+
+WORDS = ("the cat sat on the mat and looked at the dog who was sleeping by the warm fire in the old house near the "
+         "river where the children played every day after school until the sun went down")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def int8_target(tiny_model_dir):
+    """A target whose rows are independent of each other (splitspec's kernels): where prefixes are reused."""
+    return load_target(str(tiny_model_dir), dtype="float32", weights="int8")
+
+
+def kv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 1, 2, n, 4, generator=g), torch.randn(2, 1, 2, n, 4, generator=g)
+
+
+def test_the_longest_cached_run_is_found_by_blocks_and_checked_token_by_token():
+    cache = PrefixCache(1 << 20)
+    conversation = list(range(100, 200))
+    k, v = kv(90)
+    assert cache.put("", conversation, k, v)
+    reuse = cache.take("", conversation[:70] + [7, 8, 9])
+    assert reuse.length == 70 and torch.equal(reuse.k, k[:, :, :, :70]) and torch.equal(reuse.v, v[:, :, :, :70])
+    assert cache.take("", conversation[:20] + [1] * 40) is None  # shorter than MIN_TOKENS shared
+    assert cache.take("", [5] * 80) is None
+    whole = cache.take("", conversation[:90])
+    assert whole.length == 89  # all but the prompt's last token: its state picks the next one
+    assert (cache.hit_tokens, cache.miss_tokens) == (70 + 89, 3 + 60 + 80 + 1)
+    assert len(block_hashes(conversation)) == len(conversation) // BLOCK and MIN_TOKENS <= 70
+
+
+def test_a_prefix_belongs_to_its_caller():
+    cache = PrefixCache(1 << 20)
+    tokens = list(range(64))
+    cache.put("alice", tokens, *kv(64))
+    assert cache.take("bob", tokens + [1]) is None
+    assert cache.take("", tokens + [1]) is None
+    assert cache.take("alice", tokens + [1]).length == 64
+
+
+def test_the_next_turn_replaces_the_turn_it_extends_and_the_budget_evicts_the_least_recently_used():
+    one = kv(64)[0]
+    entry_bytes = 2 * one.numel() * one.element_size()
+    cache = PrefixCache(3 * entry_bytes)
+    turn1 = list(range(64))
+    cache.put("", turn1, *kv(64))
+    cache.put("", turn1 + list(range(500, 532)), *kv(96))  # the same conversation, one turn on
+    assert len(cache) == 1 and cache.take("", turn1 + [9]).length == 64
+    others = [list(range(1000 * i, 1000 * i + 64)) for i in (1, 2, 3)]
+    cache.put("", others[0], *kv(64))
+    cache.take("", turn1 + [9])  # the conversation was used after others[0]: others[0] goes first
+    cache.put("", others[1], *kv(64))
+    cache.put("", others[2], *kv(64))
+    assert cache.evictions >= 1 and cache.nbytes <= cache.max_bytes
+    assert cache.take("", others[0] + [9]) is None and cache.take("", others[2] + [9]).length == 64
+    assert not PrefixCache(0).put("", turn1, *kv(64))  # off
+
+
+def test_a_block_two_conversations_share_stays_found_when_one_goes():
+    cache = PrefixCache(1 << 20)
+    system = list(range(64))
+    a, b = system + list(range(300, 340)), system + list(range(700, 740))
+    cache.put("", a, *kv(len(a)))
+    cache.put("", b, *kv(len(b), seed=1))
+    cache._drop(max(cache._entries))  # b, which answered for the shared blocks
+    assert cache.take("", a + [1]).length == len(a)
+
+
+@pytest.mark.parametrize("path", ["int8", "bf16"])
+def test_a_reused_prefix_gives_the_bits_of_a_cold_prefill(tiny_model_dir, path):
+    target = load_target(str(tiny_model_dir), dtype="float32", weights="int8") if path == "int8" else load_target(
+        str(tiny_model_dir), dtype="bfloat16", weights="native")  # fmt: skip
+    assert target.rows_independent
+    ids = target.tokenizer(WORDS)["input_ids"]
+    first = target.session()
+    first.prefill(ids[:40])
+    for _ in range(6):
+        first.verify(DraftTree())  # six plain steps: their KV computed a row at a time
+    prompt = first.tokens + ids[40:50]
+    cold, warm = target.session(feature_kinds={"hidden"}), target.session(feature_kinds={"hidden"})
+    a = cold.prefill(prompt, chunk=16)
+    n = first.cached_len
+    warm.reuse(first.cache.k[:, :, :, :n].clone(), first.cache.v[:, :, :, :n].clone())
+    b = warm.prefill(prompt, chunk=16)
+    assert b.features.start == n and torch.equal(a.features.hidden[n:], b.features.hidden)
+    assert torch.equal(cold.cache.k[:, :, :, : len(prompt)], warm.cache.k[:, :, :, : len(prompt)])
+    assert a.new_tokens == b.new_tokens
+
+
+def test_fp32_on_torch_does_not_reuse(tiny_model_dir):
+    target = load_target(str(tiny_model_dir), dtype="float32", weights="native")
+    assert not target.rows_independent
+    server, _, service = build_server(target, "127.0.0.1", 0, ServerLimits())
+    try:
+        assert service.prefixes.max_bytes == 0
+    finally:
+        server.stop(grace=None)
+        service.close()
+
+
+def conversation(client_generate, tokenizer, turns: int = 3, new: int = 12) -> list[list[int]]:
+    """Each turn: the whole conversation so far plus a new user line, as chat apps send it."""
+    ids = tokenizer(WORDS)["input_ids"]
+    history, outputs = [], []
+    for turn in range(turns):
+        history = history + ids[turn * 12 : turn * 12 + 36]
+        out = client_generate(history, new)
+        outputs.append(out)
+        history = history + out
+    return outputs
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup"])
+def test_a_conversation_over_the_server_gives_the_cache_off_tokens_and_prefills_only_what_is_new(int8_target,
+                                                                                                 drafter):
+    shared = Shared(None, int8_target.tokenizer, int8_target.fingerprint)
+    runs = {}
+    for mb in (0, 64):
+        with served(int8_target, max_context=512, prefix_cache_mb=mb) as (address, service):
+            with Client(ClientOptions(server=address, drafter=drafter), shared) as client:
+                def turn(prompt, n, client=client, service=service):
+                    wait_until(lambda: len(service.sessions) == 0)  # the last turn's close has landed
+                    return client.generate(prompt, n).token_ids
+
+                runs[mb] = (conversation(turn, int8_target.tokenizer), service.prefixes.hit_tokens,
+                            service.prefixes.miss_tokens)  # fmt: skip
+    (off, off_hits, off_misses), (on, hits, misses) = runs[0], runs[64]
+    plain = conversation(lambda p, n: generate(LocalVerifier(int8_target), make_drafter("none"), p, n).token_ids,
+                         int8_target.tokenizer)  # fmt: skip
+    assert on == off == plain
+    assert off_hits == 0 and hits > 0 and misses < off_misses
+
+
+def test_the_api_stream_reuses_its_callers_prefixes_only(int8_target):
+    tokens = {"a" * 32: "alice", "b" * 32: "bob"}
+    server, port, service = build_server(int8_target, "127.0.0.1", 0, ServerLimits(max_context=512), tokens=tokens)
+    server.start()
+    address = f"127.0.0.1:{port}"
+    remotes = {name: RemoteVerifier(Endpoint(address, token=t)) for t, name in tokens.items()}
+    try:
+        prompt = int8_target.tokenizer(WORDS)["input_ids"][:40]
+        first = api_complete(remotes["alice"], prompt, 8).token_ids
+        wait_until(lambda: len(service.prefixes) == 1)
+        longer = prompt + first + [int8_target.tokenizer("and")["input_ids"][-1]]
+        hits = service.prefixes.hit_tokens
+        assert api_complete(remotes["bob"], longer, 8).token_ids == api_complete(remotes["alice"], longer, 8).token_ids
+        assert service.prefixes.hit_tokens - hits == len(prompt) + len(first) - 1  # alice's, not bob's
+        plain = generate(LocalVerifier(int8_target), make_drafter("none"), longer, 8).token_ids
+        assert api_complete(remotes["alice"], longer, 8).token_ids == plain
+    finally:
+        for remote in remotes.values():
+            remote.shutdown()
+        server.stop(grace=None)
+        service.close()
