@@ -156,6 +156,7 @@ class Client:
                                      offline_cap=o.offline_cap, stop=stopping, offline=writer)  # fmt: skip
         self.policy_type: type[AdaptivePolicy] = AdaptivePolicy
         self.policy: AdaptivePolicy | None = None  # the last generation's: what the next one starts from
+        self.history: list[int] = []  # the last generation's prompt and output: a next turn goes on from it
         self._verifier = None
         self._links = contextlib.ExitStack()  # the netsim proxy the connections go through (``via_netsim``)
         self._address: str | None = None  # where connections go: the server's, or that proxy's
@@ -195,15 +196,18 @@ class Client:
         o, verifier = self.options, self.verifier
         sampling = sampling or o.sampling
         stop_ids = None if o.stop_ids is None else list(o.stop_ids)
+        self.history = list(prompt_ids)  # (until the output is known: a failed generation leaves only the prompt)
         if o.baseline == "api":
-            return api_complete(verifier, prompt_ids, max_new_tokens, sampling, stop_ids, on_update)
+            gen = api_complete(verifier, prompt_ids, max_new_tokens, sampling, stop_ids, on_update)
+            self.history += gen.token_ids
+            return gen
         specs = verifier.usable(self.pinned_specs())
         policy = None
         if not o.static:
             policy = self.policy_type.for_run(verifier, specs, previous=self.policy, pin_nodes=o.max_tree_nodes,
                                               pin_depth=o.tree_depth, mode=o.mode)  # fmt: skip
             self.policy = policy
-        return generate(
+        gen = generate(
             verifier, self.drafter, prompt_ids, max_new_tokens,
             Settings(
                 sampling=sampling,
@@ -218,6 +222,8 @@ class Client:
             ),
             on_update=on_update,
         )  # fmt: skip
+        self.history += gen.token_ids
+        return gen
 
     def forget(self, policy_type: type[AdaptivePolicy] | None = None) -> None:
         """The next generation learns afresh (what a warm-up learnt is not the timed run's), under ``policy_type``

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.lookup import shared_length
+
 BLOCK = 32  # tokens a hashed block holds: a prompt shorter than this never reuses
 MIN_TOKENS = BLOCK  # a reuse shorter than this is not worth the copy
 
@@ -40,10 +42,7 @@ def block_hashes(tokens: list[int] | tuple[int, ...]) -> list[bytes]:
 
 def common_length(cached, prompt: list[int]) -> int:
     """How many first tokens ``cached`` and ``prompt`` share, at most all but the prompt's last."""
-    n, end = 0, min(len(cached), len(prompt) - 1)
-    while n < end and cached[n] == prompt[n]:
-        n += 1
-    return n
+    return min(shared_length(cached, prompt), len(prompt) - 1)
 
 
 @dataclass

@@ -21,6 +21,15 @@ from collections import defaultdict
 from shared.tree import DraftTree
 
 
+def shared_length(a, b) -> int:
+    """How many first tokens ``a`` and ``b`` have in common: how far a new prompt goes on from a sequence held (the
+    server's prefix cache, a drafter's cache, the edge's choice of client for a conversation's next turn)."""
+    n, end = 0, min(len(a), len(b))
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class NgramLookup:
     """The n-gram index of a sequence and its proposals (a ``client.drafters.base.Drafter`` in all but name)."""
 

@@ -173,3 +173,30 @@ def test_the_api_stream_reuses_its_callers_prefixes_only(int8_target):
             remote.shutdown()
         server.stop(grace=None)
         service.close()
+
+
+def test_a_model_drafters_next_turn_runs_only_what_is_new_and_drafts_as_a_cold_one(int8_target):
+    from client.drafters.model import ModelDrafter
+
+    ids = int8_target.tokenizer(WORDS)["input_ids"]
+    warm, cold = (ModelDrafter(int8_target, width=2, depth=3, vocab=None, floor=0.0) for _ in range(2))
+    first = generate(LocalVerifier(int8_target), warm, ids[:30], 10).token_ids
+    turn2 = ids[:30] + first + ids[30:40]
+    fed = []
+    run = warm.engine.forward_many
+    warm.engine.forward_many = lambda parts: fed.append(sum(len(p.ids) for p in parts)) or run(parts)
+    try:
+        warm.prepare(turn2)
+    finally:
+        del warm.engine.forward_many
+    assert fed == [len(turn2) - warm_held(first)]  # from where the last sequence's cache and the prompt part
+    cold.prepare(turn2)
+    for drafter in (warm, cold):
+        drafter.begin(turn2 + [ids[-1]])
+    a, b = warm.propose(6), cold.propose(6)
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+
+
+def warm_held(first: list[int]) -> int:
+    """Tokens of turn 2 the drafter's cache already holds: turn 1's prompt and all but the newest of its output."""
+    return 30 + len(first) - 1

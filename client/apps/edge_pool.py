@@ -168,12 +168,17 @@ class Edge:
         self.resilience = first.resilience  # every client's is alike
         self.release(first)
 
-    def take(self):
-        """An idle client, else a new one. A connection idle for ``KEEP_IDLE_S`` or more is closed, not reused."""
+    def take(self, prompt_ids: list[int] = ()):
+        """An idle client, else a new one: the one whose last generation ``prompt_ids`` goes on from the furthest (a
+        conversation's next turn: its drafter holds the conversation's state), else the one idle the shortest. A
+        connection idle for ``KEEP_IDLE_S`` or more is closed, not reused."""
         from client.build import Client
+        from shared.lookup import shared_length
 
         with self._lock:
-            client, since = self._idle.pop() if self._idle else (None, 0.0)
+            best = max(range(len(self._idle)), key=lambda i: (shared_length(self._idle[i][0].history, prompt_ids), i),
+                       default=None)  # fmt: skip
+            client, since = self._idle.pop(best) if best is not None else (None, 0.0)
         if client is None:
             drafter = self._make_drafter() if self._make_drafter else None
             return Client(self.options, self.shared, drafter, stopping=self.stopping)
@@ -224,7 +229,7 @@ class Edge:
 
         sampling = SamplingParams(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed,
                                   acceptance=ask.acceptance)  # fmt: skip
-        client = self.take()
+        client = self.take(prompt_ids)
         c = self.counters
         c.active.inc()
         start = time.perf_counter()

@@ -31,7 +31,7 @@ from client.drafters.tree_search import eagle2_tree
 from shared.engine.decoder import Part
 from shared.engine.linear import Linear
 from shared.features import Features
-from shared.lookup import NgramLookup
+from shared.lookup import NgramLookup, shared_length
 from shared.tree import DraftTree, causal_from
 
 FLOOR = 0.3  # about a 0.5B step's cost in 1.5B steps on a CPU: a deeper step must be at least that likely to pay
@@ -68,7 +68,7 @@ class ModelDrafter(TokenCache, Drafter):
         self.name = name or lm.name + ("+lookup" if lookup else "")
         self.lookup = NgramLookup() if lookup else None
         self.cache = self.engine.new_cache(256)
-        self.tokens: list[int] = []
+        self.clear_tokens()  # no sequence yet: an empty cache
         self.vocabulary = draft_head(lm, vocab) if vocab else None  # (ids, their set, the head's rows) or None
         self.extra: tuple[torch.Tensor, Linear] | None = None  # the prompt's tokens outside it, and their rows
         self.vocab_ids: torch.Tensor | None = None  # what each index of a drafted distribution is (None: itself)
@@ -84,15 +84,18 @@ class ModelDrafter(TokenCache, Drafter):
         """Prefill the prompt while the server prefills it: the first token then waits for the slower of the two,
         not for both in turn (the 0.5B's prefill of a HumanEval prompt: a third of a second on one core)."""
         self.prepared = None
-        self._prefill(prompt_ids)
+        self._prefill(prompt_ids, self.tokens[: self.fed])
         self.prepared = list(prompt_ids)
 
-    def _prefill(self, ids: list[int]) -> None:
-        """``ids`` into the cache from slot 0: the prompt, all but the root (which each tree feeds again)."""
-        if ids:
+    def _prefill(self, ids: list[int], held: list[int]) -> None:
+        """``ids`` into the cache from slot 0: the prompt, all but the root (which each tree feeds again). ``held``:
+        the tokens the cache holds now (the last sequence's); a prompt that extends them (a conversation's next turn)
+        runs only from where the two part."""
+        start = shared_length(held, ids)
+        if start < len(ids):
             self.cache.reserve(len(ids))
-            self.engine.forward_many([Part(ids, list(range(len(ids))), causal_from(0, len(ids), self._device),
-                                           self.cache, 0)])  # fmt: skip
+            self.engine.forward_many([Part(ids[start:], list(range(start, len(ids))),
+                                           causal_from(start, len(ids) - start, self._device), self.cache, start)])
 
     @torch.inference_mode()
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
@@ -100,6 +103,7 @@ class ModelDrafter(TokenCache, Drafter):
         did, so that the first drafted round does not pay for it and look, to the adaptive policy, like a drafter
         that cannot pay."""
         prepared, self.prepared = self.prepared, None
+        held = prepared if prepared is not None else self.tokens[: self.fed]  # what the cache holds now
         self.clear_tokens()
         if self.lookup is not None:
             self.lookup.begin([])
@@ -111,7 +115,7 @@ class ModelDrafter(TokenCache, Drafter):
         self.absorb(tokens, features)
         n = len(tokens) - 1  # all but the root, which each tree feeds again
         if prepared != tokens[:n]:
-            self._prefill(tokens[:n])
+            self._prefill(tokens[:n], held)
         self.fed = max(n, 0)
 
     def absorb(self, tokens: list[int], features: Features | None = None) -> None:
