@@ -65,6 +65,25 @@ def start(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def scrape(port: int) -> dict[str, float]:
+    """A server's Prometheus figures (``--metrics-port``), unlabelled ones, by name."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def metrics_port(log: Path) -> int:
+    """The port a server child started with ``--metrics-port 0`` serves its metrics on, from its log."""
+    return int(next(line.rsplit(":", 1)[1].split("/")[0] for line in log.read_text().splitlines()
+                    if "metrics on http" in line))  # fmt: skip
+
+
 def served_target(model: str):
     """The target as ``splitspec serve`` serves it here (``auto``: one path per model and machine), and its dtype."""
     from shared.engine.models import load_target

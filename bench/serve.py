@@ -35,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from bench.common import cell, clients_figure, environment, median, run_clients, save_results
+from bench.common import cell, clients_figure, environment, median, metrics_port, run_clients, save_results, scrape
 from client.build import Client, ClientOptions, Shared
 from client.drafters import make_drafter
 from client.drafters.base import Drafter
@@ -226,16 +225,6 @@ def stream(stub, rec: Recording) -> tuple[list[int], float]:
     return tokens, time.perf_counter() - start
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    values = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -246,8 +235,8 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordings: list[Recording]) -> Point:
-    before = scrape(metrics_port)
+def run_point(child: ServerChild, port: int, mode: str, n: int, recordings: list[Recording]) -> Point:
+    before = scrape(port)
     channels = [grpc.insecure_channel(child.address) for _ in range(n)]
     stubs = [pb_grpc.SplitSpecStub(c) for c in channels]
     results: list = [None] * n
@@ -265,7 +254,7 @@ def run_point(child: ServerChild, metrics_port: int, mode: str, n: int, recordin
     wall = run_clients(client, n)
     for c in channels:
         c.close()
-    after = scrape(metrics_port)
+    after = scrape(port)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -367,11 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             (Path(workdir) / mode).mkdir()
             child.start()
             try:
-                metrics_port = int(next(line.rsplit(":", 1)[1].split("/")[0]
-                                        for line in (Path(workdir) / mode / "server.log").read_text().splitlines()
-                                        if "metrics on http" in line))  # fmt: skip
+                port = metrics_port(Path(workdir) / mode / "server.log")
                 for n in tqdm(counts, desc=f"serve {mode}", unit="N", file=sys.stderr):
-                    points.append(run_point(child, metrics_port, mode, n, recordings))
+                    points.append(run_point(child, port, mode, n, recordings))
                     tqdm.write(str(points[-1]), file=sys.stderr)
             finally:
                 child.stop()

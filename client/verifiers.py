@@ -14,6 +14,7 @@ from client.net.connection import Connection, LinkCounters
 from client.net.link import LinkMonitor
 from shared import payload
 from shared.acceptance import SamplingParams
+from shared.engine.prefixes import PrefixCache
 from shared.engine.target import Verdict
 from shared.errors import SplitspecError
 from shared.features import Features
@@ -22,6 +23,7 @@ from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 
 NO_PAYLOAD = PayloadSpec()  # no features: what a call returns unless its spec asks
+LOCAL_PREFIX_MB = 256  # of the last sequences' KV ``--local`` keeps for a conversation's next turn
 
 
 def first_spec(verifier: Verifier, specs: list[PayloadSpec]) -> PayloadSpec:
@@ -139,12 +141,19 @@ class LocalVerifier(Verifier):
         self.max_context = target.max_context
         self.counters = LinkCounters()
         self.session = None
+        # the last sequences' KV: a conversation's next turn prefills only what is new (where exact: ``PrefixCache``)
+        self.prefixes = PrefixCache(LOCAL_PREFIX_MB * 2**20 if target.rows_independent else 0)
 
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
         return [s for s in specs if s.form != "lsa"]
 
     def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
-        self.session = self.target.session(sampling, payload.feature_kinds(spec))
+        self.close()
+        kinds = payload.feature_kinds(spec)
+        self.session = self.target.session(sampling, kinds)
+        reuse = None if kinds else self.prefixes.take("", prompt_ids)  # a drafter fed features needs all the prompt's
+        if reuse:
+            self.session.reuse(reuse.k, reuse.v)
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
         if self.target.costs is not None:  # what trees cost here (the path timing's), before the policy timed one
@@ -158,4 +167,6 @@ class LocalVerifier(Verifier):
         return verdict
 
     def close(self, timeout_s: float | None = None, wait: bool = True) -> None:
+        if self.session is not None and self.session.tokens:
+            self.prefixes.keep("", self.session)
         self.session = None

@@ -26,7 +26,6 @@ from server.batching import Batcher, ShuttingDown
 from server.budget import TreeBudget
 from server.limits import ServerLimits
 from server.observability import SERVICE, Metrics, add_health_and_reflection, log_session, set_serving
-from server.prefixes import PrefixCache
 from server.refusals import MAX_DETAILS, Abort, shown
 from server.security import TokenAuth, caller
 from server.sessions import Session, SessionStore, StoreFull
@@ -34,6 +33,7 @@ from server.stretch import Stretches, held_tokens
 from shared.acceptance import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from shared.bundles import SHIPPED
 from shared.channel import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS
+from shared.engine.prefixes import PrefixCache
 from shared.engine.target import INITIAL_CAPACITY, Target, Verdict
 from shared.errors import SplitspecError
 from shared.payload import PayloadSpec, feature_kinds

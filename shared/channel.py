@@ -6,6 +6,8 @@ ends raise it to the same ``MAX_MESSAGE_BYTES``. A client's channels also reconn
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import threading
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -28,10 +30,20 @@ RECONNECT_OPTIONS = [
 # at the end of the message where a proxy passes no trailing metadata with an error (Ray Serve's)
 PUSHBACK = "grpc-retry-pushback-ms"
 
-# the call metadata naming a session's route key: a random string the client draws for each session it opens and
-# sends on every call of that session; `splitspec serve --ray` routes by it (Ray Serve's multiplexed model id), one
-# server process ignores it
+# the call metadata naming a session's route key, sent on every call of that session (and on a Complete call);
+# `splitspec serve --ray` routes by it (Ray Serve's multiplexed model id), one server process ignores it
 ROUTE_KEY = "multiplexed_model_id"
+CONVERSATION_TOKENS = 64  # a prompt's first tokens that name its conversation on a cluster (``route_key``)
+
+
+def route_key(prompt_ids: list[int]) -> str:
+    """The route key of a session opened with ``prompt_ids``: its conversation's, a hash of the prompt's first
+    ``CONVERSATION_TOKENS`` tokens, so that the next turn (which begins alike) reaches the replica that holds its
+    prefix; random for a shorter prompt. Sessions sharing a key share a replica, which is what a shared prefix wants."""
+    if len(prompt_ids) < CONVERSATION_TOKENS:
+        return secrets.token_hex(8)
+    head = b"".join(int(t).to_bytes(4, "little") for t in prompt_ids[:CONVERSATION_TOKENS])
+    return "c" + hashlib.blake2b(head, digest_size=8).hexdigest()
 
 
 

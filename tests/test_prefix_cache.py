@@ -14,9 +14,9 @@ from client.net.endpoint import Endpoint
 from client.net.remote import RemoteVerifier
 from client.verifiers import LocalVerifier
 from server.limits import ServerLimits
-from server.prefixes import BLOCK, MIN_TOKENS, PrefixCache, block_hashes
 from server.service import build_server
 from shared.engine.models import load_target
+from shared.engine.prefixes import BLOCK, MIN_TOKENS, PrefixCache, block_hashes
 from shared.tree import DraftTree
 from tests.conftest import served, wait_until
 
@@ -200,3 +200,27 @@ def test_a_model_drafters_next_turn_runs_only_what_is_new_and_drafts_as_a_cold_o
 def warm_held(first: list[int]) -> int:
     """Tokens of turn 2 the drafter's cache already holds: turn 1's prompt and all but the newest of its output."""
     return 30 + len(first) - 1
+
+
+def test_a_conversations_turns_share_a_route_key_so_a_cluster_sends_them_to_its_prefix():
+    from server.routing import owner
+    from shared.channel import CONVERSATION_TOKENS, route_key
+
+    turn1 = list(range(100, 100 + CONVERSATION_TOKENS + 5))
+    turn2 = turn1 + [7, 8, 9] + list(range(300, 340))
+    assert route_key(turn1) == route_key(turn2) != route_key([1] + turn1)
+    replicas = ["replica-a", "replica-b", "replica-c"]
+    assert owner(route_key(turn1), replicas) == owner(route_key(turn2), replicas)
+    short = turn1[: CONVERSATION_TOKENS - 1]
+    assert route_key(short) != route_key(short)  # too short to name a conversation: a session's own, drawn at random
+
+
+def test_a_local_conversation_reuses_its_last_turn_and_gives_plain_decodings_tokens(int8_target):
+    shared = Shared(int8_target, int8_target.tokenizer)
+    with Client(ClientOptions(local=True, drafter="prompt-lookup"), shared) as client:
+        outputs = conversation(lambda p, n: client.generate(p, n).token_ids, int8_target.tokenizer)
+        prefixes = client.verifier.prefixes
+        assert prefixes.hit_tokens > 0 and prefixes.max_bytes > 0
+    plain = conversation(lambda p, n: generate(LocalVerifier(int8_target), make_drafter("none"), p, n).token_ids,
+                         int8_target.tokenizer)  # fmt: skip
+    assert outputs == plain

@@ -36,6 +36,7 @@ T = TypeVar("T")
 
 # the calls on a session (or opening one): they carry its route key, which a cluster of replicas routes by
 SESSION_CALLS = frozenset({"OpenSession", "Verify", "CloseSession", "FetchPayload", "Decode"})
+ROUTED_CALLS = SESSION_CALLS | {"Complete"}  # the calls that carry the route key (``shared.channel.route_key``)
 ADMISSION_TRIES = 32  # a full server's refusals (with a retry hint) an opening call sits out at most
 ADMISSION_FIRST_S = 0.05  # the first wait after one; doubling, never past the server's hint
 SHUTDOWN_JOIN_S = 2.0  # how long shutdown waits for a reconnection poll's thread to end
@@ -91,7 +92,7 @@ class Connection:
         self.counters = LinkCounters()
         self.link = LinkMonitor()
         self.bounds = Bounds(self.link, rpc_timeout_s)  # how long each call may take before it is lost
-        self.route = ""  # the session's route key (``ROUTE_KEY``), drawn anew for each session opened
+        self.route = ""  # the session's route key (``ROUTE_KEY``), set for each session opened (``route_key``)
         self.last_heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
         self.backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         self._lock = threading.Lock()
@@ -130,7 +131,7 @@ class Connection:
             if self._shut.is_set():
                 raise SplitspecError(f"server {self.address}: the connection was shut down; {rpc} not sent")
             method = getattr(self.stub, rpc)
-            metadata = ((ROUTE_KEY, self.route),) if rpc in SESSION_CALLS and self.route else None
+            metadata = ((ROUTE_KEY, self.route),) if rpc in ROUTED_CALLS and self.route else None
             call = (method(request, timeout=timeout_s, metadata=metadata) if stream
                     else method.future(request, timeout=timeout_s, metadata=metadata))  # fmt: skip
             if watched:

@@ -1,6 +1,7 @@
-"""The prefix cache: the KV of sequences the server has finished, kept under a byte budget, so that a new session
-whose prompt starts with one of them (the next turn of a conversation, a shared system prompt, a reopened session)
-prefills only the rest.
+"""The prefix cache: the KV of sequences finished on a target, kept under a byte budget, so that a new session whose
+prompt starts with one of them (the next turn of a conversation, a shared system prompt, a reopened session)
+prefills only the rest. The server keeps one (``server.service``), and so does the in-process verifier of
+``--local`` (``client.verifiers.LocalVerifier``).
 
 Apps send the whole conversation again with every request and no conversation id, so prefixes are matched on
 tokens: each entry is indexed by the chained hashes of its blocks of ``BLOCK`` tokens, a prompt finds the entry that
@@ -9,10 +10,10 @@ tokens and the KV of all but its newest), not shared blocks: a conversation's ne
 new entry replaces the entry it extends, and nothing is held twice for the common case. Least recently used entries
 go first when the budget is full.
 
-A prefix is shared only within one caller identity (the auth token's; on a server without tokens every caller is
-the same one). Reused KV are the very values a cold prefill would compute only where a row's result does not depend
-on the rows beside it (``Target.rows_independent``: the low-bit kernels, exact bf16); elsewhere the server does not
-reuse, so that fp32 output stays transformers' own.
+A prefix is shared only within one owner (on a server, the caller's identity: the auth token's; without tokens
+every caller is the same one). Reused KV are the very values a cold prefill would compute only where a row's result
+does not depend on the rows beside it (``Target.rows_independent``: the low-bit kernels, exact bf16); elsewhere the
+cache is off, so that fp32 output stays transformers' own.
 """
 
 from __future__ import annotations
