@@ -244,9 +244,11 @@ class Replica:
         from ray import serve
 
         count = self.service.metrics.registry.get_sample_value
+        prefixes = self.service.prefixes
         return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": self.pid,
                 "sessions": len(self.service.sessions), "hits": int(count("splitspec_route_hits_total")),
-                "misses": int(count("splitspec_route_misses_total"))}  # fmt: skip
+                "misses": int(count("splitspec_route_misses_total")), "prefix_on": bool(prefixes.max_bytes),
+                "prefix_hit_tokens": prefixes.hit_tokens, "prefix_miss_tokens": prefixes.miss_tokens}  # fmt: skip
 
     def check_health(self) -> None:
         """Serve's own health check (every few seconds): a replica whose batcher thread died is replaced."""

@@ -47,7 +47,6 @@ LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is
 PREFER = ("auto", "latency", "capacity")
 LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
 KV_SHARE = 0.9  # of a GPU's free memory, the most the sessions' KV caches may hold (see ``attach``)
-PREFIX_SHARE = 0.25  # of that, the most the prefix cache may keep on a GPU
 CHAIN_WAIT_S = 30.0  # the most a chained Verify that overtook the round it follows waits for that round
 log = logging.getLogger("splitspec.server")
 
@@ -230,9 +229,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                                                                                   target.max_context)})  # fmt: skip
         self.kv_bytes_per_token = target.engine.new_cache(1).nbytes
         free = device_free_bytes(target.engine.device)
-        if free is not None and int(free * KV_SHARE) < self.sessions.max_bytes + self.prefixes.max_bytes:
-            self.prefixes.max_bytes = min(self.prefixes.max_bytes, int(free * KV_SHARE * PREFIX_SHARE))
-            self.sessions.max_bytes = int(free * KV_SHARE) - self.prefixes.max_bytes
+        if free is not None and int(free * KV_SHARE) < self.sessions.max_bytes:
+            self.sessions.max_bytes = int(free * KV_SHARE)
             log.info("KV budget %.0f MiB: %.0f%% of the %.0f MiB free on %s (--kv-memory-mb %d)",
                      self.sessions.max_bytes / 2**20, 100 * KV_SHARE, free / 2**20, target.engine.device,
                      self.limits.kv_memory_mb)  # fmt: skip

@@ -28,6 +28,7 @@ from shared.errors import SplitspecError
 from shared.tree import DraftTree
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 from tests.test_moa import make_moa
 
 ray = pytest.importorskip("ray", reason="serve --ray needs Ray Serve (in the dev extras)")
@@ -153,6 +154,34 @@ def test_every_session_stays_on_its_replica(app):
     assert {f["replica"] for f in figures} == set(cluster.replicas())  # each replica asked in turn
     assert sum(f["misses"] for f in figures) == before and sum(f["hits"] for f in figures) >= hits + 8 * 7
     verifier.shutdown()
+
+
+def test_a_conversations_next_turn_reaches_the_replica_with_its_prefix(app, tiny_target):
+    """Six conversations of two turns, the second re-sending the first with its answer: each second turn's route key
+    (the conversation's) reaches the replica that served the first, whose prefix cache gives it all but its new
+    tokens; every turn equals plain decoding."""
+    from shared.channel import CONVERSATION_TOKENS
+
+    if not all(f["prefix_on"] for f in cluster.figures()):
+        pytest.skip("the replicas serve the tiny model on fp32 here, where the prefix cache is off")
+    verifier = connect(app)
+    open_before = sum(f["sessions"] for f in cluster.figures())
+    try:
+        reused = expected = 0
+        for c in range(6):
+            turn1 = [(7 * c + 3 * i) % 90 + 5 for i in range(CONVERSATION_TOKENS + 4)]
+            first = generate(verifier, NoDrafter(), turn1, 8).token_ids
+            assert first == generate(LocalVerifier(tiny_target), NoDrafter(), turn1, 8).token_ids
+            turn2 = turn1 + first + [11, 12, 13]
+            wait_until(lambda: sum(f["sessions"] for f in cluster.figures()) <= open_before)  # turn 1's close landed
+            before = sum(f["prefix_hit_tokens"] for f in cluster.figures())
+            second = generate(verifier, NoDrafter(), turn2, 8).token_ids
+            reused += sum(f["prefix_hit_tokens"] for f in cluster.figures()) - before
+            expected += len(turn1) + len(first) - 1  # what turn 1's session held: all but its newest token
+            assert second == generate(LocalVerifier(tiny_target), NoDrafter(), turn2, 8).token_ids
+        assert reused >= 0.9 * expected
+    finally:
+        verifier.shutdown()
 
 
 def test_a_call_routed_away_from_its_session_is_refused_not_found_at_once(app):

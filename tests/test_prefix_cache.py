@@ -224,3 +224,15 @@ def test_a_local_conversation_reuses_its_last_turn_and_gives_plain_decodings_tok
     plain = conversation(lambda p, n: generate(LocalVerifier(int8_target), make_drafter("none"), p, n).token_ids,
                          int8_target.tokenizer)  # fmt: skip
     assert outputs == plain
+
+
+def test_two_hundred_conversations_stay_within_the_budget_and_each_next_turn_finds_its_own():
+    one = kv(64)[0]
+    cache = PrefixCache(20 * 2 * one.numel() * one.element_size())  # room for ~20 short conversations
+    held = []
+    for c in range(200):
+        turn1 = [c] * 8 + list(range(1000 + 64 * c, 1000 + 64 * c + 56))
+        cache.put(str(c % 3), turn1, *kv(64, seed=c))
+        assert cache.take(str(c % 3), turn1 + [1, 2]).length == 64  # the next turn, at once
+        held.append(cache.nbytes)
+    assert max(held) <= cache.max_bytes and cache.evictions >= 180 and len(cache) <= 20

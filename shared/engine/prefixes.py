@@ -41,6 +41,12 @@ def block_hashes(tokens: list[int] | tuple[int, ...]) -> list[bytes]:
     return out
 
 
+def host(t: torch.Tensor) -> torch.Tensor:
+    """A copy in the host's memory: the cache never takes a GPU's memory from the sessions (a reuse copies it back,
+    a few ms for a long conversation)."""
+    return t.to("cpu", copy=True)
+
+
 def common_length(cached, prompt: list[int]) -> int:
     """How many first tokens ``cached`` and ``prompt`` share, at most all but the prompt's last."""
     return min(shared_length(cached, prompt), len(prompt) - 1)
@@ -79,20 +85,21 @@ class Reuse:
 
 
 class PrefixCache:
-    """Finished sequences by owner, indexed by block hashes; thread-safe. ``max_bytes`` 0 turns it off."""
+    """Finished sequences by owner, indexed by block hashes, in host memory; thread-safe. ``max_bytes`` 0 turns it
+    off."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._entries: dict[int, Prefix] = {}
         self._index: dict[tuple[str, bytes], int] = {}  # (owner, chained hash) -> entry key
         self._next = 0
+        self._bytes = 0  # the entries' bytes, kept as they come and go
         self._lock = threading.Lock()
         self.hit_tokens = self.miss_tokens = self.evictions = 0
 
     @property
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -104,8 +111,8 @@ class PrefixCache:
         cached = k.shape[3]
         if cached < MIN_TOKENS or not self.max_bytes:
             return False
-        entry = Prefix(owner, tuple(tokens[:cached]), k[:, :, :, :cached].clone(), v[:, :, :, :cached].clone(),
-                       None if hidden is None else hidden[:cached].clone())  # fmt: skip
+        entry = Prefix(owner, tuple(tokens[:cached]), host(k[:, :, :, :cached]), host(v[:, :, :, :cached]),
+                       None if hidden is None else host(hidden[:cached]))  # fmt: skip
         if entry.nbytes > self.max_bytes:
             return False
         entry.hashes = hashes = block_hashes(entry.tokens)
@@ -116,9 +123,10 @@ class PrefixCache:
                     self._drop(key)
             key, self._next = self._next, self._next + 1
             self._entries[key] = entry
+            self._bytes += entry.nbytes
             for h in hashes:
                 self._index[(owner, h)] = key  # the newest entry holding a block answers for it
-            while sum(e.nbytes for e in self._entries.values()) > self.max_bytes:
+            while self._bytes > self.max_bytes:
                 self._drop(min(self._entries, key=lambda k: self._entries[k].used))
                 self.evictions += 1
         return True
@@ -142,8 +150,8 @@ class PrefixCache:
                 n = common_length(sequence.tokens[: sequence.cached_len], prompt)
                 if n >= max(MIN_TOKENS, reuse.length if reuse else 0):
                     cache = sequence.cache
-                    reuse = Reuse(n, cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone(),
-                                  session.hidden[:n].clone() if hidden else None)  # fmt: skip
+                    reuse = Reuse(n, host(cache.k[:, :, :, :n]), host(cache.v[:, :, :, :n]),
+                                  host(session.hidden[:n]) if hidden else None)  # fmt: skip
             finally:
                 session.lock.release()
         with self._lock:
@@ -172,6 +180,7 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         """Forget an entry; a block it answered for passes to the newest other entry of its owner holding it."""
         entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes
         for h in entry.hashes:
             if self._index.get((entry.owner, h)) == key:
                 heirs = [k for k, e in self._entries.items() if e.owner == entry.owner and h in e.hashes]
