@@ -86,3 +86,32 @@ def test_the_servers_own_lookup_copies_as_far_as_its_scored_copies_pay_by_the_se
     assert list(partly.seen) == [0, 0, 0, 0]  # its first two came as copied: not settled yet
     partly.observe([5])  # the third missed: its first two kept, each of its three tried
     assert list(partly.kept) == [1, 1, 0, 0] and list(partly.seen) == [1, 1, 1, 0]
+
+
+def test_past_answers_are_copied_where_the_text_has_no_match_and_never_across_two_of_them():
+    lookup = PromptLookup(num_tokens=4, adaptive=False)
+    lookup.begin([1, 2, 3, 50])  # a first request: its prompt, then its answer 50 51 52 53 54 55
+    lookup.absorb([51, 52, 53, 54, 55])
+    lookup.begin([7, 8, 9, 60])  # another request; its answer is 60 61, then the first answer's 52 53 again
+    assert lookup.propose(8).tokens == []  # nothing in this text or the past follows 9 60
+    lookup.absorb([61, 51, 52])
+    assert lookup.propose(8).tokens == [53, 54, 55]  # from the first answer, which ends there
+    lookup.begin([70, 71, 72])  # a third: both answers are past now, SEPARATOR between them
+    lookup.absorb([55, 60])
+    assert lookup.propose(8).tokens == []  # 55 ends the first answer and 60 begins the second: no such bigram
+    lookup.absorb([61])
+    assert lookup.propose(8).tokens == [51, 52]  # the second answer, to its end
+    off = PromptLookup(num_tokens=4, adaptive=False, past_tokens=0)
+    off.begin([1, 2, 3, 50])
+    off.absorb([51, 52, 53, 54, 55])
+    off.begin([7, 8, 51, 52])
+    assert off.propose(8).tokens == []
+
+
+def test_past_answers_keep_the_newest_whole_answers_within_their_budget():
+    lookup = PromptLookup(num_tokens=4, adaptive=False, past_tokens=13)
+    for start in (100, 200, 300):
+        lookup.begin([1, start])
+        lookup.absorb(list(range(start + 1, start + 6)))
+    lookup.begin([2])
+    assert lookup.past == [200, 201, 202, 203, 204, 205, -1, 300, 301, 302, 303, 304, 305]

@@ -66,7 +66,8 @@ class ModelDrafter(TokenCache, Drafter):
         self.engine = lm.engine
         self.width, self.depth, self.floor = width, depth, floor
         self.name = name or lm.name + ("+lookup" if lookup else "")
-        self.lookup = NgramLookup() if lookup else None
+        # past answers stay out: where the text does not repeat the model drafts better than a copy from elsewhere
+        self.lookup = NgramLookup(past_tokens=0) if lookup else None
         self.cache = self.engine.new_cache(256)
         self.clear_tokens()  # no sequence yet: an empty cache
         self.vocabulary = draft_head(lm, vocab) if vocab else None  # (ids, their set, the head's rows) or None
@@ -105,14 +106,14 @@ class ModelDrafter(TokenCache, Drafter):
         prepared, self.prepared = self.prepared, None
         held = prepared if prepared is not None else self.tokens[: self.fed]  # what the cache holds now
         self.clear_tokens()
-        if self.lookup is not None:
-            self.lookup.begin([])
         if self.vocabulary is not None:
             ids, known, _ = self.vocabulary
             new = torch.tensor(sorted(set(tokens) - known), dtype=torch.long)
             self.extra = (new, self.engine.lm_head.rows(new)) if len(new) else None
             self.vocab_ids = torch.cat([ids, new])
-        self.absorb(tokens, features)
+        super().absorb(tokens)
+        if self.lookup is not None:
+            self.lookup.begin(tokens)  # (the last generation's answer joins its past answers)
         n = len(tokens) - 1  # all but the root, which each tree feeds again
         if prepared != tokens[:n]:
             self._prefill(tokens[:n], held)
