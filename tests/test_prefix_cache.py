@@ -236,3 +236,29 @@ def test_two_hundred_conversations_stay_within_the_budget_and_each_next_turn_fin
         assert cache.take(str(c % 3), turn1 + [1, 2]).length == 64  # the next turn, at once
         held.append(cache.nbytes)
     assert max(held) <= cache.max_bytes and cache.evictions >= 180 and len(cache) <= 20
+
+
+def test_the_edge_hands_a_conversations_next_turn_the_client_that_holds_it_within_its_memory(tiny_target,
+                                                                                             tiny_model_dir,
+                                                                                             tiny_server):
+    from client.apps.edge_pool import Edge
+    from client.drafters.model import ModelDrafter
+
+    def edge(idle_mb: int) -> Edge:
+        return Edge(tiny_server[0], lambda: ModelDrafter(tiny_target, vocab=None), model=str(tiny_model_dir),
+                    idle_mb=idle_mb)  # fmt: skip
+
+    roomy = edge(64)
+    a, b = roomy.take(), roomy.take()
+    a.history, b.history = list(range(10, 60)), list(range(100, 150))
+    roomy.release(a)
+    roomy.release(b)  # b is the one idle the shortest
+    assert roomy.take(list(range(10, 60)) + [7]) is a  # a's conversation goes on: a, whatever came after
+    roomy.close()
+    tight = edge(0)  # no room to keep a conversation: only the newest idle client stays
+    a, b = tight.take(), tight.take()
+    assert a.drafter.held_bytes() > 0
+    tight.release(a)
+    tight.release(b)
+    assert tight.take() is b and tight.take() is not a
+    tight.close()

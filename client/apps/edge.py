@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 
-from client.apps.edge_pool import Edge, Job
+from client.apps.edge_pool import IDLE_MB, Edge, Job
 from client.apps.openai_request import RequestError, parse
 from shared.engine.decoder import DTYPES
 from shared.engine.models import DEFAULT_MODEL
@@ -254,6 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="a trained drafter's and its frozen target parts' dtype (default auto)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--idle-memory-mb", type=int, default=IDLE_MB, help="what idle clients' drafters may hold for the "
+                   f"conversations they go on from (default {IDLE_MB}; the ones idle longest are closed beyond it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint = Endpoint.from_files(address, args.tls, args.tls_ca, args.tls_cert, args.tls_key,
                                        args.auth_token_file)  # fmt: skip
         edge = Edge(args.server, args.drafter, args.model, args.on_reconnect, endpoint, args.dtype, args.cache_dir,
-                    args.connect_timeout, mode=args.mode)  # fmt: skip
+                    args.connect_timeout, mode=args.mode, idle_mb=args.idle_memory_mb)  # fmt: skip
         stack.callback(edge.close)
         link = f", via netsim {args.via_netsim}" if args.via_netsim else ""
         print(f"splitspec edge: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {edge.model!r}, "

@@ -16,6 +16,7 @@ from client.apps.openai_request import Ask, RequestError, completion_exceeded, c
 from client.apps.text import Delta, TextDeltas
 from shared.engine.models import DEFAULT_MODEL
 
+IDLE_MB = 512  # what idle clients' drafters may hold for the conversations they go on from (``Edge.release``)
 DEFAULT_MAX_TOKENS = 256  # a request that sets no max_tokens gets what fits its context, at most this many
 # an idle connection kept longer is closed, not reused: one silent for long may have died unnoticed (a NAT's
 # timeout, a switch of network), and the first call on it would wait out its whole deadline
@@ -142,9 +143,11 @@ class Edge:
 
     def __init__(self, server: str, drafter: str | Callable[[], object] = "prompt-lookup", model: str = DEFAULT_MODEL,
                  on_reconnect: str = "verify", endpoint=None, dtype: str = "auto", cache: str | None = None,
-                 connect_timeout_s: float = 10.0, max_tree_nodes: int | None = None, mode: str = "auto"):  # fmt: skip
+                 connect_timeout_s: float = 10.0, max_tree_nodes: int | None = None, mode: str = "auto",
+                 idle_mb: int = IDLE_MB):  # fmt: skip
         """``drafter``: a drafter's name (``client.drafters.make_drafter``) or a function making one; ``mode``: the
-        adaptive policy's (``client.loop.adaptive``)."""
+        adaptive policy's (``client.loop.adaptive``); ``idle_mb``: what the idle clients' drafters may hold for the
+        conversations they go on from (the ones idle longest are closed beyond it)."""
         from client.build import ClientOptions, Shared
         from client.net.endpoint import Endpoint
 
@@ -160,6 +163,7 @@ class Edge:
         self.tokenizer = self.shared.tokenizer
         self._make_drafter = None if isinstance(drafter, str) else drafter
         self._idle: list[tuple[object, float]] = []  # (Client, time.monotonic() it went idle)
+        self.idle_bytes = idle_mb * 2**20
         self._lock = threading.Lock()
         self.counters = Counters()
         self.health = ServerHealth(self.endpoint)
@@ -187,8 +191,16 @@ class Edge:
         return client
 
     def release(self, client) -> None:
+        """Back to the pool; the clients idle longest are closed while the idle ones hold more than ``idle_bytes``
+        (one always stays)."""
+        closing = []
         with self._lock:
             self._idle.append((client, time.monotonic()))
+            while len(self._idle) > 1 and sum(c.drafter.held_bytes() for c, _ in self._idle if c.drafter) > \
+                    self.idle_bytes:  # fmt: skip
+                closing.append(self._idle.pop(0)[0])
+        for old in closing:
+            old.close()
 
     def close(self) -> None:
         """Close the idle clients' connections (generations running keep theirs until they end); stop the health

@@ -73,6 +73,11 @@ class Drafter(ABC):
         its verdict. Only a drafter that learns from its verdicts needs to forget it."""
         return None
 
+    def held_bytes(self) -> int:
+        """Memory the drafter holds for the sequence it goes on from (a whole model's KV cache): what the edge weighs
+        when it keeps idle clients for a conversation's next turn."""
+        return 0
+
 
 class NoDrafter(Drafter):
     """Plain target decoding: every round verifies an empty tree and yields one token."""

@@ -124,6 +124,9 @@ class ModelDrafter(TokenCache, Drafter):
         if self.lookup is not None:
             self.lookup.absorb(tokens)
 
+    def held_bytes(self) -> int:
+        return self.cache.nbytes
+
     def rewind(self, n: int) -> None:
         super().rewind(n)
         if n > 0 and self.lookup is not None:
