@@ -389,8 +389,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             session = self.sessions.add(sequence, owner)
             session.stats.prompt_tokens, session.stats.reused_tokens = len(prompt), reuse.length if reuse else 0
             if hidden:
-                before = [reuse.hidden] if reuse else []
-                session.hidden = torch.cat([*before, verdict.features.hidden])
+                new = verdict.features.hidden
+                session.hidden = torch.cat([reuse.hidden.to(new.device), new]) if reuse else new
         self.metrics.tokens_generated.inc()
         log.info("session %s opened: %d prompt tokens, prefill %.3fs", session.id[:8], len(prompt),
                  time.perf_counter() - start)  # fmt: skip

@@ -262,3 +262,25 @@ def test_the_edge_hands_a_conversations_next_turn_the_client_that_holds_it_withi
     tight.release(b)
     assert tight.take() is b and tight.take() is not a
     tight.close()
+
+
+def test_a_drafter_fed_hidden_states_gets_the_reused_prefixs_too(int8_target):
+    """EAGLE reads the target's final states (payload form hidden): a reused prefix brings the states kept with it,
+    so its drafts, and the output, are as with a cold prefill."""
+    from tests.test_eagle_independent import make_drafter as eagle_drafter
+    from tests.test_eagle_independent import make_model
+
+    shared = Shared(None, int8_target.tokenizer, int8_target.fingerprint)
+    runs = {}
+    for mb in (0, 64):
+        with served(int8_target, max_context=512, prefix_cache_mb=mb) as (address, service):
+            drafter = eagle_drafter(make_model(int8_target, "eagle"), width=2, depth=3)
+            with Client(ClientOptions(server=address, static=True), shared, drafter) as client:
+                def turn(prompt, n, client=client, service=service):
+                    wait_until(lambda: len(service.sessions) == 0)
+                    gen = client.generate(prompt, n)
+                    assert gen.spec.form == "hidden"
+                    return gen.token_ids
+
+                runs[mb] = (conversation(turn, int8_target.tokenizer), service.prefixes.hit_tokens)
+    assert runs[0][0] == runs[64][0] and runs[0][1] == 0 and runs[64][1] > 0
