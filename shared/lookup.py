@@ -8,7 +8,7 @@ Training-free and nearly free to run, it shines when the output repeats the cont
 edits, summaries, quoting). We index every n-gram's end positions incrementally, so a proposal
 is a dictionary lookup, not a scan of the context. With ``branches > 1`` the continuations of
 several earlier occurrences are merged into a small tree (shared prefixes become one path). Where the text has no
-match, the answers of earlier generations are searched the same way (``past_tokens`` of them): an agent's requests
+match, the answers of earlier generations can be searched the same way (``past_tokens`` of them): an agent's requests
 repeat tool calls and code across conversations, which the prompt of each does not hold (SuffixDecoding's idea, with
 this n-gram index as its suffix structure).
 
@@ -42,9 +42,11 @@ class NgramLookup:
 
     def __init__(
         self, max_ngram: int = 3, min_ngram: int = 2, num_tokens: int = 10, branches: int = 1, adaptive: bool = True,
-        past_tokens: int = PAST_TOKENS,
+        past_tokens: int = 0,
     ):  # fmt: skip
-        """``past_tokens``: how much of earlier generations' answers to keep for lookup (0: none)."""
+        """``past_tokens``: how much of earlier generations' answers to keep for lookup (``PAST_TOKENS`` is a good
+        size; 0, the default: none). Off by default: with it, a seeded sampled answer's draws follow drafts that
+        depend on the requests before it, so the same request would no longer give the same text."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if num_tokens < 1 or branches < 1:

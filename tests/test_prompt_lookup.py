@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from client.drafters import PromptLookup, make_drafter
+from shared.lookup import PAST_TOKENS
 
 
 def test_chain_copies_the_latest_match():
@@ -89,7 +90,7 @@ def test_the_servers_own_lookup_copies_as_far_as_its_scored_copies_pay_by_the_se
 
 
 def test_past_answers_are_copied_where_the_text_has_no_match_and_never_across_two_of_them():
-    lookup = PromptLookup(num_tokens=4, adaptive=False)
+    lookup = PromptLookup(num_tokens=4, adaptive=False, past_tokens=PAST_TOKENS)
     lookup.begin([1, 2, 3, 50])  # a first request: its prompt, then its answer 50 51 52 53 54 55
     lookup.absorb([51, 52, 53, 54, 55])
     lookup.begin([7, 8, 9, 60])  # another request; its answer is 60 61, then the first answer's 52 53 again
@@ -101,7 +102,7 @@ def test_past_answers_are_copied_where_the_text_has_no_match_and_never_across_tw
     assert lookup.propose(8).tokens == []  # 55 ends the first answer and 60 begins the second: no such bigram
     lookup.absorb([61])
     assert lookup.propose(8).tokens == [51, 52]  # the second answer, to its end
-    off = PromptLookup(num_tokens=4, adaptive=False, past_tokens=0)
+    off = PromptLookup(num_tokens=4, adaptive=False)  # the default: no past answers
     off.begin([1, 2, 3, 50])
     off.absorb([51, 52, 53, 54, 55])
     off.begin([7, 8, 51, 52])

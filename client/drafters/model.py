@@ -66,8 +66,7 @@ class ModelDrafter(TokenCache, Drafter):
         self.engine = lm.engine
         self.width, self.depth, self.floor = width, depth, floor
         self.name = name or lm.name + ("+lookup" if lookup else "")
-        # past answers stay out: where the text does not repeat the model drafts better than a copy from elsewhere
-        self.lookup = NgramLookup(past_tokens=0) if lookup else None
+        self.lookup = NgramLookup() if lookup else None
         self.cache = self.engine.new_cache(256)
         self.clear_tokens()  # no sequence yet: an empty cache
         self.vocabulary = draft_head(lm, vocab) if vocab else None  # (ids, their set, the head's rows) or None
