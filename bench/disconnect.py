@@ -60,7 +60,7 @@ from client.verifiers import LocalVerifier, Pending, first_spec
 from netsim.profiles import PROFILES
 from shared.acceptance import SamplingParams
 from shared.engine.models import DEFAULT_MODEL
-from shared.server_process import cpus_label, server_child, two_machines
+from shared.server_process import SINGLE_TURN, cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = ["api", "independent", "eagle", "medusa", "moa-tli0", "moa-tli1", "moa-tli3"]
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         # every run leaves a session behind the dead link: a short TTL frees it while the next runs go on
         serve = ["--model", args.model, "--threads", str(args.server_threads), "--session-ttl", str(SESSION_TTL_S),
-                 "--max-sessions", "32"]  # fmt: skip
+                 "--max-sessions", "32", *SINGLE_TURN]  # fmt: skip
         upstream = stack.enter_context(server_child(serve, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own())
         bar = tqdm(total=len(prompts) * len(args.cuts) * len(args.methods), desc="disconnect", unit="run",

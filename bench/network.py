@@ -74,7 +74,7 @@ from client.verifiers import LocalVerifier
 from netsim.device import DEVICES, CpuLimit
 from netsim.profiles import PROFILES
 from shared.engine.models import DEFAULT_MODEL, load_target
-from shared.server_process import cpus_label, server_child, two_machines
+from shared.server_process import SINGLE_TURN, cpus_label, server_child, two_machines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = ["none", "5g", "4g", "lte", "3g"]
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.client_threads)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         serve_args = ["--model", args.model, "--threads", str(args.server_threads), "--dtype", args.dtype,
-                      "--weights", args.weights, "--device", args.device]  # fmt: skip
+                      "--weights", args.weights, "--device", args.device, *SINGLE_TURN]  # fmt: skip
         upstream = stack.enter_context(server_child(serve_args, Path(tmp), cpus=cpus and cpus[0]))
         netsim = stack.enter_context(Netsim.start_own()) if set(args.profiles) - {"none"} else None
         edge = args.edge and stack.enter_context(CpuLimit(os.getpid(), DEVICES[args.edge].cpu_share))  # children apart

@@ -50,7 +50,7 @@ from client.loop.decode import Settings, generate
 from client.training.datasets import humaneval_problems, mtbench_questions
 from client.verifiers import LocalVerifier
 from shared.engine.models import DEFAULT_MODEL, encode_prompt, load_target
-from shared.server_process import ServerChild, cpus_label, two_machines
+from shared.server_process import SINGLE_TURN, ServerChild, cpus_label, two_machines
 from shared.tree import ROOT, DraftTree, children
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
                           "--threads", str(args.server_threads), "--max-sessions",
-                          str(2 * max(counts)), "--metrics-port", "0", *shlex.split(args.server_args),
+                          str(2 * max(counts)), "--metrics-port", "0", *SINGLE_TURN, *shlex.split(args.server_args),
                           *(str(args.max_batch) if flag == "BATCH" else flag for flag in MODES[mode])]  # fmt: skip
             child = ServerChild(serve_args, Path(workdir) / mode, cpus=cpus and cpus[0])
             (Path(workdir) / mode).mkdir()

@@ -382,7 +382,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             start = time.perf_counter()
             hidden, owner = "hidden" in feature_kinds(spec), caller(context, self.auth)
             sequence = self.target.session(sampling, feature_kinds={"hidden"} if hidden else ())
-            reuse = self.prefixes.take(owner, prompt, hidden, self.sessions.idle(owner))
+            live = self.sessions.idle(owner) if self.prefixes.max_bytes else ()
+            reuse = self.prefixes.take(owner, prompt, hidden, live)
             if reuse:
                 sequence.reuse(reuse.k, reuse.v)
             verdict = sequence.prefill(prompt, self.limits.prefill_chunk, self.runner(context))

@@ -202,7 +202,7 @@ class Stretches:
         owner, prefixes, failed = caller(context, self.service.auth), self.service.prefixes, False
         with self.service.place(len(prompt)):
             sequence = self.service.target.session(sampling)
-            reuse = prefixes.take(owner, prompt, live=self.service.sessions.idle(owner))
+            reuse = prefixes.take(owner, prompt, live=self.service.sessions.idle(owner) if prefixes.max_bytes else ())
             if reuse:
                 sequence.reuse(reuse.k, reuse.v)
             try:

@@ -71,6 +71,11 @@ class ServerChild:
                 self.kill()
 
 
+# For a comparison of one-turn methods on the same prompts against one server: each method's run must prefill its
+# prompt as a first turn does, not take it from the prefix cache an earlier method's run left
+SINGLE_TURN = ["--prefix-cache-mb", "0"]
+
+
 @contextmanager
 def server_child(serve_args: list[str], workdir: Path, timeout_s: float = 300.0,
                  cpus: set[int] | None = None) -> Iterator[str]:  # fmt: skip

@@ -25,7 +25,7 @@ from client.apps.options import Deprecated
 from client.loop.offline import OFFLINE_CAP
 from netsim.profiles import PROFILES
 from shared.engine.models import DEFAULT_MODEL
-from shared.server_process import cpus_label, server_child, two_machines
+from shared.server_process import SINGLE_TURN, cpus_label, server_child, two_machines
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of the same effect."
 RESUME_TRIES = 5  # the API baseline's breaks in a row with no token before it gives up (a cut yields tokens between)
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.model, dtype="auto", cache=args.cache_dir) if trained else None  # converted once
     tokenizer = target.tokenizer if target is not None else load_tokenizer(args.model, args.cache_dir)
     prompt_ids = encode_prompt(tokenizer, args.prompt, True)
-    serve_args = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    serve_args = ["--model", args.model, *SINGLE_TURN] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
     cpus = two_machines(1, 1)  # a server machine and a device: a core each, the API baseline on the server's
     if cpus is not None:
         import torch
