@@ -136,7 +136,7 @@ void for_range(int64_t n, int64_t grain, const Split& split, const F& f) {
 }
 
 #ifdef SPLITSPEC_AMX
-constexpr int64_t ROW_PAD = 15;
+constexpr int64_t ROW_PAD = 16;  // a tile loads 16 rows, and a last step of 32 values 64 bytes of each
 #else
 constexpr int64_t ROW_PAD = 0;
 #endif
@@ -353,50 +353,84 @@ void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead
 
 #ifdef SPLITSPEC_AMX
 // The int8 gemm on AMX tiles: cols16 weights are already a tile multiply's second operand (16 rows of 4-byte groups,
-// one per column), so a row's sum over all of K builds up in one int32 tile. A pass takes up to 32 rows, two tiles of
-// sums sharing each load of the weights. Tiles: 0-1 sums, 2-4 a step of 64 values of K (activations of the first and
-// second 16 rows, weights), 5-7 a last step of 32 (a K that is an odd number of 32s).
+// one per column), so a row's sum over all of K builds up in one int32 tile. A pass takes up to 32 rows (two tiles of
+// rows) and two tiles of 16 columns: four tiles of sums, each load of activations or weights used twice, and four
+// independent chains of multiplies to hide a multiply's latency. Tiles: 0-3 sums, 4-5 activations, 6-7 weights.
+// A K that is not a multiple of 64 ends on a step of 32: its weights staged with zero groups after them, so the
+// activations' 32 bytes past K (the next row's, or ROW_PAD's zeros) add nothing.
 // (GCC's tile intrinsics paste their tile numbers into the instruction's text: they must be literals)
-#define SPLITSPEC_AMX_STEP(A0, A1, B)              \
-  _tile_loadd(B, wt + k * W8, 64);                 \
-  _tile_loadd(A0, xr + k, Kp);                     \
-  _tile_dpbssd(0, A0, B);                          \
-  if constexpr (TWO) {                             \
-    _tile_loadd(A1, xr + 16 * Kp + k, Kp);         \
-    _tile_dpbssd(1, A1, B);                        \
+#define SPLITSPEC_AMX_STEP(K, B0, B1)        \
+  _tile_loadd(4, xr + K, Kp);                \
+  _tile_loadd(6, B0, 64);                    \
+  _tile_dpbssd(0, 4, 6);                     \
+  if constexpr (PAIR) {                      \
+    _tile_loadd(7, B1, 64);                  \
+    _tile_dpbssd(1, 4, 7);                   \
+  }                                          \
+  if constexpr (TWO) {                       \
+    _tile_loadd(5, xr + 16 * Kp + K, Kp);    \
+    _tile_dpbssd(2, 5, 6);                   \
+    if constexpr (PAIR) _tile_dpbssd(3, 5, 7); \
   }
 
-template <bool TWO>
-void amx_sums(const int8_t* xr, const int8_t* wt, int64_t Kp, int32_t* acc) {
-  _tile_zero(0);
-  if constexpr (TWO) _tile_zero(1);
-  int64_t k = 0;
-  for (; k + 64 <= Kp; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(wt + k * W8 + PREFETCH), _MM_HINT_T0);
-    SPLITSPEC_AMX_STEP(2, 3, 4)
-  }
-  if (k < Kp) {
-    SPLITSPEC_AMX_STEP(5, 6, 7)
-  }
-  _tile_stored(0, acc, W8 * 4);
-  if constexpr (TWO) _tile_stored(1, acc + 16 * W8, W8 * 4);
+// Every line of a weight tile is fetched PREFETCH bytes ahead: a tile load that misses stalls the tile unit
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 16384
+#endif
+inline void fetch_tile(const int8_t* w) {
+  for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + AMX_AHEAD + 64 * l), _MM_HINT_T1);
 }
+
+// Sums of rows [0, 16 or 32) of xr with one or two column tiles (w0, and the next when PAIR) into acc, 32 a row
+template <bool TWO, bool PAIR>
+void amx_sums(const int8_t* xr, const int8_t* w0, int64_t Kp, int32_t* acc) {
+  const int8_t* w1 = w0 + Kp * W8;
+  _tile_zero(0);
+  if constexpr (PAIR) _tile_zero(1);
+  if constexpr (TWO) _tile_zero(2);
+  if constexpr (TWO && PAIR) _tile_zero(3);
+  const int64_t whole = Kp / 64 * 64;
+  for (int64_t k = 0; k < whole; k += 64) {
+    fetch_tile(w0 + k * W8);
+    if constexpr (PAIR) fetch_tile(w1 + k * W8);
+    SPLITSPEC_AMX_STEP(k, w0 + k * W8, w1 + k * W8)
+  }
+  if (whole < Kp) {
+    alignas(64) int8_t b0[16 * 64] = {}, b1[16 * 64] = {};
+    std::memcpy(b0, w0 + whole * W8, 32 * W8);
+    if constexpr (PAIR) std::memcpy(b1, w1 + whole * W8, 32 * W8);
+    asm volatile("" ::: "memory");  // GCC's tile loads are asm that names no memory: the copies must not be dropped
+    SPLITSPEC_AMX_STEP(whole, b0, b1)
+  }
+  constexpr int64_t width = 2 * W8 * 4;  // bytes of a row of acc
+  _tile_stored(0, acc, width);
+  if constexpr (PAIR) _tile_stored(1, acc + W8, width);
+  if constexpr (TWO) _tile_stored(2, acc + 16 * 2 * W8, width);
+  if constexpr (TWO && PAIR) _tile_stored(3, acc + 16 * 2 * W8 + W8, width);
+}
+#undef SPLITSPEC_AMX_STEP
 
 void gemm_amx(const Rows& x, const int8_t* w, const float* w_scale, const float* bias, const float* residual,
               int64_t N, int64_t ld, float* y, const Split& split) {
   const int64_t M = x.M, Kp = x.Kp, tiles = (N + W8 - 1) / W8, step = balanced(M, 32);
   static const TileShapes shapes = TileShapes().tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64)
-                                       .tile(4, 16, 64).tile(5, 16, 32).tile(6, 16, 32).tile(7, 8, 64);  // fmt: skip
+                                       .tile(4, 16, 64).tile(5, 16, 64).tile(6, 16, 64).tile(7, 16, 64);  // fmt: skip
   for_range(tiles, 2, split, [&](int64_t t0, int64_t t1) {
     const Tiles use(shapes);
-    alignas(64) int32_t acc[32 * W8];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t * W8, cols = std::min<int64_t>(W8, N - n);
+    alignas(64) int32_t acc[32 * 2 * W8];
+    for (int64_t t = t0; t < t1; t += 2) {
+      const int64_t n = t * W8, cols = std::min<int64_t>((t + 1 < t1 ? 2 : 1) * W8, N - n);
       for (int64_t r0 = 0; r0 < M; r0 += step) {
         const int64_t rows = std::min<int64_t>(step, M - r0);
-        if (rows > 16) amx_sums<true>(x.q.data() + r0 * Kp, w + n * Kp, Kp, acc);
-        else amx_sums<false>(x.q.data() + r0 * Kp, w + n * Kp, Kp, acc);
-        int8_outputs(x, r0, rows, acc, W8, w_scale, bias, residual, n, cols, ld, y);
+        const int8_t* xr = x.q.data() + r0 * Kp;
+        if (t + 1 < t1) {
+          if (rows > 16) amx_sums<true, true>(xr, w + n * Kp, Kp, acc);
+          else amx_sums<false, true>(xr, w + n * Kp, Kp, acc);
+        } else {
+          if (rows > 16) amx_sums<true, false>(xr, w + n * Kp, Kp, acc);
+          else amx_sums<false, false>(xr, w + n * Kp, Kp, acc);
+        }
+        int8_outputs(x, r0, rows, acc, 2 * W8, w_scale, bias, residual, n, cols, ld, y);
       }
     }
   });
