@@ -90,7 +90,8 @@ def test_the_servers_own_lookup_copies_as_far_as_its_scored_copies_pay_by_the_se
 
 
 def test_past_answers_are_copied_where_the_text_has_no_match_and_never_across_two_of_them():
-    lookup = PromptLookup(num_tokens=4, adaptive=False, past_tokens=PAST_TOKENS)
+    lookup = make_drafter("past-lookup", num_tokens=4, adaptive=False)  # PAST_TOKENS of past answers
+    assert lookup.past_tokens == PAST_TOKENS
     lookup.begin([1, 2, 3, 50])  # a first request: its prompt, then its answer 50 51 52 53 54 55
     lookup.absorb([51, 52, 53, 54, 55])
     lookup.begin([7, 8, 9, 60])  # another request; its answer is 60 61, then the first answer's 52 53 again

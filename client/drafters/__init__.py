@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from client.drafters.base import Drafter, NoDrafter
-from client.drafters.prompt_lookup import PromptLookup
+from client.drafters.prompt_lookup import PastLookup, PromptLookup
 from shared.errors import SplitspecError
 
 DRAFTERS = {
     "none": NoDrafter,
     "prompt-lookup": PromptLookup,
+    "past-lookup": PastLookup,
 }
 ALIASES = {"pld": "prompt-lookup", "plain": "none"}
 TRAINED = ("moa-tli0", "moa-tli1", "moa-tli3", "eagle", "independent", "medusa")
