@@ -154,6 +154,7 @@ class LocalVerifier(Verifier):
         reuse = None if kinds else self.prefixes.take("", prompt_ids)  # a drafter fed features needs all the prompt's
         if reuse:
             self.session.reuse(reuse.k, reuse.v)
+            self.counters.reused_tokens += reuse.length
         verdict = self.session.prefill(prompt_ids)
         self.counters.server_compute_s += verdict.compute_s
         if self.target.costs is not None:  # what trees cost here (the path timing's), before the policy timed one

@@ -371,7 +371,8 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             payload = self.payload(session, spec, 0, session.sequence.cached_len)
         return pb.OpenSessionReply(session_id=session.id, first_token=first, length=len(session.sequence.tokens),
                                    compute_s=time.perf_counter() - start, payload=payload,
-                                   load=self.load(len(session.sequence.tokens)))  # fmt: skip
+                                   load=self.load(len(session.sequence.tokens)),
+                                   reused_tokens=session.stats.reused_tokens)  # fmt: skip
 
     def open_session(self, prompt_ids, sampling_msg: pb.Sampling, spec: PayloadSpec, context) -> tuple[Session, int]:
         """A new session with ``prompt_ids`` prefilled (OpenSession, or a Decode that opens its session): the

@@ -138,7 +138,8 @@ class Stretches:
                 yield pb.DecodeChunk(token=token, length=at + i + 1, compute_s=0.0 if i else compute_s,
                                      payload=payload if last else None, finish_reason=reason if last else "",
                                      load=self.service.load(len(sequence.tokens)) if told else None,
-                                     session_id=session.id if first else "")  # fmt: skip
+                                     session_id=session.id if first else "",
+                                     reused_tokens=session.stats.reused_tokens if first else 0)  # fmt: skip
             at += len(tokens)
             if reason:
                 return
@@ -212,7 +213,9 @@ class Stretches:
                     token = verdict.bonus
                     done = token in stop or produced == budget
                     reason = ("stop" if token in stop else "length") if done else ""
-                    yield pb.CompleteChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason)
+                    reused = reuse.length if reuse and produced == 1 else 0
+                    yield pb.CompleteChunk(tokens=[token], compute_s=verdict.compute_s, finish_reason=reason,
+                                           reused_tokens=reused)  # fmt: skip
                     if done or not context.is_active():
                         return
                     verdict = sequence.verify(DraftTree(), self.service.runner(context))

@@ -96,6 +96,7 @@ def test_streamed_chat_equals_generate_and_reports_usage(client, tiny_server, ti
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     usage = chunks[-1].usage
     assert usage.completion_tokens <= 24 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     assert chunks[-1].model_extra["splitspec"]["server_calls"] >= 1
 
 

@@ -138,13 +138,17 @@ def test_a_conversation_over_the_server_gives_the_cache_off_tokens_and_prefills_
     runs = {}
     for mb in (0, 64):
         with served(int8_target, max_context=512, prefix_cache_mb=mb) as (address, service):
+            told = []  # what the server told the client it reused, turn by turn
             with Client(ClientOptions(server=address, drafter=drafter), shared) as client:
-                def turn(prompt, n, client=client, service=service):
+                def turn(prompt, n, client=client, service=service, told=told):
                     wait_until(lambda: len(service.sessions) == 0)  # the last turn's close has landed
-                    return client.generate(prompt, n).token_ids
+                    gen = client.generate(prompt, n)
+                    told.append(gen.stats.reused_tokens)
+                    return gen.token_ids
 
                 runs[mb] = (conversation(turn, int8_target.tokenizer), service.prefixes.hit_tokens,
                             service.prefixes.miss_tokens)  # fmt: skip
+            assert sum(told) == service.prefixes.hit_tokens and told[0] == 0 and (mb == 0) == (told[1] == 0)
     (off, off_hits, off_misses), (on, hits, misses) = runs[0], runs[64]
     plain = conversation(lambda p, n: generate(LocalVerifier(int8_target), make_drafter("none"), p, n).token_ids,
                          int8_target.tokenizer)  # fmt: skip
@@ -164,8 +168,10 @@ def test_the_api_stream_reuses_its_callers_prefixes_only(int8_target):
         wait_until(lambda: len(service.prefixes) == 1)
         longer = prompt + first + [int8_target.tokenizer("and")["input_ids"][-1]]
         hits = service.prefixes.hit_tokens
-        assert api_complete(remotes["bob"], longer, 8).token_ids == api_complete(remotes["alice"], longer, 8).token_ids
+        bob, alice = api_complete(remotes["bob"], longer, 8), api_complete(remotes["alice"], longer, 8)
+        assert bob.token_ids == alice.token_ids
         assert service.prefixes.hit_tokens - hits == len(prompt) + len(first) - 1  # alice's, not bob's
+        assert (bob.stats.reused_tokens, alice.stats.reused_tokens) == (0, len(prompt) + len(first) - 1)
         plain = generate(LocalVerifier(int8_target), make_drafter("none"), longer, 8).token_ids
         assert api_complete(remotes["alice"], longer, 8).token_ids == plain
     finally:

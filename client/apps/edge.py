@@ -51,8 +51,10 @@ MAX_BODY_BYTES = 4 << 20
 
 
 def usage(prompt_tokens: int, gen) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: the prompt's tokens the server took from its prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(gen.token_ids),
-            "total_tokens": prompt_tokens + len(gen.token_ids)}  # fmt: skip
+            "total_tokens": prompt_tokens + len(gen.token_ids),
+            "prompt_tokens_details": {"cached_tokens": gen.stats.reused_tokens}}  # fmt: skip
 
 
 def extension(gen, drafter: str, acceptance: str = "exact") -> dict:

@@ -76,6 +76,7 @@ class GenerationStats(OfflineStats):
     bytes_down_per_token: float = 0.0  # per generated token
     payload_bytes_per_token: float = 0.0  # payloads of the rounds (not the prompt's) per generated token
     server_compute_s: float = 0.0
+    reused_tokens: int = 0  # prompt tokens the server (or ``--local``'s target) took from its prefix cache
     ttft_s: float = 0.0
     draft_s: float = 0.0
     ahead_s: float = 0.0  # drafting ahead while a Verify was in flight (pipelined rounds)
@@ -419,6 +420,7 @@ def copy_link_stats(stats: GenerationStats, verifier: Verifier, before) -> None:
     stats.bytes_down_per_token = counters.bytes_received / max(stats.new_tokens, 1)
     stats.payload_bytes_per_token = (stats.payload_bytes - stats.prefill_payload_bytes) / max(stats.new_tokens, 1)
     stats.server_compute_s = counters.server_compute_s
+    stats.reused_tokens = counters.reused_tokens
     if verifier.link is not None:
         for name, value in verifier.link.as_stats().items():
             setattr(stats, name, value)

@@ -71,4 +71,5 @@ def api_tokens(connection: Connection, prompt_ids: list[int], sampling: Sampling
         connection.bounds.observe(len(prompt_ids) if i == 0 else max(1, len(chunk.tokens)), chunk.compute_s)
         if i == 0:  # the first chunk is one round trip around the prefill; later ones are pipelined
             connection.link.observe(time.perf_counter() - start, chunk.compute_s, request.ByteSize(), size)
+            connection.counters.reused_tokens += chunk.reused_tokens
         yield list(chunk.tokens)

@@ -60,6 +60,7 @@ class LinkCounters:
     payload_bytes: int = 0  # encoded feature payloads received (part of bytes_received), prefills included
     prefill_payload_bytes: int = 0  # the prompts' share of payload_bytes
     payload_refetches: int = 0  # payloads that failed to decode and were asked for again
+    reused_tokens: int = 0  # prompt tokens the server took from its prefix cache instead of prefilling them
 
     def since(self, earlier: LinkCounters) -> LinkCounters:
         """What was spent after ``earlier`` was copied: one generation's share of a reused link."""

@@ -133,6 +133,7 @@ class RemoteVerifier(Verifier):
             self.connection.backlog = 0
         self.bounds.observe(len(prompt_ids), reply.compute_s)
         self.session_id, self.length = reply.session_id, reply.length
+        self.counters.reused_tokens += reply.reused_tokens
         before = self.counters.payload_bytes
         features = self._features(reply.payload, spec)
         self.counters.prefill_payload_bytes += self.counters.payload_bytes - before
@@ -228,6 +229,7 @@ class RemoteVerifier(Verifier):
                 if i == 0:  # the first token is one round trip around a step; later ones are pipelined
                     self.link.observe(arrived - start, chunk.compute_s, request.ByteSize(), size)
                     self.session_id = chunk.session_id or self.session_id
+                    c.reused_tokens += chunk.reused_tokens
                 elif i == 1 and prompt:  # the prompt's features, after the small first chunk: the link's rate
                     self.link.observe_gap(arrived - start, chunk.compute_s, size)
                 start = arrived

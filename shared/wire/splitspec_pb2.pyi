@@ -139,20 +139,22 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "first_token", "length", "compute_s", "payload", "load")
+    __slots__ = ("session_id", "first_token", "length", "compute_s", "payload", "load", "reused_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token: int
     length: int
     compute_s: float
     payload: Payload
     load: Load
-    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    reused_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("sessions", "step_s", "node_s", "prefer")
@@ -225,7 +227,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_draft: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load", "session_id")
+    __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load", "session_id", "reused_tokens")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +235,7 @@ class DecodeChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token: int
     length: int
     compute_s: float
@@ -240,7 +243,8 @@ class DecodeChunk(_message.Message):
     finish_reason: str
     load: Load
     session_id: str
-    def __init__(self, token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., finish_reason: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    reused_tokens: int
+    def __init__(self, token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., finish_reason: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., session_id: _Optional[str] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -267,14 +271,16 @@ class CompleteRequest(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompleteChunk(_message.Message):
-    __slots__ = ("tokens", "compute_s", "finish_reason")
+    __slots__ = ("tokens", "compute_s", "finish_reason", "reused_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     compute_s: float
     finish_reason: str
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    reused_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
