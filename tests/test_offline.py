@@ -98,6 +98,23 @@ def test_a_divergent_local_tail_is_replaced_at_the_first_difference(tiny_target,
     assert out[:TOTAL] == plain[:TOTAL]
 
 
+def test_an_empty_tail_is_one_plain_round_that_finds_a_lost_session(tiny_target, plain):
+    """A cut that made no offline token (prompt lookup with nothing to copy) still asks the server: else a session the
+    server lost (a replica replaced) would be resumed, lost again, and so on without end."""
+    from client.net.failures import SessionLost
+
+    d = drafter(tiny_target, "eagle")
+    verifier, out = start(tiny_target, d, online=6)
+    assert settle_verify(verifier, d, [], max_nodes=16) == [plain[len(out)]]
+
+    def lost(tree, timeout_s=None, *, spec=None):
+        raise SessionLost("unknown or closed session")
+
+    verifier.verify = lost
+    with pytest.raises(SessionLost):
+        settle_verify(verifier, d, [], max_nodes=16)
+
+
 def test_a_long_tail_is_verified_in_chunks_that_grow_while_every_token_is_kept(tiny_target, plain):
     """4 tokens first, then 8, then 16: a tail wrong early costs one small forward, a right one few calls."""
     d, verifier, out, tail = absorbed(tiny_target, lambda n: plain[n : n + 20])

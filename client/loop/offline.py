@@ -384,7 +384,9 @@ def settle_verify(verifier: Verifier, drafter: Drafter, tail: list[int], max_nod
 
     The result is the longest prefix of ``tail`` the target agrees with, then the target's own
     token where it first disagrees (or its token after the last offline one, when a chunk ended
-    there; when the last offline token came back as the target's own choice, nothing is added).
+    there; when the last offline token came back as the target's own choice, nothing is added). An empty tail is
+    one plain round: its token, and the proof that the server still holds the session (a cut that made no offline
+    token would otherwise go on with a session the server lost, and lose it again, for ever).
     The drafter is rewound and fed
     the target's features along the way, so it continues exactly as after an ordinary round.
 
@@ -394,7 +396,7 @@ def settle_verify(verifier: Verifier, drafter: Drafter, tail: list[int], max_nod
     """
     out: list[int] = []
     i, size = 0, min(FIRST_CHUNK, max(1, max_nodes))  # next offline token not yet verified; the next chunk's size
-    while i < len(tail):
+    while i < len(tail) or not out:
         chunk = tail[i : i + size]
         result = verifier.verify(DraftTree.chain(chunk), spec=spec)
         if stats is not None:
