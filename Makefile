@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: gpu-parts bench-gpu bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts bench-gpu bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -77,6 +77,9 @@ bench-chat: setup pair
 
 bench-chat-load: setup
 	$(PY) -m bench.chat_load --conversations 200 --budget-mb 32 --out bench/results/chat-load
+
+bench-chat-ray: setup
+	$(PY) -m bench.chat_ray --conversations 8 --turns 4 --out bench/results/chat-ray
 
 # A lent GPU's sitting (docs/serving.md, "A lent GPU, call by call"). gpu-parts cuts what the GPU machine lacks (the
 # pair's GGUFs, its drafter bundles) into parts of GPU_PART_MIB under .gpu/parts, with a manifest of SHA-256s, and

@@ -41,6 +41,7 @@ from client.loop.adaptive import Loaded, Pipelining, Plan, Policy, Round, State,
 from client.loop.ahead import FLIGHT_GRACE_S, UNBOUNDED_FLIGHT_S, Chained
 from client.loop.costs import verify_request_bytes
 from client.loop.offline import Bridge, Cut, OfflineStats, Resilience
+from client.net.connection import LinkCounters
 from client.net.deadlines import round_s
 from client.net.failures import LinkDown, SessionLost, Stale
 from client.net.heartbeat import Heartbeat
@@ -76,7 +77,7 @@ class GenerationStats(OfflineStats):
     bytes_down_per_token: float = 0.0  # per generated token
     payload_bytes_per_token: float = 0.0  # payloads of the rounds (not the prompt's) per generated token
     server_compute_s: float = 0.0
-    reused_tokens: int = 0  # prompt tokens the server (or ``--local``'s target) took from its prefix cache
+    reused_tokens: int = 0  # prompt tokens the opening took from the server's (or ``--local``'s) prefix cache
     ttft_s: float = 0.0
     draft_s: float = 0.0
     ahead_s: float = 0.0  # drafting ahead while a Verify was in flight (pipelined rounds)
@@ -185,6 +186,7 @@ class Run:
         self.resilience, self.on_update, self.stop_when = resilience, on_update, stop_when
         self.spec = spec  # the features each call asks for: the policy may choose another per call
         self.stats = GenerationStats()
+        self.before = LinkCounters()  # the verifier's counters when the generation began
         self.out: list[int] = []
         self.verified: list[bool] = []
         self.gained = 0
@@ -205,7 +207,7 @@ class Run:
         """prompt → prefill → {plan → (stream | draft → size → verify → accept → absorb) → emit} → text; a link that
         fails hands over to the offline stage (``client.loop.offline.Bridge``) and the loop goes on after it."""
         verifier, policy, stats, clock = self.verifier, self.policy, self.stats, self.clock
-        before = replace(verifier.counters)
+        before = self.before = replace(verifier.counters)
         start = clock()
         c = verifier.connection
         if c is not None and self.resilience.heartbeat and self.resilience.on_reconnect != "fail":
@@ -281,6 +283,7 @@ class Run:
     def started(self, start: float) -> None:
         """The first token is in (``start``: when the generation began)."""
         self.stats.ttft_s = self.clock() - start
+        self.stats.reused_tokens = self.verifier.counters.reused_tokens - self.before.reused_tokens  # (not reopens')
         if self.heartbeat:
             self.heartbeat.start()  # the first call gave the link an RTT estimate to set its deadline from
 
@@ -420,7 +423,6 @@ def copy_link_stats(stats: GenerationStats, verifier: Verifier, before) -> None:
     stats.bytes_down_per_token = counters.bytes_received / max(stats.new_tokens, 1)
     stats.payload_bytes_per_token = (stats.payload_bytes - stats.prefill_payload_bytes) / max(stats.new_tokens, 1)
     stats.server_compute_s = counters.server_compute_s
-    stats.reused_tokens = counters.reused_tokens
     if verifier.link is not None:
         for name, value in verifier.link.as_stats().items():
             setattr(stats, name, value)

@@ -11,7 +11,6 @@ from client.loop.decode import Generation, GenerationStats, copy_link_stats
 from client.net.connection import Connection
 from client.net.remote import RemoteVerifier, sampling_msg
 from shared.acceptance import SamplingParams
-from shared.channel import route_key
 from shared.wire import splitspec_pb2 as pb
 
 
@@ -45,6 +44,7 @@ def api_complete(
     stats.rounds = len(out)
     stats.acceptance_length = 1.0
     copy_link_stats(stats, remote, before)
+    stats.reused_tokens = remote.counters.reused_tokens - before.reused_tokens
     return Generation(out, [True] * len(out), reason, stats)
 
 
@@ -62,7 +62,7 @@ def api_tokens(connection: Connection, prompt_ids: list[int], sampling: Sampling
     def gap_s(i: int) -> float:  # the first chunk waits for the prefill, the others for a step each
         return first_bound if i == 0 else connection.bounds.call_s(1)
 
-    connection.route = route_key(prompt_ids)  # on a cluster, the replica holding the conversation's prefix
+    connection.follow(prompt_ids)  # on a cluster, the replica holding the conversation's prefix
     # gRPC's deadline covers the whole stream: allow a generous second per requested token
     call, start, chunks = connection.stream("Complete", request, connection.rpc_timeout_s + max_new_tokens, gap_s,
                                        watched=False, opens=True)  # fmt: skip

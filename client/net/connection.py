@@ -27,7 +27,15 @@ from client.net.deadlines import GRACE_S, Bounds
 from client.net.endpoint import Endpoint
 from client.net.failures import LinkDown, ServerFull, SessionLost, rpc_error
 from client.net.link import PROBE_MAX_BYTES, LinkMonitor
-from shared.channel import MESSAGE_OPTIONS, RECONNECT_OPTIONS, ROUTE_KEY, close_soon, off_thread
+from shared.channel import (
+    CONVERSATION_TOKENS,
+    MESSAGE_OPTIONS,
+    RECONNECT_OPTIONS,
+    ROUTE_KEY,
+    close_soon,
+    off_thread,
+    route_key,  # fmt: skip
+)
 from shared.errors import SplitspecError
 from shared.wire import splitspec_pb2 as pb
 from shared.wire import splitspec_pb2_grpc as pb_grpc
@@ -60,7 +68,7 @@ class LinkCounters:
     payload_bytes: int = 0  # encoded feature payloads received (part of bytes_received), prefills included
     prefill_payload_bytes: int = 0  # the prompts' share of payload_bytes
     payload_refetches: int = 0  # payloads that failed to decode and were asked for again
-    reused_tokens: int = 0  # prompt tokens the server took from its prefix cache instead of prefilling them
+    reused_tokens: int = 0  # tokens the server took from its prefix cache at each open (reopens after cuts too)
 
     def since(self, earlier: LinkCounters) -> LinkCounters:
         """What was spent after ``earlier`` was copied: one generation's share of a reused link."""
@@ -93,7 +101,8 @@ class Connection:
         self.counters = LinkCounters()
         self.link = LinkMonitor()
         self.bounds = Bounds(self.link, rpc_timeout_s)  # how long each call may take before it is lost
-        self.route = ""  # the session's route key (``ROUTE_KEY``), set for each session opened (``route_key``)
+        self.route = ""  # the session's route key (``ROUTE_KEY``), set for each session opened (``follow``)
+        self._route_head: list[int] = []  # the first tokens of the prompt the route key was kept for
         self.last_heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
         self.backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         self._lock = threading.Lock()
@@ -225,6 +234,15 @@ class Connection:
         self.link.observe(wall_s, getattr(reply, "compute_s", 0.0), request.ByteSize(), reply.ByteSize())
         self.count(request, reply)
         return reply
+
+    def follow(self, prompt_ids: list[int]) -> None:
+        """Route the session about to open with ``prompt_ids``: by the key this connection's last one had when the
+        prompt goes on from that one's (a conversation's next turn: its prefix is on that replica, even where the
+        first turn was too short for a key of its own, or a lost call moved it), else by the prompt's ``route_key``."""
+        head = list(prompt_ids[:CONVERSATION_TOKENS])
+        if not (self.route and self._route_head and head[: len(self._route_head)] == self._route_head):
+            self.route = route_key(prompt_ids)
+        self._route_head = head
 
     def stream(self, rpc: str, request, timeout_s: float, gap_s: Callable[[int], float], watched: bool = True,
                 opens: bool = False):  # fmt: skip

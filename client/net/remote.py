@@ -17,7 +17,7 @@ from client.net.failures import LinkDown, Stale
 from client.verifiers import NO_PAYLOAD, Pending, Verifier
 from shared import payload
 from shared.acceptance import SamplingParams
-from shared.channel import off_thread, route_key
+from shared.channel import off_thread
 from shared.codec import CodecError
 from shared.engine.target import Verdict
 from shared.errors import SplitspecError
@@ -125,7 +125,7 @@ class RemoteVerifier(Verifier):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling_msg(sampling),
                                         payload=spec.to_msg())  # fmt: skip
         self.connection.backlog = int(len(prompt_ids) * self.payload_bytes_per_token(spec))
-        self.connection.route = route_key(prompt_ids)
+        self.connection.follow(prompt_ids)
         bound = self.bounds.call_s(len(prompt_ids), request.ByteSize(), self.connection.backlog)
         try:
             reply = self.connection.admitted(lambda: self.connection.call("OpenSession", request, timeout_s=bound))
@@ -203,7 +203,8 @@ class RemoteVerifier(Verifier):
                                    max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=spec.to_msg(),
                                    payload_every=payload_every, self_draft=self_draft)  # fmt: skip
         self._closed()
-        self.session_id, self.length, self.connection.route = "", 0, route_key(prompt_ids)
+        self.session_id, self.length = "", 0
+        self.connection.follow(prompt_ids)
         return self._decode(request, payload_every, timeout_s, spec, prompt=len(prompt_ids))
 
     def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None, spec: PayloadSpec,
