@@ -57,8 +57,10 @@ class Verifier(ABC):
     chains = False  # takes a chained round (``verify_after``): a second tree sent before the last one's verdict
 
     @abstractmethod
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
-        """Prefill a new session: the round that yields the first token (and the prompt's features)."""
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD,
+             held: int = 0) -> Verdict:  # fmt: skip
+        """Prefill a new session: the round that yields the first token (and the prompt's features; ``held``: the
+        drafter holds those of the first ``held`` tokens, which a server then does not send again)."""
 
     @abstractmethod
     def verify(self, tree: DraftTree, timeout_s: float | None = None, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
@@ -76,14 +78,15 @@ class Verifier(ABC):
         """Free the session, if one is open; ``wait`` False: without waiting for the server's answer (a generation's
         end, where it would cost a round trip for nothing; a lost request leaves the session to the server's TTL)."""
 
-    def reopen(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
+    def reopen(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD,
+               held: int = 0) -> Verdict:  # fmt: skip
         """``open`` after closing the session this verifier had, if the server still has it (after a cut it may not:
         then its TTL frees it)."""
         try:
             self.close(timeout_s=2.0)
         except SplitspecError:
             pass
-        return self.open(prompt_ids, sampling, spec=spec)
+        return self.open(prompt_ids, sampling, spec=spec, held=held)
 
     def decode(self, max_new_tokens: int, stop_ids: list[int], payload_every: int = 1,
                timeout_s: float | None = None, self_draft: int = 0, *, spec: PayloadSpec = NO_PAYLOAD
@@ -101,11 +104,11 @@ class Verifier(ABC):
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
                     payload_every: int = 1, timeout_s: float | None = None, self_draft: int = 0, *,
-                    spec: PayloadSpec = NO_PAYLOAD) -> Iterator[Verdict]:  # fmt: skip
+                    spec: PayloadSpec = NO_PAYLOAD, held: int = 0) -> Iterator[Verdict]:  # fmt: skip
         """``open`` then ``decode``, in one call where there is a server (a round trip less): the first round is the
         open's, the rest as ``decode``'s, ``max_new_tokens`` in all. The prompt's features may come with a later
         round than the first (a server sends them after the first token, so they do not hold it up)."""
-        first = self.open(prompt_ids, sampling, spec=spec)
+        first = self.open(prompt_ids, sampling, spec=spec, held=held)
         yield first
         if max_new_tokens > 1 and first.new_tokens[-1] not in stop_ids:
             yield from self.decode(max_new_tokens - 1, stop_ids, payload_every, timeout_s, self_draft, spec=spec)
@@ -147,8 +150,9 @@ class LocalVerifier(Verifier):
     def usable(self, specs: list[PayloadSpec]) -> list[PayloadSpec]:
         return [s for s in specs if s.form != "lsa"]
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
-        self.close()
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD,
+             held: int = 0) -> Verdict:  # fmt: skip
+        self.close()  # (features cost nothing in process: all of them come, ``held`` or not)
         kinds = payload.feature_kinds(spec)
         self.session = self.target.session(sampling, kinds)
         reuse = None if kinds else self.prefixes.take("", prompt_ids)  # a drafter fed features needs all the prompt's

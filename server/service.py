@@ -165,6 +165,13 @@ def checked_prompt(ids, vocab_size: int, max_context: int) -> list[int]:
         )
     return ids
 
+def checked_from(payload_from: int, prompt_ids) -> None:
+    """An opening's ``payload_from``: within its prompt, or INVALID_ARGUMENT."""
+    if payload_from > len(prompt_ids):
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"payload_from {payload_from} is past the prompt's "
+                    f"{len(prompt_ids)} tokens: expected at most that many")  # fmt: skip
+
+
 def checked_spec(msg: pb.PayloadSpec, target: Target, lsas: payloads.LSARegistry, session=None) -> PayloadSpec:
     """A request's payload spec, or INVALID_ARGUMENT (malformed) / FAILED_PRECONDITION (not served here)."""
     try:
@@ -366,9 +373,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
     def OpenSession(self, request, context):
         start = time.perf_counter()
         spec = checked_spec(request.payload, self.target, self.lsas)
+        checked_from(request.payload_from, request.prompt_ids)
         session, first = self.open_session(request.prompt_ids, request.sampling, spec, context)
         with session.lock:
-            payload = self.payload(session, spec, 0, session.sequence.cached_len)
+            payload = self.payload(session, spec, request.payload_from, session.sequence.cached_len)
         return pb.OpenSessionReply(session_id=session.id, first_token=first, length=len(session.sequence.tokens),
                                    compute_s=time.perf_counter() - start, payload=payload,
                                    load=self.load(len(session.sequence.tokens)),
@@ -528,6 +536,7 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"stop token id {bad} is outside the vocabulary [0, {self.target.vocab_size})")  # fmt: skip
         spec = checked_spec(request.payload, self.target, self.lsas, session)
+        checked_from(request.payload_from, request.prompt_ids)
         stop = set(request.stop_token_ids) or set(self.target.eos_token_ids)
         return self.stretches.stream(session, request, spec, stop, context)
 

@@ -100,7 +100,7 @@ class Stretches:
         drafter = SelfDraft(sequence.tokens, request.self_draft, lambda: self.service.costs(len(sequence.tokens))) if (
             request.self_draft) else None  # fmt: skip
         at = len(sequence.tokens) - len(held) - (first_token is not None)  # the client's length before each chunk
-        sent = max(0, at - 1) if first_token is None else 0  # cached tokens whose payloads the client has
+        sent = max(0, at - 1) if first_token is None else request.payload_from  # cached tokens the client has
         produced, left_at = 0, None  # left_at: tokens produced when the client was found gone
         while True:
             first = produced == 0 and first_token is not None

@@ -12,9 +12,10 @@ from client.loop.decode import generate
 from client.net.api import api_complete
 from client.net.endpoint import Endpoint
 from client.net.remote import RemoteVerifier
-from client.verifiers import LocalVerifier
+from client.verifiers import LocalVerifier, first_spec
 from server.limits import ServerLimits
 from server.service import build_server
+from shared.acceptance import SamplingParams
 from shared.engine.models import load_target
 from shared.engine.prefixes import BLOCK, MIN_TOKENS, PrefixCache, block_hashes
 from shared.tree import DraftTree
@@ -310,3 +311,55 @@ def test_a_drafter_fed_hidden_states_gets_the_reused_prefixs_too(int8_target):
 
                 runs[mb] = (conversation(turn, int8_target.tokenizer), service.prefixes.hit_tokens)
     assert runs[0][0] == runs[64][0] and runs[0][1] == 0 and runs[64][1] > 0
+
+
+@pytest.mark.parametrize("kind,opening", [("eagle", "open"), ("moa", "open"), ("eagle", "stream"), ("moa", "stream")])
+def test_a_feature_drafters_next_turn_gets_only_the_new_features_and_drafts_as_a_cold_one(int8_target, kind, opening):
+    """EAGLE and MoA keep the last turn's features and their own caches: the opening asks the server for the features
+    after them only (``payload_from``), and every tree of the turn is the one a cold drafter, sent them all, drafts."""
+    from client.drafters.eagle import EagleDrafter
+    from client.drafters.moa import MoADrafter
+    from tests.test_eagle_independent import make_model
+    from tests.test_moa import make_moa
+
+    def fresh():
+        if kind == "eagle":
+            return EagleDrafter(make_model(int8_target, "eagle"), width=2, depth=3)
+        return MoADrafter(make_moa(int8_target, 1), width=2, depth=3)
+
+    ids = int8_target.tokenizer(WORDS)["input_ids"]
+    with served(int8_target, max_context=512) as (address, _):
+        remotes = [RemoteVerifier(Endpoint(address)) for _ in range(2)]
+        try:
+            warm, cold = fresh(), fresh()
+            first = generate(remotes[0], warm, ids[:30], 10).token_ids
+            turn2 = ids[:30] + first + ids[30:40]
+            spec = first_spec(remotes[0], warm.payload_specs())
+            held = warm.keep_for(turn2)
+            assert held == 30 + len(first) - 1  # all but the answer's last token, whose features never came
+            sent, starts = [], []
+            for drafter, remote, kept in ((warm, remotes[0], held), (cold, remotes[1], 0)):
+                before = remote.counters.prefill_payload_bytes
+                if opening == "open":
+                    opened = remote.open(turn2, SamplingParams(), spec=spec, held=kept)
+                    drafter.begin(turn2 + opened.new_tokens, opened.features)
+                    starts.append(opened.features.start)
+                else:  # a Decode that opens: the first chunk brings no features, a later one the prompt's
+                    chunks = remote.open_decode(turn2, SamplingParams(), 3, [], spec=spec, held=kept)
+                    opened = next(chunks)
+                    drafter.begin(turn2 + opened.new_tokens, opened.features)
+                    for verdict in chunks:
+                        drafter.absorb(verdict.new_tokens, verdict.features)
+                        if verdict.features is not None and len(starts) == len(sent):  # the first features
+                            starts.append(verdict.features.start)
+                sent.append(remote.counters.prefill_payload_bytes - before)
+            assert starts == [held, 0] and 0 < sent[0] < sent[1]  # the features of the 11 new tokens on, not of all
+            for _ in range(4):  # every tree the same, and the verdicts fed alike
+                tree = warm.propose(8)
+                assert (tree.tokens, tree.parents) == ((t := cold.propose(8)).tokens, t.parents) and len(tree)
+                for drafter, remote in ((warm, remotes[0]), (cold, remotes[1])):
+                    verdict = remote.verify(tree, spec=spec)
+                    drafter.absorb(verdict.new_tokens, verdict.features)
+        finally:
+            for remote in remotes:
+                remote.shutdown()

@@ -43,6 +43,12 @@ class Drafter(ABC):
         left. Nothing by default."""
         return None
 
+    def keep_for(self, prompt_ids: list[int]) -> int:
+        """Keep, for the next ``begin``, what this drafter holds of ``prompt_ids``'s first tokens (from the sequence
+        it goes on from: a conversation's last turn), and say how many tokens' target features that is: the opening
+        asks the server for the features after them only. 0 by default: ``begin`` starts afresh."""
+        return 0
+
     @abstractmethod
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
         """Start a new sequence: prompt plus the first generated token, with the prompt's features."""

@@ -20,6 +20,7 @@ from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.engine.layers import Block, KVCache
 from shared.engine.linear import Linear
 from shared.features import Features
+from shared.lookup import shared_length
 from shared.tree import causal_from, causal_mask
 
 
@@ -72,7 +73,20 @@ class EagleDrafter(TreeDrafter):
     are overwritten by the next tree, so tokens accepted from a tree are fed again with true features.
     """
 
+    def keep_for(self, prompt_ids: list[int]) -> int:
+        self.kept = min(shared_length(prompt_ids, self.tokens), self.cached) if hasattr(self, "tokens") else 0
+        return self.kept
+
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
+        kept, self.kept = getattr(self, "kept", 0), 0
+        if kept and (features is None or len(features) == 0 or features.start == kept):
+            # a conversation's next turn: its first ``kept`` positions as they are (their cache slots, their
+            # features), what follows fed again
+            self.tokens, self.known, self.cached = self.tokens[:kept], self.known[:kept], kept
+            self.fed, self.root_feature = min(self.fed, kept), None
+            self.end_tree()
+            self.absorb(tokens[kept:], features)
+            return
         self.tokens: list[int] = []
         self.fed = 1  # positions [1, fed) are in the cache, fed with true features
         self.cached = 0  # positions whose target features arrived (all but the root)

@@ -27,6 +27,7 @@ from client.drafters.tree_drafter import DraftNodes, TreeDrafter
 from shared.engine.layers import Block, KVCache, RMSNorm
 from shared.engine.linear import Linear
 from shared.features import Features, split_kv
+from shared.lookup import shared_length
 from shared.lsa import LayerSelfAttention
 from shared.tree import causal_from, causal_mask
 
@@ -153,7 +154,23 @@ class MoADrafter(TreeDrafter):
     def can_draft(self) -> bool:
         return self.mem_k is not None or bool(self.pending)
 
+    def keep_for(self, prompt_ids: list[int]) -> int:
+        self.kept = min(shared_length(prompt_ids, self.tokens), self.cached) if hasattr(self, "tokens") else 0
+        return self.kept
+
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
+        kept, self.kept = getattr(self, "kept", 0), 0
+        if kept and (features is None or len(features) == 0 or features.start == kept):
+            # a conversation's next turn: its first ``kept`` positions as they are (SA and TLI cache slots, memory
+            # entries), what follows fed again
+            self._settle()
+            self.tokens, self.fed = self.tokens[:kept], min(self.fed, kept)
+            if self.cached > kept:
+                self.cached = kept
+                self.mem_k, self.mem_v = self.mem_k[:, :, : kept + 1], self.mem_v[:, :, : kept + 1]  # + the null slot
+            self.nodes = DraftNodes(0, 0)
+            self.absorb(tokens[kept:], features)
+            return
         self.tokens: list[int] = []
         self.fed = 0  # committed tokens already in the SA cache
         self.cached = 0  # committed tokens whose target features arrived (all but the root)

@@ -359,7 +359,9 @@ class Run:
     def open(self) -> Verdict:
         """Open the session after the prompt and return its round: the server's first token, now ``self.out``, and
         the prefill's compute. Over a link the drafter prepares (``Drafter.prepare``) while the server prefills."""
-        opened = self.beside_prepare(lambda: self.verifier.reopen(self.prompt_ids, self.sampling, spec=self.spec))
+        held = self.drafter.keep_for(self.prompt_ids) if self.spec else 0
+        opened = self.beside_prepare(lambda: self.verifier.reopen(self.prompt_ids, self.sampling, spec=self.spec,
+                                                                  held=held))  # fmt: skip
         self.unfeatured = None  # the prefill brings the features of every cached token
         if opened.load is not None:  # the server's costs size the first trees, before any is measured
             self.policy.observe(Loaded(opened.load))

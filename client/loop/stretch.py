@@ -35,9 +35,10 @@ def stream(run, stretch: int, opening: float | None = None) -> None:
         tokens = verifier.decode(limit, stop, PAYLOAD_EVERY, self_draft=self_draft, spec=spec)
         featured = cached = len(run.prompt_ids) + len(run.out) - 1  # the server caches all but the root
     else:  # the prompt's features come with the first payload
+        held = drafter.keep_for(run.prompt_ids) if spec else 0
         tokens = verifier.open_decode(run.prompt_ids, run.sampling, limit, stop, PAYLOAD_EVERY,
-                                      self_draft=self_draft, spec=spec)  # fmt: skip
-        featured, cached = 0, len(run.prompt_ids) - 1
+                                      self_draft=self_draft, spec=spec, held=held)  # fmt: skip
+        featured, cached = held, len(run.prompt_ids) - 1
     rehearsal = None  # (a tree drafted and not sent, its depth, where its root is in the output, seconds drafting)
     try:
         with contextlib.closing(tokens):

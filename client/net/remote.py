@@ -120,11 +120,12 @@ class RemoteVerifier(Verifier):
 
     # --- the Verifier interface ---
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD) -> Verdict:
+    def open(self, prompt_ids: list[int], sampling: SamplingParams, *, spec: PayloadSpec = NO_PAYLOAD,
+             held: int = 0) -> Verdict:  # fmt: skip
         self._closed()
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling_msg(sampling),
-                                        payload=spec.to_msg())  # fmt: skip
-        self.connection.backlog = int(len(prompt_ids) * self.payload_bytes_per_token(spec))
+                                        payload=spec.to_msg(), payload_from=held)  # fmt: skip
+        self.connection.backlog = int((len(prompt_ids) - held) * self.payload_bytes_per_token(spec))
         self.connection.follow(prompt_ids)
         bound = self.bounds.call_s(len(prompt_ids), request.ByteSize(), self.connection.backlog)
         try:
@@ -198,10 +199,10 @@ class RemoteVerifier(Verifier):
 
     def open_decode(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_ids: list[int],
                     payload_every: int = 1, timeout_s: float | None = None, self_draft: int = 0, *,
-                    spec: PayloadSpec = NO_PAYLOAD) -> Iterator[Verdict]:  # fmt: skip
+                    spec: PayloadSpec = NO_PAYLOAD, held: int = 0) -> Iterator[Verdict]:  # fmt: skip
         request = pb.DecodeRequest(prompt_ids=prompt_ids, sampling=sampling_msg(sampling),
                                    max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, payload=spec.to_msg(),
-                                   payload_every=payload_every, self_draft=self_draft)  # fmt: skip
+                                   payload_every=payload_every, self_draft=self_draft, payload_from=held)  # fmt: skip
         self._closed()
         self.session_id, self.length = "", 0
         self.connection.follow(prompt_ids)
@@ -240,7 +241,7 @@ class RemoteVerifier(Verifier):
                 if chunk.HasField("payload"):
                     before = c.payload_bytes
                     features = self._features(chunk.payload, spec)
-                    if prompt and features is not None and features.start == 0:  # the prompt's, deferred
+                    if prompt and features is not None and features.start < prompt:  # the prompt's, deferred
                         c.prefill_payload_bytes += c.payload_bytes - before
                         self.connection.backlog = int(payload_every * self.payload_bytes_per_token(spec))
                 yield Verdict([], [chunk.token], chunk.compute_s, features,

@@ -129,14 +129,16 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., acceptance: _Optional[str] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "payload")
+    __slots__ = ("prompt_ids", "sampling", "payload", "payload_from")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FROM_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     payload: PayloadSpec
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ...) -> None: ...
+    payload_from: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_from: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "first_token", "length", "compute_s", "payload", "load", "reused_tokens")
@@ -205,7 +207,7 @@ class VerifyReply(_message.Message):
     def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., verified: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every", "prompt_ids", "sampling", "self_draft")
+    __slots__ = ("session_id", "length", "max_new_tokens", "stop_token_ids", "payload", "payload_every", "prompt_ids", "sampling", "self_draft", "payload_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,7 @@ class DecodeRequest(_message.Message):
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SELF_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     max_new_tokens: int
@@ -224,7 +227,8 @@ class DecodeRequest(_message.Message):
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     self_draft: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_draft: _Optional[int] = ...) -> None: ...
+    payload_from: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[PayloadSpec, _Mapping]] = ..., payload_every: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_draft: _Optional[int] = ..., payload_from: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token", "length", "compute_s", "payload", "finish_reason", "load", "session_id", "reused_tokens")
