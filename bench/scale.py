@@ -191,7 +191,7 @@ def kill_round(address: str, round_no: int, recordings: list[Recording], clients
                 def verify_and_kill(tree, **kw):
                     calls.append(1)
                     if len(calls) == 3:
-                        victim = owner(verifier.connection.route, list(cluster.replicas()))
+                        victim = owner(verifier.connection.route.key, list(cluster.replicas()))
                         cluster.kill(victim)
                         killed.append((victim, time.monotonic()))
                         kill_done.set()

@@ -253,7 +253,7 @@ def _kill_on_round(verifier: RemoteVerifier, round_no: int, killed: list) -> Non
     def verify(tree, **kw):
         calls.append(1)
         if len(calls) == round_no:
-            victim = owner(verifier.connection.route, list(cluster.replicas()))
+            victim = owner(verifier.connection.route.key, list(cluster.replicas()))
             cluster.kill(victim)
             killed.append(victim)
         return original(tree, **kw)
@@ -264,7 +264,7 @@ def _kill_on_round(verifier: RemoteVerifier, round_no: int, killed: list) -> Non
 def test_a_replica_answers_not_found_for_an_unknown_session_without_a_route_key(app):
     """A client that sends no route key (an older one) still gets an answer, never a hang."""
     verifier = connect(app)
-    verifier.session_id, verifier.connection.route = "f" * 32, ""
+    verifier.session_id, verifier.connection.route.key = "f" * 32, ""
     with pytest.raises(SessionLost):
         verifier.verify(DraftTree([9], [-1]))
     verifier.shutdown()

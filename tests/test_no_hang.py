@@ -112,8 +112,8 @@ def gone(front: Front, service):
 
     def arm(v: RemoteVerifier) -> None:
         service.sessions.pop(v.session_id)
-        front.hold("Verify", route=v.connection.route, times=FOREVER)
-        front.hold("CloseSession", route=v.connection.route, times=FOREVER)
+        front.hold("Verify", route=v.connection.route.key, times=FOREVER)
+        front.hold("CloseSession", route=v.connection.route.key, times=FOREVER)
 
     return arm
 
@@ -122,8 +122,8 @@ STAGES = {
     # the session's Verify never reaches a server: its replica is gone with the session
     "before a Verify": gone,
     # the server runs the session's calls (it moves on), their replies never come
-    "during the reply": lambda front, service: lambda v: front.hold("Verify", route=v.connection.route, when="after",
-                                                                     times=FOREVER),
+    "during the reply": lambda front, service: lambda v: front.hold("Verify", route=v.connection.route.key,
+                                                                     when="after", times=FOREVER),
     # the replica is gone, and the first reopening is lost too
     "and the reopening": lambda front, service: lambda v: (gone(front, service)(v), front.hold("OpenSession")),
     # the whole front hangs — probes and the reconnection polls too — then recovers after 8 held calls
@@ -242,10 +242,10 @@ def test_a_call_grpc_never_ends_is_abandoned_here(backend, probes_answered):
     verifier = RemoteVerifier(backend[0])
     c = verifier.connection
     try:
-        c.route, c.stub = "old", _Stub(probes_answered)
+        c.route.key, c.stub = "old", _Stub(probes_answered)
         with pytest.raises(SessionLost if probes_answered else LinkDown, match="unanswered within"):
             verifier.verify(DraftTree.chain([5, 9]), timeout_s=0.01)
-        assert (c.route != "old") == probes_answered
+        assert (c.route.key != "old") == probes_answered
         assert not c.busy  # no call left in flight for the heartbeat to watch
     finally:
         verifier.shutdown()
@@ -257,7 +257,7 @@ def test_a_connection_that_lost_a_call_is_not_used_again(backend):
     verifier = RemoteVerifier(backend[0])
     c = verifier.connection
     try:
-        c.route, c.stub = "old", _Stub(probes_answered=False)
+        c.route.key, c.stub = "old", _Stub(probes_answered=False)
         old = c.channel
         with pytest.raises(LinkDown):
             verifier.verify(DraftTree.chain([5, 9]), timeout_s=0.01)

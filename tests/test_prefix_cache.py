@@ -222,24 +222,23 @@ def test_a_conversations_turns_share_a_route_key_so_a_cluster_sends_them_to_its_
     assert route_key(short) != route_key(short)  # too short to name a conversation: a session's own, drawn at random
 
 
-def test_a_connection_keeps_its_route_key_for_a_conversations_next_turn_however_short_the_first(int8_target):
+def test_a_conversation_keeps_its_route_key_for_its_next_turn_however_short_the_first():
+    from client.net.connection import Route
     from shared.channel import CONVERSATION_TOKENS, route_key
 
-    with served(int8_target, max_context=512) as (address, _):
-        remote = RemoteVerifier(Endpoint(address))
-        connection = remote.connection
-        short = list(range(100, 130))  # a first turn too short for a key of its own: a random one
-        connection.follow(short)
-        first = connection.route
-        connection.follow(short + list(range(200, 260)))  # the next turn goes on from it: the same replica
-        assert connection.route == first
-        connection.route = "moved"  # a lost call moved the session to another replica: the conversation follows
-        connection.follow(short + list(range(200, 280)))
-        assert connection.route == "moved"
-        other = list(range(500, 500 + CONVERSATION_TOKENS + 4))  # another conversation: its own key
-        connection.follow(other)
-        assert connection.route == route_key(other)
-        remote.shutdown()
+    route = Route()
+    short = list(range(100, 130))  # a first turn too short for a key of its own: a random one
+    route.follow(short)
+    first = route.key
+    route.follow(short + list(range(200, 260)))  # the next turn goes on from it: the same replica
+    assert route.key == first
+    route.move()  # a lost call moved the session to another replica: the conversation follows it there
+    moved = route.key
+    route.follow(short + list(range(200, 280)))
+    assert route.key == moved != first
+    other = list(range(500, 500 + CONVERSATION_TOKENS + 4))  # another conversation: its own key
+    route.follow(other)
+    assert route.key == route_key(other)
 
 
 def test_a_local_conversation_reuses_its_last_turn_and_gives_plain_decodings_tokens(int8_target):

@@ -62,7 +62,7 @@ def api_tokens(connection: Connection, prompt_ids: list[int], sampling: Sampling
     def gap_s(i: int) -> float:  # the first chunk waits for the prefill, the others for a step each
         return first_bound if i == 0 else connection.bounds.call_s(1)
 
-    connection.follow(prompt_ids)  # on a cluster, the replica holding the conversation's prefix
+    connection.route.follow(prompt_ids)  # on a cluster, the replica holding the conversation's prefix
     # gRPC's deadline covers the whole stream: allow a generous second per requested token
     call, start, chunks = connection.stream("Complete", request, connection.rpc_timeout_s + max_new_tokens, gap_s,
                                        watched=False, opens=True)  # fmt: skip

@@ -80,6 +80,27 @@ def _say(message: str) -> None:
     print(f"splitspec: {message}", file=sys.stderr, flush=True)
 
 
+class Route:
+    """A connection's route key (``ROUTE_KEY``), which a cluster of replicas sends its session's calls by."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        self._head: list[int] = []  # the first tokens of the prompt the key was kept for
+
+    def follow(self, prompt_ids: list[int]) -> None:
+        """The key of the session about to open with ``prompt_ids``: the last one's when the prompt goes on from that
+        one's (a conversation's next turn: its prefix is on that replica, even where the first turn was too short for
+        a key of its own, or a lost call moved it), else the prompt's ``route_key``."""
+        head = list(prompt_ids[:CONVERSATION_TOKENS])
+        if not (self.key and self._head and head[: len(self._head)] == self._head):
+            self.key = route_key(prompt_ids)
+        self._head = head
+
+    def move(self) -> None:
+        """A new key for the session's later calls: its replica is presumed gone, so they reach a live one."""
+        self.key = secrets.token_hex(8)
+
+
 class Connection:
     """A splitspec server reached over gRPC, after a Handshake (``info``) that checks both sides share a tokenizer.
 
@@ -101,8 +122,7 @@ class Connection:
         self.counters = LinkCounters()
         self.link = LinkMonitor()
         self.bounds = Bounds(self.link, rpc_timeout_s)  # how long each call may take before it is lost
-        self.route = ""  # the session's route key (``ROUTE_KEY``), set for each session opened (``follow``)
-        self._route_head: list[int] = []  # the first tokens of the prompt the route key was kept for
+        self.route = Route()  # the session's route key, set for each session opened (``Route.follow``)
         self.last_heard = 0.0  # time.monotonic() of the last message from the server (a stream's chunks count)
         self.backlog = 0  # bytes the reply in flight is expected to carry (its payload)
         self._lock = threading.Lock()
@@ -141,7 +161,7 @@ class Connection:
             if self._shut.is_set():
                 raise SplitspecError(f"server {self.address}: the connection was shut down; {rpc} not sent")
             method = getattr(self.stub, rpc)
-            metadata = ((ROUTE_KEY, self.route),) if rpc in ROUTED_CALLS and self.route else None
+            metadata = ((ROUTE_KEY, self.route.key),) if rpc in ROUTED_CALLS and self.route.key else None
             call = (method(request, timeout=timeout_s, metadata=metadata) if stream
                     else method.future(request, timeout=timeout_s, metadata=metadata))  # fmt: skip
             if watched:
@@ -171,7 +191,7 @@ class Connection:
         call ever): SessionLost, and the session's later calls take a new route key, so they reach a live replica,
         which says at once that it has no such session, and the client reopens it there. Else LinkDown."""
         if rpc in SESSION_CALLS and self.answers_probe():
-            self.route = secrets.token_hex(8)
+            self.route.move()
             return SessionLost(f"server {self.address}: {rpc} unanswered within {bound_s:.2f}s while the server "
                                "answers probes: its session is presumed lost with its replica")  # fmt: skip
         self._broken = True
@@ -234,15 +254,6 @@ class Connection:
         self.link.observe(wall_s, getattr(reply, "compute_s", 0.0), request.ByteSize(), reply.ByteSize())
         self.count(request, reply)
         return reply
-
-    def follow(self, prompt_ids: list[int]) -> None:
-        """Route the session about to open with ``prompt_ids``: by the key this connection's last one had when the
-        prompt goes on from that one's (a conversation's next turn: its prefix is on that replica, even where the
-        first turn was too short for a key of its own, or a lost call moved it), else by the prompt's ``route_key``."""
-        head = list(prompt_ids[:CONVERSATION_TOKENS])
-        if not (self.route and self._route_head and head[: len(self._route_head)] == self._route_head):
-            self.route = route_key(prompt_ids)
-        self._route_head = head
 
     def stream(self, rpc: str, request, timeout_s: float, gap_s: Callable[[int], float], watched: bool = True,
                 opens: bool = False):  # fmt: skip

@@ -126,7 +126,7 @@ class RemoteVerifier(Verifier):
         request = pb.OpenSessionRequest(prompt_ids=prompt_ids, sampling=sampling_msg(sampling),
                                         payload=spec.to_msg(), payload_from=held)  # fmt: skip
         self.connection.backlog = int((len(prompt_ids) - held) * self.payload_bytes_per_token(spec))
-        self.connection.follow(prompt_ids)
+        self.connection.route.follow(prompt_ids)
         bound = self.bounds.call_s(len(prompt_ids), request.ByteSize(), self.connection.backlog)
         try:
             reply = self.connection.admitted(lambda: self.connection.call("OpenSession", request, timeout_s=bound))
@@ -205,7 +205,7 @@ class RemoteVerifier(Verifier):
                                    payload_every=payload_every, self_draft=self_draft, payload_from=held)  # fmt: skip
         self._closed()
         self.session_id, self.length = "", 0
-        self.connection.follow(prompt_ids)
+        self.connection.route.follow(prompt_ids)
         return self._decode(request, payload_every, timeout_s, spec, prompt=len(prompt_ids))
 
     def _decode(self, request: pb.DecodeRequest, payload_every: int, timeout_s: float | None, spec: PayloadSpec,
