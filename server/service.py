@@ -47,6 +47,7 @@ LIMITS_SENT = set(pb.Limits.DESCRIPTOR.fields_by_name)  # the limits a client is
 PREFER = ("auto", "latency", "capacity")
 LOCK_WAIT_S = 2.0  # a call waits this long for its session's previous call to end (a Decode stream just cancelled)
 KV_SHARE = 0.9  # of a GPU's free memory, the most the sessions' KV caches may hold (see ``attach``)
+PREFIX_SHARE = 0.25  # of the host memory available at start, the most the prefix cache may hold (see ``attach``)
 CHAIN_WAIT_S = 30.0  # the most a chained Verify that overtook the round it follows waits for that round
 log = logging.getLogger("splitspec.server")
 
@@ -130,6 +131,15 @@ def device_free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return None
+
+
+def host_free_bytes() -> int | None:
+    """Host memory available to new allocations (Linux's MemAvailable; None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def checked_sampling(msg: pb.Sampling) -> SamplingParams:
@@ -241,6 +251,12 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
             log.info("KV budget %.0f MiB: %.0f%% of the %.0f MiB free on %s (--kv-memory-mb %d)",
                      self.sessions.max_bytes / 2**20, 100 * KV_SHARE, free / 2**20, target.engine.device,
                      self.limits.kv_memory_mb)  # fmt: skip
+        host = host_free_bytes()
+        if self.prefixes.max_bytes and host is not None and int(host * PREFIX_SHARE) < self.prefixes.max_bytes:
+            self.prefixes.max_bytes = int(host * PREFIX_SHARE)
+            log.info("prefix cache %.0f MiB: %.0f%% of the %.0f MiB of host memory available (--prefix-cache-mb %d)",
+                     self.prefixes.max_bytes / 2**20, 100 * PREFIX_SHARE, host / 2**20,
+                     self.limits.prefix_cache_mb)  # fmt: skip
         if not target.rows_independent and self.prefixes.max_bytes:
             log.info("prefix cache off: on this path (%s) a row's rounding depends on the rows beside it, so a reused "
                      "prefix would not be what a cold prefill computes", target.describe())  # fmt: skip

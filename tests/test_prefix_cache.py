@@ -362,3 +362,14 @@ def test_a_feature_drafters_next_turn_gets_only_the_new_features_and_drafts_as_a
         finally:
             for remote in remotes:
                 remote.shutdown()
+
+
+def test_the_prefix_cache_takes_at_most_a_share_of_the_host_memory_available(int8_target, monkeypatch):
+    """``--prefix-cache-mb`` is a ceiling: a host with less memory to spare gets ``PREFIX_SHARE`` of what it has."""
+    import server.service
+
+    assert server.service.host_free_bytes() > 2**20  # this machine's, read from /proc/meminfo
+    for host, want in ((64 * 2**20, int(64 * 2**20 * server.service.PREFIX_SHARE)), (64 * 2**30, 1024 * 2**20)):
+        monkeypatch.setattr(server.service, "host_free_bytes", lambda host=host: host)
+        with served(int8_target, max_context=512, prefix_cache_mb=1024) as (_, service):
+            assert service.prefixes.max_bytes == want
