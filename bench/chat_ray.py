@@ -192,6 +192,8 @@ def plot(turns: list[Turn], path: Path) -> None:
             ax.plot([t.turn for t in mine], [t.reused / max(1, t.reusable) for t in mine], marker="o", alpha=0.6)
         ax.set_title(phase)
         ax.set_xlabel("turn")
+        ax.set_xticks(sorted({t.turn for t in turns if t.turn > 1}))
+        ax.set_ylim(0, 1.05)
     axes[0].set_ylabel("reused ÷ reusable prompt tokens")
     save_figure(fig, path, "Each conversation's later turns on its replica")
 
