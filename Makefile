@@ -73,7 +73,7 @@ bench-pair-serve: setup pair
 # Conversations turn by turn with the prefix caches off and on: the scripted 10-turn coding session and MT-Bench's
 # two-turn questions, the split client (the 0.5B, mode auto) and the API over 4g, a core each (docs/serving.md)
 bench-chat: setup pair
-	$(PY) -m bench.chat --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --methods split,api --mt-bench 4 --profile 4g --out bench/results/chat
+	$(PY) -m bench.chat --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --methods split,api,local --mt-bench 4 --profile 4g --out bench/results/chat
 
 bench-chat-load: setup
 	$(PY) -m bench.chat_load --conversations 200 --budget-mb 32 --out bench/results/chat-load

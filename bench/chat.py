@@ -9,8 +9,9 @@ for the next answer. Two settings, side by side, one after the other on the same
 * ``on``: a server with its prefix cache, and one client kept through the conversation (its drafter goes on from
   the last turn), as the edge endpoint keeps it.
 
-Methods: the split client (``--drafter``, mode auto, through a netsim link) and the API baseline (the server decodes
-alone and streams, through the same link). Conversations: a scripted coding session of 10 turns that edits its own
+Methods: the split client (``--drafter``, mode auto, through a netsim link), the API baseline (the server decodes
+alone and streams, through the same link) and ``local`` (``--local``: the drafter and the target in this process,
+with the client's own prefix cache). Conversations: a scripted coding session of 10 turns that edits its own
 earlier code, and MT-Bench's two-turn questions (held out from training). Per turn: the prompt's length, time to
 first token, decoding tok/s after it, the tokens the server prefilled and took from its cache (its metrics), the
 bytes its cache holds. Every turn's output is compared between the settings (greedy: they must be equal).
@@ -93,16 +94,21 @@ def run_conversation(make_client, keep: bool, turns: list[str], tokenizer, max_n
                 if client is not None:
                     client.close()
                 client = make_client()
-            before = scrape(port)
+            before = scrape(port) if port else {}
             gen = client.generate(prompt, max_new)
-            after = scrape(port)
             s = gen.stats
             rest = max(s.wall_s - s.ttft_s, 1e-9)
+            if port:  # the server's own account
+                after = scrape(port)
+                reused = int(after["splitspec_prefix_hit_tokens"] - before["splitspec_prefix_hit_tokens"])
+                prefilled = int(after["splitspec_prefix_miss_tokens"] - before["splitspec_prefix_miss_tokens"])
+                held = int(after["splitspec_prefix_bytes"])
+            else:  # --local: the client's own target and prefix cache
+                reused, held = s.reused_tokens, client.verifier.prefixes.nbytes
+                prefilled = len(prompt) - reused
             out.append(Turn(*label, i + 1, len(prompt), s.new_tokens, round(s.ttft_s, 4),
-                            round(max(s.new_tokens - 1, 0) / rest, 3),
-                            int(after["splitspec_prefix_miss_tokens"] - before["splitspec_prefix_miss_tokens"]),
-                            int(after["splitspec_prefix_hit_tokens"] - before["splitspec_prefix_hit_tokens"]),
-                            int(after["splitspec_prefix_bytes"]), gen.token_ids))  # fmt: skip
+                            round(max(s.new_tokens - 1, 0) / rest, 3), prefilled, reused, held,
+                            gen.token_ids))  # fmt: skip
             messages.append({"role": "assistant", "content": tokenizer.decode(gen.token_ids, skip_special_tokens=True)})
             bar.update()
     finally:
@@ -132,7 +138,7 @@ def run_setting(setting: str, args, target, chats: dict[str, list[str]], cpus, w
             shared = Shared(target, target.tokenizer, target.fingerprint)
             bar = tqdm(total=len(args.methods) * sum(map(len, chats.values())), desc=f"chat, caches {setting}",
                        unit="turn", file=sys.stderr)  # fmt: skip
-            for method in args.methods:
+            for method in [m for m in args.methods if m != "local"]:
                 def make_client(method=method):
                     api = method == "api"
                     options = ClientOptions(endpoint=Endpoint(address, token=method_token(method)), probe_link=True,
@@ -146,6 +152,24 @@ def run_setting(setting: str, args, target, chats: dict[str, list[str]], cpus, w
             bar.close()
     finally:
         child.stop()
+    return turns
+
+
+def run_local(setting: str, args, target, chats: dict[str, list[str]]) -> list[Turn]:
+    """``--local``: the drafter and the target in this process. On: one client kept through a conversation (its
+    prefix cache and its drafter go on); off: a fresh one every turn."""
+    shared = Shared(target, target.tokenizer, target.fingerprint)
+
+    def make_client() -> Client:
+        return Client(ClientOptions(local=True, drafter=args.drafter, device=str(target.device)), shared)
+
+    bar = tqdm(total=sum(map(len, chats.values())), desc=f"chat --local, caches {setting}", unit="turn",
+               file=sys.stderr)  # fmt: skip
+    turns = []
+    for name, user_turns in chats.items():
+        turns += run_conversation(make_client, setting == "on", user_turns, target.tokenizer, args.max_new_tokens, 0,
+                                  (setting, "local", name), bar)  # fmt: skip
+    bar.close()
     return turns
 
 
@@ -224,7 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b", help="the served target (default the pair's 1.5B)")
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b", help="the split client's drafter (default the 0.5B)")
-    p.add_argument("--methods", default="split,api", help="split (the drafter, mode auto) and/or api (default both)")
+    p.add_argument("--methods", default="split,api", help="split (the drafter, mode auto), api, local (the drafter "
+                   "and the target here, --local) (default split,api)")
     p.add_argument("--mt-bench", type=int, default=4, help="MT-Bench two-turn conversations (default 4)")
     p.add_argument("--turns", type=int, default=len(CODING),
                    help=f"turns of the coding session (default {len(CODING)})")
@@ -236,8 +261,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "chat")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not args.methods or set(args.methods) - {"split", "api"}:
-        p.error(f"--methods must name split and/or api, got {','.join(args.methods)!r}")
+    if not args.methods or set(args.methods) - {"split", "api", "local"}:
+        p.error(f"--methods must name split, api and/or local, got {','.join(args.methods)!r}")
     if not 1 <= args.turns <= len(CODING) or args.mt_bench < 0 or args.max_new_tokens < 1:
         p.error(f"--turns must be 1..{len(CODING)}, --mt-bench >= 0 and --max-new-tokens >= 1")
     return args
@@ -255,9 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.client_threads)
     turns: list[Turn] = []
     with tempfile.TemporaryDirectory(prefix="splitspec-chat-") as tmp, contextlib.ExitStack() as stack:
-        netsim = stack.enter_context(Netsim.start_own()) if args.profile != "none" else None
+        remote = set(args.methods) - {"local"}
+        netsim = stack.enter_context(Netsim.start_own()) if args.profile != "none" and remote else None
         for setting in SETTINGS:
-            turns += run_setting(setting, args, target, chats, cpus, Path(tmp), netsim)
+            if set(args.methods) - {"local"}:
+                turns += run_setting(setting, args, target, chats, cpus, Path(tmp), netsim)
+            if "local" in args.methods:
+                turns += run_local(setting, args, target, chats)
     compare(turns)
     rows = summary(turns)
     env = {**environment(args.client_threads), "server_threads": args.server_threads, "cpus": cpus_label(cpus)}
