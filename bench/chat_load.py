@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.chat import method_token
 from bench.common import environment, finish, metrics_port, save_figure, scrape, start, table
 from client.build import Client, ClientOptions, Shared
 from client.net.endpoint import Endpoint
@@ -31,10 +32,6 @@ from shared.server_process import ServerChild
 
 REPO = Path(__file__).resolve().parent.parent
 CALLERS = ("alice", "bob")
-
-
-def caller_token(caller: str) -> str:
-    return f"chat-load-{caller}".ljust(24, "x")
 
 
 @dataclass
@@ -53,7 +50,7 @@ class Turn:
 def run(args: argparse.Namespace, target, workdir: Path) -> list[Turn]:
     """Every conversation, both callers, against one server child; a Turn per turn."""
     tokens = workdir / "tokens"
-    tokens.write_text("".join(f"{c} {caller_token(c)}\n" for c in CALLERS))
+    tokens.write_text("".join(f"{c} {method_token(c)}\n" for c in CALLERS))
     child = ServerChild(["--model", args.model, "--threads", str(args.server_threads), "--metrics-port", "0",
                          "--prefix-cache-mb", str(args.budget_mb), "--auth-token-file", str(tokens)],
                         workdir / "server")  # fmt: skip
@@ -65,7 +62,7 @@ def run(args: argparse.Namespace, target, workdir: Path) -> list[Turn]:
     turns: list[Turn] = []
     try:
         port = metrics_port(workdir / "server" / "server.log")
-        options = {c: ClientOptions(endpoint=Endpoint(child.address, token=caller_token(c)), baseline="api",
+        options = {c: ClientOptions(endpoint=Endpoint(child.address, token=method_token(c)), baseline="api",
                                     drafter=None, device=str(target.device)) for c in CALLERS}  # fmt: skip
         clients = {c: Client(o, shared) for c, o in options.items()}
         bar = tqdm(total=args.conversations * 2, desc="conversations", unit="turn", file=sys.stderr)

@@ -175,6 +175,7 @@ def checked_prompt(ids, vocab_size: int, max_context: int) -> list[int]:
         )
     return ids
 
+
 def checked_from(payload_from: int, prompt_ids) -> None:
     """An opening's ``payload_from``: within its prompt, or INVALID_ARGUMENT."""
     if payload_from > len(prompt_ids):

@@ -154,12 +154,14 @@ class MoADrafter(TreeDrafter):
     def can_draft(self) -> bool:
         return self.mem_k is not None or bool(self.pending)
 
+    kept = 0  # positions the next ``begin`` keeps (``keep_for``)
+
     def keep_for(self, prompt_ids: list[int]) -> int:
-        self.kept = min(shared_length(prompt_ids, self.tokens), self.cached) if hasattr(self, "tokens") else 0
+        self.kept = min(shared_length(prompt_ids, getattr(self, "tokens", ())), getattr(self, "cached", 0))
         return self.kept
 
     def begin(self, tokens: list[int], features: Features | None = None) -> None:
-        kept, self.kept = getattr(self, "kept", 0), 0
+        kept, self.kept = self.kept, 0
         if kept and (features is None or len(features) == 0 or features.start == kept):
             # a conversation's next turn: its first ``kept`` positions as they are (SA and TLI cache slots, memory
             # entries), what follows fed again

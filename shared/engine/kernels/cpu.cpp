@@ -373,10 +373,9 @@ void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead
     if constexpr (PAIR) _tile_dpbssd(3, 5, 7); \
   }
 
-// Every line of a weight tile is fetched PREFETCH bytes ahead: a tile load that misses stalls the tile unit
-#ifndef AMX_AHEAD
-#define AMX_AHEAD 16384
-#endif
+// Every line of a weight tile is fetched into L2 AMX_AHEAD bytes (8 steps) ahead: a tile load that misses stalls the
+// tile unit
+constexpr int64_t AMX_AHEAD = 16384;
 inline void fetch_tile(const int8_t* w) {
   for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + AMX_AHEAD + 64 * l), _MM_HINT_T1);
 }
