@@ -94,7 +94,8 @@ gpu-parts: pair
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform any -d .gpu/wheels $(GPU_WHEELS)
 
-# The sitting's tables, every one under GPU_OUT: the pair in bf16 on DEVICE, each drafter against plain decoding
+# The sitting's tables, every one under GPU_OUT: the engine's forwards of 1-256 rows, eager and on CUDA graphs, beside
+# the weights' read time; the pair in bf16 on DEVICE, each drafter against plain decoding
 # (exactness and speed, one session), then many clients against one server (capacity: batched trees, the API, auto;
 # each replay checked against its recording), then a phone-class client on this machine's CPU drafting over 4g / lte /
 # 5g against the server on DEVICE. No setup: on the GPU machine its own python3 runs it (GPU_PY=python3).
@@ -106,16 +107,19 @@ GPU_TAR ?=
 GPU_DRAFTERS ?= none,prompt-lookup,qwen2.5-coder-0.5b,moa-tli1,eagle
 GPU_EDGE_METHODS ?= api,moa-tli1-adaptive,eagle-adaptive,qwen2.5-coder-0.5b-adaptive,qwen2.5-coder-0.5b+lookup-auto
 ifeq ($(DEVICE),cpu)
+GPU_FORWARD ?= --sizes 1,4 --prefix 32 --repeats 2 --decode-tokens 4
 GPU_SINGLE ?= --limit 1 --max-new-tokens 8
 GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
+GPU_FORWARD ?= --sizes 1,16,64,256
 GPU_SINGLE ?= --limit 4 --max-new-tokens 128
 GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64 --max-batch 256 \
 	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536"  # 256 trees a forward; exact bf16 keeps KV in fp64
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 endif
 bench-gpu:
+	$(GPU_PY) -m bench.forward --model qwen2.5-coder-1.5b --device $(DEVICE) $(GPU_FORWARD) --out $(GPU_OUT)/forward
 	$(GPU_PY) -m bench.single --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 --drafters $(GPU_DRAFTERS) \
 		--llama-bench= --llama-speculative= $(GPU_SINGLE) --out $(GPU_OUT)/single
 	$(GPU_PY) -m bench.serve --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 \

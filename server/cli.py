@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default: measured with --dtype auto; native with a pinned dtype), native, or int8/int4 "
                         "on splitspec's CPU kernels with per-token int8 activations: a different served target, "
                         "lossless relative to itself")  # fmt: skip
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="run forwards of up to 256 rows on CUDA graphs, captured per row bucket (CUDA only; off by "
+                        "default until a GPU's engine table shows it exact and faster: docs/serving.md)")
     p.add_argument("--prefer", default="auto", choices=["auto", "latency", "capacity"],
                    help="what replies ask clients to spend: latency (the server decodes for them when that is "
                         "faster), capacity (they draft at the edge to spare its compute), auto: capacity while "
@@ -70,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        raise SystemExit(f"--cuda-graphs needs a CUDA device; got --device {args.device}")
     if args.ray:
         return run_cluster(args)
     import torch
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_server, _ = service.metrics.serve(args.metrics_host, args.metrics_port)
         print(f"splitspec: metrics on http://{args.metrics_host}:{metrics_server.server_port}/metrics", flush=True)
     target = load_target(args.model, device=args.device, dtype=args.dtype, cache=args.cache_dir,
-                         weights=args.weights)  # fmt: skip
+                         weights=args.weights, graphs=args.cuda_graphs)  # fmt: skip
     service.attach(target)
     print(
         f"splitspec: serving {target.name} on {args.host}:{port} ({target.describe()}, "
@@ -153,7 +158,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     cpus = os.cpu_count() or 1
     threads = args.threads or max(1, cpus // args.replicas)
     config = cluster.ReplicaConfig(
-        model=args.model, device=args.device, dtype=args.dtype, weights=args.weights, cache_dir=args.cache_dir,
+        model=args.model, device=args.device, dtype=args.dtype, weights=args.weights, graphs=args.cuda_graphs,
+        cache_dir=args.cache_dir,
         threads=threads, limits=limits.as_dict(), bundle_dirs=tuple(str(d) for d in args.bundle_dir or (SHIPPED,)),
         prefer=args.prefer, tokens=read_tokens(args.auth_token_file) if args.auth_token_file else None,
     )  # fmt: skip

@@ -85,6 +85,7 @@ class ReplicaConfig:
     device: str = "cpu"
     dtype: str = "auto"
     weights: str = "auto"
+    graphs: bool = False  # --cuda-graphs
     cache_dir: str | None = None
     threads: int | None = None
     limits: dict = field(default_factory=lambda: ServerLimits().as_dict())
@@ -109,7 +110,7 @@ class Replica:
         if config.threads:
             torch.set_num_threads(config.threads)
         target = load_target(config.model, device=config.device, dtype=config.dtype, cache=config.cache_dir,
-                             weights=config.weights)  # fmt: skip
+                             weights=config.weights, graphs=config.graphs)  # fmt: skip
         limits = ServerLimits(**config.limits)
         self.service = SplitSpecService(target, limits, config.bundle_dirs, config.prefer)
         self.service.auth = TokenAuth(config.tokens) if config.tokens else None

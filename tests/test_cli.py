@@ -91,6 +91,8 @@ def test_errors_are_one_clear_line(tmp_path, tiny_model_dir):
     proc = splitspec("generate", "--local", "--model", str(tiny_model_dir), "--prompt", "w1", "--greedy",
                      "--temperature", "0.7")  # fmt: skip
     assert proc.returncode == 2 and "--greedy with --temperature 0.7" in proc.stderr.splitlines()[-1]
+    proc = splitspec("serve", "--model", str(tiny_model_dir), "--cuda-graphs")
+    assert proc.returncode != 0 and "--cuda-graphs needs a CUDA device; got --device cpu" in proc.stderr
 
 
 def test_builtin_model_without_its_package_names_the_fix(tmp_path):

@@ -190,18 +190,16 @@ def test_low_bit_drafter_weights_leave_the_target_untouched(tiny_target, kind):
     assert got.token_ids == plain.token_ids
 
 
-def test_the_gpu_plan_for_exact_bf16_keeps_rows_exact_here_too(tiny_model_dir, monkeypatch):
+def test_the_gpu_plan_for_exact_bf16_keeps_rows_exact_here_too(tiny_model_dir):
     """Exact bf16 on a GPU (``decoder.exact_rows``: projections in fixed blocks of 64 rows, norms in fp64, attention
     over an fp64 cache, no CPU kernels) run here: a tree's nodes get exactly the states their paths get a token at a
     time, and one forward of two sequences what each gets alone. (What only a GPU can check, cuBLAS giving one
     answer per shape, ``make bench-gpu`` does.)"""
-    from shared.engine import kernels
     from shared.engine.decoder import Part, exact_rows
     from shared.engine.linear import CUDA_ROWS
 
-    monkeypatch.setattr(kernels, "available", lambda: False)  # the GPU's path: torch's attention, not the kernels'
     engine = load_target(str(tiny_model_dir), dtype="bfloat16").engine
-    exact_rows(engine)
+    exact_rows(engine)  # the GPU's path here too: torch's attention over fp64, not the kernels'
     assert engine.lm_head.exact_rows == CUDA_ROWS and engine.norm.exact and engine.new_cache(4).k.dtype == torch.float64
     rng, vocab = random.Random(5), engine.cfg.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(11)]
@@ -228,6 +226,48 @@ def test_the_gpu_plan_for_exact_bf16_keeps_rows_exact_here_too(tiny_model_dir, m
         for part, got in zip(parts, together, strict=True):
             alone = engine(torch.tensor([part.ids]), torch.tensor([part.positions]), part.mask, engine.new_cache(16), 0)
             assert torch.equal(got, alone[0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="captured graphs need CUDA"))])  # fmt: skip
+def test_forwards_on_graph_buckets_give_the_eager_bits(tiny_model_dir, device):
+    """The GPU's exact recipe with its forwards on graphs (``shared.engine.graphs``; on a CPU the same static-buffer
+    program uncaptured): rows padded to their bucket, attention between the steps, and every forward's states equal
+    eager's bit for bit: a prefill, a tree, two sequences together, single steps, and a forward past the largest
+    bucket (eager)."""
+    from shared.engine.decoder import Part, exact_rows
+    from shared.engine.graphs import use_graphs
+
+    engine = load_target(str(tiny_model_dir), device=device, dtype="bfloat16").engine
+    exact_rows(engine, 16)
+    dev = engine.device
+    rng, vocab = random.Random(7), engine.cfg.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(11)]
+    tree = DraftTree()
+    for i in range(6):
+        tree.add(rng.randrange(vocab), rng.randrange(-1, i))
+    n, ids = len(prompt), [prompt[-1], *tree.tokens]
+    steps = [
+        lambda c: [Part(prompt, list(range(n)), causal_from(0, n, dev), c[0], 0)],
+        lambda c: [Part(ids, tree_positions(tree.parents, n), tree_mask(tree.parents, n, dev), c[0], n)],
+        lambda c: [Part([ids[1]], [n + 1], None, c[0], n + 1),
+                   Part(ids, tree_positions(tree.parents, 0), tree_mask(tree.parents, 0, dev), c[1], 0)],  # fmt: skip
+        lambda c: [Part([ids[2]], [n + 2], None, c[0], n + 2)],
+        lambda c: [Part(prompt * 2, list(range(7, 2 * n + 7)), causal_from(7, 2 * n, dev), c[1], 7)],
+    ]
+    runs = {}
+    with torch.inference_mode():
+        for graphs in (False, True):
+            engine.graphs = None
+            if graphs:
+                used = use_graphs(engine, (1, 4, 16))  # captured on CUDA
+            caches = [engine.new_cache(64), engine.new_cache(64)]
+            runs[graphs] = [engine.forward_many(step(caches)) for step in steps]
+    engine.graphs = None
+    assert sorted(used.captured) == [1, 16]  # 11, 7 and 1 + 7 rows in 16, 1 in 1; 22 past the largest bucket
+    for eager, graphed in zip(runs[False], runs[True], strict=True):
+        for a, b in zip(eager, graphed, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_bf16_linear_rows_do_not_depend_on_how_many_share_the_call():

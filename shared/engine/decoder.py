@@ -168,6 +168,8 @@ class Transformer(nn.Module):
         self.rotary = rotary
         self.exact = True  # see ``load_engine``
         self._blocks = None  # kernel_blocks(), made on first use
+        self.graphs = None  # forwards on CUDA graphs (``shared.engine.graphs.use_graphs``)
+        self.fixed_rows = 0  # projections in fixed row blocks of this many (``exact_rows``): attention then in fp64
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -182,8 +184,9 @@ class Transformer(nn.Module):
     def new_cache(self, capacity: int, batch: int = 1) -> Cache:
         c = self.cfg
         exact = self.exact and self.dtype == torch.bfloat16
-        # exact bf16: on a CPU the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64
-        on_kernels = self.device.type == "cpu" and kernels.available()
+        # exact bf16: on a CPU the kernels' fixed-order fp32 attention (Block._kernel_attention), else fp64 (a GPU's
+        # recipe, ``exact_rows``, wherever it is applied)
+        on_kernels = self.device.type == "cpu" and kernels.available() and not self.fixed_rows
         dtype = torch.float64 if exact and not on_kernels else attention_dtype(self.dtype, self.device)
         if self.lm_head.qweight is not None:  # low-bit on the kernels: an fp16 cache, half the bytes to attend over
             dtype = torch.float16
@@ -220,6 +223,9 @@ class Transformer(nn.Module):
         ends = list(itertools.accumulate(len(p.ids) for p in parts))
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         stack = self.kernel_blocks() if x.dtype == torch.float32 and dev.type == "cpu" else None
+        if stack is None and self.graphs is not None and self.graphs.fits(x.shape[1]):
+            x = self.graphs.forward(x, rope, parts, bounds)
+            return [x[a:b] for a, b in bounds]
         if stack is not None:  # every block low-bit: the whole stack in one kernel call
             for p in parts:
                 p.cache.reserve(p.at + len(p.ids))
@@ -350,12 +356,16 @@ def exact_rows(model: nn.Module, rows: int = CUDA_ROWS) -> None:
     """Exact bf16 on a GPU, where cuBLAS picks a kernel by shape and a row's result depends on the rows beside it:
     every projection multiplies fixed blocks of ``rows`` rows (one shape, one kernel), the norms sum in fp64, and
     attention runs over an fp64 cache (``new_cache``; bf16 products are exact there and the sums' order leaves
-    ~1e-16, far below a rounding step). Elementwise steps never mix rows."""
+    ~1e-16, far below a rounding step). Elementwise steps never mix rows. On a CPU it is that recipe rehearsed
+    (``make bench-gpu DEVICE=cpu``), in place of the CPU's own. ``rows=0`` takes it off (``bench.forward`` times
+    both)."""
+    if isinstance(model, Transformer):
+        model.fixed_rows = rows
     for m in model.modules():
         if isinstance(m, Linear):
             m.exact_rows = rows
         elif isinstance(m, RMSNorm):
-            m.exact = True
+            m.exact = rows > 0
 
 
 def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device = "cpu", exact: bool = True,

@@ -175,12 +175,22 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, ...]:
         """Self-attention's q [B, H, T, d], k, v [B, kv_heads, T, d] for input x [B, T, dim], rotated."""
+        return self.heads_of(*self.rotated(x, rope))
+
+    def rotated(self, x: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``project`` before the heads are split off: queries and keys [B, T, H + kv_heads, d], rotated, and values
+        [B, T, kv_heads, d] (what ``shared.engine.graphs`` keeps between its captured steps)."""
         H, kv = self.heads, self.kv_heads
         qkv = self.qkv(x).view(*x.shape[:2], H + 2 * kv, self.head_dim)
         qk, v = qkv[:, :, : H + kv], qkv[:, :, H + kv :]
         if rope is not None:  # queries and keys rotated together: half the ops
             cos, sin = rope[0][:, :, None], rope[1][:, :, None]
             qk = qk * cos + rotate_half(qk) * sin
+        return qk, v
+
+    def heads_of(self, qk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, d], k, v [B, kv_heads, T, d] as views of ``rotated``'s outputs."""
+        H = self.heads
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def query(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
@@ -274,16 +284,22 @@ class Block(nn.Module):
                 if s.cache is not None:
                     kk, vv = s.cache.write(kk, vv, s.at)
                 outs.append(attn.attention(q[:, :, s.start : s.end], kk, vv, s.mask))
-        x = x + attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+        return self.after_attention(x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+
+    def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The block's rest once attention has run ([B, T, H·d]): output projection and residual, norm, MLP and
+        residual."""
+        x = x + self.self_attn.o_proj(attended)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _kernel_attention(self, x: torch.Tensor, rope: tuple | None, spans: list[Span]) -> bool:
         """Whether attention runs in the CPU kernel for a model that is not fp32: a bf16 model's rows must not
         depend on the query count (``shared.engine.decoder.load_engine``), and torch's bf16 CPU attention is slow
-        anyway. fp32 keeps torch's attention: it is what equals transformers."""
+        anyway. fp32 keeps torch's attention: it is what equals transformers; so does an fp64 cache (a GPU's exact
+        recipe, ``shared.engine.decoder.exact_rows``)."""
+        fp32 = all(s.cache is not None and (s.cache.k is None or s.cache.k.dtype == torch.float32) for s in spans)
         return (x.device.type == "cpu" and x.dtype != torch.float32 and x.shape[0] == 1 and rope is not None
-                and not x.requires_grad and all(s.cache is not None for s in spans)
-                and kernels.available())  # fmt: skip
+                and not x.requires_grad and fp32 and kernels.available())  # fmt: skip
 
     def _attend(self, qkv: torch.Tensor, rope: tuple, s: Span) -> torch.Tensor:
         """Span ``s``'s rows of the fused projections qkv [T, W] (fp32) through the attention kernel: [t, H·d]."""

@@ -20,6 +20,7 @@ import torch
 from shared.engine import gguf, paths
 from shared.engine.decoder import DTYPES, WEIGHTS, ModelConfig, load_engine
 from shared.engine.files import cache_dir
+from shared.engine.graphs import use_graphs
 from shared.engine.pull import PARTED, gguf_path
 from shared.engine.quant import dequantize_int4, pack_int4
 from shared.engine.target import Target
@@ -174,19 +175,23 @@ def load_target(
     max_context: int | None = None,
     weights: str = "auto",
     rounding: bool = False,
+    graphs: bool = False,
 ):
     """Load a model and tokenizer as a ``Target`` ready for prefill and tree verification.
 
     ``dtype`` is a name from ``DTYPES`` or ``auto``; ``weights`` ``native``, ``int8``, ``int4`` (see
     ``shared.engine.decoder.load_engine``) or ``auto``: ``resolve_precision`` chooses the one path that serves this
     model on this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter);
-    then the ``Target`` also knows what a forward on that path costs (``Target.costs``).
+    then the ``Target`` also knows what a forward on that path costs (``Target.costs``). ``graphs``: forwards of up
+    to 256 rows on CUDA graphs (``shared.engine.graphs``; CUDA only).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SplitspecError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    if graphs and not device.startswith("cuda"):
+        raise SplitspecError(f"CUDA graphs need a CUDA device; got device {device!r} (drop --cuda-graphs)")
     path = resolve_model(spec, cache)
     if not (Path(path) / "config.json").is_file():
         raise SplitspecError(f"model {spec!r}: no local folder with config.json (no model hub is reachable); "
@@ -209,6 +214,8 @@ def load_target(
     except OSError:
         pass  # no generation_config.json
     ids = [i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)]
+    if graphs:
+        use_graphs(engine)
     target = Target(engine, tokenizer, name=spec, max_context=max_context, path=path, eos_token_ids=ids)
     if timed:
         target.costs = paths.served_costs(model_config(path), dtype, weights, cache)

@@ -98,7 +98,7 @@ class Target:
         """What computes this target, for start-up lines and benchmark tables: device, CPU, precision, kernels."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
-            return f"{self.device}, {dtype}"
+            return f"{self.device}, {dtype}" + (", CUDA graphs" if self.engine.graphs is not None else "")
         if self.weights != "native":
             build = self.engine.lm_head.kernel_build
             head = self.engine.lm_head.weights_kind()
