@@ -383,6 +383,23 @@ def test_the_amx_build_gives_the_vnni_builds_bits_at_every_row_count(k):
         assert torch.equal(amx.linear(x, q, scale, None, None), int8_reference(x, w)), m
 
 
+@pytest.mark.parametrize("blocks", ["q4_1", "q4_k", "q6_k"])
+def test_the_amx_build_gives_the_vnni_builds_bits_on_block_formats(blocks):
+    """The 4-bit formats' passes of 16 rows run on AMX tiles in the amx build (a block's sums through a tile, the
+    float steps the VNNI code's), the rest of the rows on the VNNI code: every row count, bias and residual included,
+    gives the avx512-vnni build's bits."""
+    if "amx" not in kernels.builds():
+        pytest.skip(f"no amx build here: {kernels.load('amx')}")
+    amx, vnni = kernels.ops("amx"), kernels.ops("avx512-vnni")
+    gen = torch.Generator().manual_seed(3)
+    packed = {"q4_1": lambda: pack_int4(torch.randn(48, 768, generator=gen)), "q4_k": lambda: random_int4k(48, 768),
+              "q6_k": lambda: random_int6(48, 768)}[blocks]()  # fmt: skip
+    for m in (1, 15, 16, 17, 31, 32, 33, 48, 70):
+        x, res = torch.randn(m, 768, generator=gen), torch.randn(m, 48, generator=gen)
+        bias = torch.randn(48, generator=gen)
+        assert torch.equal(amx.linear(x, *packed, bias, res), vnni.linear(x, *packed, bias, res)), m
+
+
 def test_bad_arguments_are_named():
     q, scale = pack_int8_active(torch.randn(8, 40))
     with pytest.raises(RuntimeError, match="weight rows hold 64 values; input has K = 70, expected 96"):

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -253,9 +254,9 @@ struct Ahead {
 // 16 x 16 int32s, ~16x what a vpdpbusd does. It computes the same exact integer sums as the VNNI code and the float
 // steps after it are that code's, in its order: the same bits, so the build takes either by row count. int8 weights
 // ride on it: a row's sum builds up over all of K in one tile, and the float steps come once per output. A few rows
-// are bound by the weight stream: below AMX_ROWS the VNNI code is as fast. The block formats stay on the VNNI code:
-// their float steps come every 32 values, so a tile's sums would be stored and read back every block, which costs
-// more than the multiplies it saves (docs/engine.md, "AMX tiles").
+// are bound by the weight stream: below AMX_ROWS the VNNI code is as fast. The block formats' float steps come every
+// 32 values, so a tile's sums go through memory every block: they take tiles in passes of 16 rows only
+// (q4_amx_pass, q6_amx_pass), where the multiplies saved outweigh that (docs/engine.md, "AMX tiles").
 constexpr int64_t AMX_ROWS = 4;
 
 // Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
@@ -979,25 +980,172 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
 
 enum class Blocked { Q4_1, Q4_K, Q6_K };  // the block formats: 4-bit with fp16 scales, 4-bit with 6-bit ones, 6-bit
 
+#ifdef SPLITSPEC_AMX
+// Q4_1 and Q4_K on AMX tiles, 16 rows a pass. A block's 32 values of the tile's 16 columns are unpacked once into a
+// tile operand (q4_tile's byte permutation, then the low and the high nibbles as 8 rows of 4-value groups), one tile
+// multiply (tdpbsud: signed activations, unsigned weights) gives the 16 rows' exact int32 sums of the block, and the
+// float steps after it are q4_tile's, lane by lane, in its order: the same bits. The sums go through memory every
+// block, so the next block's multiply is issued before this one's float steps (two tiles of sums, alternating).
+// Tiles: 0 and 3 sums, 1 activations (16 rows x 32 bytes, straight from Rows.q), 2 weights (8 x 64 bytes).
+constexpr int64_t AMX_BLOCK_ROWS = 16;
+
+#define SPLITSPEC_AMX_BLOCK(T, XQ, WT, SUMS, KP) \
+  _tile_loadd(1, XQ, KP);                       \
+  _tile_loadd(2, WT, 64);                       \
+  _tile_zero(T);                                \
+  _tile_dpbsud(T, 1, 2);                        \
+  _tile_stored(T, SUMS, 64);
+
+template <bool KQ>
+void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
+                 float* out) {
+  constexpr int64_t BB = KQ ? Q4KB : Q4B;
+  constexpr int R = AMX_BLOCK_ROWS;
+  const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15);
+  alignas(64) uint8_t operand[2][8 * 64];
+  alignas(64) int32_t sums[2][R * Q4];
+  const int8_t* xq = x.q.data() + r0 * x.Kp;
+  const int64_t Kp = x.Kp;
+  auto issue = [&](int64_t b) {  // block b's weights unpacked and its multiply issued, its sums into sums[b % 2]
+    const uint8_t* src = w + b * BB;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH + 64 * line), _MM_HINT_T0);
+    ahead.fetch(b);
+    uint8_t* dst = operand[b & 1];
+    for (int g = 0; g < 8; g += 2) {  // low nibbles: values 2g..2g+3 (group row g / 2); high: 2g+16.. (g / 2 + 4)
+      const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(src + 32 * g));
+      _mm512_store_si512(dst + 64 * (g / 2), _mm512_and_si512(raw, low));
+      _mm512_store_si512(dst + 64 * (g / 2 + 4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+    asm volatile("" ::: "memory");  // GCC's tile loads and stores are asm that names no memory
+    if (b & 1) {
+      SPLITSPEC_AMX_BLOCK(3, xq + b * KSTEP, dst, sums[1], Kp)
+    } else {
+      SPLITSPEC_AMX_BLOCK(0, xq + b * KSTEP, dst, sums[0], Kp)
+    }
+    asm volatile("" ::: "memory");
+  };
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
+  issue(0);
+  for (int64_t b = 0; b < Kb; ++b) {
+    if (b + 1 < Kb) issue(b + 1);
+    if (!KQ || b % 8 == 0) {  // as in q4_tile
+      const uint16_t* sb = dm + (KQ ? b / 8 : b) * 2 * Q4;
+      dsup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+      msup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Q4)));
+    }
+    __m512 d = dsup, m = msup;
+    if constexpr (KQ) {
+      const __m256i k6 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BB + Q4B));
+      d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(k6))), d);
+      m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(k6, 1))), m);
+    }
+    const int32_t* block = sums[b & 1];
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm512_set1_ps(x.bsum[(r0 + r) * Kb + b]);
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(block + r * Q4));
+      acc[r] = _mm512_fmadd_ps(m, bs, _mm512_fmadd_ps(_mm512_mul_ps(isum, d), sx, acc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r)  // lanes {0-3, 8-11, 4-7, 12-15} back to column order, as q4_tile does
+    _mm512_storeu_ps(out + r * Q4, _mm512_shuffle_f32x4(acc[r], acc[r], _MM_SHUFFLE(3, 1, 2, 0)));
+}
+#undef SPLITSPEC_AMX_BLOCK
+
+// Q6_K on tiles, 16 rows a pass: q6_tile's 6-bit values unpacked once into a tile operand (rows 0-3 the block's
+// first half, 4-7 its second), two tile multiplies a block (its half blocks have scales of their own: K = 16 each),
+// then q6_tile's float steps, lane by lane, in its order.
+void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, int64_t Kb, const Ahead& ahead,
+                 float* out) {
+  constexpr int R = AMX_BLOCK_ROWS;
+  const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  alignas(64) uint8_t operand[2][8 * 64];
+  alignas(64) int32_t sums[2][2][R * Q4];  // [block % 2][half]
+  const int8_t* xq = x.q.data() + r0 * x.Kp;
+  const int64_t Kp = x.Kp;
+  auto issue = [&](int64_t b) {
+    const uint8_t* wb = w + b * Q6B;
+    for (int line = 0; line < 7; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH + 64 * line), _MM_HINT_T0);
+    ahead.fetch(b);
+    uint8_t* dst = operand[b & 1];
+    for (int g = 0; g < 8; g += 2) {
+      const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 32 * g));
+      __m512i h = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 256 + 32 * (g % 4)));
+      if (g >= 4) h = _mm512_srli_epi16(h, 4);
+      _mm512_store_si512(dst + 64 * (g / 2), _mm512_or_si512(_mm512_and_si512(raw, low),
+                                                             _mm512_and_si512(_mm512_slli_epi16(h, 4), top)));
+      _mm512_store_si512(dst + 64 * (g / 2 + 4), _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                                                 _mm512_and_si512(_mm512_slli_epi16(h, 2), top)));
+    }
+    asm volatile("" ::: "memory");  // GCC's tile loads and stores are asm that names no memory
+    int32_t(*half)[R * Q4] = sums[b & 1];
+    _tile_loadd(1, xq + b * KSTEP, Kp);
+    _tile_loadd(2, dst, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, half[0], 64);
+    _tile_loadd(4, xq + b * KSTEP + 16, Kp);
+    _tile_loadd(5, dst + 4 * 64, 64);
+    _tile_zero(3);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(3, half[1], 64);
+    asm volatile("" ::: "memory");
+  };
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();
+  issue(0);
+  for (int64_t b = 0; b < Kb; ++b) {
+    if (b + 1 < Kb) issue(b + 1);
+    if (b % 8 == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dsup + b / 8 * Q4)));
+    const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * Q6B + 384));
+    const __m512 s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(sc))), d);
+    const __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d);
+    int32_t(*half)[R * Q4] = sums[b & 1];
+    for (int r = 0; r < R; ++r) {
+      const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
+      const __m512i o0 = _mm512_set1_epi32(32 * hs[0]), o1 = _mm512_set1_epi32(32 * hs[1]);
+      const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]);
+      const __m512i first = _mm512_load_si512(half[0] + r * Q4), second = _mm512_load_si512(half[1] + r * Q4);
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(second, o1)), s1,
+                                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(first, o0)), s0));
+      acc[r] = _mm512_fmadd_ps(v, sx, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * Q4, _mm512_shuffle_f32x4(acc[r], acc[r], _MM_SHUFFLE(3, 1, 2, 0)));
+}
+#endif
+
+
 // y[M, N] = x · Wᵀ (+ bias) (+ residual) for block-quantised weights of N rows (a multiple of Q4), their fp16 scales
 // in ``dm`` (Q4_1: d and m a block; Q4_K: d and -dmin a super-block; Q6_K: d a super-block); y's and the residual's
 // rows ``ld`` apart (N, or a wider output this weight is a part of).
 template <Blocked F, int64_t R, int64_t TN>
 void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
-                int64_t N, int64_t ld, float* y, const Split& split) {
+                int64_t N, int64_t ld, float* y, const Split& split, int64_t tiled = 0) {
+  // tiled: rows [0, tiled) in passes of 16 on AMX tiles (q4_amx_pass; a multiple of 16, TN 1), the rest as below
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
   constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
   const int64_t tile_bytes = Kb * (SIX ? Q6B : KQ ? Q4KB : Q4B);
   const int64_t tile_halves = SIX ? Kb / 8 * Q4 : KQ ? Kb / 8 * 2 * Q4 : Kb * 2 * Q4;
-  const int64_t step = balanced(M, R), tiles = N / Q4, units = (tiles + TN - 1) / TN;
+  const int64_t rest = M - tiled, step = rest > 0 ? balanced(rest, R) : 1, tiles = N / Q4, units = (tiles + TN - 1) / TN;
+  const int64_t passes = tiled / 16 + (rest + step - 1) / step;
   for_range(units, 1, split, [&](int64_t u0, int64_t u1) {
-    float acc[R * TN * Q4];
+#ifdef SPLITSPEC_AMX
+    static const TileShapes shapes = SIX ? TileShapes().tile(0, 16, 64).tile(1, 16, 16).tile(2, 4, 64).tile(3, 16, 64)
+                                               .tile(4, 16, 16).tile(5, 4, 64)
+                                         : TileShapes().tile(0, 16, 64).tile(1, 16, 32).tile(2, 8, 64).tile(3, 16, 64);
+    std::optional<Tiles> use;
+    if (tiled) use.emplace(shapes);
+#endif
+    float acc[std::max<int64_t>(R, 16) * TN * Q4];
     for (int64_t unit = u0; unit < u1; ++unit) {
       const int64_t t = unit * TN, tn = std::min<int64_t>(TN, tiles - t), n = t * Q4, cols = tn * Q4;
       const uint8_t* wt = w + t * tile_bytes;
       const uint16_t* dt = dm + t * tile_halves;
-      const int64_t passes = (M + step - 1) / step;
       Ahead ahead;
       if (passes > 1 && t + tn < tiles) {  // one pass: the stream's own prefetch runs ahead into the next tile
         ahead.begin[0] = reinterpret_cast<const char*>(wt + tn * tile_bytes);
@@ -1006,9 +1154,30 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
         ahead.lines[1] = std::min<int64_t>(TN, tiles - t - tn) * tile_halves * 2 / 64;
         ahead.steps = passes * Kb;
       }
-      for (int64_t r0 = 0; r0 < M; r0 += step) {
+      auto emit = [&](int64_t r0, int64_t rows) {
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = y + (r0 + r) * ld + n;
+          for (int64_t c = 0; c < cols; ++c) {
+            float v = acc[r * tn * Q4 + c];  // the activations' block scales are inside
+            if (bias) v += bias[n + c];
+            if (residual) v += residual[(r0 + r) * ld + n + c];
+            yr[c] = v;
+          }
+        }
+      };
+      int64_t pass = 0;
+#ifdef SPLITSPEC_AMX
+      if constexpr (TN == 1)
+        for (int64_t r0 = 0; r0 < tiled; r0 += 16, ++pass) {
+          ahead.first = pass * Kb;
+          if constexpr (SIX) q6_amx_pass(x, r0, wt, dt, Kb, ahead, acc);
+          else q4_amx_pass<KQ>(x, r0, wt, dt, Kb, ahead, acc);
+          emit(r0, 16);
+        }
+#endif
+      for (int64_t r0 = tiled; r0 < M; r0 += step, ++pass) {
         const int64_t rows = std::min<int64_t>(step, M - r0);
-        ahead.first = r0 / step * Kb;
+        ahead.first = pass * Kb;
         with_rows<R>(rows, [&](auto tile) {
           constexpr int RT = decltype(tile)::value;
           if constexpr (SIX) {
@@ -1019,15 +1188,7 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
             else q4_tile<RT, 1, KQ>(x, r0, wt, dt, Kb, ahead, acc);
           }
         });
-        for (int64_t r = 0; r < rows; ++r) {
-          float* yr = y + (r0 + r) * ld + n;
-          for (int64_t c = 0; c < cols; ++c) {
-            float v = acc[r * tn * Q4 + c];  // the activations' block scales are inside
-            if (bias) v += bias[n + c];
-            if (residual) v += residual[(r0 + r) * ld + n + c];
-            yr[c] = v;
-          }
-        }
+        emit(r0, rows);
       }
     }
   });
@@ -1042,6 +1203,10 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
                  int64_t N, int64_t ld, float* y, const Split& split = {}) {
 #ifdef SPLITSPEC_AVX512
   constexpr bool SIX = F == Blocked::Q6_K;
+#ifdef SPLITSPEC_AMX
+  if (x.M >= AMX_BLOCK_ROWS && x.M <= 4 * AMX_BLOCK_ROWS)  // a tree's rows; a prefill's: as fast on the VNNI code
+    return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, x.M / 16 * 16);
+#endif
   if (x.M <= 32) gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
 #else
