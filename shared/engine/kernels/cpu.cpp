@@ -1002,20 +1002,26 @@ void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm
   constexpr int64_t BB = KQ ? Q4KB : Q4B;
   constexpr int R = AMX_BLOCK_ROWS;
   const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15);
-  alignas(64) uint8_t operand[2][8 * 64];
+  alignas(64) uint8_t operand[4][8 * 64];
   alignas(64) int32_t sums[2][R * Q4];
   const int8_t* xq = x.q.data() + r0 * x.Kp;
   const int64_t Kp = x.Kp;
-  auto issue = [&](int64_t b) {  // block b's weights unpacked and its multiply issued, its sums into sums[b % 2]
+  auto unpack = [&](int64_t b) {  // low nibbles: values 2g..2g+3 (group row g / 2); high: 2g+16.. (g / 2 + 4)
     const uint8_t* src = w + b * BB;
     for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
-    uint8_t* dst = operand[b & 1];
-    for (int g = 0; g < 8; g += 2) {  // low nibbles: values 2g..2g+3 (group row g / 2); high: 2g+16.. (g / 2 + 4)
+    uint8_t* dst = operand[b & 3];
+    for (int g = 0; g < 8; g += 2) {
       const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(src + 32 * g));
       _mm512_store_si512(dst + 64 * (g / 2), _mm512_and_si512(raw, low));
       _mm512_store_si512(dst + 64 * (g / 2 + 4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
     }
+  };
+  // block b's multiply, its sums into sums[b % 2]; block b + 1 unpacked first, so that a tile load never waits on
+  // the stores just made (15 % a block, measured)
+  auto issue = [&](int64_t b) {
+    if (b + 1 < Kb) unpack(b + 1);
+    const uint8_t* dst = operand[b & 3];
     asm volatile("" ::: "memory");  // GCC's tile loads and stores are asm that names no memory
     if (b & 1) {
       SPLITSPEC_AMX_BLOCK(3, xq + b * KSTEP, dst, sums[1], Kp)
@@ -1027,6 +1033,7 @@ void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
+  unpack(0);
   issue(0);
   for (int64_t b = 0; b < Kb; ++b) {
     if (b + 1 < Kb) issue(b + 1);
@@ -1060,15 +1067,15 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
                  float* out) {
   constexpr int R = AMX_BLOCK_ROWS;
   const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
-  alignas(64) uint8_t operand[2][8 * 64];
+  alignas(64) uint8_t operand[4][8 * 64];
   alignas(64) int32_t sums[2][2][R * Q4];  // [block % 2][half]
   const int8_t* xq = x.q.data() + r0 * x.Kp;
   const int64_t Kp = x.Kp;
-  auto issue = [&](int64_t b) {
+  auto unpack = [&](int64_t b) {
     const uint8_t* wb = w + b * Q6B;
     for (int line = 0; line < 7; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
-    uint8_t* dst = operand[b & 1];
+    uint8_t* dst = operand[b & 3];
     for (int g = 0; g < 8; g += 2) {
       const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 32 * g));
       __m512i h = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 256 + 32 * (g % 4)));
@@ -1078,6 +1085,10 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
       _mm512_store_si512(dst + 64 * (g / 2 + 4), _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
                                                                  _mm512_and_si512(_mm512_slli_epi16(h, 2), top)));
     }
+  };
+  auto issue = [&](int64_t b) {  // as in q4_amx_pass: block b + 1 unpacked before block b's tiles load
+    if (b + 1 < Kb) unpack(b + 1);
+    const uint8_t* dst = operand[b & 3];
     asm volatile("" ::: "memory");  // GCC's tile loads and stores are asm that names no memory
     int32_t(*half)[R * Q4] = sums[b & 1];
     _tile_loadd(1, xq + b * KSTEP, Kp);
@@ -1095,6 +1106,7 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps();
+  unpack(0);
   issue(0);
   for (int64_t b = 0; b < Kb; ++b) {
     if (b + 1 < Kb) issue(b + 1);
