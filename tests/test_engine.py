@@ -265,6 +265,7 @@ def test_forwards_on_graph_buckets_give_the_eager_bits(tiny_model_dir, device):
             runs[graphs] = [engine.forward_many(step(caches)) for step in steps]
     engine.graphs = None
     assert sorted(used.captured) == [1, 16]  # 11, 7 and 1 + 7 rows in 16, 1 in 1; 22 past the largest bucket
+    assert sorted(used.warm().captured) == [1, 4, 16]
     for eager, graphed in zip(runs[False], runs[True], strict=True):
         for a, b in zip(eager, graphed, strict=True):
             assert torch.equal(a, b)

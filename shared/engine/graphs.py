@@ -52,6 +52,14 @@ class Graphs:
         self.captured: dict[int, tuple[Buffers, list[Callable[[], None]]]] = {}
         self._lock = threading.Lock()
 
+    def warm(self) -> Graphs:
+        """Capture every bucket now: a server does it before it serves, so that no capture ever runs beside another
+        thread's CUDA work (a capture forbids it)."""
+        with self._lock:
+            for b in self.buckets:
+                self._steps(b)
+        return self
+
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
 

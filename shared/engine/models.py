@@ -215,7 +215,8 @@ def load_target(
         pass  # no generation_config.json
     ids = [i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)]
     if graphs:
-        use_graphs(engine)
+        with torch.inference_mode():
+            use_graphs(engine).warm()
     target = Target(engine, tokenizer, name=spec, max_context=max_context, path=path, eos_token_ids=ids)
     if timed:
         target.costs = paths.served_costs(model_config(path), dtype, weights, cache)
