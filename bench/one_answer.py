@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import environment, finish, start
+from bench.common import drop_unusable, environment, finish, served_target, skipped_note, start
 from bench.single import HUMANEVAL_TEMPLATE
 from client.training.datasets import humaneval_problems, mtbench_questions
 from shared.cli import main
@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
+    target, _ = served_target(args.model)  # which drafters can draft for it (a bundle made for another is skipped)
+    args.drafters, skipped = drop_unusable(args.drafters, target, lambda d: d)
+    del target
     local = [("local", d, ("--local", "--drafter", d)) for d in ["none", *args.drafters]]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp, \
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
                     rows.append({"prompt": pid, "where": where, "drafter": drafter, "tokens": len(ids),
                                  "md5": md5(ids), "equal": ids == plain})  # fmt: skip
                     bar.update()
-    return {"rows": rows, "commands": [" ".join(o) for _, _, o in commands]}
+    return {"rows": rows, "commands": [" ".join(o) for _, _, o in commands], "skipped": skipped}
 
 
 def markdown(result: dict, args: argparse.Namespace) -> str:
@@ -103,7 +106,7 @@ def markdown(result: dict, args: argparse.Namespace) -> str:
     env = result["environment"]
     lines = [f"# One model, one answer: {args.model}, defaults only, greedy, {args.max_new_tokens} new tokens\n",
              f"{env['cpu']}, {env['threads']} threads, {env['date']}; cells: tokens, md5 of the ids "
-             "(=: equal to `--local --drafter none`)\n",
+             "(=: equal to `--local --drafter none`)\n", skipped_note(result.get("skipped", {})),
              "| where | drafter | " + " | ".join(pids) + " | equal |", "|---|---" + "|---" * (len(pids) + 1) + "|"]
     for where, drafter in keys:
         cells = [by[p, where, drafter] for p in pids]
