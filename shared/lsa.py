@@ -43,6 +43,8 @@ class LayerSelfAttention(nn.Module):
     def memory(self, kv: torch.Tensor) -> torch.Tensor:
         """[..., L, Ekv] per-layer KV of verified tokens -> [..., E] memory vectors."""
         shape = kv.shape[:-2]
+        if kv.numel() == 0:  # no tokens: a drafter that holds every feature of a prompt asks for none
+            return kv.new_zeros(*shape, self.to_memory.out_features)
         x = self.lsa_proj(self.lsa_in(kv.reshape(-1, *kv.shape[-2:]))) + self.layer_pos
         x = self.lsa(x, mask=None, rope=None)  # bidirectional over the layers
         return self.to_memory(x.mean(dim=1)).view(*shape, -1)

@@ -293,3 +293,22 @@ def test_the_loop_asks_for_what_the_drafter_declares_and_refuses_what_it_cannot_
         assert verifier.counters.server_calls == calls
     finally:
         verifier.shutdown()
+
+
+@pytest.mark.parametrize("form", ["kv", "hidden", "lsa"])
+def test_a_payload_of_no_tokens_encodes_and_decodes_in_every_form(form):
+    """A drafter that holds every feature of a repeated prompt asks for none (``payload_from`` at the cache's end):
+    the opening's payload is then empty, and every form, the server-run LSA included, encodes and decodes it."""
+    import torch
+
+    from shared import payload
+    from shared.lsa import LayerSelfAttention
+
+    layers, kv_width, hidden_size = 3, 8, 16
+    lsa = LayerSelfAttention(layers, kv_width, hidden_size, lsa_dim=8, lsa_heads=2, lsa_mlp_hidden=16, eps=1e-5)
+    spec = PayloadSpec(form, "fp16", 0, "moa" if form == "lsa" else "")
+    for n in (0, 2):
+        kv, hidden = torch.randn(n, layers, kv_width), torch.randn(n, hidden_size)
+        msg = payload.encode(7, payload.tensors_for(spec, kv, hidden, lsa), spec.precision)
+        got = payload.decode(msg, payload.expected_shapes(spec, msg.count, layers, kv_width, hidden_size))
+        assert got.start == 7 and msg.count == n and len(got) == n
