@@ -394,7 +394,7 @@ def test_the_amx_build_gives_the_vnni_builds_bits_on_block_formats(blocks):
     gen = torch.Generator().manual_seed(3)
     packed = {"q4_1": lambda: pack_int4(torch.randn(48, 768, generator=gen)), "q4_k": lambda: random_int4k(48, 768),
               "q6_k": lambda: random_int6(48, 768)}[blocks]()  # fmt: skip
-    for m in (1, 15, 16, 17, 18, 19, 20, 31, 32, 33, 35, 36, 48, 64, 70):
+    for m in (1, 8, 9, 12, 15, 16, 17, 18, 20, 24, 25, 31, 32, 33, 36, 41, 48, 64, 70):
         x, res = torch.randn(m, 768, generator=gen), torch.randn(m, 48, generator=gen)
         bias = torch.randn(48, generator=gen)
         assert torch.equal(amx.linear(x, *packed, bias, res), vnni.linear(x, *packed, bias, res)), m

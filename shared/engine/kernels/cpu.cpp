@@ -148,7 +148,7 @@ void prepare_rows(int64_t M, int64_t K, Rows& r, bool blocks) {
   r.Kp = padded(K);
   r.blocks = blocks;
   const int64_t Kb = r.Kp / KSTEP;
-  r.q.assign((M + (blocks ? 0 : ROW_PAD)) * r.Kp, 0);  // int8's zero rows past M: an AMX tile loads 16 rows
+  r.q.assign((M + ROW_PAD) * r.Kp, 0);  // zero rows past M: an AMX tile loads 16 rows
 #ifdef SPLITSPEC_AVX512
   if (!blocks) r.u.assign(M * r.Kp, 128);  // the int8 kernel's offset values; 4-bit weights need none
 #else
@@ -996,14 +996,13 @@ constexpr int64_t AMX_BLOCK_ROWS = 16;
   _tile_dpbsud(T, 1, 2);                        \
   _tile_stored(T, SUMS, 64);
 
-template <bool KQ>
+template <bool KQ, int R>
 void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
-                 float* out) {
+                 float* out) {  // rows [r0, r0 + R): the tile loads 16, the zero rows past M included
   constexpr int64_t BB = KQ ? Q4KB : Q4B;
-  constexpr int R = AMX_BLOCK_ROWS;
   const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15);
   alignas(64) uint8_t operand[4][8 * 64];
-  alignas(64) int32_t sums[2][R * Q4];
+  alignas(64) int32_t sums[2][AMX_BLOCK_ROWS * Q4];
   const int8_t* xq = x.q.data() + r0 * x.Kp;
   const int64_t Kp = x.Kp;
   auto unpack = [&](int64_t b) {  // low nibbles: values 2g..2g+3 (group row g / 2); high: 2g+16.. (g / 2 + 4)
@@ -1063,12 +1062,12 @@ void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm
 // Q6_K on tiles, 16 rows a pass: q6_tile's 6-bit values unpacked once into a tile operand (rows 0-3 the block's
 // first half, 4-7 its second), two tile multiplies a block (its half blocks have scales of their own: K = 16 each),
 // then q6_tile's float steps, lane by lane, in its order.
+template <int R>
 void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, int64_t Kb, const Ahead& ahead,
                  float* out) {
-  constexpr int R = AMX_BLOCK_ROWS;
   const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
   alignas(64) uint8_t operand[4][8 * 64];
-  alignas(64) int32_t sums[2][2][R * Q4];  // [block % 2][half]
+  alignas(64) int32_t sums[2][2][AMX_BLOCK_ROWS * Q4];  // [block % 2][half]
   const int8_t* xq = x.q.data() + r0 * x.Kp;
   const int64_t Kp = x.Kp;
   auto unpack = [&](int64_t b) {
@@ -1090,7 +1089,7 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
     if (b + 1 < Kb) unpack(b + 1);
     const uint8_t* dst = operand[b & 3];
     asm volatile("" ::: "memory");  // GCC's tile loads and stores are asm that names no memory
-    int32_t(*half)[R * Q4] = sums[b & 1];
+    int32_t(*half)[AMX_BLOCK_ROWS * Q4] = sums[b & 1];
     _tile_loadd(1, xq + b * KSTEP, Kp);
     _tile_loadd(2, dst, 64);
     _tile_zero(0);
@@ -1114,7 +1113,7 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
     const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * Q6B + 384));
     const __m512 s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(sc))), d);
     const __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d);
-    int32_t(*half)[R * Q4] = sums[b & 1];
+    int32_t(*half)[AMX_BLOCK_ROWS * Q4] = sums[b & 1];
     for (int r = 0; r < R; ++r) {
       const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
       const __m512i o0 = _mm512_set1_epi32(32 * hs[0]), o1 = _mm512_set1_epi32(32 * hs[1]);
@@ -1137,14 +1136,14 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
 template <Blocked F, int64_t R, int64_t TN>
 void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
                 int64_t N, int64_t ld, float* y, const Split& split, int64_t tiled = 0) {
-  // tiled: rows [0, tiled) in passes of 16 on AMX tiles (q4_amx_pass; a multiple of 16, TN 1), the rest as below
+  // tiled: rows [0, tiled) in passes of up to 16 on AMX tiles (q4_amx_pass, q6_amx_pass; TN 1), the rest as below
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
   constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
   // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
   const int64_t tile_bytes = Kb * (SIX ? Q6B : KQ ? Q4KB : Q4B);
   const int64_t tile_halves = SIX ? Kb / 8 * Q4 : KQ ? Kb / 8 * 2 * Q4 : Kb * 2 * Q4;
   const int64_t rest = M - tiled, step = rest > 0 ? balanced(rest, R) : 1, tiles = N / Q4, units = (tiles + TN - 1) / TN;
-  const int64_t passes = tiled / 16 + (rest + step - 1) / step;
+  const int64_t passes = (tiled + 15) / 16 + (rest + step - 1) / step;
   for_range(units, 1, split, [&](int64_t u0, int64_t u1) {
 #ifdef SPLITSPEC_AMX
     static const TileShapes shapes = SIX ? TileShapes().tile(0, 16, 64).tile(1, 16, 16).tile(2, 4, 64).tile(3, 16, 64)
@@ -1182,9 +1181,13 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
       if constexpr (TN == 1)
         for (int64_t r0 = 0; r0 < tiled; r0 += 16, ++pass) {
           ahead.first = pass * Kb;
-          if constexpr (SIX) q6_amx_pass(x, r0, wt, dt, Kb, ahead, acc);
-          else q4_amx_pass<KQ>(x, r0, wt, dt, Kb, ahead, acc);
-          emit(r0, 16);
+          const int64_t rows = std::min<int64_t>(16, tiled - r0);
+          with_rows<16>(rows, [&](auto tile) {
+            constexpr int RT = decltype(tile)::value;
+            if constexpr (SIX) q6_amx_pass<RT>(x, r0, wt, dt, Kb, ahead, acc);
+            else q4_amx_pass<KQ, RT>(x, r0, wt, dt, Kb, ahead, acc);
+          });
+          emit(r0, rows);
         }
 #endif
       for (int64_t r0 = tiled; r0 < M; r0 += step, ++pass) {
@@ -1216,8 +1219,12 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
 #ifdef SPLITSPEC_AVX512
   constexpr bool SIX = F == Blocked::Q6_K;
 #ifdef SPLITSPEC_AMX
-  if (x.M >= AMX_BLOCK_ROWS && x.M <= 4 * AMX_BLOCK_ROWS)  // a tree's rows; a prefill's: as fast on the VNNI code
-    return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, x.M / 16 * 16);
+  // a pass on tiles takes 16 rows, or down to 12 of 4-bit (Q6_K's two multiplies a block pay only from 16; measured)
+  constexpr int64_t least = SIX ? AMX_BLOCK_ROWS : 12;
+  if (x.M >= least && x.M <= 4 * AMX_BLOCK_ROWS) {  // a tree's rows; a prefill's: as fast on the VNNI code
+    const int64_t last = x.M % 16;  // a last pass of fewer rows goes on the VNNI code
+    return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, x.M - (last < least ? last : 0));
+  }
 #endif
   if (x.M <= 32) gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
