@@ -255,7 +255,7 @@ struct Ahead {
 // steps after it are that code's, in its order: the same bits, so the build takes either by row count. int8 weights
 // ride on it: a row's sum builds up over all of K in one tile, and the float steps come once per output. A few rows
 // are bound by the weight stream: below AMX_ROWS the VNNI code is as fast. The block formats' float steps come every
-// 32 values, so a tile's sums go through memory every block: they take tiles in passes of 16 rows only
+// 32 values, so a tile's sums go through memory every block: they take tiles only in passes of 12-16 rows
 // (q4_amx_pass, q6_amx_pass), where the multiplies saved outweigh that (docs/engine.md, "AMX tiles").
 constexpr int64_t AMX_ROWS = 4;
 
