@@ -385,9 +385,10 @@ def test_the_amx_build_gives_the_vnni_builds_bits_at_every_row_count(k):
 
 @pytest.mark.parametrize("blocks", ["q4_1", "q4_k", "q6_k"])
 def test_the_amx_build_gives_the_vnni_builds_bits_on_block_formats(blocks):
-    """The 4-bit formats' passes of 16 rows run on AMX tiles in the amx build (a block's sums through a tile, the
-    float steps the VNNI code's), the rest of the rows on the VNNI code: every row count, bias and residual included,
-    gives the avx512-vnni build's bits."""
+    """The amx build runs the 4-bit formats' forwards of 12-64 rows on AMX tiles in passes of up to 32 rows (a
+    block's sums through one or two row tiles, the second as short as the rows need; the float steps the VNNI
+    code's), and Q6_K's passes of 16, the rest of the rows on the VNNI code: every row count, bias and residual
+    included, gives the avx512-vnni build's bits."""
     if "amx" not in kernels.builds():
         pytest.skip(f"no amx build here: {kernels.load('amx')}")
     amx, vnni = kernels.ops("amx"), kernels.ops("avx512-vnni")

@@ -210,14 +210,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r, bool blocks = 
 // ---------------------------------------------------------------------------------------------
 // Integer dot products of R activation rows with C = 4 weight rows: out[r * 4 + c] (int32, exact).
 
-// f(std::integral_constant<int, rows>{}) for 1 <= rows <= R: a tile's row count as a template argument
-template <int R, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  if constexpr (R > 1) {
+// f(std::integral_constant<int, rows>{}) for LEAST <= rows <= R: a tile's row count as a template argument
+template <int R, int LEAST = 1, typename F>
+inline void with_rows(int64_t rows, F&& f) {  // rows >= LEAST: a caller's promise
+  if constexpr (R > LEAST) {
     if (rows == R) return f(std::integral_constant<int, R>{});
-    return with_rows<R - 1>(rows, f);
+    return with_rows<R - 1, LEAST>(rows, f);
   } else {
-    f(std::integral_constant<int, 1>{});
+    f(std::integral_constant<int, LEAST>{});
   }
 }
 
@@ -979,31 +979,37 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
 #endif
 
 enum class Blocked { Q4_1, Q4_K, Q6_K };  // the block formats: 4-bit with fp16 scales, 4-bit with 6-bit ones, 6-bit
+constexpr int64_t AMX_BLOCK_ROWS = 16;  // rows of an AMX row tile (the amx build's block passes)
+constexpr int AMX_LEAST_ROWS = 12;  // fewer 4-bit rows are as fast on the VNNI code (measured)
 
 #ifdef SPLITSPEC_AMX
-// Q4_1 and Q4_K on AMX tiles, 16 rows a pass. A block's 32 values of the tile's 16 columns are unpacked once into a
-// tile operand (q4_tile's byte permutation, then the low and the high nibbles as 8 rows of 4-value groups), one tile
-// multiply (tdpbsud: signed activations, unsigned weights) gives the 16 rows' exact int32 sums of the block, and the
-// float steps after it are q4_tile's, lane by lane, in its order: the same bits. The sums go through memory every
-// block, so the next block's multiply is issued before this one's float steps (two tiles of sums, alternating).
-// Tiles: 0 and 3 sums, 1 activations (16 rows x 32 bytes, straight from Rows.q), 2 weights (8 x 64 bytes).
-constexpr int64_t AMX_BLOCK_ROWS = 16;
+// Q4_1 and Q4_K on AMX tiles, up to 32 rows a pass. A block's 32 values of the tile's 16 columns are unpacked once
+// into a tile operand (q4_tile's byte permutation, then the low and the high nibbles as 8 rows of 4-value groups),
+// one tile multiply (tdpbsud: signed activations, unsigned weights) a row tile gives its rows' exact int32 sums of
+// the block, and the float steps after it are q4_tile's, lane by lane, in its order: the same bits. The sums go
+// through memory every block, so the next block's multiplies are issued before this one's float steps (two tiles of
+// sums a row tile, alternating). A pass's rows past 16 take a second row tile of only the rows the call needs
+// (AmxRows.second): a 17th row costs a short multiply, not a pass of the VNNI code over the weights.
+// Tiles: 2 weights (8 x 64 bytes); rows 0-15: 1 activations (16 x 32 bytes, straight from Rows.q), 0 and 3 sums;
+// rows 16 on: 4 activations, 5 and 6 sums.
 
-#define SPLITSPEC_AMX_BLOCK(T, XQ, WT, SUMS, KP) \
-  _tile_loadd(1, XQ, KP);                       \
-  _tile_loadd(2, WT, 64);                       \
-  _tile_zero(T);                                \
-  _tile_dpbsud(T, 1, 2);                        \
+#define SPLITSPEC_AMX_ROWS(T, A, XQ, SUMS, KP) \
+  _tile_loadd(A, XQ, KP);                      \
+  _tile_zero(T);                               \
+  _tile_dpbsud(T, A, 2);                       \
   _tile_stored(T, SUMS, 64);
 
 template <bool KQ, int R>
 void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
-                 float* out) {  // rows [r0, r0 + R): the tile loads 16, the zero rows past M included
+                 float* out) {  // rows [r0, r0 + R): a tile may load more, rows of a later pass or zeros past M
+  static_assert(R <= 2 * AMX_BLOCK_ROWS, "a pass takes two row tiles");
+  constexpr bool TWO = R > AMX_BLOCK_ROWS;
   constexpr int64_t BB = KQ ? Q4KB : Q4B;
   const __m512i pick = q4_pick(), low = _mm512_set1_epi8(15);
   alignas(64) uint8_t operand[4][8 * 64];
-  alignas(64) int32_t sums[2][AMX_BLOCK_ROWS * Q4];
+  alignas(64) int32_t sums[2][2][AMX_BLOCK_ROWS * Q4];  // [block % 2][row tile]
   const int8_t* xq = x.q.data() + r0 * x.Kp;
+  const int8_t* xq2 = xq + AMX_BLOCK_ROWS * x.Kp;
   const int64_t Kp = x.Kp;
   auto unpack = [&](int64_t b) {  // low nibbles: values 2g..2g+3 (group row g / 2); high: 2g+16.. (g / 2 + 4)
     const uint8_t* src = w + b * BB;
@@ -1016,16 +1022,18 @@ void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm
       _mm512_store_si512(dst + 64 * (g / 2 + 4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
     }
   };
-  // block b's multiply, its sums into sums[b % 2]; block b + 1 unpacked first, so that a tile load never waits on
-  // the stores just made (15 % a block, measured)
+  // block b's multiplies, their sums into sums[b % 2]; block b + 1 unpacked first, so that a tile load never waits
+  // on the stores just made (15 % a block, measured)
   auto issue = [&](int64_t b) {
     if (b + 1 < Kb) unpack(b + 1);
-    const uint8_t* dst = operand[b & 3];
     asm volatile("" ::: "memory");  // GCC's tile loads and stores are asm that names no memory
+    _tile_loadd(2, operand[b & 3], 64);
     if (b & 1) {
-      SPLITSPEC_AMX_BLOCK(3, xq + b * KSTEP, dst, sums[1], Kp)
+      SPLITSPEC_AMX_ROWS(3, 1, xq + b * KSTEP, sums[1][0], Kp)
+      if constexpr (TWO) { SPLITSPEC_AMX_ROWS(6, 4, xq2 + b * KSTEP, sums[1][1], Kp) }
     } else {
-      SPLITSPEC_AMX_BLOCK(0, xq + b * KSTEP, dst, sums[0], Kp)
+      SPLITSPEC_AMX_ROWS(0, 1, xq + b * KSTEP, sums[0][0], Kp)
+      if constexpr (TWO) { SPLITSPEC_AMX_ROWS(5, 4, xq2 + b * KSTEP, sums[0][1], Kp) }
     }
     asm volatile("" ::: "memory");
   };
@@ -1047,7 +1055,7 @@ void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm
       d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(k6))), d);
       m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(k6, 1))), m);
     }
-    const int32_t* block = sums[b & 1];
+    const int32_t* block = sums[b & 1][0];  // the two row tiles' sums lie one after the other
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm512_set1_ps(x.bsum[(r0 + r) * Kb + b]);
       const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(block + r * Q4));
@@ -1057,7 +1065,7 @@ void q4_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm
   for (int r = 0; r < R; ++r)  // lanes {0-3, 8-11, 4-7, 12-15} back to column order, as q4_tile does
     _mm512_storeu_ps(out + r * Q4, _mm512_shuffle_f32x4(acc[r], acc[r], _MM_SHUFFLE(3, 1, 2, 0)));
 }
-#undef SPLITSPEC_AMX_BLOCK
+#undef SPLITSPEC_AMX_ROWS
 
 // Q6_K on tiles, 16 rows a pass: q6_tile's 6-bit values unpacked once into a tile operand (rows 0-3 the block's
 // first half, 4-7 its second), two tile multiplies a block (its half blocks have scales of their own: K = 16 each),
@@ -1136,23 +1144,28 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
 template <Blocked F, int64_t R, int64_t TN>
 void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
                 int64_t N, int64_t ld, float* y, const Split& split, int64_t tiled = 0) {
-  // tiled: rows [0, tiled) in passes of up to 16 on AMX tiles (q4_amx_pass, q6_amx_pass; TN 1), the rest as below
+  // tiled: rows [0, tiled) on AMX tiles (TN 1), in passes of up to 32 (q4_amx_pass) or 16 (q6_amx_pass); the rest
+  // as below
   const int64_t M = x.M, Kb = x.Kp / KSTEP;
   constexpr bool SIX = F == Blocked::Q6_K, KQ = F == Blocked::Q4_K;
+  const int64_t on_tiles = tiled > 0 ? (SIX ? AMX_BLOCK_ROWS : balanced(tiled, 2 * AMX_BLOCK_ROWS)) : 1;
   // a tile's bytes: its blocks' values (and integer scales), and its fp16 scales
   const int64_t tile_bytes = Kb * (SIX ? Q6B : KQ ? Q4KB : Q4B);
   const int64_t tile_halves = SIX ? Kb / 8 * Q4 : KQ ? Kb / 8 * 2 * Q4 : Kb * 2 * Q4;
   const int64_t rest = M - tiled, step = rest > 0 ? balanced(rest, R) : 1, tiles = N / Q4, units = (tiles + TN - 1) / TN;
-  const int64_t passes = (tiled + 15) / 16 + (rest + step - 1) / step;
+  const int64_t passes = (tiled + on_tiles - 1) / on_tiles + (rest + step - 1) / step;
   for_range(units, 1, split, [&](int64_t u0, int64_t u1) {
 #ifdef SPLITSPEC_AMX
-    static const TileShapes shapes = SIX ? TileShapes().tile(0, 16, 64).tile(1, 16, 16).tile(2, 4, 64).tile(3, 16, 64)
-                                               .tile(4, 16, 16).tile(5, 4, 64)
-                                         : TileShapes().tile(0, 16, 64).tile(1, 16, 32).tile(2, 8, 64).tile(3, 16, 64);
     std::optional<Tiles> use;
-    if (tiled) use.emplace(shapes);
+    if (tiled) {
+      const int second = static_cast<int>(std::max<int64_t>(on_tiles - AMX_BLOCK_ROWS, 1));  // rows of a second row tile
+      use.emplace(SIX ? TileShapes().tile(0, 16, 64).tile(1, 16, 16).tile(2, 4, 64).tile(3, 16, 64).tile(4, 16, 16)
+                            .tile(5, 4, 64)
+                      : TileShapes().tile(0, 16, 64).tile(1, 16, 32).tile(2, 8, 64).tile(3, 16, 64)
+                            .tile(4, second, 32).tile(5, second, 64).tile(6, second, 64));  // fmt: skip
+    }
 #endif
-    float acc[std::max<int64_t>(R, 16) * TN * Q4];
+    float acc[std::max<int64_t>(R, 2 * AMX_BLOCK_ROWS) * TN * Q4];
     for (int64_t unit = u0; unit < u1; ++unit) {
       const int64_t t = unit * TN, tn = std::min<int64_t>(TN, tiles - t), n = t * Q4, cols = tn * Q4;
       const uint8_t* wt = w + t * tile_bytes;
@@ -1179,14 +1192,16 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
       int64_t pass = 0;
 #ifdef SPLITSPEC_AMX
       if constexpr (TN == 1)
-        for (int64_t r0 = 0; r0 < tiled; r0 += 16, ++pass) {
+        for (int64_t r0 = 0; r0 < tiled; r0 += on_tiles, ++pass) {
           ahead.first = pass * Kb;
-          const int64_t rows = std::min<int64_t>(16, tiled - r0);
-          with_rows<16>(rows, [&](auto tile) {
-            constexpr int RT = decltype(tile)::value;
-            if constexpr (SIX) q6_amx_pass<RT>(x, r0, wt, dt, Kb, ahead, acc);
-            else q4_amx_pass<KQ, RT>(x, r0, wt, dt, Kb, ahead, acc);
-          });
+          const int64_t rows = std::min<int64_t>(on_tiles, tiled - r0);
+          if constexpr (SIX) {
+            with_rows<16, 16>(rows, [&](auto tile) { q6_amx_pass<decltype(tile)::value>(x, r0, wt, dt, Kb, ahead, acc); });
+          } else {
+            with_rows<2 * AMX_BLOCK_ROWS, AMX_LEAST_ROWS>(rows, [&](auto tile) {
+              q4_amx_pass<KQ, decltype(tile)::value>(x, r0, wt, dt, Kb, ahead, acc);
+            });
+          }
           emit(r0, rows);
         }
 #endif
@@ -1219,12 +1234,11 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
 #ifdef SPLITSPEC_AVX512
   constexpr bool SIX = F == Blocked::Q6_K;
 #ifdef SPLITSPEC_AMX
-  // a pass on tiles takes 16 rows, or down to 12 of 4-bit (Q6_K's two multiplies a block pay only from 16; measured)
-  constexpr int64_t least = SIX ? AMX_BLOCK_ROWS : 12;
-  if (x.M >= least && x.M <= 4 * AMX_BLOCK_ROWS) {  // a tree's rows; a prefill's: as fast on the VNNI code
-    const int64_t last = x.M % 16;  // a last pass of fewer rows goes on the VNNI code
-    return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, x.M - (last < least ? last : 0));
-  }
+  // 4-bit: every row of 12-64 on tiles, in passes of 12-32 rows; Q6_K: passes of 16, the rest on the VNNI code (its
+  // two multiplies a block pay only from 16; measured)
+  constexpr int64_t least = SIX ? AMX_BLOCK_ROWS : AMX_LEAST_ROWS;
+  if (x.M >= least && x.M <= 4 * AMX_BLOCK_ROWS)  // a tree's rows; a prefill's: as fast on the VNNI code
+    return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, SIX ? x.M - x.M % 16 : x.M);
 #endif
   if (x.M <= 32) gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
