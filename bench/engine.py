@@ -205,6 +205,30 @@ def forward_costs(target, hf, dtype: str, prefix_ids: list[int], args: argparse.
     return rows
 
 
+def projection_macs(target) -> tuple[int, str | None]:
+    """Multiply-adds a token costs in the layers' projections (qkv, o, gate/up, down; not the LM head, which a tree
+    computes only on the rows its acceptance walk reaches), and the kernel build they run on (None: not low-bit)."""
+    layers = list(target.engine.layers)
+    linears = [m for b in layers for m in (b.self_attn.qkv, b.self_attn.o_proj, b.mlp.gate_up, b.mlp.down_proj)]
+    build = linears[0].kernel_build if all(m.qweight is not None for m in linears) else None
+    return sum(m.in_features * m.out_features for m in linears), build
+
+
+def int8_rates(forward: list[dict], macs: dict[str, tuple[int, str | None]]) -> dict:
+    """G int8 multiply-adds a second of each low-bit dtype's tree forwards, beside its build's measured peak."""
+    from shared.engine import kernels
+
+    rates = {}
+    for dtype, (count, build) in macs.items():
+        if build is None:
+            continue
+        rows = [r for r in forward if r["dtype"] == dtype and r["engine"] == "splitspec tree"]
+        rates[dtype] = {"build": build, "g_macs_per_token": count / 1e9,
+                        "peak_g_per_s": kernels.int8_peak(build) / 1e9,
+                        "g_per_s": {r["n"]: r["n"] * count / r["ms"] / 1e6 for r in rows}}  # fmt: skip
+    return rates
+
+
 # ------------------------------------------------------------------------------------------------------- decoding
 
 
@@ -391,6 +415,24 @@ def llama_note(result: dict) -> str:
     return f"; llama.cpp: llama-bench, one batch of n tokens {where}"
 
 
+def int8_table(rates: dict, sizes: list[int]) -> list[str]:
+    """The tree forwards' int8 multiply-adds a second beside the peak of the instruction they run on."""
+    if not rates:
+        return []
+    lines = ["", "Int8 multiply-adds a second (G) in the tree forwards above: the layers' projections' (n × the "
+             "G a token costs there) over the forward's ms, which also holds attention, the LM head and the rest; "
+             "peak: the build's multiply instruction in a loop with nothing else in it (`kernels.int8_peak`, amx "
+             "`tdpbssd`, the VNNI builds `vpdpbusd`), on the same threads.\n",
+             "| dtype | build | G a token | " + " | ".join(f"n={n}" for n in sizes) + " | peak |",
+             "|---|---|---:|" + "---:|" * (len(sizes) + 1)]  # fmt: skip
+    for dtype, r in rates.items():
+        per_n = {int(n): g for n, g in r["g_per_s"].items()}  # JSON keys come back as strings
+        cells = [f"{per_n[n]:.0f} ({per_n[n] / r['peak_g_per_s']:.0%})" if n in per_n else "–" for n in sizes]
+        lines.append(f"| {dtype} | {r['build']} | {r['g_macs_per_token']:.2f} | " + " | ".join(cells)
+                     + f" | {r['peak_g_per_s']:.0f} |")  # fmt: skip
+    return lines
+
+
 def markdown(result: dict) -> str:
     env, s = result["environment"], result["settings"]
     sizes = s["sizes"]
@@ -422,6 +464,7 @@ def markdown(result: dict) -> str:
             ratio = f" ({ms / first:.2f}×)" if ms is not None and first else ""
             cells.append(cell(ms, ".1f") + ratio)
         lines.append(f"| {engine} | {dtype} | " + " | ".join(cells) + " |")
+    lines += int8_table(result.get("int8_rates", {}), sizes)
     hf = result["decode"].get(HF_GENERATE, {})
     lines += [
         "",
@@ -612,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
         forward += forward_costs(targets[dtype], hf, dtype, prefix_ids, args, bar)
         hf32 = hf if dtype == "fp32" else hf32
         del hf
+    bar.set_postfix_str("int8 peak")
+    rates = int8_rates(forward, {d: projection_macs(t) for d, t in targets.items()})
     if hf32 is None:  # the decoding reference is transformers at fp32 whatever --dtypes says
         hf32 = load_hf(args.model, torch.float32)
 
@@ -647,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     summary = summarize(runs)
     result = {
-        "environment": env, "settings": settings, "forward": forward, "decode": summary, "draft_steps": steps,
+        "environment": env, "settings": settings, "forward": forward, "int8_rates": rates, "decode": summary,
+        "draft_steps": steps,
         "llama_cpp": llama, "skipped": skipped, "runs": [asdict(r) for r in runs],
     }  # fmt: skip
     md = markdown(result)

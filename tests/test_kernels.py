@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -410,3 +411,24 @@ def test_bad_arguments_are_named():
     with pytest.raises(RuntimeError, match="attend mask: expected"):
         ops.attend(torch.randn(2, 3 * 16), torch.ones(2, 16), torch.zeros(2, 16), torch.zeros(1, 8, 16),
                    torch.zeros(1, 8, 16), 0, torch.ones(3, 3, dtype=torch.bool), 1, 1, 0.25)  # fmt: skip
+
+
+def test_every_build_measures_its_int8_peak():
+    """``kernels.int8_peak`` times each build's multiply instruction alone: a finite rate of over one multiply-add
+    every 10 ns (the portable loop's is ~5 G/s), and a bad step count is refused with the value named."""
+    for tag in kernels.builds():
+        peak = kernels.int8_peak(tag, seconds=0.01)
+        assert math.isfinite(peak) and peak > 1e8, (tag, peak)
+    with pytest.raises(RuntimeError, match="steps must be positive, got 0"):
+        ops.int8_peak(0)
+
+
+def test_the_engine_bench_reads_int8_rates_against_the_peak():
+    """bench.engine's table: n × a token's multiply-adds over the forward's ms, and the share of the peak."""
+    from bench.engine import int8_table
+
+    rates = {"fp32+int4": {"build": "avx2", "g_macs_per_token": 1.31, "peak_g_per_s": 300.0,
+                           "g_per_s": {"1": 30.0, "17": 240.0}}}  # fmt: skip
+    table = int8_table(rates, [1, 5, 17])
+    assert table[-1] == "| fp32+int4 | avx2 | 1.31 | 30 (10%) | – | 240 (80%) | 300 |"
+    assert int8_table({}, [1]) == []

@@ -23,19 +23,23 @@ def run(args: argparse.Namespace) -> int:
     cfg = model_config(folder)
     loaded = kernels.builds()
     seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
+    peaks = {t: kernels.int8_peak(t) / 1e9 for t in loaded}
     table = paths.table_for(cfg, args.cache_dir, refresh=args.refresh)
     allowed, why = served_paths(folder)
     chosen = table.choose(allowed)
     if args.json:
         print(json.dumps({**table.to_json(), "model": spec, "chosen": chosen, "candidates": allowed, "why": why,
-                          "builds": {t: 1e3 * s for t, s in seconds.items()}}, indent=1))  # fmt: skip
+                          "builds": {t: 1e3 * s for t, s in seconds.items()},
+                          "int8_peak_g_per_s": peaks}, indent=1))  # fmt: skip
         return 0
     print(f"# {spec} on {table.cpu}, {table.threads} threads (measured {table.measured})\n")
-    print("Kernel builds (ms for an int4 and an int8 projection, 2048 x 4096, at 1 and 16 rows):\n")
+    print("Kernel builds (ms for an int4 and an int8 projection, 2048 x 4096, at 1 and 16 rows; the peak int8 "
+          "multiply-adds a second of the build's multiply instruction alone):\n")
     for t in kernels.BUILDS:
         state = f"{1e3 * seconds[t]:.2f} ms" if t in seconds else (load_reason if (load_reason := kernels.load(t))
                                                                    else "built (not timed: slow)")  # fmt: skip
-        print(f"  {t:12s} {state}{'   <- used' if t == kernels.active() else ''}")
+        peak = f", peak {peaks[t]:.0f} G/s" if t in peaks else ""
+        print(f"  {t:12s} {state}{peak}{'   <- used' if t == kernels.active() else ''}")
     print("\nPaths (one forward of the whole model after a 128-token prefix, extrapolated from a slice):\n")
     print(table.markdown())
     mix = " + ".join(map(str, paths.MIX))

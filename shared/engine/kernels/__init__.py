@@ -265,6 +265,21 @@ def Blocks(*args, tag: str | None = None):  # noqa: N802 - a class, as torch nam
     return getattr(torch.classes, namespace(tag or active())).Blocks(*args)
 
 
+def int8_peak(tag: str | None = None, seconds: float = 0.05) -> float:
+    """Int8 multiply-adds a second that a build's multiply instruction issues on torch's threads in a loop with
+    nothing else in it (``cpu.cpp``'s ``int8_peak``): the ceiling to read the kernels' own rate against. The loop
+    grows until a run takes ``seconds``; the best of three runs of that length."""
+    op = ops(tag).int8_peak
+    steps = 1 << 14
+    while True:
+        start = time.perf_counter()
+        op(steps)
+        if time.perf_counter() - start >= seconds:
+            break
+        steps *= 4
+    return max(op(steps) for _ in range(3))
+
+
 def isa() -> str:
     """What the active build computes with: ``amx``, ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``portable``."""
     return ops().isa()

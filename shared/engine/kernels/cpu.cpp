@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1965,6 +1967,105 @@ struct Blocks : torch::CustomClassHolder {
   }
 };
 
+// Int8 multiply-adds a second that this build's multiply instruction issues across torch's threads in a loop of
+// independent chains with nothing else in it (amx: tdpbssd; the VNNI builds: vpdpbusd; avx2: vpmaddubsw + vpmaddwd;
+// portable: the compiler's loop): the ceiling the kernels' own rate is measured against. ``steps``: instructions a
+// thread (or loop turns, 8 multiply-adds each, in the portable build).
+double int8_peak(int64_t steps) {
+  TORCH_CHECK(steps > 0, "int8_peak: steps must be positive, got ", steps);
+  steps = (steps + 47) / 48 * 48;  // whole turns of every loop below
+  const int threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t keep = 0;
+#if defined(SPLITSPEC_AMX)
+      const Tiles use(TileShapes().tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64).tile(3, 16, 64).tile(4, 16, 64)
+                          .tile(5, 16, 64));  // fmt: skip
+      alignas(64) int8_t operand[16 * 64];
+      std::memset(operand, 1, sizeof operand);
+      alignas(64) int32_t out[16 * 16];
+      _tile_loadd(4, operand, 64);
+      _tile_loadd(5, operand, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t i = 0; i < steps; i += 4) {
+        _tile_dpbssd(0, 4, 5);
+        _tile_dpbssd(1, 4, 5);
+        _tile_dpbssd(2, 4, 5);
+        _tile_dpbssd(3, 4, 5);
+      }
+      _tile_stored(0, out, 64);
+      keep = out[0];
+#elif defined(SPLITSPEC_AVX512) || defined(SPLITSPEC_AVXVNNI)
+      // in asm: through the intrinsic, the compiler may compute one product and add it twelve times
+#ifdef SPLITSPEC_AVX512
+      using Vec = __m512i;
+#define SPLITSPEC_DP(i) "vpdpbusd %[b], %[a], %[v" #i "]\n\t"
+#else
+      using Vec = __m256i;
+#define SPLITSPEC_DP(i) "%{vex%} vpdpbusd %[b], %[a], %[v" #i "]\n\t"
+#endif
+      Vec acc[12], a, b;
+      std::memset(acc, 0, sizeof acc);
+      std::memset(&a, 1, sizeof a);
+      std::memset(&b, 2, sizeof b);
+      for (int64_t i = 0; i < steps; i += 12)  // twelve chains: enough to cover vpdpbusd's latency
+        asm volatile(SPLITSPEC_DP(0) SPLITSPEC_DP(1) SPLITSPEC_DP(2) SPLITSPEC_DP(3) SPLITSPEC_DP(4) SPLITSPEC_DP(5)
+                     SPLITSPEC_DP(6) SPLITSPEC_DP(7) SPLITSPEC_DP(8) SPLITSPEC_DP(9) SPLITSPEC_DP(10) SPLITSPEC_DP(11)
+                     : [v0] "+v"(acc[0]), [v1] "+v"(acc[1]), [v2] "+v"(acc[2]), [v3] "+v"(acc[3]), [v4] "+v"(acc[4]),
+                       [v5] "+v"(acc[5]), [v6] "+v"(acc[6]), [v7] "+v"(acc[7]), [v8] "+v"(acc[8]), [v9] "+v"(acc[9]),
+                       [v10] "+v"(acc[10]), [v11] "+v"(acc[11])
+                     : [a] "v"(a), [b] "v"(b));  // fmt: skip
+#undef SPLITSPEC_DP
+      int32_t lanes[sizeof(Vec) / 4];
+      for (auto& v : acc) {
+        std::memcpy(lanes, &v, sizeof lanes);
+        keep += lanes[0];
+      }
+#elif defined(SPLITSPEC_AVX2)
+      __m256i acc[6], a[6];  // a product of its own a chain: the same one would be computed once for all
+      const __m256i b = _mm256_set1_epi8(2), ones = _mm256_set1_epi16(1);
+      for (int k = 0; k < 6; ++k) acc[k] = _mm256_setzero_si256(), a[k] = _mm256_set1_epi8(static_cast<char>(k + 1));
+      for (int64_t i = 0; i < steps; i += 6) {
+        for (auto& v : a) asm volatile("" : "+x"(v));
+        for (int k = 0; k < 6; ++k)
+          acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], b), ones));
+      }
+      alignas(32) int32_t lanes[8];
+      for (auto& v : acc) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+        keep += lanes[0];
+      }
+#else
+      int8_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+      int32_t acc = 0;
+      for (int64_t i = 0; i < steps; ++i) {
+        for (int k = 0; k < 8; ++k) acc += a[k] * static_cast<int8_t>(i + k);
+        a[i & 7] = static_cast<int8_t>(acc);
+      }
+      keep = acc;
+#endif
+      sink += keep;
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+#if defined(SPLITSPEC_AMX)
+  constexpr double per_step = 16.0 * 16 * 64;
+#elif defined(SPLITSPEC_AVX512)
+  constexpr double per_step = 64.0;
+#elif defined(SPLITSPEC_AVX2)  // the avx-vnni build too
+  constexpr double per_step = 32.0;
+#else
+  constexpr double per_step = 8.0;
+#endif
+  (void)sink.load();
+  return per_step * static_cast<double>(steps) * threads / seconds;
+}
+
 // Whether this build can run in this process: the CPU flags are checked before it loads; AMX also needs the kernel's
 // leave to use the tile state.
 bool ready() {
@@ -2002,6 +2103,7 @@ SPLITSPEC_LIBRARY(SPLITSPEC_NS, m) {
   m.def("isa() -> str", &isa);
   m.def("ready() -> bool", &ready);
   m.def("int8_layout() -> str", &int8_layout);
+  m.def("int8_peak(int steps) -> float", &int8_peak);
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("norm_linear", c10::DispatchKey::CPU, &norm_linear);
   m.impl("mlp", c10::DispatchKey::CPU, &mlp);
