@@ -413,6 +413,23 @@ def test_bad_arguments_are_named():
                    torch.zeros(1, 8, 16), 0, torch.ones(3, 3, dtype=torch.bool), 1, 1, 0.25)  # fmt: skip
 
 
+def test_block_sums_at_their_largest_are_exact_in_every_build():
+    """A 4-bit block's sum at its largest (every value 15, every activation 127): 16 of its products share a 16-bit
+    lane in the avx2 build (30,480, just under 2^15) before they widen. Every build gives the float64 product of the
+    same values, within float rounding (a lane that wrapped would be off by 2^16 steps)."""
+    n, k, m = 16, 512, 3
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    ones = torch.ones(n, k // 32)
+    d = torch.full((n, k // 256), 0.01).half()
+    packed = pack_int4k_blocks(q, ones * 63, ones * 0, d, d * 0)
+    x = torch.ones(m, k)
+    want = x.double() @ dequantize_int4k(*packed).double().T
+    assert want[0, 0] == pytest.approx(k * 15 * 63 * float(d[0, 0]))  # the values are what the test means
+    for tag in kernels.builds():
+        got = kernels.ops(tag).linear(x, *packed, None, None)
+        assert torch.allclose(got.double(), want, rtol=1e-5), (tag, got[0, 0].item(), want[0, 0].item())
+
+
 def test_every_build_measures_its_int8_peak():
     """``kernels.int8_peak`` times each build's multiply instruction alone: a finite rate of over one multiply-add
     every 10 ns (the portable loop's is ~5 G/s), and a bad step count is refused with the value named."""

@@ -668,16 +668,17 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
   constexpr int64_t BB = KQ ? Q4KB : Q4B;
   __m256 lo_acc[R], hi_acc[R];  // columns {0-3, 8-11} and {4-7, 12-15}
   for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
-  [[maybe_unused]] const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(15);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* qb = w + b * BB;
     for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
-#ifdef SPLITSPEC_AVXVNNI
     // Two steps' 16-bit pairs interleaved give each column's 4 values in a 32-bit lane (columns {0-3, 8-11} from
-    // unpacklo, {4-7, 12-15} from unpackhi), and one vpdpbusd multiplies them by 4 broadcast activations: the same
-    // exact int32 sums the AVX2 path reaches in int16 steps.
+    // unpacklo, {4-7, 12-15} from unpackhi), multiplied by 4 activations broadcast (a load, no shuffle): one
+    // vpdpbusd (avx-vnni), or vpmaddubsw into int16 lanes whose 8 pair sums a block stay under 2^15 (8·2·15·127),
+    // widened once a block (avx2). The same exact int32 sums either way.
     __m256i isum_lo[R], isum_hi[R];
     for (int r = 0; r < R; ++r) isum_lo[r] = isum_hi[r] = _mm256_setzero_si256();
     for (int g = 0; g < 8; g += 2) {
@@ -691,26 +692,21 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
         std::memcpy(&va, xq[r] + b * KSTEP + 2 * g, 4);
         std::memcpy(&vb, xq[r] + b * KSTEP + 16 + 2 * g, 4);
         const __m256i xa = _mm256_set1_epi32(va), xb = _mm256_set1_epi32(vb);
+#ifdef SPLITSPEC_AVXVNNI
         isum_lo[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(isum_lo[r], lo_a, xa), lo_b, xb);
         isum_hi[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(isum_hi[r], hi_a, xa), hi_b, xb);
-      }
-    }
 #else
-    __m256i first[R], second[R];  // int16 sums over pairs 0-7 and 8-15, a lane per column
-    for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
-    __m256i xl[R], xh[R];  // a row's block values 0-15 and 16-31, each in both 128-bit lanes (for vpshufb)
-    for (int r = 0; r < R; ++r) {
-      xl[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP)));
-      xh[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP + 16)));
-    }
-    for (int g = 0; g < 8; ++g) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
-      const __m256i wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-      const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * g) | ((2 * g + 1) << 8)));  // values 2g, 2g + 1
-      for (int r = 0; r < R; ++r) {
-        first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(wl, _mm256_shuffle_epi8(xl[r], pick)));
-        second[r] = _mm256_add_epi16(second[r], _mm256_maddubs_epi16(wh, _mm256_shuffle_epi8(xh[r], pick)));
+        isum_lo[r] = _mm256_add_epi16(isum_lo[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo_a, xa),
+                                                                   _mm256_maddubs_epi16(lo_b, xb)));
+        isum_hi[r] = _mm256_add_epi16(isum_hi[r], _mm256_add_epi16(_mm256_maddubs_epi16(hi_a, xa),
+                                                                   _mm256_maddubs_epi16(hi_b, xb)));
+#endif
       }
+    }
+#ifndef SPLITSPEC_AVXVNNI
+    for (int r = 0; r < R; ++r) {
+      isum_lo[r] = _mm256_madd_epi16(isum_lo[r], ones);
+      isum_hi[r] = _mm256_madd_epi16(isum_hi[r], ones);
     }
 #endif
     const uint16_t* sb = dm + (KQ ? b / 8 : b) * 2 * Q4;
@@ -722,13 +718,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     };
     const __m256 d_lo = scale(0), d_hi = scale(8), m_lo = scale(16), m_hi = scale(24);
     for (int r = 0; r < R; ++r) {
-#ifdef SPLITSPEC_AVXVNNI
       const __m256 lo = _mm256_cvtepi32_ps(isum_lo[r]), hi = _mm256_cvtepi32_ps(isum_hi[r]);
-#else
-      // interleaving the two halves' sums and adding neighbours widens them to int32: columns {0-3, 8-11}, {4-7, 12-15}
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(first[r], second[r]), ones));
-      const __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(first[r], second[r]), ones));
-#endif
       const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]), bs = _mm256_set1_ps(x.bsum[(r0 + r) * Kb + b]);
       lo_acc[r] = _mm256_fmadd_ps(m_lo, bs, _mm256_fmadd_ps(_mm256_mul_ps(lo, d_lo), sx, lo_acc[r]));
       hi_acc[r] = _mm256_fmadd_ps(m_hi, bs, _mm256_fmadd_ps(_mm256_mul_ps(hi, d_hi), sx, hi_acc[r]));
