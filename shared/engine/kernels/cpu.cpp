@@ -1219,7 +1219,9 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
 // R rows x TN tiles a pass, as measured on Zen 5 (avx512; a 1.5B's projections, 1 to 150 rows): up to 32 rows one
 // tile at a time, 8 rows a pass (with the prefetch above, 0.6-0.85x the time of two tiles side by side at 7-17 rows;
 // as fast at 1-4); past that two tiles share each activation broadcast, 6 rows of 4-bit or 4 of 6-bit, whose two
-// half-block sums a row and tile fill the 32 registers (a prompt's prefill: 4-6 % faster than 8 x 1). The AVX2
+// half-block sums a row and tile fill the 32 registers (a prompt's prefill: 4-6 % faster than 8 x 1). One tile
+// takes 11 rows of 4-bit (a 1.5B's forward of 9-17 rows 0.84-0.92x the time of 8 rows a pass; at 12 its 24 rows
+// spilled: 1.03x; Intel Xeon with AMX, 2026-11-29, not yet on Zen 5). The AVX2
 // builds (16 registers): 6 rows of 4-bit (a 1.5B's 5-row forward 0.83-0.86x the time of 4 rows a pass, 9 rows
 // 0.9x; 8 spill), 4 of 6-bit (6 spill: one projection 1.25-1.34x); Intel Xeon with AMX, 2026-11-29.
 template <Blocked F>
@@ -1234,7 +1236,7 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
   if (x.M >= least && x.M <= 4 * AMX_BLOCK_ROWS)  // a tree's rows; a prefill's: as fast on the VNNI code
     return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, SIX ? x.M - x.M % 16 : x.M);
 #endif
-  if (x.M <= 32) gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split);
+  if (x.M <= 32) gemm_tiles<F, SIX ? 8 : 11, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
 #else
   gemm_tiles<F, F == Blocked::Q6_K ? 4 : 6, 1>(x, w, dm, bias, residual, N, ld, y, split);
