@@ -5,7 +5,8 @@ All in one run, ``--threads`` torch threads (default 2), medians over ``--repeat
 * forward   one forward of n tokens for each n in ``--sizes`` (default 1,17,33,65) after a ``--prefix``-token
             prefix (300), per dtype in ``--dtypes`` (default fp32, bf16,
             fp32+int8 and fp32+int4: our engine on its CPU kernels with int8 or Q4_1 weights and per-token int8
-            activations, each a different served target, no transformers row):
+            activations, each a different served target, no transformers row; fp32+lowbit: a GGUF's 4- and 6-bit
+            blocks as they are, the path ``--weights auto`` serves such a file on):
             ``transformers``      ``AutoModelForCausalLM`` (sdpa) with a ``DynamicCache`` holding the prefix: one
                                   forward of n new tokens (a causal chain; logits for all n rows), then
                                   ``cache.crop(-n)`` back to the prefix;
@@ -565,8 +566,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--dtypes", default=None,
-                   help="comma list of target dtypes, each optionally +int8 or +int4 (low-bit weights on splitspec's "
-                        "CPU kernels; default fp32,bf16,fp32+int8,fp32+int4)")
+                   help="comma list of target dtypes, each optionally +int8, +int4 or +lowbit (low-bit weights on "
+                        "splitspec's CPU kernels; lowbit: a GGUF's blocks as they are, what --weights auto serves; "
+                        "default fp32,bf16,fp32+int8,fp32+int4)")
     p.add_argument("--sizes", default="1,17,33,65", help="tokens per forward, comma list (default 1,17,33,65)")
     p.add_argument("--prefix", type=int, default=300, help="tokens cached before each forward (default 300)")
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per size and engine (default 15)")
@@ -606,11 +608,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     specs = [d.strip().partition("@") for d in args.dtypes.split(",") if d.strip()]
     entries = [(d.split("+"), build) for d, _, build in specs]
-    unknown = ["+".join(e) for e, build in entries if e[0] not in DTYPES or e[1:] not in ([], ["int8"], ["int4"])
+    weights = ([], ["int8"], ["int4"], ["lowbit"])
+    unknown = ["+".join(e) for e, build in entries if e[0] not in DTYPES or e[1:] not in weights
                or (build and (build not in kernels.BUILDS or not e[1:]))]  # fmt: skip
     if unknown:
         p.error(f"unknown dtype(s) {', '.join(unknown)}; expected some of {', '.join(DTYPES)}, each optionally "
-                f"+int8 or +int4 (low-bit weights), then optionally @BUILD ({', '.join(kernels.BUILDS)})")  # fmt: skip
+                f"+int8, +int4 or +lowbit (low-bit weights), then optionally @BUILD "
+                f"({', '.join(kernels.BUILDS)})")  # fmt: skip
     args.dtypes = list(dict.fromkeys("+".join([SHORT[DTYPES[e[0]]], *e[1:]]) + (f"@{b}" if b else "")
                                      for e, b in entries))  # fmt: skip
     names = [ALIASES.get(d.strip(), d.strip()) for d in args.drafters.split(",") if d.strip()]
