@@ -2015,11 +2015,6 @@ double int8_peak(int64_t steps) {
                        [v10] "+v"(acc[10]), [v11] "+v"(acc[11])
                      : [a] "v"(a), [b] "v"(b));  // fmt: skip
 #undef SPLITSPEC_DP
-      int32_t lanes[sizeof(Vec) / 4];
-      for (auto& v : acc) {
-        std::memcpy(lanes, &v, sizeof lanes);
-        keep += lanes[0];
-      }
 #elif defined(SPLITSPEC_AVX2)
       __m256i acc[6], a[6];  // a product of its own a chain: the same one would be computed once for all
       const __m256i b = _mm256_set1_epi8(2), ones = _mm256_set1_epi16(1);
@@ -2029,11 +2024,6 @@ double int8_peak(int64_t steps) {
         for (int k = 0; k < 6; ++k)
           acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], b), ones));
       }
-      alignas(32) int32_t lanes[8];
-      for (auto& v : acc) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-        keep += lanes[0];
-      }
 #else
       int8_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8};
       int32_t acc = 0;
@@ -2042,6 +2032,13 @@ double int8_peak(int64_t steps) {
         a[i & 7] = static_cast<int8_t>(acc);
       }
       keep = acc;
+#endif
+#if defined(SPLITSPEC_AVX2) && !defined(SPLITSPEC_AMX)
+      for (const auto& v : acc) {  // a lane of every chain: the loop's result is used
+        int32_t first;
+        std::memcpy(&first, &v, sizeof first);
+        keep += first;
+      }
 #endif
       sink += keep;
     }
