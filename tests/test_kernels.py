@@ -413,21 +413,25 @@ def test_bad_arguments_are_named():
                    torch.zeros(1, 8, 16), 0, torch.ones(3, 3, dtype=torch.bool), 1, 1, 0.25)  # fmt: skip
 
 
-def test_block_sums_at_their_largest_are_exact_in_every_build():
-    """A 4-bit block's sum at its largest (every value 15, every activation 127): 16 of its products share a 16-bit
-    lane in the avx2 build (30,480, just under 2^15) before they widen. Every build gives the float64 product of the
-    same values, within float rounding (a lane that wrapped would be off by 2^16 steps)."""
+@pytest.mark.parametrize("sign", [1, -1])
+def test_block_sums_at_their_largest_are_exact_in_every_build(sign):
+    """Blocks at their largest sums (every value at its top, every activation ±127): in the avx2 build 16 products of
+    a 4-bit block (30,480) and 4 of a 6-bit one (32,004) share a 16-bit lane before they widen, just under 2^15.
+    Every build gives the float64 product of the same values, within float rounding (a lane that wrapped would be
+    off by 2^16 steps)."""
     n, k, m = 16, 512, 3
-    q = torch.full((n, k), 15, dtype=torch.uint8)
     ones = torch.ones(n, k // 32)
     d = torch.full((n, k // 256), 0.01).half()
-    packed = pack_int4k_blocks(q, ones * 63, ones * 0, d, d * 0)
-    x = torch.ones(m, k)
-    want = x.double() @ dequantize_int4k(*packed).double().T
-    assert want[0, 0] == pytest.approx(k * 15 * 63 * float(d[0, 0]))  # the values are what the test means
-    for tag in kernels.builds():
-        got = kernels.ops(tag).linear(x, *packed, None, None)
-        assert torch.allclose(got.double(), want, rtol=1e-5), (tag, got[0, 0].item(), want[0, 0].item())
+    four = pack_int4k_blocks(torch.full((n, k), 15, dtype=torch.uint8), ones * 63, ones * 0, d, d * 0)
+    top6 = torch.full((n, k // 16), 127, dtype=torch.int8)
+    six = pack_int6_blocks(torch.full((n, k), 63, dtype=torch.uint8), top6, d)
+    x = torch.full((m, k), float(sign))
+    for packed, unpack, top in ((four, dequantize_int4k, 15 * 63), (six, dequantize_int6, 31 * 127)):
+        want = x.double() @ unpack(*packed).double().T
+        assert want[0, 0] == pytest.approx(sign * k * top * float(d[0, 0]))  # the values are what the test means
+        for tag in kernels.builds():
+            got = kernels.ops(tag).linear(x, *packed, None, None)
+            assert torch.allclose(got.double(), want, rtol=1e-5), (tag, top, got[0, 0].item(), want[0, 0].item())
 
 
 def test_every_build_measures_its_int8_peak():

@@ -856,63 +856,26 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
+  // A block's 6-bit values are unpacked once into an operand in L1 (the 4-bit path's layout: two steps' pairs
+  // interleaved, a column's 4 values a 32-bit lane), which every row then reads: unpacking costs as much as a
+  // row's multiplies, and a row's 4 sums stay in registers.
+  alignas(32) __m256i operand[4][4];  // [step pair g / 2][first half {0-3, 8-11}, {4-7, 12-15}; second half ...]
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* qb = w + b * Q6B;
     for (int line = 0; line < 7; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
-    __m256i f_lo[R], f_hi[R], s_lo[R], s_hi[R];  // first and second half block, columns {0-3, 8-11} and {4-7, 12-15}
-    for (int r = 0; r < R; ++r) f_lo[r] = f_hi[r] = s_lo[r] = s_hi[r] = _mm256_setzero_si256();
     auto high = [&](int g) {
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 32 * (g % 4)));
       return g >= 4 ? _mm256_srli_epi16(h, 4) : h;
     };
-#ifdef SPLITSPEC_AVXVNNI
-    for (int g = 0; g < 8; g += 2) {  // as the 4-bit path: two steps interleaved, a column's 4 values a lane
+    for (int g = 0; g < 8; g += 2) {
       const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
       const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g + 32));
       const __m256i ha = high(g), hb = high(g + 1);
-      __m256i lo_a, lo_b, hi_a, hi_b;
-      six_bits(_mm256_unpacklo_epi16(ra, rb), _mm256_unpacklo_epi16(ha, hb), lo_a, lo_b);
-      six_bits(_mm256_unpackhi_epi16(ra, rb), _mm256_unpackhi_epi16(ha, hb), hi_a, hi_b);
-      for (int r = 0; r < R; ++r) {
-        int32_t va, vb;
-        std::memcpy(&va, xq[r] + b * KSTEP + 2 * g, 4);
-        std::memcpy(&vb, xq[r] + b * KSTEP + 16 + 2 * g, 4);
-        const __m256i xa = _mm256_set1_epi32(va), xb = _mm256_set1_epi32(vb);
-        f_lo[r] = _mm256_dpbusd_avx_epi32(f_lo[r], lo_a, xa);
-        f_hi[r] = _mm256_dpbusd_avx_epi32(f_hi[r], hi_a, xa);
-        s_lo[r] = _mm256_dpbusd_avx_epi32(s_lo[r], lo_b, xb);
-        s_hi[r] = _mm256_dpbusd_avx_epi32(s_hi[r], hi_b, xb);
-      }
+      __m256i* o = operand[g / 2];
+      six_bits(_mm256_unpacklo_epi16(ra, rb), _mm256_unpacklo_epi16(ha, hb), o[0], o[2]);
+      six_bits(_mm256_unpackhi_epi16(ra, rb), _mm256_unpackhi_epi16(ha, hb), o[1], o[3]);
     }
-#else
-    __m256i xl[R], xh[R];  // a row's block values 0-15 and 16-31, each in both 128-bit lanes (for vpshufb)
-    for (int r = 0; r < R; ++r) {
-      xl[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP)));
-      xh[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + b * KSTEP + 16)));
-    }
-    for (int g = 0; g < 8; g += 4) {  // a pair of products is at most 2·63·127: two pairs add up in int16
-      __m256i p[2][2][R];  // [steps g, g + 1 | g + 2, g + 3][half block][row]
-      for (int j = 0; j < 2; ++j)
-        for (int r = 0; r < R; ++r) p[j][0][r] = p[j][1][r] = _mm256_setzero_si256();
-      for (int s = g; s < g + 4; ++s) {
-        __m256i wl, wh;
-        six_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * s)), high(s), wl, wh);
-        const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * s) | ((2 * s + 1) << 8)));
-        auto& pj = p[(s - g) / 2];
-        for (int r = 0; r < R; ++r) {
-          pj[0][r] = _mm256_add_epi16(pj[0][r], _mm256_maddubs_epi16(wl, _mm256_shuffle_epi8(xl[r], pick)));
-          pj[1][r] = _mm256_add_epi16(pj[1][r], _mm256_maddubs_epi16(wh, _mm256_shuffle_epi8(xh[r], pick)));
-        }
-      }
-      for (int r = 0; r < R; ++r) {  // the two pairs' sums side by side, added as int32: columns {0-3, 8-11}, {4-7, 12-15}
-        f_lo[r] = _mm256_add_epi32(f_lo[r], _mm256_madd_epi16(_mm256_unpacklo_epi16(p[0][0][r], p[1][0][r]), ones));
-        f_hi[r] = _mm256_add_epi32(f_hi[r], _mm256_madd_epi16(_mm256_unpackhi_epi16(p[0][0][r], p[1][0][r]), ones));
-        s_lo[r] = _mm256_add_epi32(s_lo[r], _mm256_madd_epi16(_mm256_unpacklo_epi16(p[0][1][r], p[1][1][r]), ones));
-        s_hi[r] = _mm256_add_epi32(s_hi[r], _mm256_madd_epi16(_mm256_unpackhi_epi16(p[0][1][r], p[1][1][r]), ones));
-      }
-    }
-#endif
     const uint16_t* db = dsup + b / 8 * Q4;
     const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
     const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + 8)));
@@ -922,6 +885,31 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
     };
     const __m256 s0_lo = step(0, d_lo), s0_hi = step(8, d_hi), s1_lo = step(Q4, d_lo), s1_hi = step(Q4 + 8, d_hi);
     for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq[r] + b * KSTEP;
+      __m256i sums[4];  // first half {0-3, 8-11}, {4-7, 12-15}; second half ...
+#ifdef SPLITSPEC_AVXVNNI
+      for (int i = 0; i < 4; ++i) sums[i] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {  // values 4p..4p+3 of each half (steps 2p, 2p + 1)
+        int32_t va, vb;
+        std::memcpy(&va, xb + 4 * p, 4);
+        std::memcpy(&vb, xb + 16 + 4 * p, 4);
+        const __m256i xa = _mm256_set1_epi32(va), xh = _mm256_set1_epi32(vb);
+        for (int i = 0; i < 4; ++i) sums[i] = _mm256_dpbusd_avx_epi32(sums[i], operand[p][i], i < 2 ? xa : xh);
+      }
+#else
+      for (int p = 0; p < 4; p += 2) {  // two step pairs' products add up in int16: 4 · 63 · 128 < 2^15
+        int32_t v[4];
+        std::memcpy(&v[0], xb + 4 * p, 8);
+        std::memcpy(&v[2], xb + 16 + 4 * p, 8);
+        for (int i = 0; i < 4; ++i) {
+          const int j = i < 2 ? 0 : 2;
+          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(operand[p][i], _mm256_set1_epi32(v[j])),
+                                                _mm256_maddubs_epi16(operand[p + 1][i], _mm256_set1_epi32(v[j + 1])));
+          const __m256i wide = _mm256_madd_epi16(pair, ones);
+          sums[i] = p == 0 ? wide : _mm256_add_epi32(sums[i], wide);
+        }
+      }
+#endif
       const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
       const __m256i o0 = _mm256_set1_epi32(32 * hs[0]), o1 = _mm256_set1_epi32(32 * hs[1]);
       const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]);
@@ -929,8 +917,8 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
         return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, o1)), s1,
                                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(f, o0)), s0));
       };
-      lo_acc[r] = _mm256_fmadd_ps(half(f_lo[r], s_lo[r], s0_lo, s1_lo), sx, lo_acc[r]);
-      hi_acc[r] = _mm256_fmadd_ps(half(f_hi[r], s_hi[r], s0_hi, s1_hi), sx, hi_acc[r]);
+      lo_acc[r] = _mm256_fmadd_ps(half(sums[0], sums[2], s0_lo, s1_lo), sx, lo_acc[r]);
+      hi_acc[r] = _mm256_fmadd_ps(half(sums[1], sums[3], s0_hi, s1_hi), sx, hi_acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -1223,7 +1211,8 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
 // takes 11 rows of 4-bit (a 1.5B's forward of 9-17 rows 0.84-0.92x the time of 8 rows a pass; at 12 its 24 rows
 // spilled: 1.03x; Intel Xeon with AMX, 2026-11-29, not yet on Zen 5). The AVX2
 // builds (16 registers): 6 rows of 4-bit (a 1.5B's 5-row forward 0.83-0.86x the time of 4 rows a pass, 9 rows
-// 0.9x; 8 spill), 4 of 6-bit (6 spill: one projection 1.25-1.34x); Intel Xeon with AMX, 2026-11-29.
+// 0.9x; 8 spill); 16 of 6-bit, whose rows read an unpacked block from L1 (a Q6_K projection of 13-17 rows 0.9x
+// the time of 12 a pass, 0.8x of 8); Intel Xeon with AMX, 2026-11-29.
 template <Blocked F>
 void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const float* bias, const float* residual,
                  int64_t N, int64_t ld, float* y, const Split& split = {}) {
@@ -1239,7 +1228,7 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
   if (x.M <= 32) gemm_tiles<F, SIX ? 8 : 11, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
 #else
-  gemm_tiles<F, F == Blocked::Q6_K ? 4 : 6, 1>(x, w, dm, bias, residual, N, ld, y, split);
+  gemm_tiles<F, F == Blocked::Q6_K ? 16 : 6, 1>(x, w, dm, bias, residual, N, ld, y, split);
 #endif
 }
 
