@@ -136,6 +136,35 @@ def test_rollback_is_setting_the_length(tiny_target):
     assert fresh.verify(DraftTree()).new_tokens == after
 
 
+def test_the_lm_head_runs_once_when_the_walk_takes_the_likeliest_path(tiny_target, monkeypatch):
+    """A verified tree's head rows: the root, the nodes with children and the leaf of the first children (the path a
+    confident target takes) in one matmul; another leaf's row only when the walk ends on it. The tokens are plain
+    decoding's either way."""
+    prompt = [5, 17, 42, 8]
+    plain = tiny_target.session()
+    plain.prefill(prompt)
+    for _ in range(4):
+        plain.verify(DraftTree())
+    after = plain.tokens[len(prompt) + 1 :]  # past the root, the token prefill picked
+    a, b, c = after[:3]
+    wrong = (a + 1) % tiny_target.vocab_size
+    calls = []
+    engine = tiny_target.engine
+    logits = engine.logits
+    monkeypatch.setattr(engine, "logits", lambda hidden: calls.append(hidden.shape[0]) or logits(hidden))
+    cases = [  # tree, head rows per matmul
+        (DraftTree([a, wrong, b, c], [-1, -1, 0, 2]), [4]),  # root, a, b and the leaf c; the leaf "wrong" never
+        (DraftTree([wrong, a], [-1, -1]), [2, 1]),  # the walk ends on the second child, a leaf
+    ]
+    for tree, rows in cases:
+        session = tiny_target.session()
+        session.prefill(prompt)
+        calls.clear()
+        verdict = session.verify(tree)
+        assert calls == rows
+        assert verdict.new_tokens == after[: len(verdict.new_tokens)]
+
+
 def test_unsupported_models_are_refused_clearly(tmp_path):
     import json
 

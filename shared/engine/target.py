@@ -253,7 +253,7 @@ class TargetSession:
         part = self._part([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
 
         def finish(hidden: torch.Tensor) -> Verdict:
-            logits = TreeLogits(self.target.engine, hidden, tree.parents)
+            logits = TreeLogits(self.target.engine, hidden, tree)
             accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
             kept = [1 + i for i in accepted]
             self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
@@ -300,15 +300,18 @@ class TargetSession:
 class TreeLogits:
     """A verified tree's logits, row by row as the acceptance walk reaches them (row 0: the root, i + 1: node i).
 
-    The rows of the root and of every node with children come from one matmul; a leaf's only if the
-    walk ends on it. Most of a wide tree's nodes are leaves and the LM head is a forward's biggest
-    matmul. Row results do not depend on which rows are computed together (one GEMM per row set).
+    One matmul gives the rows of the root, of every node with children and of the leaf the drafter ranks likeliest
+    (``chain_of_firsts``); any other leaf's only if the walk ends on it. Most of a wide tree's nodes are leaves and
+    the LM head is a forward's biggest matmul, while a walk that takes the whole likeliest path (most rounds of a
+    small tree) would otherwise stream the head a second time for one row. Row results do not depend on which rows
+    are computed together (one GEMM per row set).
     """
 
-    def __init__(self, engine: Transformer, hidden: torch.Tensor, parents: list[int]):
+    def __init__(self, engine: Transformer, hidden: torch.Tensor, tree: DraftTree):
         self.engine, self.hidden = engine, hidden
-        inner = sorted({0} | {p + 1 for p in parents})
-        self.rows = dict(zip(inner, engine.logits(hidden[inner]), strict=True))
+        likeliest = tree.chain_of_firsts()[-1:]  # its leaf; none for an empty tree
+        rows = sorted({0} | {p + 1 for p in tree.parents} | {i + 1 for i in likeliest})
+        self.rows = dict(zip(rows, engine.logits(hidden[rows]), strict=True))
 
     def __getitem__(self, row: int) -> torch.Tensor:
         if row not in self.rows:
