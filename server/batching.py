@@ -5,7 +5,8 @@ Calls (a Verify's tree, a prompt piece of an OpenSession, a decode step of the s
 ``max_batch`` steps and ``max_tokens`` tokens, waiting at most ``window_s`` for more once it has one —
 and runs them as one ``forward_many`` (it waits only while fewer steps are gathered than sessions were
 active in the last ``ACTIVE_S``: a lone client never waits): each step keeps its own cache, positions
-and mask, the weights are read once for all. Then each step's ``finish`` (acceptance, cache moves) runs, in queue order.
+and mask, the weights are read once for all, the LM head's too (``head_logits``). Then each step's ``finish``
+(acceptance, cache moves) runs, in queue order.
 
 A batch never mixes results: a step's rows do not depend on the others' (see ``forward_many``). A
 failing forward is retried step by step, so a bad step fails alone. ``max_batch=1`` is the serial server.
@@ -28,7 +29,7 @@ import torch
 
 from server.budget import Tree, TreeBudget
 from shared.engine.decoder import Cache, Part, Transformer
-from shared.engine.target import Step, Verdict
+from shared.engine.target import Step, Verdict, head_logits
 
 log = logging.getLogger(__name__)
 ACTIVE_S = 0.5  # a sequence with a step in the last half second is expected to send another soon
@@ -207,11 +208,16 @@ class Batcher:
                 self.on_batch(len(batch), tokens, seconds)
                 if self.budget is not None and hidden[0] is not None:
                     self.budget.observe_forward(tokens, sum(pairs(w.step.part) for w in batch), seconds)
-                for work, h in zip(batch, hidden, strict=True):
+                try:
+                    firsts = head_logits(self.engine, [w.step for w in batch], hidden)
+                except Exception:  # one head matmul only saves time: each step computes its own instead
+                    log.exception("could not run the LM head for the whole batch; each step runs its own")
+                    firsts = [None] * len(batch)
+                for work, h, first in zip(batch, hidden, firsts, strict=True):
                     try:
                         if h is None:
                             h = self.engine.forward_many([work.step.part])[0]
-                        result = work.step.finish(h)
+                        result = work.step.finish(h, first)
                     except Exception as exc:
                         work.future.set_exception(exc)
                         continue

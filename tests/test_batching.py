@@ -70,6 +70,31 @@ def test_batched_sessions_get_exactly_what_they_get_alone(bf16):
         assert all(torch.equal(a, b) for a, b in zip(got[3], want[3], strict=True)), i  # the payload features
 
 
+def test_one_head_matmul_serves_every_step_of_a_forward(bf16, monkeypatch):
+    """The LM head's first rows of every step in a forward (``Step.head``) come from one matmul, and each verdict is
+    the one its session gets alone."""
+    prompts = [[5, 9, 14, 5], list(range(20, 31)), [7, 8, 9]]
+
+    def sessions():
+        out = [bf16.session() for _ in prompts]
+        for session, prompt in zip(out, prompts, strict=True):
+            session.prefill(prompt)
+        return out
+
+    def tree_of(session):  # a branchy tree around the session's likely continuation
+        return trees(session.tokens[-3:], bf16.vocab_size)[3]
+
+    want = [s.verify(tree_of(s)) for s in sessions()]
+    steps = [s.verify_step(tree_of(s)) for s in sessions()]
+    hidden = bf16.engine.forward_many([step.part for step in steps])
+    calls, logits = [], bf16.engine.logits
+    monkeypatch.setattr(bf16.engine, "logits", lambda h: calls.append(h.shape[0]) or logits(h))
+    firsts = batching.head_logits(bf16.engine, steps, hidden)
+    assert calls == [sum(len(step.head) for step in steps)] and all(len(step.head) > 1 for step in steps)
+    got = [step.finish(h, first) for step, h, first in zip(steps, hidden, firsts, strict=True)]
+    assert [(v.accepted, v.new_tokens) for v in got] == [(v.accepted, v.new_tokens) for v in want]
+
+
 def test_a_failing_step_fails_alone(bf16):
     batcher = Batcher(bf16.engine, max_batch=8, max_tokens=512, window_s=0.05)
     good = bf16.session()

@@ -144,12 +144,29 @@ class Verdict:
 @dataclass
 class Step:
     """One forward's worth of a session's work: ``part`` goes through the engine (alone, or in one forward
-    with other sessions' parts), then ``finish(hidden)`` turns its hidden states into the call's result."""
+    with other sessions' parts), then ``finish(hidden, logits)`` turns its hidden states into the call's result.
+    ``logits``: the LM head's rows for ``hidden[head]``, computed with other steps' (``head_logits``); None:
+    ``finish`` computes them itself."""
 
     part: Part
-    finish: Callable[[torch.Tensor], object]
+    finish: Callable[[torch.Tensor, torch.Tensor | None], object]
     nodes: int = 0  # a verification's tree nodes
     cut: Callable[[int], Step] | None = None  # a verification of the tree's first k nodes instead
+    head: list[int] = field(default_factory=list)  # hidden rows whose logits finish needs first
+
+
+def head_logits(engine: Transformer, steps: list[Step], hidden: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each step's ``head`` rows of the LM head, from one matmul for all: the head is a forward's biggest weight, and
+    a batch of many sequences would otherwise read it once each (its rows do not depend on which rows share the
+    call, as ``forward_many``'s). None for a step with no such rows, or whose hidden states are missing."""
+    wanted = [i for i, (s, h) in enumerate(zip(steps, hidden, strict=True)) if s.head and h is not None]
+    out: list[torch.Tensor | None] = [None] * len(steps)
+    if not wanted:
+        return out
+    logits = engine.logits(torch.cat([hidden[i][steps[i].head] for i in wanted]))
+    for i, part in zip(wanted, logits.split([len(steps[i].head) for i in wanted]), strict=True):
+        out[i] = part
+    return out
 
 
 @dataclass
@@ -174,7 +191,7 @@ class TargetSession:
     def run(self, step: Step):
         """Run a step alone (a server batches steps of many sessions instead: ``server.batching``)."""
         with torch.inference_mode():
-            return step.finish(self.target.engine.forward_many([step.part])[0])
+            return step.finish(self.target.engine.forward_many([step.part])[0], None)
 
     def reuse(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Take the KV of the prompt's first ``k.shape[3]`` tokens from a sequence computed before (the server's prefix
@@ -216,7 +233,7 @@ class TargetSession:
         for a in range(first_run, n, step):
             b = min(a + step, n)
             part = self._part(list(prompt_ids[a:b]), list(range(a, b)), causal_from(a, b - a, self.target.device))
-            pieces.append(run(Step(part, lambda hidden, b=b: self._filled(b, hidden))))
+            pieces.append(run(Step(part, lambda hidden, _, b=b: self._filled(b, hidden))))
         with torch.inference_mode():
             hidden = torch.cat(pieces)
             logits = self.target.engine.logits(hidden[-1:])
@@ -252,8 +269,8 @@ class TargetSession:
             mask = tree_mask(tree.parents, prefix, dev)
         part = self._part([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
 
-        def finish(hidden: torch.Tensor) -> Verdict:
-            logits = TreeLogits(self.target.engine, hidden, tree)
+        def finish(hidden: torch.Tensor, first: torch.Tensor | None) -> Verdict:
+            logits = TreeLogits(self.target.engine, hidden, tree, first)
             accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
             kept = [1 + i for i in accepted]
             self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
@@ -263,7 +280,7 @@ class TargetSession:
             features = self._features(prefix, hidden[[0, *kept]]) if self.feature_kinds else None
             return Verdict(accepted, new, time.perf_counter() - start, features, verified_nodes=n)
 
-        return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)))
+        return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)), TreeLogits.first_rows(tree))
 
     def decode_step(self) -> Step:
         """A plain decoding step whose token is picked afterwards, by ``pick``: a batched generator (self-distillation)
@@ -272,7 +289,7 @@ class TargetSession:
             raise RuntimeError("decode before prefill")
         if self.cached_len + 2 > self.target.max_context:
             raise ValueError(f"{self.cached_len + 1} tokens fill the context of {self.target.max_context}")
-        return Step(self._part([self.tokens[-1]], [self.cached_len], None), lambda hidden: hidden)
+        return Step(self._part([self.tokens[-1]], [self.cached_len], None), lambda hidden, _: hidden)
 
     def pick(self, logits: torch.Tensor) -> int:
         """Commit the next token, chosen from the logits [1, V] of a ``decode_step``'s state by the session's rule."""
@@ -307,11 +324,17 @@ class TreeLogits:
     are computed together (one GEMM per row set).
     """
 
-    def __init__(self, engine: Transformer, hidden: torch.Tensor, tree: DraftTree):
+    def __init__(self, engine: Transformer, hidden: torch.Tensor, tree: DraftTree, first: torch.Tensor | None = None):
+        """``first``: the logits of ``first_rows(tree)`` where they were computed already (``head_logits``)."""
         self.engine, self.hidden = engine, hidden
+        rows = self.first_rows(tree)
+        self.rows = dict(zip(rows, engine.logits(hidden[rows]) if first is None else first, strict=True))
+
+    @staticmethod
+    def first_rows(tree: DraftTree) -> list[int]:
+        """The rows the first matmul computes: the root, every node with children, the likeliest leaf."""
         likeliest = tree.chain_of_firsts()[-1:]  # its leaf; none for an empty tree
-        rows = sorted({0} | {p + 1 for p in tree.parents} | {i + 1 for i in likeliest})
-        self.rows = dict(zip(rows, engine.logits(hidden[rows]), strict=True))
+        return sorted({0} | {p + 1 for p in tree.parents} | {i + 1 for i in likeliest})
 
     def __getitem__(self, row: int) -> torch.Tensor:
         if row not in self.rows:
