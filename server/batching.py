@@ -204,15 +204,15 @@ class Batcher:
                         batch[0].future.set_exception(exc)
                         continue
                     hidden = [None] * len(batch)  # retried alone below: the failing step fails by itself
-                seconds, tokens = time.perf_counter() - start, sum(len(w.step.part.ids) for w in batch)
-                self.on_batch(len(batch), tokens, seconds)
-                if self.budget is not None and hidden[0] is not None:
-                    self.budget.observe_forward(tokens, sum(pairs(w.step.part) for w in batch), seconds)
                 try:
                     firsts = head_logits(self.engine, [w.step for w in batch], hidden)
                 except Exception:  # one head matmul only saves time: each step computes its own instead
                     log.exception("could not run the LM head for the whole batch; each step runs its own")
                     firsts = [None] * len(batch)
+                seconds, tokens = time.perf_counter() - start, sum(len(w.step.part.ids) for w in batch)
+                self.on_batch(len(batch), tokens, seconds)  # the forward's seconds, its LM head's included
+                if self.budget is not None and hidden[0] is not None:
+                    self.budget.observe_forward(tokens, sum(pairs(w.step.part) for w in batch), seconds)
                 for work, h, first in zip(batch, hidden, firsts, strict=True):
                     try:
                         if h is None:
