@@ -856,25 +856,52 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
-  // A block's 6-bit values are unpacked once into an operand in L1 (the 4-bit path's layout: two steps' pairs
-  // interleaved, a column's 4 values a 32-bit lane), which every row then reads: unpacking costs as much as a
-  // row's multiplies, and a row's 4 sums stay in registers.
-  alignas(32) __m256i operand[4][4];  // [step pair g / 2][first half {0-3, 8-11}, {4-7, 12-15}; second half ...]
+  // A block's 6-bit values as 4 step pairs (values 4p..4p+3 of each half block: steps 2p, 2p + 1), each the 4-bit
+  // path's layout (two steps' pairs interleaved: a column's 4 values a 32-bit lane) in 4 vectors: first half
+  // {0-3, 8-11}, {4-7, 12-15}, second half alike. Rows past the first read them from L1, unpacked once a block:
+  // unpacking costs as much as a row's multiplies, and 16 registers hold a row's 4 sums but not several rows'.
+  // One row takes each pair straight from the registers it was unpacked into.
+  alignas(32) __m256i operand[4][4];
   for (int64_t b = 0; b < Kb; ++b) {
     const uint8_t* qb = w + b * Q6B;
     for (int line = 0; line < 7; ++line) _mm_prefetch(reinterpret_cast<const char*>(qb + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
-    auto high = [&](int g) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 32 * (g % 4)));
-      return g >= 4 ? _mm256_srli_epi16(h, 4) : h;
-    };
-    for (int g = 0; g < 8; g += 2) {
-      const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
-      const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g + 32));
-      const __m256i ha = high(g), hb = high(g + 1);
-      __m256i* o = operand[g / 2];
+    const auto unpack = [&](int p, __m256i* o) {
+      const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * p));
+      const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * p + 32));
+      const auto high = [&](int g) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 32 * (g % 4)));
+        return g >= 4 ? _mm256_srli_epi16(h, 4) : h;
+      };
+      const __m256i ha = high(2 * p), hb = high(2 * p + 1);
       six_bits(_mm256_unpacklo_epi16(ra, rb), _mm256_unpacklo_epi16(ha, hb), o[0], o[2]);
       six_bits(_mm256_unpackhi_epi16(ra, rb), _mm256_unpackhi_epi16(ha, hb), o[1], o[3]);
+    };
+    // a row's sums over step pairs p and p + 1 added to its 4 int32 sums
+    const auto multiply = [&](const __m256i* first, const __m256i* next, const int8_t* xb, int p, __m256i* sums) {
+      int32_t v[4];  // the row's values 4p..4p+7 of each half
+      std::memcpy(&v[0], xb + 4 * p, 8);
+      std::memcpy(&v[2], xb + 16 + 4 * p, 8);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i xa = _mm256_set1_epi32(v[i < 2 ? 0 : 2]), xb2 = _mm256_set1_epi32(v[i < 2 ? 1 : 3]);
+#ifdef SPLITSPEC_AVXVNNI
+        sums[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sums[i], first[i], xa), next[i], xb2);
+#else  // two step pairs' products add up in int16: 4 · 63 · 128 < 2^15
+        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(first[i], xa), _mm256_maddubs_epi16(next[i], xb2));
+        sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(pair, ones));
+#endif
+      }
+    };
+    __m256i alone[4] = {};  // one row's sums, taken as its pairs are unpacked
+    if constexpr (R == 1) {
+      for (int p = 0; p < 4; p += 2) {
+        __m256i first[4], next[4];
+        unpack(p, first);
+        unpack(p + 1, next);
+        multiply(first, next, xq[0] + b * KSTEP, p, alone);
+      }
+    } else {
+      for (int p = 0; p < 4; ++p) unpack(p, operand[p]);
     }
     const uint16_t* db = dsup + b / 8 * Q4;
     const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
@@ -885,31 +912,9 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
     };
     const __m256 s0_lo = step(0, d_lo), s0_hi = step(8, d_hi), s1_lo = step(Q4, d_lo), s1_hi = step(Q4 + 8, d_hi);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = xq[r] + b * KSTEP;
-      __m256i sums[4];  // first half {0-3, 8-11}, {4-7, 12-15}; second half ...
-#ifdef SPLITSPEC_AVXVNNI
-      for (int i = 0; i < 4; ++i) sums[i] = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) {  // values 4p..4p+3 of each half (steps 2p, 2p + 1)
-        int32_t va, vb;
-        std::memcpy(&va, xb + 4 * p, 4);
-        std::memcpy(&vb, xb + 16 + 4 * p, 4);
-        const __m256i xa = _mm256_set1_epi32(va), xh = _mm256_set1_epi32(vb);
-        for (int i = 0; i < 4; ++i) sums[i] = _mm256_dpbusd_avx_epi32(sums[i], operand[p][i], i < 2 ? xa : xh);
-      }
-#else
-      for (int p = 0; p < 4; p += 2) {  // two step pairs' products add up in int16: 4 · 63 · 128 < 2^15
-        int32_t v[4];
-        std::memcpy(&v[0], xb + 4 * p, 8);
-        std::memcpy(&v[2], xb + 16 + 4 * p, 8);
-        for (int i = 0; i < 4; ++i) {
-          const int j = i < 2 ? 0 : 2;
-          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(operand[p][i], _mm256_set1_epi32(v[j])),
-                                                _mm256_maddubs_epi16(operand[p + 1][i], _mm256_set1_epi32(v[j + 1])));
-          const __m256i wide = _mm256_madd_epi16(pair, ones);
-          sums[i] = p == 0 ? wide : _mm256_add_epi32(sums[i], wide);
-        }
-      }
-#endif
+      __m256i sums[4] = {alone[0], alone[1], alone[2], alone[3]};  // first half {0-3, 8-11}, {4-7, 12-15}; second ...
+      if constexpr (R > 1)
+        for (int p = 0; p < 4; p += 2) multiply(operand[p], operand[p + 1], xq[r] + b * KSTEP, p, sums);
       const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
       const __m256i o0 = _mm256_set1_epi32(32 * hs[0]), o1 = _mm256_set1_epi32(32 * hs[1]);
       const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]);
