@@ -268,9 +268,10 @@ class TargetSession:
         else:
             mask = tree_mask(tree.parents, prefix, dev)
         part = self._part([self.tokens[-1], *tree.tokens], tree_positions(tree.parents, prefix), mask)
+        rows = TreeLogits.first_rows(tree)
 
         def finish(hidden: torch.Tensor, first: torch.Tensor | None) -> Verdict:
-            logits = TreeLogits(self.target.engine, hidden, tree, first)
+            logits = TreeLogits(self.target.engine, hidden, rows, first)
             accepted, bonus = accept_tree(tree.tokens, tree.parents, logits, self.sampling, self.generator)
             kept = [1 + i for i in accepted]
             self.cache.move([prefix + r for r in kept], list(range(prefix + 1, prefix + 1 + len(kept))))
@@ -280,7 +281,7 @@ class TargetSession:
             features = self._features(prefix, hidden[[0, *kept]]) if self.feature_kinds else None
             return Verdict(accepted, new, time.perf_counter() - start, features, verified_nodes=n)
 
-        return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)), TreeLogits.first_rows(tree))
+        return Step(part, finish, n, lambda k: self.verify_step(tree.head(k)), rows)
 
     def decode_step(self) -> Step:
         """A plain decoding step whose token is picked afterwards, by ``pick``: a batched generator (self-distillation)
@@ -324,10 +325,9 @@ class TreeLogits:
     are computed together (one GEMM per row set).
     """
 
-    def __init__(self, engine: Transformer, hidden: torch.Tensor, tree: DraftTree, first: torch.Tensor | None = None):
-        """``first``: the logits of ``first_rows(tree)`` where they were computed already (``head_logits``)."""
+    def __init__(self, engine: Transformer, hidden: torch.Tensor, rows: list[int], first: torch.Tensor | None = None):
+        """``rows``: ``first_rows`` of the tree; ``first``: their logits where computed already (``head_logits``)."""
         self.engine, self.hidden = engine, hidden
-        rows = self.first_rows(tree)
         self.rows = dict(zip(rows, engine.logits(hidden[rows]) if first is None else first, strict=True))
 
     @staticmethod
