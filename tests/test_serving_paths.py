@@ -108,6 +108,26 @@ def test_a_close_call_is_timed_again_and_the_faster_timing_kept(monkeypatch):
     assert table.choose() == "int4" and paths.close_calls(table) == []
 
 
+def test_a_timing_that_caught_the_machine_busy_is_timed_again(monkeypatch):
+    """A forward of 1 token timed at 10x one of 5 (a stall: the machine was busy) is timed again, the faster timing
+    of each size kept; a path that stays inconsistent is timed at most ``RETIMES`` more times, and a consistent one
+    (int8's 1 token a little dearer than 5 on AMX tiles is real) once."""
+    script = {"int4": [{1: 50.0, 5: 5.0, 17: 9.0}, {1: 4.0, 5: 5.5, 17: 8.5}],
+              "int8": [{1: 12.0, 5: 10.0, 17: 18.0}],
+              "bf16": [{1: 90.0, 5: 30.0, 17: 40.0}] * (1 + paths.RETIMES)}  # fmt: skip
+    calls = []
+
+    def timed(cfg, path, clock, repeats, slices=None, drop_above=None):
+        calls.append(path)
+        return dict(script[path].pop(0))
+
+    monkeypatch.setattr(paths, "_time_path", timed)
+    table = paths.measure(None, ["int4", "int8", "bf16"])
+    assert table.ms["int4"] == {1: 4.0, 5: 5.0, 17: 8.5} and not paths.stalled(table.ms["int4"])
+    assert calls == ["int4", "int8", "bf16", "int4"] + ["bf16"] * paths.RETIMES
+    assert paths.stalled(table.ms["bf16"]) and not paths.stalled(table.ms["int8"])
+
+
 def test_a_path_slower_than_fp32_is_dropped_after_one_forward_and_no_slice_is_built_twice(monkeypatch):
     """fp32 may serve wherever any path may, so a path whose first timed forward already costs more than fp32's whole
     mix is never chosen: it is dropped then (bf16 on AVX2 took ~15 s of a 0.5B's first load), and said so. The close
