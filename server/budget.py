@@ -17,8 +17,10 @@ learnt from what the server served:
 * T: the forward's seconds, a least-squares fit a + b·tokens + c·(query·key pairs) over recent forwards;
 * o_s: session s's time away from the server between its calls (drafting, the network).
 
-Until it has seen enough of both it cuts nothing. A client's own policy cuts its tree for its link
-before sending it; this cut is the server's, for its load.
+Until it has seen enough of both it cuts nothing, except that T may start as a prior: the line the
+engine's path timing drew through this machine's forwards (``Target.costs``), until the server has timed 32
+of its own. A client's own policy cuts its tree for its link before sending it; this cut is the server's,
+for its load.
 """
 
 from __future__ import annotations
@@ -43,14 +45,19 @@ class Tree:
 
 
 class TreeBudget:
-    def __init__(self, min_nodes: int = 1, paths: int = 512, forwards: int = 256) -> None:
-        """``min_nodes``: never cut a tree below this many nodes (a large number: never cut at all)."""
+    def __init__(self, min_nodes: int = 1, paths: int = 512, forwards: int = 256,
+                 prior: tuple[float, float] | None = None) -> None:  # fmt: skip
+        """``min_nodes``: never cut a tree below this many nodes (a large number: never cut at all); ``prior``: a
+        forward's (fixed seconds, seconds a token) until the fit, and where a fit is implausible."""
         self.min_nodes = min_nodes
+        if prior is not None and min(prior) < 0:
+            raise ValueError(f"prior {prior}: expected (fixed seconds, seconds a token), both >= 0")
+        self._prior = None if prior is None else np.array([prior[0], prior[1], 0.0])
         self._paths: deque[tuple[int, np.ndarray]] = deque(maxlen=paths)
         self._lead = np.zeros(1)  # _lead[j]: sum over recorded paths of nodes accepted from the first j
         self._reach = np.zeros(1, dtype=np.int64)  # _reach[j]: recorded trees with at least j nodes
         self._forwards: deque[tuple[float, float, float]] = deque(maxlen=forwards)
-        self._coef: np.ndarray | None = None
+        self._coef: np.ndarray | None = self._prior
         self._bound = False  # recent forwards compute-bound (see compute_bound)
         self._unfitted = 0
 
@@ -84,17 +91,18 @@ class TreeBudget:
             data = np.array(self._forwards)
             x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             coef = np.linalg.lstsq(x, data[:, 2], rcond=None)[0]
-            self._coef = coef if (coef >= 0).all() and coef[1] > 0 else None  # an implausible fit: cut nothing
+            plausible = (coef >= 0).all() and coef[1] > 0
+            self._coef = coef if plausible else self._prior  # no prior either: cut nothing
             recent = data[-REFIT_EVERY:]
-            self._bound = self._coef is not None and float(coef[1:] @ recent[:, :2].mean(axis=0)) >= coef[0]
+            self._bound = plausible and float(coef[1:] @ recent[:, :2].mean(axis=0)) >= coef[0]
 
     def seconds(self, tokens: float, pairs: float) -> float | None:
-        """The fitted cost of a forward; None before there is a fit."""
+        """The fitted cost of a forward (the prior's before the fit); None before there is either."""
         return None if self._coef is None else float(self._coef @ [1.0, tokens, pairs])
 
     def costs(self, context: int) -> tuple[float, float] | None:
-        """(fixed seconds of a forward, marginal seconds of one more token in it at ``context``) from the fit;
-        None before there is one."""
+        """(fixed seconds of a forward, marginal seconds of one more token in it at ``context``) from the fit
+        (or the prior); None before there is either."""
         if self._coef is None:
             return None
         a, b, c = self._coef

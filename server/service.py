@@ -263,8 +263,9 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
                      "prefix would not be what a cold prefill computes", target.describe())  # fmt: skip
             self.prefixes.max_bytes = 0
         lim = self.limits
+        budget = TreeBudget(lim.min_tree_nodes, prior=target.costs)  # the path timing's costs until its own fit
         self.batcher = Batcher(target.engine, lim.max_batch, lim.max_batch_tokens, lim.batch_window_ms / 1000,
-                               on_batch=self.metrics.forward, budget=TreeBudget(lim.min_tree_nodes))  # fmt: skip
+                               on_batch=self.metrics.forward, budget=budget)  # fmt: skip
         self.target = target
         if self.health is not None:
             set_serving(self.health)

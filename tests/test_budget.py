@@ -8,23 +8,31 @@ import threading
 import pytest
 
 from server.batching import Batcher
-from server.budget import MIN_FORWARDS, MIN_PATHS, Tree, TreeBudget
+from server.budget import MIN_FORWARDS, MIN_PATHS, REFIT_EVERY, Tree, TreeBudget
 from shared.acceptance import SamplingParams
 from shared.engine.models import load_target
 from shared.tree import DraftTree
 
 
-def trained(per_token_s: float, fixed_s: float = 0.02, min_nodes: int = 1) -> TreeBudget:
-    """A budget that has seen 16-node trees accept their first nodes often and later ones rarely, and forwards
-    costing ``fixed_s`` + ``per_token_s`` a token."""
-    budget = TreeBudget(min_nodes)
+def seen_paths(budget: TreeBudget) -> TreeBudget:
+    """``budget``, having seen 16-node trees accept their first nodes often and later ones rarely."""
     paths = [[0, 1, 2], [0, 1], [0], [], [0, 1, 2, 3], [0, 1], [0, 4], [0, 5, 9, 15]]  # the last node pays, rarely
     for i in range(MIN_PATHS * 2):
         budget.observe_path(16, paths[i % len(paths)])
-    for i in range(MIN_FORWARDS * 2):
+    return budget
+
+
+def timed(budget: TreeBudget, per_token_s: float, fixed_s: float = 0.02, forwards: int = MIN_FORWARDS * 2):
+    """``budget``, having timed ``forwards`` forwards costing ``fixed_s`` + ``per_token_s`` a token."""
+    for i in range(forwards):
         tokens = 17 * (1 + i % 16)
         budget.observe_forward(tokens, tokens * 100, fixed_s + per_token_s * tokens)
     return budget
+
+
+def trained(per_token_s: float, fixed_s: float = 0.02, min_nodes: int = 1) -> TreeBudget:
+    """A budget that has seen those trees and forwards costing ``fixed_s`` + ``per_token_s`` a token."""
+    return timed(seen_paths(TreeBudget(min_nodes)), per_token_s, fixed_s)
 
 
 def test_it_learns_what_a_trees_head_would_have_accepted():
@@ -42,6 +50,27 @@ def test_it_cuts_nothing_until_it_knows_and_where_nodes_are_cheap():
     trees = [Tree(16, 300) for _ in range(16)]
     assert TreeBudget().choose(trees, 0, 0) is None  # nothing seen yet
     assert trained(per_token_s=1e-7).choose(trees, 0, 0) is None  # weights-bound: every node is nearly free
+
+
+def test_a_prior_cuts_from_the_first_forward_until_the_servers_own_fit_says_otherwise():
+    """A fresh server knows its path's costs from the path timing (``Target.costs``): with them it cuts a busy
+    forward's trees at once, where without them its first 32 forwards verified every node (a 16-client run of 64
+    tokens makes ~20). Its own forwards' fit then replaces the prior, and an implausible fit falls back to it."""
+    trees = [Tree(16, 300) for _ in range(16)]
+    budget = seen_paths(TreeBudget(prior=(0.02, 1e-3)))
+    k = budget.choose(trees, 0, 0)
+    assert k is not None and 1 <= k < 16 and k == trained(per_token_s=1e-3).choose(trees, 0, 0)
+    timed(budget, per_token_s=1e-7, forwards=MIN_FORWARDS - 1)
+    assert budget.choose(trees, 0, 0) == k  # not yet enough of its own
+    timed(budget, per_token_s=1e-7, forwards=REFIT_EVERY)
+    assert budget.choose(trees, 0, 0) is None  # its forwards say nodes are nearly free
+    for _ in range(MIN_FORWARDS * 8):  # time falls as tokens grow: no plausible line
+        budget.observe_forward(17, 1700, 1.0)
+        budget.observe_forward(272, 27200, 0.5)
+    assert budget.choose(trees, 0, 0) == k and not budget.compute_bound()
+    assert seen_paths(TreeBudget(prior=(0.02, 0.0))).choose(trees, 0, 0) is None  # free tokens: nothing to cut
+    with pytest.raises(ValueError, match="both >= 0"):
+        TreeBudget(prior=(-1.0, 1e-3))
 
 
 def test_it_cuts_where_tokens_cost_and_less_for_clients_away_longer():
