@@ -35,6 +35,17 @@ def test_one_path_serves_every_job_the_cheapest_work_mix():
         ZEN5.choose(["fp16"])
 
 
+def test_a_drafter_takes_the_path_cheapest_for_drafting():
+    """A model drafting runs steps of a few rows and the catch-up after a round, never a 17-row tree: its path is
+    the cheapest 1 + 5-token mix, where a target's (1 + 5 + 17) would give AMX's drafters bf16 or int8 tiles, whose
+    one row streams 2-4x int4's bytes."""
+    assert AMX.choose(mix=paths.DRAFT_MIX) == "int4" and AMX.choose() == "bf16"
+    tied = table({"int4": (23.5, 28.5, 46.1), "int8": (26.8, 30.6, 39.8)})  # the 0.5B's table on AMX, 2026-11-29
+    assert tied.choose() == "int8" and tied.choose(mix=paths.DRAFT_MIX) == "int4"
+    line = tied.line("int4", "a drafter", paths.DRAFT_MIX)
+    assert "ms of a 1 + 5-token mix" in line and "int4 52.0, int8 57.4" in line
+
+
 def test_the_start_up_line_names_the_choice_why_and_its_figures():
     line = ZEN5.line("int4", "the file's own values")
     assert "serving path int4 (the file's own values)" in line and "int4 16.7" in line and "bf16 58.0" in line
@@ -63,7 +74,7 @@ def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir, q4_mode
     assert resolve_precision("cpu", "auto", "native", path) == ("bfloat16", "native")  # bf16 46 < fp32 130
     if kernels.available():
         assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")  # not bf16, though cheaper
-        assert resolve_precision("cpu", "auto", "auto", q4, rounding=True) == PATHS["bf16"]
+        assert resolve_precision("cpu", "auto", "auto", q4, rounding=True) == PATHS["int4"]  # a drafter: 1 + 5
         assert served_paths(q4)[0] == ["int4", "fp32"] and "int4" not in served_paths(path)[0]
         monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: AVX2)
         assert resolve_precision("cpu", "auto", "auto", path) == PATHS["int8"]  # int4 ruled out

@@ -118,7 +118,7 @@ def on_q4_grid(path: str | os.PathLike) -> bool:
 def served_paths(path: str | os.PathLike, rounding: bool = False) -> tuple[list[str], str]:
     """The paths ``auto`` may serve the model at ``path`` on, and why those: a path that rounds a quantised model's
     weights again is a worse copy of the model the user chose, so it is served only when pinned. ``rounding``: a
-    drafter, whose drafts never change an output, may take any path."""
+    drafter, whose drafts never change an output, may take any path (the cheapest for drafting: ``paths.DRAFT_MIX``)."""
     runnable = paths.runnable_paths()
     if rounding:
         return runnable, "a drafter: any path, its drafts never change an output"
@@ -152,8 +152,9 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
         raise SplitspecError("choosing a path by measurement needs the model's folder")
     allowed, why = served_paths(path, rounding) if weights == "auto" else (["bf16", "fp32"], "native weights")
     table = paths.table_for(model_config(path), cache)
-    chosen = table.choose(allowed)
-    print(table.line(chosen, why), file=sys.stderr)
+    mix = paths.DRAFT_MIX if rounding else paths.MIX
+    chosen = table.choose(allowed, mix)
+    print(table.line(chosen, why, mix), file=sys.stderr)
     dtype, weights = paths.PATHS[chosen]
     if chosen == "int4" and not rounding:
         return dtype, "lowbit"  # int4 wherever it changes nothing

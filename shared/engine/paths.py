@@ -47,6 +47,7 @@ PATHS: dict[str, tuple[str, str]] = {
 }
 SIZES = (1, 5, 17)  # tokens a timed forward verifies: plain decoding, a small tree, a full one
 MIX = (1, 5, 17)  # the forwards whose summed cost the served path minimises: one token, a small tree, a full one
+DRAFT_MIX = (1, 5)  # a model drafting: its steps of a few rows, and the catch-up of a round's accepted tokens
 PREFIX = 128  # cached tokens every timed forward attends to
 SPILL_BYTES = 96 << 20  # built layers (and head rows) hold at least this much weight: past any L3 cache
 REPEATS = 5
@@ -68,16 +69,18 @@ class Table:
     measured: str
     dropped: dict[str, float] = dataclasses.field(default_factory=dict)  # path -> ms its mix surely exceeds
 
-    def cost(self, path: str) -> float:
-        """ms of the work mix on ``path``: one forward of each size in ``MIX``."""
-        return sum(self.ms[path][n] for n in MIX)
+    def cost(self, path: str, mix: tuple[int, ...] = MIX) -> float:
+        """ms of a work mix on ``path``: one forward of each size in ``mix``."""
+        return sum(self.ms[path][n] for n in mix)
 
-    def choose(self, allowed: list[str] | None = None) -> str:
-        """The path with the cheapest work mix among ``allowed`` (default: every path measured)."""
+    def choose(self, allowed: list[str] | None = None, mix: tuple[int, ...] = MIX) -> str:
+        """The path with the cheapest work ``mix`` among ``allowed`` (default: every path measured). A drafter's
+        is ``DRAFT_MIX``: it never verifies a tree, so its 17-row forward must not choose (the 0.5B on AMX: int8
+        97 ms of ``MIX`` against int4's 98, yet int8 drafted a step in 29.5 ms against int4's 14.6)."""
         candidates = [p for p in (allowed or self.ms) if p in self.ms]
         if not candidates:
             raise ValueError(f"none of the paths {allowed} was measured; measured: {', '.join(self.ms)}")
-        return min(candidates, key=self.cost)
+        return min(candidates, key=lambda p: self.cost(p, mix))
 
     def costs(self, path: str) -> tuple[float, float]:
         """(seconds a forward on ``path`` costs whatever it carries, seconds each token adds): the line through the
@@ -89,11 +92,12 @@ class Table:
         per_token = max(0.0, (ms[full] - ms[small]) / (full - small))
         return max(0.0, ms[1] - per_token) / 1000, per_token / 1000
 
-    def line(self, chosen: str, why: str = "") -> str:
+    def line(self, chosen: str, why: str = "", mix: tuple[int, ...] = MIX) -> str:
         """The start-up line: the choice, why only some paths were candidates, and the figures behind it."""
-        mix = " + ".join(str(n) for n in MIX)
-        figures = ", ".join([f"{p} {self.cost(p):.1f}" for p in sorted(self.ms, key=self.cost)]
-                            + [f"{p} > {ms:.0f}" for p, ms in self.dropped.items()])  # fmt: skip
+        cost = lambda p: self.cost(p, mix)  # noqa: E731
+        figures = ", ".join([f"{p} {cost(p):.1f}" for p in sorted(self.ms, key=cost)]
+                            + [f"{p} > {ms:.0f}" for p, ms in self.dropped.items() if mix == MIX])  # fmt: skip
+        mix = " + ".join(str(n) for n in mix)
         return (f"splitspec: serving path {chosen}{f' ({why})' if why else ''}; ms of a {mix}-token mix on "
                 f"{self.cpu} ({self.threads} threads): {figures} (`splitspec kernels` for the table)")  # fmt: skip
 

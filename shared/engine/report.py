@@ -27,8 +27,10 @@ def run(args: argparse.Namespace) -> int:
     table = paths.table_for(cfg, args.cache_dir, refresh=args.refresh)
     allowed, why = served_paths(folder)
     chosen = table.choose(allowed)
+    drafting = table.choose(served_paths(folder, rounding=True)[0], paths.DRAFT_MIX)
     if args.json:
         print(json.dumps({**table.to_json(), "model": spec, "chosen": chosen, "candidates": allowed, "why": why,
+                          "drafting": drafting,
                           "builds": {t: 1e3 * s for t, s in seconds.items()},
                           "int8_peak_g_per_s": peaks}, indent=1))  # fmt: skip
         return 0
@@ -45,4 +47,6 @@ def run(args: argparse.Namespace) -> int:
     mix = " + ".join(map(str, paths.MIX))
     print(f"\nserved: {chosen}, the cheapest {mix}-token mix of {', '.join(allowed)} ({why}); "
           "every drafter, the server and plain decoding use it")
+    draft_mix = " + ".join(map(str, paths.DRAFT_MIX))
+    print(f"as a drafter: {drafting}, the cheapest {draft_mix}-token mix of any path (drafts never change an output)")
     return 0
