@@ -4,7 +4,7 @@ sibling), with no training and no bundle.
 Any decoder the engine loads (a built-in name, a GGUF file, a Hugging Face folder) drafts for a target whose
 tokenizer it shares: same ids, same meanings (checked by fingerprint). It reads tokens only, so nothing crosses
 the link but the tree, any verifier will do, and when the link is cut it is a whole model writing on its own.
-It runs on the engine's fastest path for it (measured, like a target's), one KV cache written by position:
+It runs on the engine's path cheapest for drafting (measured: ``paths.DRAFT_MIX``), one KV cache written by position:
 committed tokens are fed once, a tree's nodes take the slots after the root and the next tree overwrites them.
 
 With ``lookup`` (``--drafter NAME+lookup``) a round first tries prompt lookup (``shared.lookup``): where the text
