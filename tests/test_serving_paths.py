@@ -44,6 +44,8 @@ def test_a_drafter_takes_the_path_cheapest_for_drafting():
     assert tied.choose() == "int8" and tied.choose(mix=paths.DRAFT_MIX) == "int4"
     line = tied.line("int4", "a drafter", paths.DRAFT_MIX)
     assert "ms of a 1 + 5-token mix" in line and "int4 52.0, int8 57.4" in line
+    apart = table({"int4": (20.0, 25.0, 80.0), "int8": (24.0, 29.0, 40.0)})  # far apart for a target, not a drafter
+    assert apart.cost("int8") < apart.cost("int4") / paths.CLOSE and paths.close_calls(apart) == ["int4", "int8"]
 
 
 def test_the_start_up_line_names_the_choice_why_and_its_figures():

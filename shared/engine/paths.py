@@ -257,9 +257,12 @@ def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
     """The paths that come first and second within ``margin`` of each other, in the order measured: a busy
     machine slows one path's few seconds of timing and can flip such a choice (on a shared 2-vCPU VM the 0.5B's
     int4 once measured 12.2 ms a token against int8's 11.5, where int4 is 0.71x int8 timed side by side), and a
-    table is kept for good, so they are timed again."""
-    first, *rest = sorted(table.ms, key=table.cost)
-    close = {first, rest[0]} if rest and table.cost(rest[0]) < margin * table.cost(first) else set()
+    table is kept for good, so they are timed again. By a target's mix or a drafter's: either choice may be close."""
+    close = set()
+    for mix in (MIX, DRAFT_MIX):
+        first, *rest = sorted(table.ms, key=lambda p: table.cost(p, mix))
+        if rest and table.cost(rest[0], mix) < margin * table.cost(first, mix):
+            close |= {first, rest[0]}
     return [p for p in table.ms if p in close]
 
 
