@@ -19,7 +19,8 @@ lookup drafts its own chain (≤10 nodes) whatever those flags say. ``--draft-vo
 trained drafter once per draft vocabulary (``eagle@8k``, ...): its head is the target's frozen LM head cut to the
 N most frequent assistant tokens, so one bundle serves every size (trained against its own size's KL: the other
 sizes measure what the head's cost and the vocabulary's coverage do to speed and τ, not a drafter trained for them).
-``--drafter-weights int8,int4`` likewise runs each trained drafter once per setting of its own layers' weights.
+``--drafter-weights int8,int4`` likewise runs each trained drafter once per setting of its own layers' weights,
+and a model drafter once per path.
 
 Every method runs on every prompt, interleaved per prompt with the order rotated from prompt to prompt (and
 the two datasets alternated), so machine noise hits all methods alike. Per prompt: tokens/s = new tokens /
@@ -143,10 +144,12 @@ def make_methods(names: list[str], target, args: argparse.Namespace) -> tuple[li
         if ALIASES.get(name, name) in DRAFTERS:
             methods.append(Method(name, make_drafter(name), UNTRAINED_MAX_TREE_NODES))
             continue
-        if is_model(name):  # a whole model sharing the target's tokenizer
-            drafter = make_drafter(name, target=target, width=args.tree_width, depth=args.tree_depth,
-                                   device=args.device)  # fmt: skip
-            methods.append(Method(name, drafter, args.max_tree_nodes))
+        if is_model(name):  # a whole model sharing the target's tokenizer, once per --drafter-weights
+            for weights in args.drafter_weights:
+                drafter = make_drafter(name, target=target, width=args.tree_width, depth=args.tree_depth,
+                                       device=args.device, weights=weights)  # fmt: skip
+                label = name if len(args.drafter_weights) == 1 else f"{name}@{weights}"
+                methods.append(Method(label, drafter, args.max_tree_nodes))
             continue
         path = bundle_path(name, args.bundle_dir, target)
         if path is None:
@@ -479,8 +482,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="trained drafters: one method per draft vocabulary size, comma list, e.g. 8k,16k,24k,full "
                         "(k = 1024; full = the target's whole vocabulary; default: each bundle's own)")
     p.add_argument("--drafter-weights", default="auto",
-                   help="trained drafters: one method per setting of their own layers' weights, comma list of auto, "
-                        "native, int8, int4 (as `splitspec generate --drafter-weights`; default auto)")
+                   help="one method per setting of a trained drafter's own layers' weights or a model drafter's "
+                        "path, comma list of auto, native, int8, int4 (as `splitspec generate --drafter-weights`; "
+                        "default auto)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature, seed = the prompt's index (default 0: greedy)")
     p.add_argument("--acceptance", default="exact",
