@@ -75,8 +75,7 @@ class Table:
 
     def choose(self, allowed: list[str] | None = None, mix: tuple[int, ...] = MIX) -> str:
         """The path with the cheapest work ``mix`` among ``allowed`` (default: every path measured). A drafter's
-        is ``DRAFT_MIX``: it never verifies a tree, so its 17-row forward must not choose (the 0.5B on AMX: int8
-        97 ms of ``MIX`` against int4's 98, yet int8 drafted a step in 29.5 ms against int4's 14.6)."""
+        is ``DRAFT_MIX``: it never verifies a tree, so a 17-row forward's cost must not choose its path."""
         candidates = [p for p in (allowed or self.ms) if p in self.ms]
         if not candidates:
             raise ValueError(f"none of the paths {allowed} was measured; measured: {', '.join(self.ms)}")
@@ -247,8 +246,7 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
 
 def stalled(ms: dict[int, float]) -> bool:
     """Does a forward of fewer tokens cost ``STALL`` times one of more? More tokens never read fewer weights, so
-    such a timing caught the machine busy, and a table is kept for good: one measured while tests ran beside it had
-    the 135M's int4 at 1310 ms a token and 25 ms for 5, which priced its trees and a server's cuts by nonsense."""
+    such a timing caught the machine busy; and a table is kept for good, and prices trees and a server's cuts."""
     sizes = sorted(ms)
     return any(ms[a] > STALL * ms[b] for i, a in enumerate(sizes) for b in sizes[i + 1 :])
 
