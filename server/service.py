@@ -327,9 +327,10 @@ class SplitSpecService(pb_grpc.SplitSpecServicer):
 
     def costs(self, context_len: int) -> tuple[float, float] | None:
         """(a forward's fixed seconds, per session sharing it; the seconds each of its tokens adds) at
-        ``context_len``: from the forwards served, before there are enough the path timing's; None if neither."""
+        ``context_len``: from the forwards served, before there are enough the path timing's (the budget's prior);
+        None if neither."""
         batcher = self.batcher
-        costs = (batcher.budget.costs(context_len) if batcher.budget is not None else None) or self.target.costs
+        costs = batcher.budget.costs(context_len) if batcher.budget is not None else self.target.costs
         return None if costs is None else (costs[0] / max(1, batcher.sessions), costs[1])
 
     def load(self, context_len: int) -> pb.Load:
