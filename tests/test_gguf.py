@@ -258,6 +258,35 @@ def test_low_bit_serves_four_bit_blocks_as_they_are_and_loads_from_its_cache(tin
 
 
 @pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
+def test_a_ggufs_int4_path_is_timed_on_its_own_layers_as_its_load_packs_them(tiny_gguf, cache):
+    """Path timing's int4 slice of a GGUF is its own layers as a target (``lowbit``) or a drafter (``int4``) loads
+    them: Q6_K's kernel is not a 4-bit one's, and a random Q4_1 slice with an int8 head timed neither; each has a
+    table of its own."""
+    from shared.engine import paths
+    from shared.engine.models import load_target, model_config, own_layers, resolve_model
+
+    folder = resolve_model(str(tiny_gguf), cache)
+    cfg = model_config(folder)
+    for rounding, weights in ((False, "lowbit"), (True, "int4")):
+        own = own_layers(folder, rounding)
+        assert own.weights == weights
+        timed, layers, rows = paths._slice(cfg, "int4", own)
+        loaded = load_target(str(tiny_gguf), dtype="float32", weights=weights, cache=cache).engine
+        assert layers == 2 and rows == cfg.vocab_size
+        for mine, theirs in zip(timed.layers, loaded.layers, strict=True):
+            for (name, a), (_, b) in zip(mine.named_modules(), theirs.named_modules(), strict=True):
+                if hasattr(a, "weights_kind"):
+                    assert a.weights_kind() == b.weights_kind(), name
+                    assert (a.qweight is None and b.qweight is None) or torch.equal(a.qweight, b.qweight), name
+        assert torch.equal(timed.lm_head.qweight, loaded.lm_head.qweight)
+    random, _, _ = paths._slice(cfg, "int4")
+    assert {m.weights_kind() for m in random.modules() if hasattr(m, "weights_kind")} == {"int4", "int8"}
+    assert random.layers[0].mlp.down_proj.weights_kind() == "int4"  # Q4_1 where the file has Q6_K
+    keys = {paths.cache_file(cfg, cache, own).name for own in (None, own_layers(folder), own_layers(folder, True))}
+    assert len(keys) == 3
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
 def test_any_model_with_the_targets_tokenizer_drafts(tiny_gguf, cache, monkeypatch):
     """A GGUF path as ``--drafter``: trees from the model's own top-k, greedy output equal to plain decoding, and a
     model drafting for itself on the same path has every draft accepted. Another tokenizer is refused."""

@@ -39,7 +39,7 @@ def model_dir(request, monkeypatch, q4_model_dir, tiny_model_dir):
     it (int4 never; int8 or bf16), each under the split table."""
     if request.param == "q4" and not kernels.available():
         pytest.skip(f"the int4 path needs the kernels: {kernels.unavailable_reason()}")
-    monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: SPLIT)
+    monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False, own=None: SPLIT)
     if request.param == "q4":
         return str(q4_model_dir), ("float32", "int4")  # int4's mix is dearer, but the others round again
     return str(tiny_model_dir), ("bfloat16", "native")  # the cheapest mix; plain decoding alone would take int8

@@ -48,6 +48,21 @@ def test_a_drafter_takes_the_path_cheapest_for_drafting():
     assert apart.cost("int8") < apart.cost("int4") / paths.CLOSE and paths.close_calls(apart) == ["int4", "int8"]
 
 
+def test_layers_are_timed_in_the_files_own_shares_of_kinds():
+    """A Q4_K_M file keeps some layers' down projections and v in Q6_K: a slice of its first layers would time
+    those only (the 1.5B's 0 and 1 are), so a slice holds each kind of layer in its share of the file."""
+    from shared.engine.gguf import sample_layers
+
+    q6, q4 = ("Q4_K", "Q6_K"), ("Q4_K", "Q4_K")
+    mixed = [q6, q6, q4, q4, q4, q6, q6, q6, q6, q6, q6, q4, q4, q6] + [q4, q6] * 7  # 28, the 1.5B's order
+    assert sample_layers(mixed, 4) == [0, 1, 2, 3] and sample_layers(mixed, 2) == [0, 2]
+    assert sample_layers(mixed, 28) == list(range(28))
+    picked = sample_layers([q6] * 3 + [q4] * 9, 4)  # a quarter of them: one of the four
+    assert sum(1 for i in picked if i < 3) == 1 and len(picked) == 4
+    with pytest.raises(ValueError, match="5 layers of 4"):
+        sample_layers([q4] * 4, 5)
+
+
 def test_the_start_up_line_names_the_choice_why_and_its_figures():
     line = ZEN5.line("int4", "the file's own values")
     assert "serving path int4 (the file's own values)" in line and "int4 16.7" in line and "bf16 58.0" in line
@@ -66,7 +81,7 @@ def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir, q4_mode
     """With both auto the measured path is served; a pinned dtype is served as pinned; a checkpoint on the Q4_1 grid
     keeps its own values (int4 or fp32, never int8 or bf16 unless pinned), one that is not never gets int4 (a second
     rounding), and a drafter may take any path."""
-    monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: AMX)
+    monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False, own=None: AMX)
     path, q4 = str(tiny_model_dir), str(q4_model_dir)
     assert not on_q4_grid(path) and on_q4_grid(q4)
     assert resolve_precision("cpu", "auto", "auto", path) == PATHS["bf16"]
@@ -78,7 +93,7 @@ def test_auto_resolves_to_the_measured_path(monkeypatch, tiny_model_dir, q4_mode
         assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")  # not bf16, though cheaper
         assert resolve_precision("cpu", "auto", "auto", q4, rounding=True) == PATHS["int4"]  # a drafter: 1 + 5
         assert served_paths(q4)[0] == ["int4", "fp32"] and "int4" not in served_paths(path)[0]
-        monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False: AVX2)
+        monkeypatch.setattr(paths, "table_for", lambda cfg, cache=None, refresh=False, own=None: AVX2)
         assert resolve_precision("cpu", "auto", "auto", path) == PATHS["int8"]  # int4 ruled out
         assert resolve_precision("cpu", "auto", "auto", q4) == ("float32", "lowbit")
 
@@ -109,7 +124,7 @@ def test_a_close_call_is_timed_again_and_the_faster_timing_kept(monkeypatch):
     script = {"int4": [12.2, 9.4], "int8": [11.5, 12.3], "bf16": [45.0]}
     calls = []
 
-    def timed(cfg, path, clock, repeats, slices=None, drop_above=None):
+    def timed(cfg, path, clock, repeats, slices=None, drop_above=None, own=None):
         calls.append(path)
         ms = script[path].pop(0)
         return {n: ms * n for n in paths.SIZES}
@@ -130,7 +145,7 @@ def test_a_timing_that_caught_the_machine_busy_is_timed_again(monkeypatch):
               "bf16": [{1: 90.0, 5: 30.0, 17: 40.0}] * (1 + paths.RETIMES)}  # fmt: skip
     calls = []
 
-    def timed(cfg, path, clock, repeats, slices=None, drop_above=None):
+    def timed(cfg, path, clock, repeats, slices=None, drop_above=None, own=None):
         calls.append(path)
         return dict(script[path].pop(0))
 
@@ -162,7 +177,8 @@ def test_a_path_slower_than_fp32_is_dropped_after_one_forward_and_no_slice_is_bu
             return h
 
     cost = {"int4": 1.0, "int8": 1.1, "fp32": 4.0, "bf16": 20.0}
-    monkeypatch.setattr(paths, "_slice", lambda cfg, path: (builds.append(path), Slice(path, cost[path]), 1, 1)[1:])
+    monkeypatch.setattr(paths, "_slice",
+                        lambda cfg, path, own=None: (builds.append(path), Slice(path, cost[path]), 1, 1)[1:])
     cfg = dataclasses.make_dataclass("Cfg", [("num_layers", int), ("vocab_size", int)])(1, 1)
     table = paths.measure(cfg, list(PATHS), clock=lambda: now[0] / 1000, repeats=3)
     assert builds == ["int4", "int8", "fp32", "bf16"]
@@ -178,7 +194,7 @@ def test_the_table_is_cached_per_machine_and_model(monkeypatch, tmp_path, tiny_m
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
     calls = []
-    monkeypatch.setattr(paths, "measure", lambda c, progress=None: calls.append(c) or ZEN5)
+    monkeypatch.setattr(paths, "measure", lambda c, progress=None, own=None: calls.append(c) or ZEN5)
     assert paths.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1
     assert paths.table_for(cfg, tmp_path) == ZEN5 and len(calls) == 1  # read back, not measured again
     other = dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size)

@@ -332,6 +332,18 @@ def load_engine(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
 def _assign_gguf(model: Transformer, state: dict[str, torch.Tensor]) -> None:
     """Put a GGUF's tensors (``gguf.load``) in: float ones as parameters, packed ones into their ``Linear``s."""
+    packed = assign_packed(model, state)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in packed and k != "lm_head.weight"]
+    if missing or unexpected:
+        raise SplitspecError(f"GGUF weights do not fit the decoder: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def assign_packed(model: Transformer, state: dict[str, torch.Tensor]) -> set[str]:
+    """Take the packed projections (``<layer>.qweight``, ``.qscale``, ``.tail.*``) out of ``state`` into their
+    ``Linear``s, which drop their float weight; the names of those layers."""
     packed = {k.rsplit(".", 1)[0] for k in state if k.endswith(".qweight") and ".tail." not in k}
     for name in packed:
         layer = model.get_submodule(name)
@@ -344,12 +356,7 @@ def _assign_gguf(model: Transformer, state: dict[str, torch.Tensor]) -> None:
             tail = Linear(layer.in_features, rows, bias=False, device="meta")
             tail.weight, tail.qweight, tail.qscale, tail.kernel_build = None, qweight, qscale, layer.kernel_build
             layer.tail = tail
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if k.rsplit(".", 1)[0] not in packed and k != "lm_head.weight"]
-    if missing or unexpected:
-        raise SplitspecError(f"GGUF weights do not fit the decoder: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if model.cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    return packed
 
 
 def exact_rows(model: nn.Module, rows: int = CUDA_ROWS) -> None:

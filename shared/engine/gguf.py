@@ -213,6 +213,10 @@ class Checkpoint:
         self.four_bit = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                          gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
 
+    def layer_kinds(self, i: int) -> tuple:
+        """The kinds of layer ``i``'s projection tensors, in ``PROJECTIONS``' order."""
+        return tuple(self._tensor(f"blk.{i}.{p}.weight").tensor_type.name for ps in PROJECTIONS.values() for p in ps)
+
     def is_four_bit(self, name: str) -> bool:
         return self._tensor(name).tensor_type in self.four_bit
 
@@ -385,31 +389,54 @@ def _converted(ckpt: Checkpoint, cfg, weights: str, embeddings: bool = True):
     """The engine's tensors made from the GGUF's, a layer at a time, then the norm, embeddings (unless ``embeddings``
     is False: ``_write_rows`` writes them) and head."""
     lowbit = weights in ("int8", "int4", "lowbit")
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     started = time.monotonic()
     for i in range(cfg.num_layers):
         _progress(i, cfg.num_layers, started)
-        state = {f"layers.{i}.{ours}.weight": ckpt.floats(f"blk.{i}.{theirs}.weight") for ours, theirs in NORMS.items()}
-        for ours, parts in PROJECTIONS.items():
-            names = [f"blk.{i}.{p}.weight" for p in parts]
-            if all(f"blk.{i}.{p}.bias" in ckpt.tensors for p in parts):
-                biases = [ckpt.floats(f"blk.{i}.{p}.bias", heads.get(p)) for p in parts]
-                state[f"layers.{i}.{ours}.bias"] = torch.cat(biases)
-            if lowbit:
-                state.update(_packed(f"layers.{i}.{ours}", ckpt, names, parts, heads, weights))
-            else:
-                state[f"layers.{i}.{ours}.weight"] = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in
-                                                                zip(names, parts, strict=True)])  # fmt: skip
-        yield state
+        yield layer_state(ckpt, cfg, i, weights)
     _progress(cfg.num_layers, cfg.num_layers, started)
     yield {"norm.weight": ckpt.floats("output_norm.weight")}
     if embeddings:
         yield {"embed_tokens.weight": ckpt.floats("token_embd.weight")}
     if not cfg.tie_embeddings and lowbit:  # packed at once: a float copy of a 150k-token head would double the memory
-        qweight, qscale = _head_rows(ckpt, "output.weight", weights)
+        qweight, qscale = head_rows(ckpt, "output.weight", weights)
         yield {"lm_head.qweight": qweight, "lm_head.qscale": qscale}
     elif not cfg.tie_embeddings:
         yield {"lm_head.weight": ckpt.floats("output.weight")}
+
+
+def layer_state(ckpt: Checkpoint, cfg, i: int, weights: str, name: int | None = None) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s tensors by the decoder's names (``layers.<name>.*``, ``name`` defaulting to ``i``), made for
+    ``weights`` as ``load`` makes them."""
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    at = f"layers.{i if name is None else name}"
+    state = {f"{at}.{ours}.weight": ckpt.floats(f"blk.{i}.{theirs}.weight") for ours, theirs in NORMS.items()}
+    for ours, parts in PROJECTIONS.items():
+        names = [f"blk.{i}.{p}.weight" for p in parts]
+        if all(f"blk.{i}.{p}.bias" in ckpt.tensors for p in parts):
+            state[f"{at}.{ours}.bias"] = torch.cat([ckpt.floats(f"blk.{i}.{p}.bias", heads.get(p)) for p in parts])
+        if weights in ("int8", "int4", "lowbit"):
+            state.update(_packed(f"{at}.{ours}", ckpt, names, parts, heads, weights))
+        else:
+            state[f"{at}.{ours}.weight"] = torch.cat([ckpt.floats(n, heads.get(p)) for n, p in
+                                                      zip(names, parts, strict=True)])  # fmt: skip
+    return state
+
+
+def sample_layers(kinds: list[tuple], count: int) -> list[int]:
+    """``count`` layers of a model whose layers hold tensors of ``kinds`` (a tuple a layer), in the model's own shares
+    of them: a file mixes kinds by layer (Q4_K_M keeps half its down projections in Q6_K), and path timing
+    extrapolates a few layers' cost to all. Layers alike are grouped; each group gets its share of ``count`` (the
+    largest remainders rounded up) from its first layers."""
+    if not 0 < count <= len(kinds):
+        raise ValueError(f"{count} layers of {len(kinds)}: expected 1 to {len(kinds)}")
+    groups: dict[tuple, list[int]] = {}
+    for i, k in enumerate(kinds):
+        groups.setdefault(k, []).append(i)
+    shares = {k: len(v) * count / len(kinds) for k, v in groups.items()}
+    taken = {k: int(s) for k, s in shares.items()}
+    for k in sorted(groups, key=lambda k: taken[k] - shares[k])[: count - sum(taken.values())]:
+        taken[k] += 1
+    return sorted(i for k, v in groups.items() for i in v[: taken[k]])
 
 
 def _release() -> None:
@@ -422,12 +449,15 @@ def _release() -> None:
         pass
 
 
-def _head_rows(ckpt: Checkpoint, name: str, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head packed for the low-bit ``weights``, a slice of rows at a time (rows are independent): no fp32
-    copy of it. Q6_K is served as it is (``lowbit``); else int8 (a scale per row), or int4 when pinned (a drafter's
-    head, where rounding it again costs nothing but drafts)."""
+def head_rows(ckpt: Checkpoint, name: str, weights: str, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head (its first ``count`` rows, a multiple of 16; default all) packed for the low-bit ``weights``, a
+    slice of rows at a time (rows are independent): no fp32 copy of it. Q6_K is served as it is (``lowbit``); else
+    int8 (a scale per row), or int4 when pinned (a drafter's head, where rounding it again costs nothing but drafts)."""
     t = ckpt.tensors[name]
     rows, cols, step = int(t.shape[1]), int(t.shape[0]), 8192  # a multiple of every layout's tile
+    if count is not None and (count % 16 or not 0 < count <= rows):
+        raise ValueError(f"{count} head rows of {rows}: expected a multiple of 16 up to {rows}")
+    rows = rows if count is None else count
     if weights == "lowbit" and ckpt.is_six_bit(name) and rows % 16 == 0:
         pack = lambda span: pack_int6_blocks(*ckpt.six_bits(name, span=span))  # noqa: E731
     elif weights == "int4" and rows % 16 == 0 and cols % 32 == 0:

@@ -151,7 +151,7 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     if path is None:
         raise SplitspecError("choosing a path by measurement needs the model's folder")
     allowed, why = served_paths(path, rounding) if weights == "auto" else (["bf16", "fp32"], "native weights")
-    table = paths.table_for(model_config(path), cache)
+    table = paths.table_for(model_config(path), cache, own=own_layers(path, rounding))
     mix = paths.DRAFT_MIX if rounding else paths.MIX
     chosen = table.choose(allowed, mix)
     print(table.line(chosen, why, mix), file=sys.stderr)
@@ -159,6 +159,12 @@ def resolve_precision(device: str = "cpu", dtype: str = "auto", weights: str = "
     if chosen == "int4" and not rounding:
         return dtype, "lowbit"  # int4 wherever it changes nothing
     return dtype, weights
+
+
+def own_layers(path: str | os.PathLike, rounding: bool = False) -> paths.Own | None:
+    """What a GGUF's ``int4`` path is timed on: its own layers, as a target's load (``lowbit``) or a drafter's
+    (``int4``, ``rounding``) packs them. None for a Hugging Face folder: random Q4_1 blocks are what int4 packs."""
+    return None if gguf.source_of(path) is None else paths.Own(Path(path), "int4" if rounding else "lowbit")
 
 
 def model_config(path: str | os.PathLike):
@@ -220,7 +226,7 @@ def load_target(
             use_graphs(engine).warm()
     target = Target(engine, tokenizer, name=spec, max_context=max_context, path=path, eos_token_ids=ids)
     if timed:
-        target.costs = paths.served_costs(model_config(path), dtype, weights, cache)
+        target.costs = paths.served_costs(model_config(path), dtype, weights, cache, own_layers(path, rounding))
     if target.weights != "native":
         target.name = f"{spec}-{target.weights}"  # a different served target
     return target

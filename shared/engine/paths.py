@@ -5,7 +5,10 @@ A CPU flag says what a CPU can execute, not what is fast on it: AVX512-BF16 with
 at bandwidth (5x slower than int4 on a Zen 5), while on AMX bf16 trees are nearly free. So ``auto`` measures.
 Each path the engine has — ``int4`` and ``int8`` on splitspec's kernels (fp32 activations), ``bf16`` and
 ``fp32`` on torch — is timed on the served model's own shapes (random weights: a matmul's speed does not
-depend on its values) at one token and at tree sizes, after a cached prefix. Enough layers are built to
+depend on its values) at one token and at tree sizes, after a cached prefix. A GGUF's ``int4`` path is timed on its
+own layers as the load packs them (``Own``): its kinds are its formats' kernels (Q4_K_M keeps half its down
+projections and its head in Q6_K, whose kernel is slower than a 4-bit one), and a drafter's load packs them
+otherwise than a target's. Enough layers are built to
 overflow the caches; the whole model's cost is extrapolated from them (layers scale with their count, the
 head with its rows). Seconds to half a minute, once (a path already slower than fp32 is dropped after one
 forward): the paths table is cached per CPU, torch version, thread count, kernel build and model shape in the model
@@ -56,6 +59,18 @@ CLOSE = 1.2  # paths within this factor of each other are timed twice (``close_c
 STALL = 1.5  # a forward of fewer tokens this much slower than one of more: timed on a busy machine (``stalled``)
 RETIMES = 2  # at most this many more timings of a stalled path
 VERSION = 4  # bump when what is measured changes: old tables are then measured anew
+
+
+@dataclasses.dataclass(frozen=True)
+class Own:
+    """A GGUF model whose own layers the ``int4`` path is timed on, and the ``weights`` its load takes them as:
+    ``lowbit`` served (4-bit blocks and Q6_K as they are), ``int4`` drafting (the rest rounded to Q4_1)."""
+
+    folder: Path
+    weights: str
+
+    def key(self) -> list[str]:
+        return [Path(self.folder).name, self.weights]  # (a GGUF's folder is named by its file's name, size and time)
 
 
 @dataclasses.dataclass
@@ -131,10 +146,10 @@ def runnable_paths() -> list[str]:
     return list(PATHS) if kernels.available() else ["bf16", "fp32"]
 
 
-def _key(cfg) -> str:
+def _key(cfg, own: Own | None = None) -> str:
     blob = json.dumps([VERSION, kernels.cpu_name(), sorted(kernels.cpu_flags()), torch.__version__,
                        torch.get_num_threads(), kernels.active(), kernels.source_digest(),
-                       dataclasses.asdict(cfg), SIZES, PREFIX])  # fmt: skip
+                       dataclasses.asdict(cfg), SIZES, PREFIX] + ([] if own is None else own.key()))  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -146,10 +161,10 @@ def _layer_params(cfg) -> int:
 BYTES_PER_PARAM = {"int4": 0.5625, "int8": 1.0, "bf16": 2.0, "fp32": 4.0}
 
 
-def _model(cfg, path: str, layers: int, rows: int):
+def _model(cfg, path: str, layers: int, rows: int, own: Own | None = None):
     """A ``Transformer`` of ``cfg``'s shapes with ``layers`` blocks and ``rows`` vocabulary rows, random weights (a
     block of normal values repeated), made ready for ``path`` exactly as ``shared.engine.decoder.load_engine`` makes
-    a checkpoint."""
+    a checkpoint; on ``int4``, ``own``'s layers (``gguf.sample_layers``) and head rows in place of random ones."""
     # tied: one random [rows, hidden] table for the embeddings and the head (the timed forward reads the head's rows
     # either way), not two — the first load of a 1.5B model peaked at 2.8 GB here with both
     small = dataclasses.replace(cfg, num_layers=layers, vocab_size=rows, max_positions=PREFIX + max(SIZES) + 1,
@@ -166,27 +181,48 @@ def _model(cfg, path: str, layers: int, rows: int):
             flat = param.view(-1)
             for i in range(0, flat.numel(), fill.numel()):
                 flat[i : i + fill.numel()] = fill[: flat.numel() - i]
+    if own is not None and path == "int4":
+        _put_own(model, cfg, own, layers, rows)
     dtype, weights = PATHS[path]
     return prepare(model, DTYPES[dtype], "cpu", exact=True, weights=weights)
 
 
-def _slice(cfg, path: str):
+def _put_own(model, cfg, own: Own, layers: int, rows: int) -> None:
+    """``own``'s layers and head rows into a slice ``_model`` built: what ``load_engine`` packs from them."""
+    from shared.engine import gguf
+    from shared.engine.decoder import assign_packed
+
+    ckpt = gguf.Checkpoint(gguf.source_of(own.folder))
+    state = {}
+    for j, i in enumerate(gguf.sample_layers([ckpt.layer_kinds(i) for i in range(cfg.num_layers)], layers)):
+        state.update(gguf.layer_state(ckpt, cfg, i, own.weights, name=j))
+    assign_packed(model, state)  # (takes the packed tensors out of ``state``)
+    model.load_state_dict(state, strict=False)  # the norms and biases
+    if not cfg.tie_embeddings:
+        head = model.lm_head
+        head.qweight, head.qscale = gguf.head_rows(ckpt, "output.weight", own.weights, rows)
+        head.kernel_build, head.weight = kernels.active(), None
+
+
+def _slice(cfg, path: str, own: Own | None = None):
     """(a slice of the model built for ``path``, its layers, its vocabulary rows): enough to overflow the caches."""
     per_layer = _layer_params(cfg) * BYTES_PER_PARAM[path]
     layers = max(1, min(cfg.num_layers, math.ceil(SPILL_BYTES / per_layer)))
     head_bytes = {"int4": 1.0, "int8": 1.0}.get(path, BYTES_PER_PARAM[path])  # the head stays int8 when low-bit
     rows = max(1, min(cfg.vocab_size, math.ceil(SPILL_BYTES / (head_bytes * cfg.hidden_size))))
-    return _model(cfg, path, layers, rows), layers, rows
+    if own is not None and path == "int4":
+        rows = max(16, rows // 16 * 16)  # a packed head's tiles are 16 rows
+    return _model(cfg, path, layers, rows, own), layers, rows
 
 
 def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices: dict | None = None,
-               drop_above: float = math.inf) -> dict[int, float] | None:  # fmt: skip
+               drop_above: float = math.inf, own: Own | None = None) -> dict[int, float] | None:  # fmt: skip
     """ms of the whole model's forward per size for one path, extrapolated from a slice of it (built once, kept in
     ``slices`` where given). None, after one timed forward, where that forward alone cost more than ``drop_above``
     ms: the path cannot be chosen, and timing it through would cost seconds (bf16 on AVX2: ~15 s for a 0.5B)."""
     slices = {} if slices is None else slices
     if path not in slices:
-        slices[path] = _slice(cfg, path)
+        slices[path] = _slice(cfg, path, own)
     model, layers, rows = slices[path]
     whole = lambda blocks, head: 1e3 * (blocks * cfg.num_layers / layers + head * cfg.vocab_size / rows)  # noqa: E731
     cache = model.new_cache(PREFIX + max(SIZES))
@@ -213,8 +249,9 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices:
 
 
 def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = time.perf_counter,
-            repeats: int = REPEATS, progress=None) -> Table:  # fmt: skip
-    """Time every path (default: every one this machine has, in ``PATHS``' order) on ``cfg``'s shapes. A path whose
+            repeats: int = REPEATS, progress=None, own: Own | None = None) -> Table:  # fmt: skip
+    """Time every path (default: every one this machine has, in ``PATHS``' order) on ``cfg``'s shapes (``int4`` on
+    ``own``'s layers where given). A path whose
     one timed forward already costs more than fp32's whole mix is dropped: fp32 may serve wherever any path may
     (``shared.engine.models.served_paths``), so such a path is never chosen. The slices of the two cheapest paths so
     far are kept for the close call's second timing."""
@@ -225,7 +262,7 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
         if progress:
             progress(path)
         bound = table.cost("fp32") if "fp32" in ms else math.inf
-        timed = _time_path(cfg, path, clock, repeats, slices, drop_above=bound)
+        timed = _time_path(cfg, path, clock, repeats, slices, drop_above=bound, own=own)
         if timed is None:
             table.dropped[path] = bound
         else:
@@ -234,12 +271,12 @@ def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = ti
             slices.pop(other, None)
     for path in [p for p in ms if stalled(ms[p])]:  # timed again, the faster timing of each size kept
         for _ in range(RETIMES):
-            again = _time_path(cfg, path, clock, repeats, slices)
+            again = _time_path(cfg, path, clock, repeats, slices, own=own)
             ms[path] = {n: min(ms[path][n], again[n]) for n in ms[path]}
             if not stalled(ms[path]):
                 break
     for path in reversed(close_calls(table)):  # timed again, in the other order, and the faster timing kept
-        again = _time_path(cfg, path, clock, repeats, slices)
+        again = _time_path(cfg, path, clock, repeats, slices, own=own)
         ms[path] = {n: min(ms[path][n], again[n]) for n in ms[path]}
     return table
 
@@ -264,31 +301,33 @@ def close_calls(table: Table, margin: float = CLOSE) -> list[str]:
     return [p for p in table.ms if p in close]
 
 
-def cache_file(cfg, cache: str | Path | None = None) -> Path:
-    return cache_dir(cache) / "calibration" / f"paths-{_key(cfg)}.json"
+def cache_file(cfg, cache: str | Path | None = None, own: Own | None = None) -> Path:
+    return cache_dir(cache) / "calibration" / f"paths-{_key(cfg, own)}.json"
 
 
-def cached(cfg, cache: str | Path | None = None) -> Table | None:
-    """The table measured for ``cfg`` on this machine, None where there is none (or a half-written one)."""
+def cached(cfg, cache: str | Path | None = None, own: Own | None = None) -> Table | None:
+    """The table measured for ``cfg`` (and ``own``) on this machine, None where there is none (or a half-written
+    one)."""
     try:
-        return Table.from_json(json.loads(cache_file(cfg, cache).read_text()))
+        return Table.from_json(json.loads(cache_file(cfg, cache, own).read_text()))
     except (OSError, ValueError, KeyError):
         return None
 
 
-def served_costs(cfg, dtype: str, weights: str, cache: str | Path | None = None) -> tuple[float, float] | None:
+def served_costs(cfg, dtype: str, weights: str, cache: str | Path | None = None,
+                 own: Own | None = None) -> tuple[float, float] | None:  # fmt: skip
     """``Table.costs`` of the path that (``dtype``, ``weights``) name (``lowbit``: int4's), from this machine's table
     for ``cfg`` where one was measured (never measured here: a pinned path's load stays as quick as it was)."""
     pair = (dtype, "int4" if weights == "lowbit" else weights)
     name = next((p for p, served in PATHS.items() if served == pair), None)
-    table = cached(cfg, cache)
+    table = cached(cfg, cache, own)
     return table.costs(name) if table is not None and name in table.ms else None
 
 
-def table_for(cfg, cache: str | Path | None = None, refresh: bool = False) -> Table:
-    """The cached table for ``cfg`` on this machine, measured (and saved) when there is none."""
-    path = cache_file(cfg, cache)
-    if not refresh and (table := cached(cfg, cache)) is not None:
+def table_for(cfg, cache: str | Path | None = None, refresh: bool = False, own: Own | None = None) -> Table:
+    """The cached table for ``cfg`` (and ``own``) on this machine, measured (and saved) when there is none."""
+    path = cache_file(cfg, cache, own)
+    if not refresh and (table := cached(cfg, cache, own)) is not None:
         return table
     print(f"splitspec: timing this CPU's paths on the model's shapes (once per machine and model): {path}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -299,7 +338,7 @@ def table_for(cfg, cache: str | Path | None = None, refresh: bool = False) -> Ta
             print(f"\rsplitspec: timing {name} ({time.monotonic() - started:.0f} s)  ", end="", file=sys.stderr,
                   flush=True)  # fmt: skip
 
-    table = measure(cfg, progress=progress)
+    table = measure(cfg, progress=progress, own=own)
     if sys.stderr.isatty():
         print(f"\rsplitspec: paths timed in {time.monotonic() - started:.0f} s\033[K", file=sys.stderr, flush=True)
     try:

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from shared.engine import kernels, paths
-from shared.engine.models import DEFAULT_MODEL, model_config, resolve_model, served_paths
+from shared.engine.models import DEFAULT_MODEL, model_config, own_layers, resolve_model, served_paths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,10 +24,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = kernels.builds()
     seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
     peaks = {t: kernels.int8_peak(t) / 1e9 for t in loaded}
-    table = paths.table_for(cfg, args.cache_dir, refresh=args.refresh)
+    table = paths.table_for(cfg, args.cache_dir, refresh=args.refresh, own=own_layers(folder))
     allowed, why = served_paths(folder)
     chosen = table.choose(allowed)
-    drafting = table.choose(served_paths(folder, rounding=True)[0], paths.DRAFT_MIX)
+    own = own_layers(folder, rounding=True)  # a GGUF's drafter packs its layers otherwise: a table of its own
+    drafts = table if own is None else paths.table_for(cfg, args.cache_dir, refresh=args.refresh, own=own)
+    drafting = drafts.choose(served_paths(folder, rounding=True)[0], paths.DRAFT_MIX)
     if args.json:
         print(json.dumps({**table.to_json(), "model": spec, "chosen": chosen, "candidates": allowed, "why": why,
                           "drafting": drafting,
