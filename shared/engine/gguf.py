@@ -457,13 +457,13 @@ def head_rows(ckpt: Checkpoint, name: str, weights: str, count: int | None = Non
     rows, cols, step = int(t.shape[1]), int(t.shape[0]), 8192  # a multiple of every layout's tile
     if count is not None and (count % 16 or not 0 < count <= rows):
         raise ValueError(f"{count} head rows of {rows}: expected a multiple of 16 up to {rows}")
-    rows = rows if count is None else count
-    if weights == "lowbit" and ckpt.is_six_bit(name) and rows % 16 == 0:
+    if weights == "lowbit" and ckpt.is_six_bit(name) and rows % 16 == 0:  # (the whole head's rows decide its format)
         pack = lambda span: pack_int6_blocks(*ckpt.six_bits(name, span=span))  # noqa: E731
     elif weights == "int4" and rows % 16 == 0 and cols % 32 == 0:
         pack = lambda span: pack_int4(ckpt.floats(name, span=span))  # noqa: E731
     else:
         pack = lambda span: pack_int8(ckpt.floats(name, span=span), kernels.ops().int8_layout())  # noqa: E731
+    rows = rows if count is None else count
     parts = [pack((r, min(rows, r + step))) for r in range(0, rows, step)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
