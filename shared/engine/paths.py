@@ -8,11 +8,10 @@ Each path the engine has — ``int4`` and ``int8`` on splitspec's kernels (fp32 
 depend on its values) at one token and at tree sizes, after a cached prefix. A GGUF's ``int4`` path is timed on its
 own layers as the load packs them (``Own``): its kinds are its formats' kernels (Q4_K_M keeps half its down
 projections and its head in Q6_K, whose kernel is slower than a 4-bit one), and a drafter's load packs them
-otherwise than a target's. Enough layers are built to
-overflow the caches; the whole model's cost is extrapolated from them (layers scale with their count, the
-head with its rows). Seconds to half a minute, once (a path already slower than fp32 is dropped after one
-forward): the paths table is cached per CPU, torch version, thread count, kernel build and model shape in the model
-cache's ``calibration/`` folder, beside the kernel builds' timings.
+otherwise than a target's. Enough layers are built to overflow the caches; the whole model's cost is extrapolated
+from them (layers scale with their count, the head with its rows). Seconds to half a minute, once (a path already
+slower than fp32 is dropped after one forward): the paths table is cached per CPU, torch version, thread count, kernel
+build and model shape in the model cache's ``calibration/`` folder, beside the kernel builds' timings.
 
 One path serves a model on a machine, whatever runs it: plain decoding, every drafter, the server (its verification
 and its own decoding), the edge and the offline bridge. Each path is exact relative to itself (a tree verified in
@@ -193,8 +192,9 @@ def _put_own(model, cfg, own: Own, layers: int, rows: int) -> None:
     from shared.engine.decoder import assign_packed
 
     ckpt = gguf.Checkpoint(gguf.source_of(own.folder))
+    kinds = [ckpt.layer_kinds(i) for i in range(cfg.num_layers)]
     state = {}
-    for j, i in enumerate(gguf.sample_layers([ckpt.layer_kinds(i) for i in range(cfg.num_layers)], layers)):
+    for j, i in enumerate(gguf.sample_layers(kinds, layers)):  # the file's layer i as the slice's layer j
         state.update(gguf.layer_state(ckpt, cfg, i, own.weights, name=j))
     assign_packed(model, state)  # (takes the packed tensors out of ``state``)
     model.load_state_dict(state, strict=False)  # the norms and biases
@@ -251,9 +251,9 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices:
 def measure(cfg, paths: list[str] | None = None, clock: Callable[[], float] = time.perf_counter,
             repeats: int = REPEATS, progress=None, own: Own | None = None) -> Table:  # fmt: skip
     """Time every path (default: every one this machine has, in ``PATHS``' order) on ``cfg``'s shapes (``int4`` on
-    ``own``'s layers where given). A path whose
-    one timed forward already costs more than fp32's whole mix is dropped: fp32 may serve wherever any path may
-    (``shared.engine.models.served_paths``), so such a path is never chosen. The slices of the two cheapest paths so
+    ``own``'s layers where given). A path whose one timed forward already costs more than fp32's whole mix is
+    dropped: fp32 may serve wherever any path may (``shared.engine.models.served_paths``), so such a path is never
+    chosen. The slices of the two cheapest paths so
     far are kept for the close call's second timing."""
     table = Table({}, kernels.cpu_label(), kernels.active() if kernels.available() else None,
                   torch.get_num_threads(), time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
