@@ -68,7 +68,7 @@ struct Rows {
   std::vector<uint8_t> u;   // [M, Kp] the values + 128 (VNNI's unsigned operand; see dot_tile)
   std::vector<float> scale; // [M] per row, or [M, Kp / 32] per block
   std::vector<float> bsum;  // [M, Kp / 32] each block's sum of q, times its scale in block mode
-  std::vector<int32_t> hsum;  // [M, Kp / 16] each half block's sum of q, in block mode (6-bit weights' offset)
+  std::vector<int32_t> hoff;  // [M, Kp / 16] -32 x each half block's sum of q, in block mode (6-bit weights' offset)
   int64_t M = 0, Kp = 0;
   bool blocks = false;
 };
@@ -158,7 +158,7 @@ void prepare_rows(int64_t M, int64_t K, Rows& r, bool blocks) {
 #endif
   r.scale.assign(blocks ? M * Kb : M, 0.f);
   r.bsum.assign(M * Kb, 0.f);
-  r.hsum.assign(blocks ? M * Kb * 2 : 0, 0);
+  r.hoff.assign(blocks ? M * Kb * 2 : 0, 0);
 }
 
 // Rows [m0, m1) of x [M, K] quantised into r (prepared for M rows)
@@ -183,8 +183,8 @@ void quantize_rows_range(const float* x, int64_t m0, int64_t m1, int64_t K, Rows
         const int64_t n0 = std::min<int64_t>(n, KSTEP / 2);
         const int32_t s0 = quantize_span(xr + k0, n0, inv, q + k0, nullptr);
         const int32_t s1 = quantize_span(xr + k0 + n0, n - n0, inv, q + k0 + n0, nullptr);
-        r.hsum[(m * Kb + b) * 2] = s0;
-        r.hsum[(m * Kb + b) * 2 + 1] = s1;
+        r.hoff[(m * Kb + b) * 2] = -32 * s0;
+        r.hoff[(m * Kb + b) * 2 + 1] = -32 * s1;
         sum = s0 + s1;
       } else {
         sum = quantize_span(xr + k0, n, inv, q + k0, a ? a + k0 : nullptr);
@@ -793,9 +793,11 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
       for (int line = 0; line < 7; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * Q6B + PREFETCH + 64 * line), _MM_HINT_T0);
     ahead.fetch(b);
-    __m512i first[R][TN], second[R][TN];  // the block's two half blocks: values 0-15 and 16-31
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < TN; ++u) first[r][u] = second[r][u] = _mm512_setzero_si512();
+    __m512i first[R][TN], second[R][TN];  // the block's two half blocks (values 0-15, 16-31), from their offsets
+    for (int r = 0; r < R; ++r) {
+      const int32_t* hs = x.hoff.data() + ((r0 + r) * Kb + b) * 2;
+      for (int u = 0; u < TN; ++u) first[r][u] = _mm512_set1_epi32(hs[0]), second[r][u] = _mm512_set1_epi32(hs[1]);
+    }
     for (int g = 0; g < 8; g += 2) {
       __m512i wl[TN], wh[TN];
       for (int u = 0; u < TN; ++u) {
@@ -825,12 +827,10 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
       s1[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d[u]);
     }
     for (int r = 0; r < R; ++r) {
-      const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
-      const __m512i o0 = _mm512_set1_epi32(32 * hs[0]), o1 = _mm512_set1_epi32(32 * hs[1]);
       const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]);
       for (int u = 0; u < TN; ++u) {
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(second[r][u], o1)), s1[u],
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(first[r][u], o0)), s0[u]));
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[r][u]), s1[u],
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(first[r][u]), s0[u]));
         acc[r][u] = _mm512_fmadd_ps(v, sx, acc[r][u]);
       }
     }
@@ -892,8 +892,15 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
 #endif
       }
     };
-    __m256i alone[4] = {};  // one row's sums, taken as its pairs are unpacked
+    // a row's half-block sums (first half {0-3, 8-11}, {4-7, 12-15}; second ...) start from their offsets
+    const auto offsets = [&](int r, __m256i* sums) {
+      const int32_t* hs = x.hoff.data() + ((r0 + r) * Kb + b) * 2;
+      sums[0] = sums[1] = _mm256_set1_epi32(hs[0]);
+      sums[2] = sums[3] = _mm256_set1_epi32(hs[1]);
+    };
+    __m256i alone[4];  // one row's sums, taken as its pairs are unpacked
     if constexpr (R == 1) {
+      offsets(0, alone);
       for (int p = 0; p < 4; p += 2) {
         __m256i first[4], next[4];
         unpack(p, first);
@@ -912,15 +919,16 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
     };
     const __m256 s0_lo = step(0, d_lo), s0_hi = step(8, d_hi), s1_lo = step(Q4, d_lo), s1_hi = step(Q4 + 8, d_hi);
     for (int r = 0; r < R; ++r) {
-      __m256i sums[4] = {alone[0], alone[1], alone[2], alone[3]};  // first half {0-3, 8-11}, {4-7, 12-15}; second ...
-      if constexpr (R > 1)
+      __m256i sums[4];
+      if constexpr (R == 1) {
+        std::copy(alone, alone + 4, sums);
+      } else {
+        offsets(r, sums);
         for (int p = 0; p < 4; p += 2) multiply(operand[p], operand[p + 1], xq[r] + b * KSTEP, p, sums);
-      const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
-      const __m256i o0 = _mm256_set1_epi32(32 * hs[0]), o1 = _mm256_set1_epi32(32 * hs[1]);
+      }
       const __m256 sx = _mm256_set1_ps(x.scale[(r0 + r) * Kb + b]);
       const auto half = [&](__m256i f, __m256i s, __m256 s0, __m256 s1) {
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, o1)), s1,
-                               _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(f, o0)), s0));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), s1, _mm256_mul_ps(_mm256_cvtepi32_ps(f), s0));
       };
       lo_acc[r] = _mm256_fmadd_ps(half(sums[0], sums[2], s0_lo, s1_lo), sx, lo_acc[r]);
       hi_acc[r] = _mm256_fmadd_ps(half(sums[1], sums[3], s0_hi, s1_hi), sx, hi_acc[r]);
@@ -954,8 +962,8 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
         const int8_t* sc = reinterpret_cast<const int8_t*>(qb + 384);
         const int64_t i = (r0 + r) * Kb + b;
         const float d = half_to_float(dsup[b / 8 * Q4 + slot[c]]);
-        const float v = std::fma(static_cast<float>(s1 - 32 * x.hsum[2 * i + 1]), static_cast<float>(sc[Q4 + slot[c]]) * d,
-                                 static_cast<float>(s0 - 32 * x.hsum[2 * i]) * (static_cast<float>(sc[slot[c]]) * d));
+        const float v = std::fma(static_cast<float>(s1 + x.hoff[2 * i + 1]), static_cast<float>(sc[Q4 + slot[c]]) * d,
+                                 static_cast<float>(s0 + x.hoff[2 * i]) * (static_cast<float>(sc[slot[c]]) * d));
         acc = std::fma(v, x.scale[i], acc);
       }
       out[r * Q4 + c] = acc;
@@ -1108,12 +1116,12 @@ void q6_amx_pass(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* ds
     const __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(sc, 1))), d);
     int32_t(*half)[AMX_BLOCK_ROWS * Q4] = sums[b & 1];
     for (int r = 0; r < R; ++r) {
-      const int32_t* hs = x.hsum.data() + ((r0 + r) * Kb + b) * 2;
-      const __m512i o0 = _mm512_set1_epi32(32 * hs[0]), o1 = _mm512_set1_epi32(32 * hs[1]);
+      const int32_t* hs = x.hoff.data() + ((r0 + r) * Kb + b) * 2;
+      const __m512i o0 = _mm512_set1_epi32(hs[0]), o1 = _mm512_set1_epi32(hs[1]);
       const __m512 sx = _mm512_set1_ps(x.scale[(r0 + r) * Kb + b]);
       const __m512i first = _mm512_load_si512(half[0] + r * Q4), second = _mm512_load_si512(half[1] + r * Q4);
-      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(second, o1)), s1,
-                                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(first, o0)), s0));
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(second, o1)), s1,
+                                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, o0)), s0));
       acc[r] = _mm512_fmadd_ps(v, sx, acc[r]);
     }
   }
@@ -1989,7 +1997,8 @@ double int8_peak(int64_t steps) {
       _tile_stored(0, out, 64);
       keep = out[0];
 #elif defined(SPLITSPEC_AVX512) || defined(SPLITSPEC_AVXVNNI)
-      // in asm: through the intrinsic, the compiler may compute one product and add it twelve times
+      // The whole loop in asm: through intrinsics the compiler may compute one product and add it twelve times, and
+      // an array of accumulators may go through memory every turn (a store a multiply: a third of Zen 4's rate).
 #ifdef SPLITSPEC_AVX512
       using Vec = __m512i;
 #define SPLITSPEC_DP(i) "vpdpbusd %[b], %[a], %[v" #i "]\n\t"
@@ -2001,23 +2010,33 @@ double int8_peak(int64_t steps) {
       std::memset(acc, 0, sizeof acc);
       std::memset(&a, 1, sizeof a);
       std::memset(&b, 2, sizeof b);
-      for (int64_t i = 0; i < steps; i += 12)  // twelve chains: enough to cover vpdpbusd's latency
-        asm volatile(SPLITSPEC_DP(0) SPLITSPEC_DP(1) SPLITSPEC_DP(2) SPLITSPEC_DP(3) SPLITSPEC_DP(4) SPLITSPEC_DP(5)
-                     SPLITSPEC_DP(6) SPLITSPEC_DP(7) SPLITSPEC_DP(8) SPLITSPEC_DP(9) SPLITSPEC_DP(10) SPLITSPEC_DP(11)
-                     : [v0] "+v"(acc[0]), [v1] "+v"(acc[1]), [v2] "+v"(acc[2]), [v3] "+v"(acc[3]), [v4] "+v"(acc[4]),
-                       [v5] "+v"(acc[5]), [v6] "+v"(acc[6]), [v7] "+v"(acc[7]), [v8] "+v"(acc[8]), [v9] "+v"(acc[9]),
-                       [v10] "+v"(acc[10]), [v11] "+v"(acc[11])
-                     : [a] "v"(a), [b] "v"(b));  // fmt: skip
+      int64_t turns = steps / 12;  // twelve chains: enough to cover vpdpbusd's latency
+      asm volatile("1:\n\t" SPLITSPEC_DP(0) SPLITSPEC_DP(1) SPLITSPEC_DP(2) SPLITSPEC_DP(3) SPLITSPEC_DP(4)
+                   SPLITSPEC_DP(5) SPLITSPEC_DP(6) SPLITSPEC_DP(7) SPLITSPEC_DP(8) SPLITSPEC_DP(9) SPLITSPEC_DP(10)
+                   SPLITSPEC_DP(11) "dec %[n]\n\tjnz 1b\n\t"
+                   : [v0] "+v"(acc[0]), [v1] "+v"(acc[1]), [v2] "+v"(acc[2]), [v3] "+v"(acc[3]), [v4] "+v"(acc[4]),
+                     [v5] "+v"(acc[5]), [v6] "+v"(acc[6]), [v7] "+v"(acc[7]), [v8] "+v"(acc[8]), [v9] "+v"(acc[9]),
+                     [v10] "+v"(acc[10]), [v11] "+v"(acc[11]), [n] "+r"(turns)
+                   : [a] "v"(a), [b] "v"(b));  // fmt: skip
 #undef SPLITSPEC_DP
 #elif defined(SPLITSPEC_AVX2)
-      __m256i acc[6], a[6];  // a product of its own a chain: the same one would be computed once for all
-      const __m256i b = _mm256_set1_epi8(2), ones = _mm256_set1_epi16(1);
-      for (int k = 0; k < 6; ++k) acc[k] = _mm256_setzero_si256(), a[k] = _mm256_set1_epi8(static_cast<char>(k + 1));
-      for (int64_t i = 0; i < steps; i += 6) {
-        for (auto& v : a) asm volatile("" : "+x"(v));
-        for (int k = 0; k < 6; ++k)
-          acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(a[k], b), ones));
-      }
+      // in asm for the same reasons: six chains of vpmaddubsw, vpmaddwd (pairs to int32) and vpaddd
+      __m256i acc[6], a, b, ones;
+      std::memset(acc, 0, sizeof acc);
+      std::memset(&a, 1, sizeof a);
+      std::memset(&b, 2, sizeof b);
+      ones = _mm256_set1_epi16(1);
+#define SPLITSPEC_MADD(i, t)                                                                     \
+  "vpmaddubsw %[b], %[a], %%ymm" #t "\n\tvpmaddwd %[ones], %%ymm" #t ", %%ymm" #t "\n\t" \
+  "vpaddd %%ymm" #t ", %[v" #i "], %[v" #i "]\n\t"
+      int64_t turns = steps / 6;
+      asm volatile("1:\n\t" SPLITSPEC_MADD(0, 10) SPLITSPEC_MADD(1, 11) SPLITSPEC_MADD(2, 12) SPLITSPEC_MADD(3, 13)
+                   SPLITSPEC_MADD(4, 14) SPLITSPEC_MADD(5, 15) "dec %[n]\n\tjnz 1b\n\t"
+                   : [v0] "+x"(acc[0]), [v1] "+x"(acc[1]), [v2] "+x"(acc[2]), [v3] "+x"(acc[3]), [v4] "+x"(acc[4]),
+                     [v5] "+x"(acc[5]), [n] "+r"(turns)
+                   : [a] "x"(a), [b] "x"(b), [ones] "x"(ones)
+                   : "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");  // fmt: skip
+#undef SPLITSPEC_MADD
 #else
       int8_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8};
       int32_t acc = 0;
