@@ -803,11 +803,12 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
       for (int u = 0; u < TN; ++u) {
         const uint8_t* wb = w + u * tile_bytes + b * Q6B;
         const __m512i raw = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 32 * g));
-        __m512i h = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 256 + 32 * (g % 4)));
-        if (g >= 4) h = _mm512_srli_epi16(h, 4);
-        wl[u] = _mm512_or_si512(_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-        wh[u] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
-                                _mm512_and_si512(_mm512_slli_epi16(h, 2), top));  // fmt: skip
+        // the high bits: byte i's bits 0-1 and 2-3 (steps g < 4) or 4-5 and 6-7, moved to bits 4-5
+        const __m512i h = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(wb + 256 + 32 * (g % 4)));
+        const __m512i hl = g < 4 ? _mm512_slli_epi16(h, 4) : h;
+        const __m512i hh = g < 4 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
+        wl[u] = _mm512_or_si512(_mm512_and_si512(raw, low), _mm512_and_si512(hl, top));
+        wh[u] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_and_si512(hh, top));
       }
       for (int r = 0; r < R; ++r) {
         __m512i xl, xh;
@@ -840,11 +841,13 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
       _mm512_storeu_ps(out + (r * TN + u) * Q4, _mm512_shuffle_f32x4(acc[r][u], acc[r][u], _MM_SHUFFLE(3, 1, 2, 0)));
 }
 #elif defined(SPLITSPEC_AVX2)
-// a 6-bit byte pair's values: low nibbles | high bits (bits 0-1 of h, shifted), high nibbles | bits 2-3 of h
-inline void six_bits(__m256i raw, __m256i h, __m256i& wl, __m256i& wh) {
+// a 6-bit byte pair's values: low nibbles | high bits (bits 0-1 of h, or 4-5 for the upper steps, moved to bits 4-5),
+// high nibbles | bits 2-3 of h (or 6-7)
+inline void six_bits(__m256i raw, __m256i h, bool upper, __m256i& wl, __m256i& wh) {
   const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-  wl = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
-  wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+  const __m256i hl = upper ? h : _mm256_slli_epi16(h, 4), hh = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+  wl = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(hl, top));
+  wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(hh, top));
 }
 
 template <int R, int TN = 1>
@@ -870,12 +873,11 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
       const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * p));
       const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * p + 32));
       const auto high = [&](int g) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 32 * (g % 4)));
-        return g >= 4 ? _mm256_srli_epi16(h, 4) : h;
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 32 * (g % 4)));
       };
       const __m256i ha = high(2 * p), hb = high(2 * p + 1);
-      six_bits(_mm256_unpacklo_epi16(ra, rb), _mm256_unpacklo_epi16(ha, hb), o[0], o[2]);
-      six_bits(_mm256_unpackhi_epi16(ra, rb), _mm256_unpackhi_epi16(ha, hb), o[1], o[3]);
+      six_bits(_mm256_unpacklo_epi16(ra, rb), _mm256_unpacklo_epi16(ha, hb), p >= 2, o[0], o[2]);
+      six_bits(_mm256_unpackhi_epi16(ra, rb), _mm256_unpackhi_epi16(ha, hb), p >= 2, o[1], o[3]);
     };
     // a row's sums over step pairs p and p + 1 added to its 4 int32 sums
     const auto multiply = [&](const __m256i* first, const __m256i* next, const int8_t* xb, int p, __m256i* sums) {
