@@ -107,6 +107,7 @@ class DecodeRun:
     first_difference: int | None = None
     matches_hf: bool | None = None  # fp32 only: vs transformers' generate
     first_difference_hf: int | None = None
+    decode_tokens_per_s: float | None = None  # after the first token (the prompt's prefill apart, as llama.cpp counts)
 
 
 @dataclass
@@ -306,6 +307,8 @@ def decode(hf, eos: list[int], methods: list[Method], prompts: list[list[int]], 
                 draft = round(1000 * s.draft_s / s.rounds, 3) if s.rounds else None
                 run = DecodeRun(label, m.dtype, k, s.new_tokens, round(s.wall_s, 4), round(s.tokens_per_s, 3),
                                 round(s.acceptance_length, 4), draft, gen.finish_reason)  # fmt: skip
+                if s.new_tokens > 1 and s.wall_s > s.ttft_s:
+                    run.decode_tokens_per_s = round((s.new_tokens - 1) / (s.wall_s - s.ttft_s), 3)
             done[label] = (run, new)
             runs.append(run)
             bar.update()
@@ -341,6 +344,7 @@ def summarize(runs: list[DecodeRun]) -> dict[str, dict]:
             "prompts": len(mine),
             "mean_new_tokens": round(statistics.fmean(r.tokens for r in mine), 1),
             "median_tokens_per_s": median([r.tokens_per_s for r in mine]),
+            "median_decode_tokens_per_s": median([r.decode_tokens_per_s for r in mine if r.decode_tokens_per_s]),
             "x_hf_generate": median([r.tokens_per_s / hf[r.prompt] for r in mine if r.prompt in hf]),
             "x_plain_same_dtype": median([r.tokens_per_s / plain[k] for r in mine if (k := (dtype, r.prompt)) in plain])
             if own
@@ -470,16 +474,17 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         f"## Greedy decoding, {s['prompts']} MT-Bench first turns, ≤{s['max_new_tokens']} new tokens\n",
-        "tok/s: median over prompts (new tokens ÷ wall seconds of the whole call, prefill included); × columns: "
+        "tok/s: median over prompts (new tokens ÷ wall seconds of the whole call, prefill included); decode tok/s: "
+        "the same after the first token (the prompt's prefill apart, as llama-bench's `-n` counts); × columns: "
         "median over prompts of the per-prompt ratio; τ: tokens per verification round (mean over prompts); "
         "draft ms: drafting time per round; ms/depth step, steps/tree: a tree drafter's model calls (one per "
         f"depth of its tree search; median ms, timed over {DRAFT_STEP_ROUNDS} trees on the first prompt); ≠ columns: "
         "prompts whose token ids differ from plain decoding of the same dtype / from transformers' generate (fp32). "
         f"Trained drafters: EAGLE-2 trees B={s['tree']['width']}, "
         f"D={s['tree']['depth']}, ≤{s['tree']['max_tree_nodes']} nodes.\n",
-        "| method | dtype | tok/s | × transformers generate fp32 | × plain (same dtype) | τ | draft ms/round "
-        "| ms/depth step | steps/tree | ≠ plain | ≠ transformers |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | dtype | tok/s | decode tok/s | × transformers generate fp32 | × plain (same dtype) | τ "
+        "| draft ms/round | ms/depth step | steps/tree | ≠ plain | ≠ transformers |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in result["decode"].items():
         name = label.rsplit(" ", 1)[0] if label != HF_GENERATE else "transformers generate"
@@ -487,7 +492,8 @@ def markdown(result: dict) -> str:
         plain = "–" if r["differ_from_plain"] is None else f"{r['differ_from_plain']}/{r['prompts']}"
         vs_hf = "–" if r["differ_from_hf"] is None else f"{r['differ_from_hf']}/{r['prompts']}"
         lines.append(
-            f"| {name} | {r['dtype']} | {cell(r['median_tokens_per_s'], '.2f')} | {cell(r['x_hf_generate'], '.2f')} "
+            f"| {name} | {r['dtype']} | {cell(r['median_tokens_per_s'], '.2f')} "
+            f"| {cell(r.get('median_decode_tokens_per_s'), '.2f')} | {cell(r['x_hf_generate'], '.2f')} "
             f"| {cell(r['x_plain_same_dtype'], '.2f')} | {cell(r['mean_acceptance_length'], '.2f')} "
             f"| {cell(r['median_draft_ms_per_round'], '.1f')} | {cell(step.get('ms_per_step'), '.2f')} "
             f"| {cell(step.get('steps_per_tree'), '.1f')} | {plain} | {vs_hf} |"
@@ -497,7 +503,13 @@ def markdown(result: dict) -> str:
     for r in decoding:
         ratio = r["tokens_per_s"] / hf["median_tokens_per_s"] if hf.get("median_tokens_per_s") else None
         lines.append(f"| llama.cpp plain (llama-bench -n {r['n_gen']}) | {r['type']} | {r['tokens_per_s']:.2f} | "
-                     f"{cell(ratio, '.2f')} | – | – | – | – | – | – | – |")  # fmt: skip
+                     f"{r['tokens_per_s']:.2f} | {cell(ratio, '.2f')} | – | – | – | – | – | – | – |")  # fmt: skip
+    for label, r in result["decode"].items():  # plain decoding beside llama.cpp's, both after the prompt
+        if label.startswith(f"{PLAIN} ") and decoding and r.get("median_decode_tokens_per_s"):
+            theirs = max(decoding, key=lambda d: d["n_gen"])
+            lines.append(f"\nPlain decoding ({r['dtype']}) after the prefill: "
+                         f"{r['median_decode_tokens_per_s'] / theirs['tokens_per_s']:.2f}× llama.cpp's "
+                         f"`llama-bench -n {theirs['n_gen']}` ({theirs['type']}).")  # fmt: skip
     lines += ["", "## llama.cpp\n"]
     if not llama.get("binary"):
         lines.append("Not measured: no llama-bench binary given (pass `--llama-bench PATH` or set `LLAMA_BENCH`; "
