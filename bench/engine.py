@@ -504,9 +504,9 @@ def markdown(result: dict) -> str:
         ratio = r["tokens_per_s"] / hf["median_tokens_per_s"] if hf.get("median_tokens_per_s") else None
         lines.append(f"| llama.cpp plain (llama-bench -n {r['n_gen']}) | {r['type']} | {r['tokens_per_s']:.2f} | "
                      f"{r['tokens_per_s']:.2f} | {cell(ratio, '.2f')} | – | – | – | – | – | – | – |")  # fmt: skip
+    theirs = max(decoding, key=lambda d: d["n_gen"]) if decoding else None
     for label, r in result["decode"].items():  # plain decoding beside llama.cpp's, both after the prompt
-        if label.startswith(f"{PLAIN} ") and decoding and r.get("median_decode_tokens_per_s"):
-            theirs = max(decoding, key=lambda d: d["n_gen"])
+        if label.startswith(f"{PLAIN} ") and theirs and r.get("median_decode_tokens_per_s"):
             lines.append(f"\nPlain decoding ({r['dtype']}) after the prefill: "
                          f"{r['median_decode_tokens_per_s'] / theirs['tokens_per_s']:.2f}× llama.cpp's "
                          f"`llama-bench -n {theirs['n_gen']}` ({theirs['type']}).")  # fmt: skip

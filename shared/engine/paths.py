@@ -241,8 +241,7 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices:
         return whole(t1 - t0, t2 - t1)
 
     # Each size warmed up and timed once, the drop checked on that; then the other repeats a round of every size at a
-    # time: a host whose speed drifts (a 1.5B token took 30-49 ms within an hour on a shared host) shifts all sizes
-    # alike, and the ratios between them hold.
+    # time, so that a host whose speed drifts shifts every size alike and the ratios between them hold.
     with torch.inference_mode():
         for n in SIZES:
             forward(n, keep=False)

@@ -1999,8 +1999,8 @@ double int8_peak(int64_t steps) {
       _tile_stored(0, out, 64);
       keep = out[0];
 #elif defined(SPLITSPEC_AVX512) || defined(SPLITSPEC_AVXVNNI)
-      // The whole loop in asm: through intrinsics the compiler may compute one product and add it twelve times, and
-      // an array of accumulators may go through memory every turn (a store a multiply: a third of Zen 4's rate).
+      // The whole loop in asm: through intrinsics the compiler may compute one product and add it twelve times, or
+      // keep the accumulators in memory and store them every turn.
 #ifdef SPLITSPEC_AVX512
       using Vec = __m512i;
 #define SPLITSPEC_DP(i) "vpdpbusd %[b], %[a], %[v" #i "]\n\t"
