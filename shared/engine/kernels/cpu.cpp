@@ -1224,7 +1224,8 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
 // as fast at 1-4); past that two tiles share each activation broadcast, 6 rows of 4-bit or 4 of 6-bit, whose two
 // half-block sums a row and tile fill the 32 registers (a prompt's prefill: 4-6 % faster than 8 x 1). One tile
 // takes 11 rows of 4-bit (a 1.5B's forward of 9-17 rows 0.84-0.92x the time of 8 rows a pass; at 12 its 24 rows
-// spilled: 1.03x; Intel Xeon with AMX, 2026-11-29, not yet on Zen 5). The AVX2
+// spilled: 1.03x; Intel Xeon with AMX, 2026-11-29, not yet on Zen 5) and 9 of 6-bit (a Q6_K projection of 9 rows
+// 0.84-0.86x, of 17 0.95x the time of 8 a pass, a few of its 27 sums spilled; 12 of 4-bit 1.08x; Zen 4). The AVX2
 // builds (16 registers): 6 rows of 4-bit (a 1.5B's 5-row forward 0.83-0.86x the time of 4 rows a pass, 9 rows
 // 0.9x; 8 spill); 16 of 6-bit, whose rows read an unpacked block from L1 (a Q6_K projection of 13-17 rows 0.9x
 // the time of 12 a pass, 0.8x of 8); Intel Xeon with AMX, 2026-11-29.
@@ -1240,7 +1241,7 @@ void gemm_blocks(const Rows& x, const uint8_t* w, const uint16_t* dm, const floa
   if (x.M >= least && x.M <= 4 * AMX_BLOCK_ROWS)  // a tree's rows; a prefill's: as fast on the VNNI code
     return gemm_tiles<F, 8, 1>(x, w, dm, bias, residual, N, ld, y, split, SIX ? x.M - x.M % 16 : x.M);
 #endif
-  if (x.M <= 32) gemm_tiles<F, SIX ? 8 : 11, 1>(x, w, dm, bias, residual, N, ld, y, split);
+  if (x.M <= 32) gemm_tiles<F, SIX ? 9 : 11, 1>(x, w, dm, bias, residual, N, ld, y, split);
   else gemm_tiles<F, SIX ? 4 : 6, 2>(x, w, dm, bias, residual, N, ld, y, split);
 #else
   gemm_tiles<F, F == Blocked::Q6_K ? 16 : 6, 1>(x, w, dm, bias, residual, N, ld, y, split);
