@@ -598,6 +598,13 @@ inline void broadcast_steps(const int8_t* block, int g, __m512i& xl, __m512i& xh
   xh = _mm512_set1_epi32(hi4);
 }
 
+// acc + w · 4 signed bytes at x broadcast to every lane: one vpdpbusd that reads its broadcast from memory, where GCC
+// emits a broadcast and then the multiply (a 4-bit tile of 5-17 rows 0.93-0.96x the time; Zen 4)
+inline __m512i dpbusd_at(__m512i acc, __m512i w, const int8_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
 template <int R, int TN = 1, bool KQ = false>
 void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, int64_t Kb, const Ahead& ahead,
              float* out) {
@@ -627,6 +634,11 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
         wh[u] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       }
       for (int r = 0; r < R; ++r) {
+        if constexpr (TN == 1) {  // (two tiles share a broadcast in a register: a prefill's 128 rows 0.98x the time)
+          const int8_t* xb = xq[r] + b * KSTEP + 2 * g;  // values 2g..2g+3, and 16 on: 2g+16..2g+19
+          isum[r][0] = dpbusd_at(dpbusd_at(isum[r][0], wl[0], xb), wh[0], xb + 16);
+          continue;
+        }
         __m512i xl, xh;
         broadcast_steps(xq[r] + b * KSTEP, g, xl, xh);
         for (int u = 0; u < TN; ++u) {
