@@ -599,7 +599,8 @@ inline void broadcast_steps(const int8_t* block, int g, __m512i& xl, __m512i& xh
 }
 
 // acc + w · 4 signed bytes at x broadcast to every lane: one vpdpbusd that reads its broadcast from memory, where GCC
-// emits a broadcast and then the multiply (a 4-bit tile of 5-17 rows 0.93-0.96x the time; Zen 4)
+// emits a broadcast and then the multiply (a 4-bit tile of 5-17 rows 0.93-0.96x the time, 6-bit of 5 rows 0.91-0.95x;
+// Zen 4)
 inline __m512i dpbusd_at(__m512i acc, __m512i w, const int8_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
@@ -823,6 +824,12 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
         wh[u] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_and_si512(hh, top));
       }
       for (int r = 0; r < R; ++r) {
+        if constexpr (TN == 1 && R <= 5) {  // (more rows spill sums: there 9-17 rows took 1.03-1.05x the time)
+          const int8_t* xb = xq[r] + b * KSTEP + 2 * g;
+          first[r][0] = dpbusd_at(first[r][0], wl[0], xb);
+          second[r][0] = dpbusd_at(second[r][0], wh[0], xb + 16);
+          continue;
+        }
         __m512i xl, xh;
         broadcast_steps(xq[r] + b * KSTEP, g, xl, xh);
         for (int u = 0; u < TN; ++u) {
