@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from shared.engine import kernels
-from shared.engine.decoder import DTYPES, Transformer, prepare
+from shared.engine.decoder import DTYPES, Part, Transformer, prepare
 from shared.engine.files import cache_dir
 from shared.engine.layers import Rotary
 
@@ -57,7 +57,7 @@ DROPPED = "one forward cost more than fp32's whole mix; not timed further"
 CLOSE = 1.2  # paths within this factor of each other are timed twice (``close_calls``)
 STALL = 1.5  # a forward of fewer tokens this much slower than one of more: timed on a busy machine (``stalled``)
 RETIMES = 2  # at most this many more timings of a stalled path
-VERSION = 4  # bump when what is measured changes: old tables are then measured anew
+VERSION = 5  # bump when what is measured changes: old tables are then measured anew
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +229,10 @@ def _time_path(cfg, path: str, clock: Callable[[], float], repeats: int, slices:
     timed: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in SIZES}  # blocks, head
 
     def forward(n: int, keep: bool = True) -> float:
-        """One forward of n tokens and its head; their times kept (unless a warm-up); the whole model's ms."""
+        """One forward of n tokens and its head, as a target's step runs it (``forward_many``: the blocks in one
+        kernel call where they are low-bit); their times kept (unless a warm-up); the whole model's ms."""
         t0 = clock()
-        h = model(torch.zeros(1, n, dtype=torch.long), torch.arange(PREFIX, PREFIX + n)[None], None, cache, PREFIX)
+        h = model.forward_many([Part([0] * n, list(range(PREFIX, PREFIX + n)), None, cache, PREFIX)])[0]
         t1 = clock()
         model.logits(h)
         t2 = clock()
