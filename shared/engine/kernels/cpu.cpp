@@ -599,8 +599,7 @@ inline void broadcast_steps(const int8_t* block, int g, __m512i& xl, __m512i& xh
 }
 
 // acc + w · 4 signed bytes at x broadcast to every lane: one vpdpbusd that reads its broadcast from memory, where GCC
-// emits a broadcast and then the multiply (a 4-bit tile of 5-17 rows 0.93-0.96x the time, 6-bit of 5 rows 0.91-0.95x;
-// Zen 4)
+// emits a broadcast and then the multiply (timings: bench/results/engine-zen4)
 inline __m512i dpbusd_at(__m512i acc, __m512i w, const int8_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
@@ -635,7 +634,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
         wh[u] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       }
       for (int r = 0; r < R; ++r) {
-        if constexpr (TN == 1) {  // (two tiles share a broadcast in a register: a prefill's 128 rows 0.98x the time)
+        if constexpr (TN == 1) {  // (two tiles side by side share one broadcast in a register)
           const int8_t* xb = xq[r] + b * KSTEP + 2 * g;  // values 2g..2g+3, and 16 on: 2g+16..2g+19
           isum[r][0] = dpbusd_at(dpbusd_at(isum[r][0], wl[0], xb), wh[0], xb + 16);
           continue;
@@ -824,7 +823,7 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
         wh[u] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_and_si512(hh, top));
       }
       for (int r = 0; r < R; ++r) {
-        if constexpr (TN == 1 && R <= 5) {  // (more rows spill sums: there 9-17 rows took 1.03-1.05x the time)
+        if constexpr (TN == 1 && R <= 5) {  // (more rows spill sums, and a memory operand then costs more)
           const int8_t* xb = xq[r] + b * KSTEP + 2 * g;
           first[r][0] = dpbusd_at(first[r][0], wl[0], xb);
           second[r][0] = dpbusd_at(second[r][0], wh[0], xb + 16);
@@ -1243,8 +1242,8 @@ void gemm_tiles(const Rows& x, const uint8_t* w, const uint16_t* dm, const float
 // as fast at 1-4); past that two tiles share each activation broadcast, 6 rows of 4-bit or 4 of 6-bit, whose two
 // half-block sums a row and tile fill the 32 registers (a prompt's prefill: 4-6 % faster than 8 x 1). One tile
 // takes 11 rows of 4-bit (a 1.5B's forward of 9-17 rows 0.84-0.92x the time of 8 rows a pass; at 12 its 24 rows
-// spilled: 1.03x; Intel Xeon with AMX, 2026-11-29, not yet on Zen 5) and 9 of 6-bit (a Q6_K projection of 9 rows
-// 0.84-0.86x, of 17 0.95x the time of 8 a pass, a few of its 27 sums spilled; 12 of 4-bit 1.08x; Zen 4). The AVX2
+// spilled: 1.03x; Intel Xeon with AMX, 2026-11-29, not yet on Zen 5) and 9 of 6-bit (17 rows in 2 passes, not 3,
+// a few of its 27 sums spilled; Zen 4, bench/results/engine-zen4). The AVX2
 // builds (16 registers): 6 rows of 4-bit (a 1.5B's 5-row forward 0.83-0.86x the time of 4 rows a pass, 9 rows
 // 0.9x; 8 spill); 16 of 6-bit, whose rows read an unpacked block from L1 (a Q6_K projection of 13-17 rows 0.9x
 // the time of 12 a pass, 0.8x of 8); Intel Xeon with AMX, 2026-11-29.
