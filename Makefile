@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: gpu-parts bench-gpu bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -118,15 +118,21 @@ GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64 --max-batch
 	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536"  # 256 trees a forward; exact bf16 keeps KV in fp64
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 endif
-bench-gpu:
+# A step a target, so that a sitting can run them in its own order, each under its own `timeout` (GPU_PY="timeout
+# 120 python3"), and `make -k` goes on past one that fails.
+bench-gpu: bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge
+	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
+bench-gpu-forward:
 	$(GPU_PY) -m bench.forward --model qwen2.5-coder-1.5b --device $(DEVICE) $(GPU_FORWARD) --out $(GPU_OUT)/forward
+bench-gpu-single:
 	$(GPU_PY) -m bench.single --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 --drafters $(GPU_DRAFTERS) \
 		--llama-bench= --llama-speculative= $(GPU_SINGLE) --out $(GPU_OUT)/single
+bench-gpu-serve:
 	$(GPU_PY) -m bench.serve --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 \
 		--drafter qwen2.5-coder-0.5b --dataset humaneval --modes batched,api,auto $(GPU_SERVE) --out $(GPU_OUT)/serve
+bench-gpu-edge:
 	$(GPU_PY) -m bench.network --model qwen2.5-coder-1.5b --device $(DEVICE) --dtype bfloat16 --client-device cpu \
 		--methods $(GPU_EDGE_METHODS) $(GPU_EDGE) --edge phone --out $(GPU_OUT)/edge-phone
-	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
 
 # Edge device profiles (netsim.device): how close a busy loop held to a phone's, a laptop's and a desktop's share of
 # one core comes, by this kernel's cgroups and by the duty cycle
