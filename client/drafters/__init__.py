@@ -54,10 +54,10 @@ def is_model(name: str) -> bool:
 
 
 def make_drafter(name: str, target=None, width: int | None = None, depth: int | None = None, weights: str = "auto",
-                 vocab_ids: torch.Tensor | None = None, tokenizer=None, device: str = "cpu",
+                 vocab_ids: torch.Tensor | None = None, tokenizer=None, device: str | None = None,
                  **options) -> Drafter:  # fmt: skip
     """Build a drafter from its name (see ``DRAFTERS``), a model (``is_model``: its tokenizer must be ``tokenizer``'s
-    or the target's; it runs on ``device``) or a bundle (name or path; needs ``target``).
+    or the target's; it runs on ``device``, the target's by default) or a bundle (name or path; needs ``target``).
 
     ``weights="int8"`` (``int4``) makes a trained drafter's own projections int8 (4-bit) and its draft head 4-bit
     (``shared.engine.kernels``): a draft step multiplies a few rows, where int8 streams a quarter of fp32's bytes.
@@ -72,7 +72,8 @@ def make_drafter(name: str, target=None, width: int | None = None, depth: int | 
         from client.drafters.model import ModelDrafter
         from shared.engine.target import tokenizer_fingerprint
 
-        lm = drafter_model(name.removesuffix("+lookup"), device, weights)
+        where = device or (str(target.device) if target is not None else "cpu")  # beside the target it serves
+        lm = drafter_model(name.removesuffix("+lookup"), where, weights)
         expected = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         if expected is not None and tokenizer_fingerprint(expected) != tokenizer_fingerprint(lm.tokenizer):
             raise SplitspecError(f"drafter {name!r} has another tokenizer than the target's (fingerprint "

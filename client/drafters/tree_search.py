@@ -121,10 +121,10 @@ def _search(
     def add_children(logprobs: torch.Tensor, frontier: list[int]) -> list[int]:
         """Add the top-``width`` children of each frontier node (``ROOT`` for the root); return them best first."""
         if blocked is not None:
-            logprobs = logprobs.masked_fill(blocked, -math.inf)
+            logprobs = logprobs.masked_fill(blocked.to(logprobs.device), -math.inf)
         values, ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
         if vocab_ids is not None:
-            ids = vocab_ids[ids]
+            ids = vocab_ids[ids.to(vocab_ids.device)]  # the scorer's device need not be the vocabulary's
         new: list[int] = []
         for parent, row_values, row_ids in zip(frontier, values.tolist(), ids.tolist(), strict=True):
             base, level = (0.0, 1) if parent == ROOT else (scores[parent], levels[parent] + 1)

@@ -7,8 +7,8 @@ them here and writes a manifest (each whole file's and each part's size and SHA-
 (there) puts each whole file where splitspec looks for it, checked against its SHA-256. docs/serving.md gives the
 order of the calls.
 
-Run:  python -m shared.engine.parts pack FILE... [--out .gpu/parts] [--part-mib 48]
-      python -m shared.engine.parts calls [--out .gpu/parts] [--mib 48]   # the parts each call carries, a line a call
+Run:  python -m shared.engine.parts pack FILE... [--out .gpu/parts] [--part-mib 60]
+      python -m shared.engine.parts calls [--out .gpu/parts] [--mib 61]   # the parts each call carries, a line a call
       python -m shared.engine.parts receive PART... [--store DIR]
       python -m shared.engine.parts join [--store DIR]
 Standard library only: it runs on the GPU machine before anything else is installed.
@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     pk = verbs.add_parser("pack", help="cut files into parts and write their manifest (here)")
     pk.add_argument("files", nargs="+", type=Path)
     pk.add_argument("--out", type=Path, default=DEFAULT_PARTS, help=f"the parts' folder (default {DEFAULT_PARTS})")
-    pk.add_argument("--part-mib", type=int, default=48, help="MiB a part at most (default 48: a call carries 64 "
+    pk.add_argument("--part-mib", type=int, default=60, help="MiB a part at most (default 60: a call carries 64 "
                     "MiB with the working tree)")  # fmt: skip
     cl = verbs.add_parser("calls", help="the parts each call carries, a line a call (here)")
     cl.add_argument("--out", type=Path, default=DEFAULT_PARTS)
-    cl.add_argument("--mib", type=int, default=48, help="MiB a call carries besides the working tree (default 48)")
+    cl.add_argument("--mib", type=int, default=61, help="MiB a call carries besides the working tree (default 61)")
     rc = verbs.add_parser("receive", help="check parts and move them into the store (on the GPU machine)")
     rc.add_argument("parts", nargs="+", type=Path)
     rc.add_argument("--store", type=Path, default=DEFAULT_STORE, help=f"kept between calls (default {DEFAULT_STORE})")
