@@ -1410,52 +1410,103 @@ void attend_query_any(const float* q, int64_t d, const Keys<T>& kv, float scale,
   for (int64_t e = 0; e < d; ++e) out[e] *= inv;
 }
 
-// softmax(q · kᵀ * scale) · v for a head of D values. Each key's score is one FMA chain over D then a
-// fixed reduction, eight keys' chains interleaved only for speed (a key's arithmetic is the same alone);
-// the weighted sum of values runs over the keys in order with its accumulators in registers.
-template <int D, typename T>
-void attend_query(const float* q, const Keys<T>& kv, float scale, float* p, float* out) {
 #ifdef SPLITSPEC_AVX2
-  constexpr int V = D / 8;
+#ifdef __AVX512F__
+constexpr int ATT_STEP = 4;  // keys scored, and value vectors summed, at a time: 32 vector registers hold a block
+#else
+constexpr int ATT_STEP = 2;  // 16 registers
+#endif
+
+// softmax(q · kᵀ * scale) · v for NB query heads of D values that share a key/value head: each key and value is
+// widened once for all NB. A head's arithmetic is what it would be alone: each key's score is one FMA chain over D
+// then a fixed reduction, and the weighted sum of values runs over the keys in order with its accumulators in
+// registers. ``p``: NB rows of ``ps`` scores.
+template <int D, int NB, typename T>
+void attend_block(const float* q, const Keys<T>& kv, float scale, float* p, int64_t ps, float* out) {
+  constexpr int V = D / 8, B = ATT_STEP;
+  static_assert(V % B == 0, "a head's vectors come in whole steps");
   auto key = [&](int64_t j) { return kv.k + kv.slots[j] * kv.k_stride; };
   int64_t j = 0;
-  constexpr int G = 8;  // keys whose FMA chains run interleaved: enough to hide the FMA latency
-  for (; j + G <= kv.n; j += G) {
-    const T* k[G];
-    __m256 s[G];
-    for (int g = 0; g < G; ++g) {
-      k[g] = key(j + g);
-      s[g] = _mm256_setzero_ps();
-    }
+  for (; j + B <= kv.n; j += B) {
+    const T* k[B];
+    __m256 s[NB][B];
+    for (int b = 0; b < B; ++b) k[b] = key(j + b);
+    for (int a = 0; a < NB; ++a)
+      for (int b = 0; b < B; ++b) s[a][b] = _mm256_setzero_ps();
     for (int i = 0; i < V; ++i) {
-      const __m256 qi = _mm256_loadu_ps(q + 8 * i);
-      for (int g = 0; g < G; ++g) s[g] = _mm256_fmadd_ps(qi, load8(k[g] + 8 * i), s[g]);
+      __m256 kc[B];
+      for (int b = 0; b < B; ++b) kc[b] = load8(k[b] + 8 * i);
+      for (int a = 0; a < NB; ++a) {
+        const __m256 qa = _mm256_loadu_ps(q + a * D + 8 * i);
+        for (int b = 0; b < B; ++b) s[a][b] = _mm256_fmadd_ps(qa, kc[b], s[a][b]);
+      }
     }
-    for (int g = 0; g < G; ++g) p[j + g] = hsum(s[g]) * scale;
+    for (int a = 0; a < NB; ++a)
+      for (int b = 0; b < B; ++b) p[a * ps + j + b] = hsum(s[a][b]) * scale;
   }
   for (; j < kv.n; ++j) {
     const T* k0 = key(j);
-    __m256 s0 = _mm256_setzero_ps();
-    for (int i = 0; i < V; ++i) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(k0 + 8 * i), s0);
-    p[j] = hsum(s0) * scale;
+    __m256 s[NB];
+    for (int a = 0; a < NB; ++a) s[a] = _mm256_setzero_ps();
+    for (int i = 0; i < V; ++i) {
+      const __m256 kc = load8(k0 + 8 * i);
+      for (int a = 0; a < NB; ++a) s[a] = _mm256_fmadd_ps(_mm256_loadu_ps(q + a * D + 8 * i), kc, s[a]);
+    }
+    for (int a = 0; a < NB; ++a) p[a * ps + j] = hsum(s[a]) * scale;
   }
-  float top = p[0];
-  for (j = 1; j < kv.n; ++j) top = std::max(top, p[j]);
-  for (j = 0; j < kv.n; ++j) p[j] -= top;
-  exp_inplace(p, kv.n);
-  float total = 0.f;
-  __m256 acc[V];
-  for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
-  for (j = 0; j < kv.n; ++j) {
-    total += p[j];
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const T* v = kv.v + kv.slots[j] * kv.v_stride;
-    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), acc[i]);
+  float inv[NB];
+  for (int a = 0; a < NB; ++a) {
+    float* pa = p + a * ps;
+    float top = pa[0];
+    for (int64_t t = 1; t < kv.n; ++t) top = std::max(top, pa[t]);
+    for (int64_t t = 0; t < kv.n; ++t) pa[t] -= top;
+    exp_inplace(pa, kv.n);
+    float total = 0.f;
+    for (int64_t t = 0; t < kv.n; ++t) total += pa[t];
+    inv[a] = 1.f / total;
   }
-  const __m256 inv = _mm256_set1_ps(1.f / total);
-  for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+  for (int c = 0; c < V; c += B) {
+    __m256 acc[NB][B];
+    for (int a = 0; a < NB; ++a)
+      for (int b = 0; b < B; ++b) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < kv.n; ++t) {
+      const T* v = kv.v + kv.slots[t] * kv.v_stride + 8 * c;
+      __m256 vc[B];
+      for (int b = 0; b < B; ++b) vc[b] = load8(v + 8 * b);
+      for (int a = 0; a < NB; ++a) {
+        const __m256 pa = _mm256_set1_ps(p[a * ps + t]);
+        for (int b = 0; b < B; ++b) acc[a][b] = _mm256_fmadd_ps(pa, vc[b], acc[a][b]);
+      }
+    }
+    for (int a = 0; a < NB; ++a)
+      for (int b = 0; b < B; ++b)
+        _mm256_storeu_ps(out + a * D + 8 * (c + b), _mm256_mul_ps(acc[a][b], _mm256_set1_ps(inv[a])));
+  }
+}
+#endif
+
+// Attention for ``nq`` query heads of D values that share a key/value head (q and out: ``nq`` rows of D), in
+// blocks of at most 6 (what the registers hold), as even as they come; ``p``: room for ``nq`` rows of ``ps``.
+template <int D, typename T>
+void attend_heads(const float* q, int64_t nq, const Keys<T>& kv, float scale, float* p, int64_t ps, float* out) {
+#ifdef SPLITSPEC_AVX2
+  for (int64_t a = 0, left = (nq + 5) / 6; left > 0; --left) {
+    const int64_t nb = (nq - a) / left;
+    const float* qa = q + a * D;
+    float* pa = p + a * ps;
+    float* oa = out + a * D;
+    switch (nb) {
+      case 1: attend_block<D, 1>(qa, kv, scale, pa, ps, oa); break;
+      case 2: attend_block<D, 2>(qa, kv, scale, pa, ps, oa); break;
+      case 3: attend_block<D, 3>(qa, kv, scale, pa, ps, oa); break;
+      case 4: attend_block<D, 4>(qa, kv, scale, pa, ps, oa); break;
+      case 5: attend_block<D, 5>(qa, kv, scale, pa, ps, oa); break;
+      default: attend_block<D, 6>(qa, kv, scale, pa, ps, oa); break;
+    }
+    a += nb;
+  }
 #else
-  attend_query_any(q, D, kv, scale, p, out);
+  for (int64_t a = 0; a < nq; ++a) attend_query_any(q + a * D, D, kv, scale, p, out + a * D);
 #endif
 }
 
@@ -1744,22 +1795,24 @@ void attend_compute(const Queries& qs, const CacheLayer& c, int64_t heads, int64
   const E* kc = static_cast<const E*>(c.k);
   const E* vc = static_cast<const E*>(c.v);
   const int64_t T = qs.T, S = qs.S, group = heads / kv_heads;
-  // a query's whole attention runs on one thread; small work stays on the calling thread (no wake-up to pay)
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, S * d));
-  for_range(T * heads, grain, split, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(S);
+  // a token's heads that share a key/value head run together on one thread; small work stays on the calling thread
+  // (no wake-up to pay)
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, S * d * group));
+  for_range(T * kv_heads, grain, split, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(group * S);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / heads, h = i % heads, g = h / group, n = qs.counts[t];
-      float* out_row = o + t * heads * d + h * d;
+      const int64_t t = i / kv_heads, g = i % kv_heads, n = qs.counts[t];
+      float* out_rows = o + (t * heads + g * group) * d;
       if (n == 0) {  // a fully masked query: zeros, not NaNs
-        std::fill(out_row, out_row + d, 0.f);
+        std::fill(out_rows, out_rows + group * d, 0.f);
         continue;
       }
       const Keys<E> kv{kc + g * c.k_head, c.k_slot, vc + g * c.v_head, c.v_slot, qs.keys.data() + t * S, n};
-      const float* qi = qs.q.data() + (t * heads + h) * d;
-      if (d == 64) attend_query<64>(qi, kv, sc, p.data(), out_row);
-      else if (d == 128) attend_query<128>(qi, kv, sc, p.data(), out_row);
-      else attend_query_any(qi, d, kv, sc, p.data(), out_row);
+      const float* qi = qs.q.data() + (t * heads + g * group) * d;
+      if (d == 64) attend_heads<64>(qi, group, kv, sc, p.data(), S, out_rows);
+      else if (d == 128) attend_heads<128>(qi, group, kv, sc, p.data(), S, out_rows);
+      else
+        for (int64_t a = 0; a < group; ++a) attend_query_any(qi + a * d, d, kv, sc, p.data(), out_rows + a * d);
     }
   });
 }
