@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: gpu-parts gpu-preflight bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts gpu-preflight gpu-sitting bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -125,6 +125,17 @@ GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client 
 endif
 # A step a target, so that a sitting can run them in its own order, each under its own `timeout` (GPU_PY="timeout
 # 120 python3"), and `make -k` goes on past one that fails.
+# The sitting's tables in one call, each step under its own time (GPU_STEPS: step:seconds, in order), SIGINT at its
+# end so that a step stops its server child; a step that fails or runs out leaves the next its time, and what came
+# back is archived in GPU_TAR either way.
+GPU_STEPS ?= serve:220 single:150 edge:100 forward:90
+gpu-sitting:
+	-@for step in $(GPU_STEPS); do \
+		timeout -s INT -k 15 $${step#*:} $(MAKE) --no-print-directory bench-gpu-$${step%%:*} DEVICE=$(DEVICE) \
+			GPU_PY="$(GPU_PY)" GPU_OUT=$(GPU_OUT); echo "== bench-gpu-$${step%%:*}: exit $$? at $$(date +%T)"; \
+	done
+	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)
+
 # Run in the sitting's first call, with the wheels installed: every module and prompt set the tables need, so that a
 # missing one costs seconds there, not a table.
 gpu-preflight:
