@@ -137,10 +137,12 @@ gpu-sitting:
 	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)
 
 # Run in the sitting's first call, with the wheels installed: every module and prompt set the tables need, so that a
-# missing one costs seconds there, not a table.
+# missing one costs seconds there, not a table; and which kernel builds the host's CPU runs (the H200's host is a Xeon
+# whose flags name AMX: where the amx build is among them, `pytest tests/test_kernels.py -k amx` tests it there).
 gpu-preflight:
-	$(GPU_PY) -c "import bench.forward, bench.single, bench.serve, bench.network; \
-		print(len(bench.serve.prompt_texts('mt-bench', 80)), len(bench.serve.prompt_texts('humaneval', 164)), 'prompts')"
+	$(GPU_PY) -c "import bench.forward, bench.single, bench.serve, bench.network; from shared.engine import kernels; \
+		print(len(bench.serve.prompt_texts('mt-bench', 80)), len(bench.serve.prompt_texts('humaneval', 164)), \
+		'prompts;', kernels.cpu_name(), 'runs', kernels.runnable())"
 bench-gpu: bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge
 	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
 bench-gpu-forward:
