@@ -346,6 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     del target
     points: list[Point] = []
     cpus = two_machines(args.server_threads, 1)  # the replaying clients on a core of their own, if one is left
+    env = environment(args.server_threads, args.device)
+
+    def save() -> str:
+        """The table so far: a run cut short (a lent GPU's minutes) still leaves the points it reached."""
+        md = markdown(points, args, recordings, cpus_label(cpus), env)
+        result = {"environment": env, "args": vars(args) | {"out": str(args.out)},
+                  "points": [asdict(p) for p in points]}  # fmt: skip
+        save_results(args.out, "serve", result, md)
+        return md
+
     with tempfile.TemporaryDirectory(prefix="splitspec-serve-") as workdir:
         for mode in modes:
             serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
@@ -360,14 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                 for n in tqdm(counts, desc=f"serve {mode}", unit="N", file=sys.stderr):
                     points.append(run_point(child, port, mode, n, recordings))
                     tqdm.write(str(points[-1]), file=sys.stderr)
+                    save()
             finally:
                 child.stop()
-    env = environment(args.server_threads, args.device)
-    md = markdown(points, args, recordings, cpus_label(cpus), env)
-    print(md)
-    result = {"environment": env, "args": vars(args) | {"out": str(args.out)},
-              "points": [asdict(p) for p in points]}  # fmt: skip
-    save_results(args.out, "serve", result, md)
+    print(save())
     figure(points, args.out)
     print(f"\nwrote {args.out}/serve.{{json,md,png}}")
     return 0 if all(p.exact for p in points) else 1
