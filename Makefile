@@ -116,7 +116,7 @@ GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
 GPU_FORWARD ?= --sizes 1,16,64,256
-GPU_SINGLE ?= --limit 4 --max-new-tokens 128
+GPU_SINGLE ?= --limit 2 --max-new-tokens 128
 # 256 trees a forward; exact bf16 keeps KV in fp64; graphs were exact and 3.3x faster a forward on the H200
 # (bench/results/gpu-h200)
 GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64 --max-batch 256 \
@@ -130,7 +130,7 @@ endif
 # The sitting's tables in one call, each step under its own time (GPU_STEPS: step:seconds, in order), SIGINT at its
 # end so that a step stops its server child; a step that fails or runs out leaves the next its time, and what came
 # back is archived in GPU_TAR either way.
-GPU_STEPS ?= serve:220 single:150 edge:100 forward:90
+GPU_STEPS ?= serve:240 single:120 edge:90 forward:60  # with 15 s a step to stop: one 600 s call
 gpu-sitting:
 	-@for step in $(GPU_STEPS); do \
 		timeout -s INT -k 15 $${step#*:} $(MAKE) --no-print-directory bench-gpu-$${step%%:*} DEVICE=$(DEVICE) \
