@@ -125,8 +125,6 @@ GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client 
 # the client's CPU kernels: one build, not all four built and timed (~4 min on the H200's host)
 GPU_EDGE_ISA ?= avx512-vnni
 endif
-# A step a target, so that a sitting can run them in its own order, each under its own `timeout` (GPU_PY="timeout
-# 120 python3"), and `make -k` goes on past one that fails.
 # The sitting's tables in one call, each step under its own time (GPU_STEPS: step:seconds, in order), SIGINT at its
 # end so that a step stops its server child; a step that fails or runs out leaves the next its time, and what came
 # back is archived in GPU_TAR either way.
@@ -145,6 +143,7 @@ gpu-preflight:
 	$(GPU_PY) -c "import bench.forward, bench.single, bench.serve, bench.network; from shared.engine import kernels; \
 		print(len(bench.serve.prompt_texts('mt-bench', 80)), len(bench.serve.prompt_texts('humaneval', 164)), \
 		'prompts;', kernels.cpu_name(), 'runs', kernels.runnable())"
+# A step a target, so that gpu-sitting runs them in its own order, each under its own time.
 bench-gpu: bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge
 	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
 bench-gpu-forward:
