@@ -128,7 +128,7 @@ endif
 # The sitting's tables in one call, each step under its own time (GPU_STEPS: step:seconds, in order), SIGINT at its
 # end so that a step stops its server child; a step that fails or runs out leaves the next its time, and what came
 # back is archived in GPU_TAR either way.
-GPU_STEPS ?= serve:240 single:120 edge:90 forward:60  # with 15 s a step to stop: one 600 s call
+GPU_STEPS ?= serve:300 single:120 edge:90  # with 15 s a step to stop: one 600 s call (forward: bench/results/gpu-h200)
 gpu-sitting:
 	-@for step in $(GPU_STEPS); do \
 		timeout -s INT -k 15 $${step#*:} $(MAKE) --no-print-directory bench-gpu-$${step%%:*} DEVICE=$(DEVICE) \
