@@ -1483,13 +1483,11 @@ void attend_block(const float* q, const Keys<T>& kv, float scale, float* p, int6
         _mm256_storeu_ps(out + a * D + 8 * (c + b), _mm256_mul_ps(acc[a][b], _mm256_set1_ps(inv[a])));
   }
 }
-#endif
 
 // Attention for ``nq`` query heads of D values that share a key/value head (q and out: ``nq`` rows of D), in
 // blocks of at most 6 (what the registers hold), as even as they come; ``p``: room for ``nq`` rows of ``ps``.
 template <int D, typename T>
 void attend_heads(const float* q, int64_t nq, const Keys<T>& kv, float scale, float* p, int64_t ps, float* out) {
-#ifdef SPLITSPEC_AVX2
   for (int64_t a = 0, left = (nq + 5) / 6; left > 0; --left) {
     const int64_t nb = (nq - a) / left;
     const float* qa = q + a * D;
@@ -1505,10 +1503,8 @@ void attend_heads(const float* q, int64_t nq, const Keys<T>& kv, float scale, fl
     }
     a += nb;
   }
-#else
-  for (int64_t a = 0; a < nq; ++a) attend_query_any(q + a * D, D, kv, scale, p, out + a * D);
-#endif
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Argument checks: a wrong call names the tensor and what was expected.
@@ -1809,10 +1805,13 @@ void attend_compute(const Queries& qs, const CacheLayer& c, int64_t heads, int64
       }
       const Keys<E> kv{kc + g * c.k_head, c.k_slot, vc + g * c.v_head, c.v_slot, qs.keys.data() + t * S, n};
       const float* qi = qs.q.data() + (t * heads + g * group) * d;
-      if (d == 64) attend_heads<64>(qi, group, kv, sc, p.data(), S, out_rows);
-      else if (d == 128) attend_heads<128>(qi, group, kv, sc, p.data(), S, out_rows);
-      else
-        for (int64_t a = 0; a < group; ++a) attend_query_any(qi + a * d, d, kv, sc, p.data(), out_rows + a * d);
+#ifdef SPLITSPEC_AVX2
+      if (d == 64 || d == 128) {
+        (d == 64 ? attend_heads<64, E> : attend_heads<128, E>)(qi, group, kv, sc, p.data(), S, out_rows);
+        continue;
+      }
+#endif
+      for (int64_t a = 0; a < group; ++a) attend_query_any(qi + a * d, d, kv, sc, p.data(), out_rows + a * d);
     }
   });
 }
