@@ -119,7 +119,7 @@ GPU_FORWARD ?= --sizes 1,16,64,256
 GPU_SINGLE ?= --limit 2 --max-new-tokens 128
 # 256 trees a forward; exact bf16 keeps KV in fp64; graphs were exact and 3.3x faster a forward on the H200
 # (bench/results/gpu-h200)
-GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 8 --max-new-tokens 64 --max-batch 256 \
+GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 4 --max-new-tokens 64 --max-batch 256 \
 	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536 --cuda-graphs"
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 # the client's CPU kernels: one build, not all four built and timed (~4 min on the H200's host)
@@ -128,7 +128,7 @@ endif
 # The sitting's tables in one call, each step under its own time (GPU_STEPS: step:seconds, in order), SIGINT at its
 # end so that a step stops its server child; a step that fails or runs out leaves the next its time, and what came
 # back is archived in GPU_TAR either way.
-GPU_STEPS ?= serve:300 single:120 edge:90  # with 15 s a step to stop: one 600 s call (forward: bench/results/gpu-h200)
+GPU_STEPS ?= serve:350 single:170  # + 15 s a step to stop: one 600 s call (forward, edge: bench/results/gpu-h200)
 gpu-sitting:
 	-@for step in $(GPU_STEPS); do \
 		timeout -s INT -k 15 $${step#*:} $(MAKE) --no-print-directory bench-gpu-$${step%%:*} DEVICE=$(DEVICE) \

@@ -257,6 +257,90 @@ def test_the_gpu_plan_for_exact_bf16_keeps_rows_exact_here_too(tiny_model_dir):
             assert torch.equal(got, alone[0])
 
 
+def mixed_parts(engine, rng: random.Random, count: int) -> list:
+    """``count`` sequences of every kind a batch holds, each with a cache already filled: a prompt's next piece
+    (causal), a tree after a prefix, one token, a tree from slot 0."""
+    from shared.engine.decoder import Part
+
+    vocab, parts = engine.cfg.vocab_size, []
+    for j in range(count):
+        cache, prefix = engine.new_cache(64), [rng.randrange(vocab) for _ in range(3 + 2 * j)]
+        at = 0 if j % 4 == 3 else len(prefix)
+        if at:
+            engine.forward_many([Part(prefix, list(range(at)), causal_from(0, at), cache, 0)])
+        tree = DraftTree()
+        for i in range(1 + j % 5):
+            tree.add(rng.randrange(vocab), rng.randrange(-1, i))
+        ids = [rng.randrange(vocab), *tree.tokens]
+        if j % 4 == 0:
+            parts.append(Part(ids, list(range(at, at + len(ids))), causal_from(at, len(ids)), cache, at))
+        elif j % 4 == 2:
+            parts.append(Part(ids[:1], [at], None, cache, at))
+        else:
+            parts.append(Part(ids, tree_positions(tree.parents, at), tree_mask(tree.parents, at), cache, at))
+    return parts
+
+
+def test_many_sequences_attend_as_padded_groups_with_one_at_a_times_bits(tiny_model_dir):
+    """The exact bf16 recipe (fp64 caches) attends a forward's sequences as padded groups (``shared.engine.padded``):
+    every sequence's states and its cache's entries are one-at-a-time attention's, bit for bit, in one group or in
+    several (a budget that fits two or three sequences)."""
+    from shared.engine.decoder import exact_rows
+
+    engine = load_target(str(tiny_model_dir), dtype="bfloat16").engine
+    exact_rows(engine)
+    runs = {}
+    with torch.no_grad():
+        for budget in (0, 1 << 30, 20_000):
+            engine.padded_bytes = budget
+            parts = mixed_parts(engine, random.Random(11), 7)
+            runs[budget] = ([h.clone() for h in engine.forward_many(parts)],
+                            [(p.cache.k[..., : p.at + len(p.ids), :], p.cache.v[..., : p.at + len(p.ids), :])
+                             for p in parts])  # fmt: skip
+    engine.padded_bytes = 1 << 30
+    alone = runs.pop(0)
+    for budget, (states, caches) in runs.items():
+        for j, (a, b) in enumerate(zip(alone[0], states, strict=True)):
+            assert torch.equal(a, b), (budget, j)
+        for j, (a, b) in enumerate(zip(alone[1], caches, strict=True)):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (budget, j)
+
+
+def test_padded_attention_launches_per_sequence_a_forward_not_a_layer(tiny_model_dir):
+    """What a GPU pays for is launches: one sequence at a time, a forward's kernels grow by a few per sequence per
+    layer; padded, by a few per sequence (its mask), however many layers. Counted here as the non-view ops torch
+    dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shared.engine.decoder import exact_rows
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    engine = load_target(str(tiny_model_dir), dtype="bfloat16").engine
+    exact_rows(engine)
+    layers, growth = engine.cfg.num_layers, {}
+    with torch.no_grad():
+        for budget in (0, 1 << 30):
+            engine.padded_bytes = budget
+            ops = {}
+            for count in (2, 8):
+                parts = mixed_parts(engine, random.Random(3), count)
+                with Count() as counted:
+                    engine.forward_many(parts)
+                ops[count] = counted.ops
+            growth[budget] = (ops[8] - ops[2]) / 6
+    engine.padded_bytes = 1 << 30
+    assert growth[0] >= 3 * layers  # one at a time: a write and an attention per sequence per layer
+    assert growth[1 << 30] <= 4, growth  # padded: the sequence's mask and its rows, once a forward
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="captured graphs need CUDA"))])  # fmt: skip
 def test_forwards_on_graph_buckets_give_the_eager_bits(tiny_model_dir, device):

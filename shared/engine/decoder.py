@@ -10,6 +10,7 @@ drafter's Target Layer Inference runs the target's last layers with this very co
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass
@@ -25,12 +26,14 @@ from shared.engine.layers import (
     RMSNorm,
     Rotary,
     Span,
+    attend_spans,
     attention_dtype,
     grown,
     kernel_blocks,
     run_blocks,
 )
 from shared.engine.linear import CUDA_ROWS, Linear, quantize
+from shared.engine.padded import BUDGET_BYTES, Padded, applies
 from shared.errors import SplitspecError
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -169,6 +172,7 @@ class Transformer(nn.Module):
         self.exact = True  # see ``load_engine``
         self._blocks = None  # kernel_blocks(), made on first use
         self.graphs = None  # forwards on CUDA graphs (``shared.engine.graphs.use_graphs``)
+        self.padded_bytes = BUDGET_BYTES  # several sequences attend as padded groups of this size (0: one at a time)
         self.fixed_rows = 0  # projections in fixed row blocks of this many (``exact_rows``): attention then in fp64
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -213,8 +217,9 @@ class Transformer(nn.Module):
     def forward_many(self, parts: list[Part]) -> list[torch.Tensor]:
         """One forward for several sequences, each with its own cache, positions and mask: final hidden states
         [T_i, E] of each part. The projections and the MLP see all the parts' tokens as one matrix (the weights
-        are read once for all); attention runs per part over its own cache. A part's rows do not depend on
-        the others where the GEMMs' rows do not depend on the row count (int8 and bf16 on a CPU: ``Linear``)."""
+        are read once for all); each part attends over its own cache, one at a time or in padded groups
+        (``shared.engine.padded``). A part's rows do not depend on the others where the GEMMs' rows do not depend
+        on the row count (int8 and bf16 on a CPU: ``Linear``)."""
         dev = self.device
         ids = torch.tensor([[t for p in parts for t in p.ids]], device=dev)
         positions = torch.tensor([[i for p in parts for i in p.positions]], device=dev)
@@ -223,19 +228,36 @@ class Transformer(nn.Module):
         ends = list(itertools.accumulate(len(p.ids) for p in parts))
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         stack = self.kernel_blocks() if x.dtype == torch.float32 and dev.type == "cpu" else None
-        if stack is None and self.graphs is not None and self.graphs.fits(x.shape[1]):
-            x = self.graphs.forward(x, rope, parts, bounds)
-            return [x[a:b] for a, b in bounds]
         if stack is not None:  # every block low-bit: the whole stack in one kernel call
             for p in parts:
                 p.cache.reserve(p.at + len(p.ids))
             spans = [Span(a, b, None, p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
             x = run_blocks(stack, x[0], rope, [(p.cache.k, p.cache.v) for p in parts], spans)[None]
+            x = self.norm(x)[0]
+            return [x[a:b] for a, b in bounds]
+
+        def spans(i: int) -> list[Span]:
+            return [Span(a, b, p.cache.layers[i], p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
+
+        groups = Padded.groups(parts, bounds, self.padded_bytes) if self.padded_bytes and applies(parts, dev) else []
+
+        def attend(i: int, attn, q, k, v) -> torch.Tensor:
+            if not groups:
+                return attend_spans(attn, q, k, v, spans(i))
+            outs = [g.attend(i, attn, q, k, v) for g in groups]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+        if self.graphs is not None and self.graphs.fits(x.shape[1]):
+            x = self.graphs.forward(x, rope, attend)
         else:
             for i, layer in enumerate(self.layers):
-                spans = [Span(a, b, p.cache.layers[i], p.at, p.mask) for (a, b), p in zip(bounds, parts, strict=True)]
-                x = layer.forward_spans(x, rope, spans)
-        x = self.norm(x)[0]
+                if groups:
+                    x = layer.forward_attending(x, rope, functools.partial(attend, i))
+                else:
+                    x = layer.forward_spans(x, rope, spans(i))
+            x = self.norm(x)[0]
+        for g in groups:
+            g.finish()
         return [x[a:b] for a, b in bounds]
 
     def kernel_blocks(self):

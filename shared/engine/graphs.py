@@ -3,8 +3,9 @@
 On a GPU a small model's forward is bound by launching its kernels, not by running them: the 1.5B's step is about
 fifty launches a layer. Between one layer's attention and the next everything is dense and row by row (the output
 projection and residual, the norm, the MLP and residual, the next norm, the fused QKV and its rotation), so that
-stretch is captured once per row bucket and replayed. Attention runs between the replays as it does without graphs,
-each span over its own cache, since the caches' lengths change every step.
+stretch is captured once per row bucket and replayed. Attention runs between the replays as it does without graphs
+(the forward's ``attend``: its sequences one at a time, or as padded groups, ``shared.engine.padded``), since the
+caches' lengths change every step.
 
 Rows are padded to their bucket. Where rows are independent (exact bf16: ``exact_rows``' fixed blocks, fp64 norms)
 a padded row changes no real row, and the steps are the eager code's, so a forward on graphs gives eager's bits
@@ -70,10 +71,9 @@ class Graphs:
                 return b
         raise ValueError(f"a forward of {rows} rows is past the largest bucket ({self.buckets[-1]})")
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: list,
-                bounds: list[tuple[int, int]]) -> torch.Tensor:  # fmt: skip
-        """Final (normed) hidden states [T, E] of embeddings x [1, T, E] (``forward_many``'s parts at rows
-        ``bounds``; each part's keys and values go into its own cache, room made)."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable) -> torch.Tensor:
+        """Final (normed) hidden states [T, E] of embeddings x [1, T, E]; ``attend(i, attn, q, k, v)`` is layer i's
+        attention for the real rows ([1, T, H·d]: ``forward_many``'s, each sequence over its own cache)."""
         rows = x.shape[1]
         with self._lock:
             bufs, steps = self._steps(self.bucket(rows))
@@ -84,10 +84,7 @@ class Graphs:
             for i, layer in enumerate(self.model.layers):
                 steps[i]()
                 attn = layer.self_attn
-                q, k, v = attn.heads_of(bufs.qk, bufs.v)
-                for (a, b), p in zip(bounds, parts, strict=True):
-                    kk, vv = p.cache.layers[i].write(k[:, :, a:b], v[:, :, a:b], p.at)
-                    bufs.attended[:, a:b] = attn.attention(q[:, :, a:b], kk, vv, p.mask)
+                bufs.attended[:, :rows] = attend(i, attn, *attn.heads_of(bufs.qk, bufs.v))
             steps[-1]()
             return bufs.out[0, :rows].clone()
 

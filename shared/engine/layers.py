@@ -11,6 +11,7 @@ matmul): on a CPU each matmul call costs a fixed overhead that a 576-wide model 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -217,6 +218,18 @@ class Attention(nn.Module):
         return out.transpose(1, 2).flatten(2).to(dtype)
 
 
+def attend_spans(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    """Each span's rows of q [B, H, R, d], k, v [B, kv, R, d] written into its cache (if any) and attended over it,
+    one span after another: [B, rows, H·d]."""
+    outs = []
+    for s in spans:
+        kk, vv = k[:, :, s.start : s.end], v[:, :, s.start : s.end]
+        if s.cache is not None:
+            kk, vv = s.cache.write(kk, vv, s.at)
+        outs.append(attn.attention(q[:, :, s.start : s.end], kk, vv, s.mask))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 class MLP(nn.Module):
     """SwiGLU with one fused gate/up matmul."""
 
@@ -270,21 +283,16 @@ class Block(nn.Module):
         projections and the MLP see all their rows as one matrix, the weights read once for all)."""
         if self._fused(x, rope, spans):
             return self._forward_lowbit(x, rope, spans)
-        attn = self.self_attn
-        h = self.input_layernorm(x)
-        outs = []
         if self._kernel_attention(x, rope, spans):  # bf16 on a CPU: the fixed-order fp32 attention, exact per query
-            qkv = attn.qkv(h)[0].float()
-            for s in spans:
-                outs.append(self._attend(qkv, rope, s)[None].to(x.dtype))
-        else:
-            q, k, v = attn.project(h, rope)
-            for s in spans:
-                kk, vv = k[:, :, s.start : s.end], v[:, :, s.start : s.end]
-                if s.cache is not None:
-                    kk, vv = s.cache.write(kk, vv, s.at)
-                outs.append(attn.attention(q[:, :, s.start : s.end], kk, vv, s.mask))
-        return self.after_attention(x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+            qkv = self.self_attn.qkv(self.input_layernorm(x))[0].float()
+            outs = [self._attend(qkv, rope, s)[None].to(x.dtype) for s in spans]
+            return self.after_attention(x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+        return self.forward_attending(x, rope, functools.partial(attend_spans, spans=spans))
+
+    def forward_attending(self, x: torch.Tensor, rope: tuple | None, attend) -> torch.Tensor:
+        """The block with its attention given: ``attend(attn, q, k, v)`` [B, T, H·d] (a forward's sequences at once:
+        ``shared.engine.padded``)."""
+        return self.after_attention(x, attend(self.self_attn, *self.self_attn.project(self.input_layernorm(x), rope)))
 
     def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The block's rest once attention has run ([B, T, H·d]): output projection and residual, norm, MLP and
