@@ -116,11 +116,11 @@ GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
 GPU_FORWARD ?= --sizes 1,16,64,256
-GPU_SINGLE ?= --limit 2 --max-new-tokens 128
+GPU_SINGLE ?= --limit 2 --max-new-tokens 128 --cuda-graphs
 # 256 trees a forward; exact bf16 keeps KV in fp64; graphs were exact and 3.3x faster a forward on the H200
 # (bench/results/gpu-h200)
-GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 4 --max-new-tokens 64 --max-batch 256 \
-	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536 --cuda-graphs"
+GPU_SERVE ?= --clients 1,4,16,64,256 --prompts 4 --max-new-tokens 64 --max-batch 256 --cuda-graphs \
+	--server-args "--max-batch-tokens 8192 --kv-memory-mb 65536"
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 64  # a phone-class client is slow: lte, 5g with minutes to spare
 # the client's CPU kernels: one build, not all four built and timed (~4 min on the H200's host)
 GPU_EDGE_ISA ?= avx512-vnni

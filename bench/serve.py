@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                    "or cuda:N (default cpu); the trees are recorded on the same device and dtype, so a replay's "
                    "tokens are the served target's")
     p.add_argument("--dtype", default="auto", help="the served target's dtype (default auto)")
+    p.add_argument("--cuda-graphs", action="store_true", help="record and serve the target's forwards on CUDA graphs "
+                   "(`serve --cuda-graphs`)")  # fmt: skip
     p.add_argument("--max-batch", type=int, default=16, help="steps per target forward, all modes but serial "
                    "(default 16; a GPU's batch is hundreds)")  # fmt: skip
     p.add_argument("--server-args", default="", help="more `splitspec serve` flags for every mode, e.g. "
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     # the child's thread count here too: ``auto`` chooses the served path by timing at that count (a GGUF off the
     # 4-bit grid gets fp32 on 2 threads, int8 on 1), so the recording is made on the path the server serves
     torch.set_num_threads(args.server_threads)
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, graphs=args.cuda_graphs)
     prompts = [encode_prompt(target.tokenizer, text, chat=True) for text in prompt_texts(args.dataset, args.prompts)]
     recordings = record(target, args.drafter, prompts, args.max_new_tokens)
     del target
@@ -360,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             serve_args = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
                           "--threads", str(args.server_threads), "--max-sessions",
-                          str(2 * max(counts)), "--metrics-port", "0", *SINGLE_TURN, *shlex.split(args.server_args),
+                          str(2 * max(counts)), "--metrics-port", "0", *SINGLE_TURN,
+                          *(["--cuda-graphs"] if args.cuda_graphs else []), *shlex.split(args.server_args),
                           *(str(args.max_batch) if flag == "BATCH" else flag for flag in MODES[mode])]  # fmt: skip
             child = ServerChild(serve_args, Path(workdir) / mode, cpus=cpus and cpus[0])
             (Path(workdir) / mode).mkdir()

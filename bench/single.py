@@ -503,6 +503,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="target (and drafter) device (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target dtype (default auto: measured)")
+    p.add_argument("--cuda-graphs", action="store_true", help="the target's forwards on CUDA graphs, as `serve "
+                   "--cuda-graphs` serves them (a model drafter on CUDA always drafts on them)")  # fmt: skip
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
                    help="llama-bench binary: llama.cpp's plain decoding on the target's GGUF (default $LLAMA_BENCH)")
     p.add_argument("--llama-rounds", type=int, default=5,
@@ -557,7 +559,7 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start(args.threads)
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target = load_target(args.model, device=args.device, dtype=args.dtype, graphs=args.cuda_graphs)
     prompts = load_prompts(target.tokenizer, args.limit)
     methods, skipped = make_methods(args.drafters, target, args)
     for m in methods:

@@ -101,3 +101,16 @@ def test_a_model_drafter_is_loaded_beside_its_target_unless_told(monkeypatch):
         with pytest.raises(LookupError):
             make_drafter("qwen2.5-coder-0.5b", **kwargs)
     assert where == ["cuda:0", "cpu", "cpu"]
+
+
+def test_a_model_drafter_on_cuda_drafts_on_graphs(monkeypatch):
+    """A small model's step on a GPU is bound by launches (the 0.5B: ~20 ms eager on an H200), so a model drafter there
+    loads with its forwards on CUDA graphs; on a CPU there are none."""
+    import client.drafters as drafters
+    import shared.engine.models as models
+
+    asked: dict[str, bool] = {}
+    monkeypatch.setattr(models, "load_target", lambda name, device, **kw: asked.setdefault(device, kw["graphs"]))
+    for device in ("cuda", "cuda:1", "cpu"):
+        drafters.drafter_model.__wrapped__("qwen2.5-coder-0.5b", device)
+    assert asked == {"cuda": True, "cuda:1": True, "cpu": False}
