@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.layers import Span, attend_spans
+
 BUDGET_BYTES = 2 << 30  # a group's padded keys and values; more sequences make several groups
 
 
@@ -35,6 +37,8 @@ class Padded:
     def __init__(self, parts: list, bounds: list[tuple[int, int]]) -> None:
         self.parts, self.bounds = parts, bounds
         self.first, self.last = bounds[0][0], bounds[-1][1]
+        if len(parts) == 1:  # a sequence alone (a long one, past the budget) attends over its own cache, uncopied
+            return
         ref = parts[0].cache.k
         dev, L, kv, d = ref.device, ref.shape[0], ref.shape[2], ref.shape[4]
         sizes = [b - a for a, b in bounds]
@@ -81,6 +85,9 @@ class Padded:
         ``Attention``): their keys and values into the padded cache, then [1, rows, H·d] as ``Attention.attention``
         gives it."""
         a, b = self.first, self.last
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            return attend_spans(attn, q, k, v, [Span(a, b, p.cache.layers[i], p.at, p.mask)])
         pad_k, pad_v = self.k[i], self.v[i]
         pad_k[self.seq, :, self.slot] = k[0, :, a:b].transpose(0, 1).to(pad_k.dtype)
         pad_v[self.seq, :, self.slot] = v[0, :, a:b].transpose(0, 1).to(pad_v.dtype)
@@ -90,6 +97,8 @@ class Padded:
 
     def finish(self) -> None:
         """The forward's new keys and values into each sequence's own cache (room made: ``Step.part``)."""
+        if len(self.parts) == 1:
+            return  # (written as it attended)
         spans = [(j, p, p.at, p.at + b - a) for j, ((a, b), p) in enumerate(zip(self.bounds, self.parts, strict=True))]
         for pad, name in ((self.k, "k"), (self.v, "v")):
             torch._foreach_copy_([getattr(p.cache, name)[:, 0, :, s:e] for _, p, s, e in spans],
