@@ -190,7 +190,7 @@ def load_target(
     ``shared.engine.decoder.load_engine``) or ``auto``: ``resolve_precision`` chooses the one path that serves this
     model on this machine, by measurement, keeping a quantised model's own values unless ``rounding`` (a drafter);
     then the ``Target`` also knows what a forward on that path costs (``Target.costs``). ``graphs``: forwards of up
-    to 256 rows on CUDA graphs (``shared.engine.graphs``; CUDA only).
+    to 512 rows on CUDA graphs (``shared.engine.graphs``; CUDA only).
     """
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
