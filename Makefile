@@ -97,7 +97,7 @@ gpu-parts: pair
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform any -d .gpu/wheels $(GPU_WHEELS)
 
-# The sitting's tables, every one under GPU_OUT: the engine's forwards of 1-512 rows, eager and on CUDA graphs, beside
+# The sitting's tables, every one under GPU_OUT: the engine's forwards of 1-4096 rows, eager and on CUDA graphs, beside
 # the weights' read time; the pair in bf16 on DEVICE, each drafter against plain decoding
 # (exactness and speed, one session), then many clients against one server (capacity: batched trees, the API, auto;
 # each replay checked against its recording), then a phone-class client on this machine's CPU drafting over 4g / lte /
@@ -115,7 +115,7 @@ GPU_SINGLE ?= --limit 1 --max-new-tokens 8
 GPU_SERVE ?= --clients 1,2 --prompts 1 --max-new-tokens 8
 GPU_EDGE ?= --profiles 4g --limit 1 --max-new-tokens 8
 else
-GPU_FORWARD ?= --sizes 1,16,64,256,384,512
+GPU_FORWARD ?= --sizes 1,16,64,256,512,1024,2048,4096  # past 512, buckets of their own: should they be served?
 GPU_SINGLE ?= --limit 2 --max-new-tokens 128 --cuda-graphs
 # 256 trees a forward; exact bf16 keeps KV in fp64; graphs were exact and 3.3x faster a forward on the H200
 # (bench/results/gpu-h200)

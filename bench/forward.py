@@ -31,6 +31,8 @@ from shared.engine.linear import CUDA_ROWS
 from shared.engine.models import DEFAULT_MODEL, load_target
 from shared.tree import causal_from
 
+MAX_ROWS = 8192  # a GPU server's --max-batch-tokens in the sitting
+
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("inexact", "inexact, graphs", "exact", "exact, graphs")
 
@@ -68,15 +70,16 @@ def streamed_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def apply(engine, setting: str, graphs: dict[str, Graphs]) -> None:
-    """Put ``engine`` in ``setting`` (its graphs made once and kept: a capture holds its kernels)."""
+def apply(engine, setting: str, graphs: dict[str, Graphs], sizes: tuple[int, ...] = ()) -> None:
+    """Put ``engine`` in ``setting`` (its graphs made once and kept: a capture holds its kernels), with a bucket for
+    each of ``sizes`` past the served ones (``BUCKETS``): what a larger bucket would cost, before it is served."""
     exact = setting.startswith("exact")
     exact_rows(engine, CUDA_ROWS if exact else 0)
     engine.exact = exact
     engine.graphs = None
     if setting.endswith("graphs"):
         if setting not in graphs:
-            graphs[setting] = Graphs(engine, BUCKETS)
+            graphs[setting] = Graphs(engine, tuple(sorted({*BUCKETS, *sizes})))
         engine.graphs = graphs[setting]
 
 
@@ -121,7 +124,7 @@ def run_setting(target, setting: str, graphs: dict[str, Graphs], prefix: list[in
                 bar: tqdm) -> tuple[dict, dict, list[int]]:  # fmt: skip
     """One setting's row: ms a forward per size, its states and its decoded tokens."""
     engine, dev = target.engine, target.device
-    apply(engine, setting, graphs)
+    apply(engine, setting, graphs, tuple(args.sizes))
     cache = engine.new_cache(args.prefix + max(args.sizes))
     with torch.inference_mode():
         for a in range(0, args.prefix, 256):  # the prefix, in forwards of at most 256 rows
@@ -204,7 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (a rehearsal)")
     p.add_argument("--dtype", default="bfloat16", help="activations and weights (default bfloat16)")
-    p.add_argument("--sizes", default="1,16,64,256", help="rows a forward, comma list (default 1,16,64,256)")
+    p.add_argument("--sizes", default="1,16,64,256", help="rows a forward, comma list (default 1,16,64,256; past "
+                   f"{BUCKETS[-1]}, the largest served bucket, each gets a bucket of its own)")
     p.add_argument("--prefix", type=int, default=256, help="tokens cached before each forward (default 256)")
     p.add_argument("--repeats", type=int, default=20, help="timed forwards per size and setting (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed forwards first (default 3; the first captures)")
@@ -214,8 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "forward", help="output folder")
     args = p.parse_args(argv)
     args.sizes = sorted({int(s) for s in args.sizes.split(",") if s})
-    if not args.sizes or args.sizes[0] < 1 or args.sizes[-1] > BUCKETS[-1]:
-        p.error(f"--sizes {args.sizes}: expected row counts from 1 to {BUCKETS[-1]} (the largest graph bucket)")
+    if not args.sizes or args.sizes[0] < 1 or args.sizes[-1] > MAX_ROWS:
+        p.error(f"--sizes {args.sizes}: expected row counts from 1 to {MAX_ROWS}")
     return args
 
 
