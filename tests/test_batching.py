@@ -42,8 +42,21 @@ def decode(target, prompt, sampling, rounds, run=None):
             [v.features.kv for v in verdicts])  # fmt: skip
 
 
-def test_batched_sessions_get_exactly_what_they_get_alone(bf16):
-    """Sessions of different lengths, trees and sampling (greedy, and seeded sampling) in the same forwards."""
+@pytest.fixture(scope="module")
+def bf16_gpu_plan(tiny_model_dir):
+    """The exact bf16 recipe a GPU serves (``exact_rows``: fp64 caches), whose sequences attend as padded groups."""
+    from shared.engine.decoder import exact_rows
+
+    target = load_target(str(tiny_model_dir), dtype="bfloat16")
+    exact_rows(target.engine)
+    return target
+
+
+@pytest.mark.parametrize("plan", ["bf16", "bf16_gpu_plan"])
+def test_batched_sessions_get_exactly_what_they_get_alone(plan, request):
+    """Sessions of different lengths, trees and sampling (greedy, and seeded sampling) in the same forwards: on a CPU's
+    plan (the kernels' attention, a sequence at a time) and a GPU's (fp64 caches, attended as padded groups)."""
+    bf16 = request.getfixturevalue(plan)
     cases = [([5, 9, 14, 5, 9, 21, 33], SamplingParams()),
              (list(range(5, 45)), SamplingParams()),
              ([7, 8, 9], SamplingParams(temperature=1.5, top_p=0.9, seed=7)),
