@@ -89,6 +89,19 @@ def argmax(row: torch.Tensor) -> int:
     return int(row.numpy().argmax() if row.device.type == "cpu" else row.argmax())
 
 
+def argmaxes(rows: torch.Tensor) -> list[int]:
+    """``argmax`` of each row of ``rows`` [R, V], read from a GPU in one transfer (row by row, a greedy walk waits
+    on the GPU once a row)."""
+    rows = rows.detach().float()
+    return (rows.numpy().argmax(-1) if rows.device.type == "cpu" else rows.argmax(-1).cpu()).tolist()
+
+
+def greedy_token(logits, row: int) -> int:
+    """Row ``row``'s argmax. ``logits`` may know it already: ``shared.engine.target.TreeLogits.greedy``."""
+    known = getattr(logits, "greedy", None)
+    return known(row) if known is not None else argmax(logits[row])
+
+
 def accept_tree(
     tokens: list[int],
     parents: list[int],
@@ -110,7 +123,7 @@ def accept_tree(
         return _typical(tokens, kids, logits, params, generator)
     if params.greedy:
         while True:
-            best = argmax(logits[row])
+            best = greedy_token(logits, row)
             match = next((c for c in kids[row] if tokens[c] == best), None)
             if match is None:
                 return accepted, best

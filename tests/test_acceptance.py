@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from shared.acceptance import SamplingParams, accept_tree, target_probs
+from shared.acceptance import SamplingParams, accept_tree, argmax, argmaxes, target_probs
 from shared.tree import DraftTree, tree_attention_mask, tree_positions
 
 # root -> [0:a, 1:b, 2:c]; a -> [3:d, 4:e]; d -> [5:f]; token ids are chosen below
@@ -112,6 +112,32 @@ def test_greedy_walks_the_argmax_path():
     assert accept_tree(TOKENS, PARENTS, logits, SamplingParams()) == ([0, 3], 3)
     logits[0, 3] = 9  # root -> token 3: no child matches
     assert accept_tree(TOKENS, PARENTS, logits, SamplingParams()) == ([], 3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a GPU's transfer"))])  # fmt: skip
+def test_argmaxes_read_at_once_are_each_rows_argmax_ties_included(device):
+    """A GPU's greedy walk reads a tree's first rows' argmaxes in one transfer (``TreeLogits.greedy``): each must be
+    the row's own ``argmax``, the first of equal maxima included, in bf16 (where ties are common) and fp32."""
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = (torch.randn(9, 500, generator=gen) * 3).round().to(dtype)  # many equal values
+        rows[3] = 7.0  # all equal: the first index
+        rows[5, [17, 400]] = 99.0  # two maxima: the first
+        rows = rows.to(device)
+        assert argmaxes(rows) == [argmax(r) for r in rows]
+        assert argmaxes(rows)[3] == 0 and argmaxes(rows)[5] == 17
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bulk read is a GPU's")
+def test_a_tree_s_greedy_rows_on_a_gpu_are_each_rows_argmax(tiny_model_dir):
+    from shared.engine.models import load_target
+    from shared.engine.target import TreeLogits
+
+    engine = load_target(str(tiny_model_dir), device="cuda", dtype="bfloat16").engine
+    hidden = torch.randn(6, engine.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    logits = TreeLogits(engine, hidden, [0, 2, 3])
+    assert [logits.greedy(r) for r in range(6)] == [argmax(logits[r]) for r in range(6)]
 
 
 def test_top_p_keeps_the_smallest_nucleus():

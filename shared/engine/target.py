@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shared.acceptance import SamplingParams, accept_tree
+from shared.acceptance import SamplingParams, accept_tree, argmax, argmaxes
 from shared.engine.decoder import Part, Transformer
 from shared.engine.kernels import cpu_label
 from shared.engine.linear import Linear
@@ -328,7 +328,10 @@ class TreeLogits:
     def __init__(self, engine: Transformer, hidden: torch.Tensor, rows: list[int], first: torch.Tensor | None = None):
         """``rows``: ``first_rows`` of the tree; ``first``: their logits where computed already (``head_logits``)."""
         self.engine, self.hidden = engine, hidden
-        self.rows = dict(zip(rows, engine.logits(hidden[rows]) if first is None else first, strict=True))
+        self.first = engine.logits(hidden[rows]) if first is None else first
+        self.index = {r: i for i, r in enumerate(rows)}  # a row of ``first``
+        self.more: dict[int, torch.Tensor] = {}  # rows computed on demand
+        self.best: dict[int, int] | None = None  # the first rows' argmaxes, read at once off a GPU
 
     @staticmethod
     def first_rows(tree: DraftTree) -> list[int]:
@@ -337,9 +340,20 @@ class TreeLogits:
         return sorted({0} | {p + 1 for p in tree.parents} | {i + 1 for i in likeliest})
 
     def __getitem__(self, row: int) -> torch.Tensor:
-        if row not in self.rows:
-            self.rows[row] = self.engine.logits(self.hidden[row : row + 1])[0]
-        return self.rows[row]
+        if row in self.index:
+            return self.first[self.index[row]]
+        if row not in self.more:
+            self.more[row] = self.engine.logits(self.hidden[row : row + 1])[0]
+        return self.more[row]
+
+    def greedy(self, row: int) -> int:
+        """The row's argmax (``accept_tree``'s greedy walk). On a GPU the first rows' are read in one transfer: a walk
+        that read each row's would wait on the GPU once a row, a batched server's forward a hundred times and more."""
+        if self.first.device.type == "cpu" or row not in self.index:
+            return argmax(self[row])
+        if self.best is None:
+            self.best = dict(zip(self.index, argmaxes(self.first), strict=True))
+        return self.best[row]
 
 
 def _is_chain(parents: list[int]) -> bool:
