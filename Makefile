@@ -137,12 +137,15 @@ gpu-sitting:
 	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)
 
 # Run in the sitting's first call, with the wheels installed: every module and prompt set the tables need, so that a
-# missing one costs seconds there, not a table; and which kernel builds the host's CPU runs (the H200's host is a Xeon
-# whose flags name AMX: where the amx build is among them, `pytest tests/test_kernels.py -k amx` tests it there).
+# missing one costs seconds there, not a table; which kernel builds the host's CPU runs (the H200's host is a Xeon
+# whose flags name AMX: where the amx build is among them, `pytest tests/test_kernels.py -k amx` tests it there); and
+# the tests of the CUDA paths (graphs, padded attention, greedy rows, drafters on CUDA), ~10 s, on tiny models.
 gpu-preflight:
 	$(GPU_PY) -c "import bench.forward, bench.single, bench.serve, bench.network; from shared.engine import kernels; \
 		print(len(bench.serve.prompt_texts('mt-bench', 80)), len(bench.serve.prompt_texts('humaneval', 164)), \
 		'prompts;', kernels.cpu_name(), 'runs', kernels.runnable())"
+	$(GPU_PY) -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_engine.py tests/test_acceptance.py \
+		tests/test_tree_search.py tests/test_batching.py tests/test_build.py
 # A step a target, so that gpu-sitting runs them in its own order, each under its own time.
 bench-gpu: bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge
 	$(if $(GPU_TAR),tar czf $(GPU_TAR) -C $(GPU_OUT) .)  # one file back: a call brings back 8 at most
