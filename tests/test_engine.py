@@ -262,32 +262,34 @@ def mixed_parts(engine, rng: random.Random, count: int) -> list:
     (causal), a tree after a prefix, one token, a tree from slot 0."""
     from shared.engine.decoder import Part
 
-    vocab, parts = engine.cfg.vocab_size, []
+    vocab, parts, dev = engine.cfg.vocab_size, [], engine.device
     for j in range(count):
         cache, prefix = engine.new_cache(64), [rng.randrange(vocab) for _ in range(3 + 2 * j)]
         at = 0 if j % 4 == 3 else len(prefix)
         if at:
-            engine.forward_many([Part(prefix, list(range(at)), causal_from(0, at), cache, 0)])
+            engine.forward_many([Part(prefix, list(range(at)), causal_from(0, at, dev), cache, 0)])
         tree = DraftTree()
         for i in range(1 + j % 5):
             tree.add(rng.randrange(vocab), rng.randrange(-1, i))
         ids = [rng.randrange(vocab), *tree.tokens]
         if j % 4 == 0:
-            parts.append(Part(ids, list(range(at, at + len(ids))), causal_from(at, len(ids)), cache, at))
+            parts.append(Part(ids, list(range(at, at + len(ids))), causal_from(at, len(ids), dev), cache, at))
         elif j % 4 == 2:
             parts.append(Part(ids[:1], [at], None, cache, at))
         else:
-            parts.append(Part(ids, tree_positions(tree.parents, at), tree_mask(tree.parents, at), cache, at))
+            parts.append(Part(ids, tree_positions(tree.parents, at), tree_mask(tree.parents, at, dev), cache, at))
     return parts
 
 
-def test_many_sequences_attend_as_padded_groups_with_one_at_a_times_bits(tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's own run of its plan"))])  # fmt: skip
+def test_many_sequences_attend_as_padded_groups_with_one_at_a_times_bits(tiny_model_dir, device):
     """The exact bf16 recipe (fp64 caches) attends a forward's sequences as padded groups (``shared.engine.padded``):
     every sequence's states and its cache's entries are one-at-a-time attention's, bit for bit, in one group or in
     several (a budget that fits two or three sequences)."""
     from shared.engine.decoder import exact_rows
 
-    engine = load_target(str(tiny_model_dir), dtype="bfloat16").engine
+    engine = load_target(str(tiny_model_dir), device=device, dtype="bfloat16").engine
     exact_rows(engine)
     runs = {}
     with torch.no_grad():
