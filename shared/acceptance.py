@@ -85,8 +85,7 @@ def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
 def argmax(row: torch.Tensor) -> int:
     """The first index of the largest value (as torch's argmax). On a CPU through numpy: over a 49k vocabulary
     torch's costs several times numpy's, on a plain-decoding step of a few ms. Float first: bf16 is slow either way."""
-    row = row.detach().float()
-    return int(row.numpy().argmax() if row.device.type == "cpu" else row.argmax())
+    return argmaxes(row.reshape(1, -1))[0]
 
 
 def argmaxes(rows: torch.Tensor) -> list[int]:

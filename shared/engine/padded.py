@@ -47,10 +47,9 @@ class Padded:
         self.k = ref.new_zeros(L, P, kv, S, d)  # zeros, not empty: a masked slot's value still meets a zero weight
         self.v = ref.new_zeros(L, P, kv, S, d)
         past = [(j, p) for j, p in enumerate(parts) if p.at]
-        for pad, name in ((self.k, "k"), (self.v, "v")):
-            if past:
-                torch._foreach_copy_([pad[:, j, :, : p.at] for j, p in past],
-                                     [getattr(p.cache, name)[:, 0, :, : p.at] for _, p in past])  # fmt: skip
+        for pad, name in ((self.k, "k"), (self.v, "v")) if past else ():
+            torch._foreach_copy_([pad[:, j, :, : p.at] for j, p in past],
+                                 [getattr(p.cache, name)[:, 0, :, : p.at] for _, p in past])  # fmt: skip
         # where each of the group's rows goes: (sequence, slot) in the padded cache, (sequence, row) in the queries
         seq = [j for j, n in enumerate(sizes) for _ in range(n)]
         self.seq = torch.tensor(seq, device=dev)
@@ -99,7 +98,7 @@ class Padded:
         """The forward's new keys and values into each sequence's own cache (room made: ``Step.part``)."""
         if len(self.parts) == 1:
             return  # (written as it attended)
-        spans = [(j, p, p.at, p.at + b - a) for j, ((a, b), p) in enumerate(zip(self.bounds, self.parts, strict=True))]
+        new = [(j, p, p.at, p.at + b - a) for j, ((a, b), p) in enumerate(zip(self.bounds, self.parts, strict=True))]
         for pad, name in ((self.k, "k"), (self.v, "v")):
-            torch._foreach_copy_([getattr(p.cache, name)[:, 0, :, s:e] for _, p, s, e in spans],
-                                 [pad[:, j, :, s:e] for j, _, s, e in spans])  # fmt: skip
+            torch._foreach_copy_([getattr(p.cache, name)[:, 0, :, s:e] for _, p, s, e in new],
+                                 [pad[:, j, :, s:e] for j, _, s, e in new])  # fmt: skip
