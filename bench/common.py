@@ -252,3 +252,17 @@ def clients_figure(series: dict[str, tuple[list, list, list | None]], left: str,
         ax.legend()
         ax.grid(alpha=0.3)
     save_figure(fig, path, title)
+
+
+def stream_bytes(target) -> int:
+    """Bytes of weights a token's forward reads: every linear layer's (packed weights and their scales where low-bit,
+    the LM head's included; a tied head once). Plain decoding streams them all once a token, so over
+    ``kernels.read_peak`` they bound its rate on a CPU."""
+    from shared.engine.linear import Linear
+
+    seen: dict[int, int] = {}
+    for m in target.engine.modules():
+        if isinstance(m, Linear):
+            tensors = [m.qweight, m.qscale] if m.qweight is not None else [m.weight, m.bias]
+            seen |= {t.data_ptr(): t.nbytes for t in tensors if t is not None}
+    return sum(seen.values())

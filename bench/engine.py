@@ -33,6 +33,9 @@ All in one run, ``--threads`` torch threads (default 2), medians over ``--repeat
             a PREFIX-token context: the cost of a forward of n tokens; without ``-d`` in an old llama-bench,
             after no context), medians of ``--llama-repeats`` samples from its ``-o json`` output. Otherwise the
             tables say it was not measured. Building llama-bench and the BF16/F32 GGUFs: see the README.
+* memory    the memory's read rate on the same threads (``kernels.read_peak``), just before our decoding and
+            just before llama.cpp's, and the bytes of weights a token reads per dtype: plain decoding's GB/s as a
+            share of what the memory gives, the ceiling of any engine streaming the same weights.
 
 Run:  .venv/bin/python -m bench.engine [--repeats R] [--prompts K] [--max-new-tokens N] [--dtypes fp32,bf16]
       [--sizes 1,17,33,65] [--drafters prompt-lookup,eagle,medusa,moa-tli1] [--llama-bench PATH] [--gguf FILE ...]
@@ -67,6 +70,7 @@ from bench.common import (
     median,
     save_figure,
     start,
+    stream_bytes,
 )
 from client.drafters import ALIASES, DRAFTERS, make_drafter
 from client.loop.adaptive import AdaptivePolicy
@@ -83,6 +87,7 @@ from shared.tree import DraftTree
 REPO = Path(__file__).resolve().parent.parent
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 HF_GENERATE = "transformers generate fp32"  # the reference every decoding speed is compared with
+SAME_MEMORY = 1.15  # read rates further apart than this: a comparison across them is not like for like
 PLAIN = "none"  # our plain decoding through the same loop: the reference for greedy ids of its dtype
 UNTRAINED_MAX_TREE_NODES = 64  # the decode loop's default; prompt lookup never drafts that many
 DRAFT_STEP_ROUNDS = 8  # trees drafted per tree drafter to time its depth steps
@@ -438,6 +443,32 @@ def int8_table(rates: dict, sizes: list[int]) -> list[str]:
     return lines
 
 
+def read_lines(result: dict) -> list[str]:
+    """Plain decoding's weight stream against the memory's read rate, read just before our decoding and just before
+    llama.cpp's: how far any engine reading the same bytes could go, and whether the two ran on the same memory
+    (a VM's host shifts it by half within minutes). Results saved before the rate was measured have none."""
+    memory = result.get("memory") or {}
+    read = memory.get("read_gb_per_s") or {}
+    if not read.get("decode"):
+        return []
+    when = ", ".join(f"{gb:.1f} before {what}" for what, gb in read.items() if gb)
+    lines = [f"\nMemory read rate (`kernels.read_peak`, {result['environment']['threads']} threads), GB/s: {when}. "
+             "Plain decoding reads every weight once a token:\n"]  # fmt: skip
+    for label, r in result["decode"].items():
+        gb = memory["gb_per_token"].get(r["dtype"])
+        rate = r.get("median_decode_tokens_per_s")
+        if label.startswith(f"{PLAIN} ") and gb and rate:
+            lines.append(f"* {r['dtype']}: {gb:.3f} GB a token, {gb * rate:.1f} GB/s after the prefill: "
+                         f"{gb * rate / read['decode']:.0%} of the read rate, which allows {read['decode'] / gb:.1f} "
+                         "tok/s")  # fmt: skip
+    ours, theirs = read["decode"], read.get("llama.cpp")
+    if theirs and max(ours, theirs) / min(ours, theirs) > SAME_MEMORY:
+        lines.append(f"\nThe memory read {max(ours, theirs) / min(ours, theirs):.2f}× as fast before "
+                     f"{'our decoding' if ours > theirs else 'llama.cpp'} as before the other: the two decoding rates "
+                     "were not measured on the same memory.")  # fmt: skip
+    return lines
+
+
 def markdown(result: dict) -> str:
     env, s = result["environment"], result["settings"]
     sizes = s["sizes"]
@@ -510,6 +541,7 @@ def markdown(result: dict) -> str:
             lines.append(f"\nPlain decoding ({r['dtype']}) after the prefill: "
                          f"{r['median_decode_tokens_per_s'] / theirs['tokens_per_s']:.2f}× llama.cpp's "
                          f"`llama-bench -n {theirs['n_gen']}` ({theirs['type']}).")  # fmt: skip
+    lines += read_lines(result)
     lines += ["", "## llama.cpp\n"]
     if not llama.get("binary"):
         lines.append("Not measured: no llama-bench binary given (pass `--llama-bench PATH` or set `LLAMA_BENCH`; "
@@ -648,6 +680,8 @@ def load_dtype(model: str, spec: str, long: dict[str, str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shared.engine import kernels
+
     args = parse_args(argv)
     start(args.threads)
     env = environment(args.threads)  # load average before this process adds its own
@@ -673,6 +707,12 @@ def main(argv: list[str] | None = None) -> int:
         del hf
     bar.set_postfix_str("int8 peak")
     rates = int8_rates(forward, {d: projection_macs(t) for d, t in targets.items()})
+    memory = {"read_gb_per_s": {}, "gb_per_token": {d: stream_bytes(t) / 1e9 for d, t in targets.items()}}
+
+    def read_now(what: str) -> None:  # the memory's read rate now, before ``what`` runs
+        if kernels.available():
+            bar.set_postfix_str(f"memory read rate before {what}")
+            memory["read_gb_per_s"][what] = kernels.read_peak() / 1e9
     if hf32 is None:  # the decoding reference is transformers at fp32 whatever --dtypes says
         hf32 = load_hf(args.model, torch.float32)
 
@@ -682,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     run_hf(hf32, warm, 8, eos)
     for m in methods:  # first calls pay one-off costs (allocator, kernels, caches)
         run_ours(m, warm, 8)
+    read_now("decode")
     runs = decode(hf32, eos, methods, prompts, args, bar)
     steps = {}
     for m in methods:
@@ -692,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     llama: dict = {}
     if args.llama_bench:
         if ggufs:
+            read_now("llama.cpp")
             llama = llama_cpp.forward_costs(args.llama_bench, ggufs, args.threads, args.llama_repeats, args.sizes,
                                             args.prefix, bar)  # fmt: skip
         else:
@@ -708,8 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     summary = summarize(runs)
     result = {
-        "environment": env, "settings": settings, "forward": forward, "int8_rates": rates, "decode": summary,
-        "draft_steps": steps,
+        "environment": env, "settings": settings, "forward": forward, "int8_rates": rates, "memory": memory,
+        "decode": summary, "draft_steps": steps,
         "llama_cpp": llama, "skipped": skipped, "runs": [asdict(r) for r in runs],
     }  # fmt: skip
     md = markdown(result)

@@ -58,6 +58,7 @@ from bench.common import (
     save_figure,
     skipped_note,
     start,
+    stream_bytes,
     times,
 )
 from client.drafters import ALIASES, DRAFTERS, NoDrafter, is_model, make_drafter
@@ -259,16 +260,20 @@ def llama_runs(target, methods: list[Method], prompts: list[Prompt], args: argpa
 
 
 def plain_side_by_side(target, binary: str, model: str, args: argparse.Namespace) -> dict:
-    """llama.cpp's plain decoding against ours at the same moments: ``--llama-rounds`` times, ``llama-bench`` tg
-    (``max_new_tokens``, no prompt, one repeat) then our plain greedy decoding of as many tokens after a one-token
-    prompt (no stop: the same count), the pace after its first token. Each pair's ratio, then their median: on a
-    shared machine whose speed drifts by minutes, only ratios measured side by side mean something."""
+    """llama.cpp's plain decoding against ours at the same moments: ``--llama-rounds`` times, the memory's read rate
+    (``kernels.read_peak``), ``llama-bench`` tg (``max_new_tokens``, no prompt, one repeat), then our plain greedy
+    decoding of as many tokens after a one-token prompt (no stop: the same count), the pace after its first token.
+    Each pair's ratio, then their median: on a shared machine whose speed drifts by minutes, only ratios measured
+    side by side mean something. Both read the same weights a token (the GGUF's, ``stream_bytes``), so each pace
+    times those bytes over the read rate is the share of the memory's ceiling it reaches."""
     from bench.llama import plain_tokens_per_s
+    from shared.engine import kernels
 
     bos = target.tokenizer.bos_token_id
     prompt = [bos if bos is not None else target.tokenizer.encode("\n", add_special_tokens=False)[0]]
-    theirs, ours = [], []
+    theirs, ours, read = [], [], []
     for _ in tqdm(range(args.llama_rounds), desc="plain beside llama-bench", unit="round", file=sys.stderr):
+        read.append(kernels.read_peak() / 1e9 if kernels.available() else None)
         theirs.append(plain_tokens_per_s(binary, model, args.max_new_tokens, args.threads, repeats=1))
         s = generate(
             LocalVerifier(target), NoDrafter(), prompt, args.max_new_tokens,
@@ -277,13 +282,28 @@ def plain_side_by_side(target, binary: str, model: str, args: argparse.Namespace
         ours.append((s.new_tokens - 1) / (s.wall_s - s.ttft_s))
     return {"plain_tokens_per_s": median(theirs), "plain_side_by_side": {
         "llama_tokens_per_s": [round(t, 3) for t in theirs], "ours_tokens_per_s": [round(t, 3) for t in ours],
+        "read_gb_per_s": [None if r is None else round(r, 2) for r in read],
+        "gb_per_token": round(stream_bytes(target) / 1e9, 4),
         "median_ratio": round(median([o / t for o, t in zip(ours, theirs, strict=True)]), 4)}}  # fmt: skip
+
+
+def side_by_side_table(side: dict) -> list[str]:
+    """The rounds of ``plain_side_by_side``: each engine's pace and the share of the memory's ceiling it reached."""
+    gb, reads = side.get("gb_per_token"), side.get("read_gb_per_s") or []
+    if not gb or not reads or None in reads:
+        return []
+    lines = [f"\n| round | memory read GB/s | its ceiling tok/s ({gb:.3f} GB a token) | llama.cpp tok/s | ours tok/s "
+             "| ours ÷ llama.cpp |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for i, (r, t, o) in enumerate(zip(reads, side["llama_tokens_per_s"], side["ours_tokens_per_s"], strict=True)):
+        lines.append(f"| {i + 1} | {r:.1f} | {r / gb:.1f} | {t:.2f} ({t * gb / r:.0%}) | {o:.2f} ({o * gb / r:.0%}) "
+                     f"| {o / t:.3f}× |")  # fmt: skip
+    return lines
 
 
 def llama_lines(llama: dict) -> str:
     if not llama:
         return ""
-    lines = []
+    lines, table = [], []
     if "plain_tokens_per_s" in llama:
         lines.append(f"llama.cpp plain decoding (llama-bench tg, same GGUF, same threads; no prompt: a decode pace): "
                      f"{llama['plain_tokens_per_s']:.2f} tok/s.")  # fmt: skip
@@ -293,12 +313,13 @@ def llama_lines(llama: dict) -> str:
         lines.append(f"Side by side ({len(side['ours_tokens_per_s'])} rounds alternating llama-bench and our plain "
                      f"decoding of as many tokens after a one-token prompt): ours {ours:.2f} tok/s against "
                      f"{theirs:.2f}, **{side['median_ratio']:.3f}× llama.cpp** (median of the rounds' ratios).")
+        table = side_by_side_table(side)
     if "draft_max" in llama:
         lines.append(f"`llama.cpp <drafter>` rows: llama-speculative -md <drafter's GGUF>, greedy, "
                      f"{llama['draft_max']} draft tokens a round; its own numerics, so not compared for identity.")
     if "error" in llama:
         lines.append(f"llama.cpp not run: {llama['error']}.")
-    return " ".join(lines) + "\n\n"
+    return " ".join(lines) + "\n" + "\n".join(table) + "\n\n"
 
 
 def run_method(target, method: Method, prompt_ids: list[int], max_new_tokens: int, seed: int = 0):

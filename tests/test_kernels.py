@@ -444,6 +444,56 @@ def test_every_build_measures_its_int8_peak():
         ops.int8_peak(0)
 
 
+def test_the_memory_read_rate_is_measured_and_bad_sizes_are_named():
+    """``kernels.read_peak`` streams a buffer on torch's threads: a finite rate of over 100 MB/s (any memory) and
+    under 10 TB/s (none yet); a buffer under 1 MiB, which the caches would hold, is refused with its size named."""
+    rate = kernels.read_peak(megabytes=8, passes=1)
+    assert math.isfinite(rate) and 1e8 < rate < 1e13, rate
+    with pytest.raises(RuntimeError, match="at least 1 MiB read at least once, got 4096 bytes 1 times"):
+        ops.read_rate(4096, 1)
+    with pytest.raises(RuntimeError, match="got 1048576 bytes 0 times"):
+        ops.read_rate(1 << 20, 0)
+
+
+def test_the_engine_bench_reads_plain_decoding_against_the_memory(tiny_target):
+    """bench.engine: a token's weight bytes are every linear layer's, the head's once; plain decoding's GB/s is the
+    tokens a second times those bytes, read against the rate measured before our decoding, and both rates named."""
+    from bench.common import stream_bytes
+    from bench.engine import read_lines
+    from shared.engine.linear import Linear
+
+    linears = [m for m in tiny_target.engine.modules() if isinstance(m, Linear)]
+    assert stream_bytes(tiny_target) == sum(m.weight.nbytes for m in linears)  # fp32, untied, no biases
+    result = {"environment": {"threads": 2},
+              "memory": {"read_gb_per_s": {"decode": 40.0, "llama.cpp": 50.0}, "gb_per_token": {"fp32+lowbit": 1.0}},
+              "decode": {"none fp32+lowbit": {"dtype": "fp32+lowbit", "median_decode_tokens_per_s": 30.0},
+                         "prompt-lookup fp32+lowbit": {"dtype": "fp32+lowbit", "median_decode_tokens_per_s": 90.0}}}
+    lines = read_lines(result)  # fmt: skip
+    assert "GB/s: 40.0 before decode, 50.0 before llama.cpp" in lines[0]
+    assert lines[1] == ("* fp32+lowbit: 1.000 GB a token, 30.0 GB/s after the prefill: 75% of the read rate, which "
+                        "allows 40.0 tok/s")
+    assert lines[-1] == ("\nThe memory read 1.25× as fast before llama.cpp as before the other: the two decoding "
+                         "rates were not measured on the same memory.")
+    result["memory"]["read_gb_per_s"]["llama.cpp"] = 42.0
+    assert len(read_lines(result)) == 2  # within 15 %: no warning
+    assert read_lines({"memory": {"read_gb_per_s": {}}}) == read_lines({}) == []
+
+
+def test_plain_decoding_beside_llama_cpp_reads_each_round_against_the_memory():
+    """bench.single's side-by-side rounds: each engine's pace and its share of the ceiling the round's read rate sets
+    (read rate ÷ a token's bytes); no table where the rate was not measured."""
+    from bench.single import llama_lines, side_by_side_table
+
+    side = {"llama_tokens_per_s": [30.0, 40.0], "ours_tokens_per_s": [33.0, 36.0], "read_gb_per_s": [40.0, 50.0],
+            "gb_per_token": 1.0, "median_ratio": 1.0}  # fmt: skip
+    table = side_by_side_table(side)
+    assert table[-2:] == ["| 1 | 40.0 | 40.0 | 30.00 (75%) | 33.00 (82%) | 1.100× |",
+                          "| 2 | 50.0 | 50.0 | 40.00 (80%) | 36.00 (72%) | 0.900× |"]  # fmt: skip
+    text = llama_lines({"plain_tokens_per_s": 35.0, "plain_side_by_side": side})
+    assert "**1.000× llama.cpp**" in text and "\n\n| round | memory read GB/s |" in text
+    assert side_by_side_table({**side, "read_gb_per_s": [None, None]}) == []
+
+
 def test_the_engine_bench_reads_int8_rates_against_the_peak():
     """bench.engine's table: n × a token's multiply-adds over the forward's ms, and the share of the peak."""
     from bench.engine import int8_table

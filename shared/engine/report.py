@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from shared.engine import kernels, paths
 from shared.engine.models import DEFAULT_MODEL, model_config, own_layers, resolve_model, served_paths
 
@@ -24,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = kernels.builds()
     seconds = kernels.time_builds([t for t in loaded if t != "portable"] or loaded) if loaded else {}
     peaks = {t: kernels.int8_peak(t) / 1e9 for t in loaded}
+    read = kernels.read_peak() / 1e9 if loaded else None
     table = paths.table_for(cfg, args.cache_dir, refresh=args.refresh, own=own_layers(folder))
     allowed, why = served_paths(folder)
     chosen = table.choose(allowed)
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**table.to_json(), "model": spec, "chosen": chosen, "candidates": allowed, "why": why,
                           "drafting": drafting,
                           "builds": {t: 1e3 * s for t, s in seconds.items()},
-                          "int8_peak_g_per_s": peaks}, indent=1))  # fmt: skip
+                          "int8_peak_g_per_s": peaks, "read_peak_gb_per_s": read}, indent=1))  # fmt: skip
         return 0
     print(f"# {spec} on {table.cpu}, {table.threads} threads (measured {table.measured})\n")
     print("Kernel builds (ms for an int4 and an int8 projection, 2048 x 4096, at 1 and 16 rows; the peak int8 "
@@ -44,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
                                                                    else "built (not timed: slow)")  # fmt: skip
         peak = f", peak {peaks[t]:.0f} G/s" if t in peaks else ""
         print(f"  {t:12s} {state}{peak}{'   <- used' if t == kernels.active() else ''}")
+    if read:
+        print(f"\nMemory: {read:.1f} GB/s read on {torch.get_num_threads()} threads, the ceiling of a token's "
+              "forward: every weight read once")
     print("\nPaths (one forward of the whole model after a 128-token prefix, extrapolated from a slice):\n")
     print(table.markdown())
     mix = " + ".join(map(str, paths.MIX))

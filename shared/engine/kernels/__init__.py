@@ -280,6 +280,15 @@ def int8_peak(tag: str | None = None, seconds: float = 0.05) -> float:
     return max(op(steps) for _ in range(3))
 
 
+def read_peak(megabytes: int = 256, passes: int = 4) -> float:
+    """Bytes a second that torch's threads read from memory, streaming a buffer of ``megabytes`` (larger than the
+    caches) with nothing else to do (``cpu.cpp``'s ``read_rate``): the ceiling of plain decoding, which reads every
+    weight once a token. The best of three runs after one to warm up."""
+    op = ops().read_rate
+    op(megabytes << 20, 1)
+    return max(op(megabytes << 20, passes) for _ in range(3))
+
+
 def isa() -> str:
     """What the active build computes with: ``amx``, ``avx512-vnni``, ``avx-vnni``, ``avx2`` or ``portable``."""
     return ops().isa()

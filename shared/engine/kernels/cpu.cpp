@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -2143,6 +2144,42 @@ double int8_peak(int64_t steps) {
   return per_step * static_cast<double>(steps) * threads / seconds;
 }
 
+// Bytes a second that torch's threads read from memory, each streaming its share of a buffer of ``bytes`` (far
+// larger than the caches) ``passes`` times with nothing else to do: the ceiling of a token's forward, which reads every
+// weight once (plain decoding is bound by it; a tree by the multiply rate). Each thread first writes its own share,
+// so its pages are where it reads them.
+double read_rate(int64_t bytes, int64_t passes) {
+  TORCH_CHECK(bytes >= (int64_t{1} << 20) && passes > 0, "read_rate: expected at least 1 MiB read at least once, got ",
+              bytes, " bytes ", passes, " times");
+  constexpr int64_t LINE = 8;  // uint64 words a 64-byte line
+  const int64_t words = bytes / 8 / LINE * LINE;
+  std::unique_ptr<uint64_t[]> buffer(new uint64_t[words]);
+  uint64_t* data = buffer.get();
+  const int threads = at::get_num_threads();
+  std::atomic<uint64_t> sink{0};
+  auto each = [&](const auto& f) {
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) f(words / LINE * t / threads * LINE, words / LINE * (t + 1) / threads * LINE);
+    });
+  };
+  each([&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) data[i] = static_cast<uint64_t>(i);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t pass = 0; pass < passes; ++pass)
+    each([&](int64_t b, int64_t e) {
+      uint64_t acc[LINE] = {};  // a line's words xor-ed into independent chains: the loads, not the adds, set the pace
+      for (int64_t i = b; i < e; i += LINE)
+        for (int64_t k = 0; k < LINE; ++k) acc[k] ^= data[i + k];
+      uint64_t all = 0;
+      for (const uint64_t a : acc) all ^= a;
+      sink ^= all;
+    });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  (void)sink.load();
+  return static_cast<double>(words) * 8 * static_cast<double>(passes) / seconds;
+}
+
 // Whether this build can run in this process: the CPU flags are checked before it loads; AMX also needs the kernel's
 // leave to use the tile state.
 bool ready() {
@@ -2181,6 +2218,7 @@ SPLITSPEC_LIBRARY(SPLITSPEC_NS, m) {
   m.def("ready() -> bool", &ready);
   m.def("int8_layout() -> str", &int8_layout);
   m.def("int8_peak(int steps) -> float", &int8_peak);
+  m.def("read_rate(int bytes, int passes) -> float", &read_rate);
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("norm_linear", c10::DispatchKey::CPU, &norm_linear);
   m.impl("mlp", c10::DispatchKey::CPU, &mlp);
