@@ -33,9 +33,9 @@ All in one run, ``--threads`` torch threads (default 2), medians over ``--repeat
             a PREFIX-token context: the cost of a forward of n tokens; without ``-d`` in an old llama-bench,
             after no context), medians of ``--llama-repeats`` samples from its ``-o json`` output. Otherwise the
             tables say it was not measured. Building llama-bench and the BF16/F32 GGUFs: see the README.
-* memory    the memory's read rate on the same threads (``kernels.read_peak``), just before our decoding and
-            just before llama.cpp's, and the bytes of weights a token reads per dtype: plain decoding's GB/s as a
-            share of what the memory gives, the ceiling of any engine streaming the same weights.
+* memory    the memory's read rate on the same threads (``kernels.read_peak``), just before and after our
+            decoding and just before llama.cpp's, and the bytes of weights a token reads per dtype: plain
+            decoding's GB/s as a share of what the memory gives, the ceiling of any engine streaming those weights.
 
 Run:  .venv/bin/python -m bench.engine [--repeats R] [--prompts K] [--max-new-tokens N] [--dtypes fp32,bf16]
       [--sizes 1,17,33,65] [--drafters prompt-lookup,eagle,medusa,moa-tli1] [--llama-bench PATH] [--gguf FILE ...]
@@ -444,14 +444,16 @@ def int8_table(rates: dict, sizes: list[int]) -> list[str]:
 
 
 def read_lines(result: dict) -> list[str]:
-    """Plain decoding's weight stream against the memory's read rate, read just before our decoding and just before
-    llama.cpp's: how far any engine reading the same bytes could go, and whether the two ran on the same memory
-    (a VM's host shifts it by half within minutes). Results saved before the rate was measured have none."""
+    """Plain decoding's weight stream against the memory's read rate, read just before and just after our decoding
+    and just before llama.cpp's: how far any engine reading the same bytes could go, and whether the two ran on the
+    same memory (a VM's host shifts it by half, at times within seconds). Results saved before the rate was
+    measured have none."""
     memory = result.get("memory") or {}
     read = memory.get("read_gb_per_s") or {}
-    if not read.get("decode"):
+    ours = max(read.get("decode") or 0, read.get("after decode") or 0)
+    if not ours:
         return []
-    when = ", ".join(f"{gb:.1f} before {what}" for what, gb in read.items() if gb)
+    when = ", ".join(f"{gb:.1f} {what if what.startswith('after') else 'before ' + what}" for what, gb in read.items())
     lines = [f"\nMemory read rate (`kernels.read_peak`, {result['environment']['threads']} threads), GB/s: {when}. "
              "Plain decoding reads every weight once a token:\n"]  # fmt: skip
     for label, r in result["decode"].items():
@@ -459,12 +461,13 @@ def read_lines(result: dict) -> list[str]:
         rate = r.get("median_decode_tokens_per_s")
         if label.startswith(f"{PLAIN} ") and gb and rate:
             lines.append(f"* {r['dtype']}: {gb:.3f} GB a token, {gb * rate:.1f} GB/s after the prefill: "
-                         f"{gb * rate / read['decode']:.0%} of the read rate, which allows {read['decode'] / gb:.1f} "
-                         "tok/s")  # fmt: skip
-    ours, theirs = read["decode"], read.get("llama.cpp")
+                         f"{gb * rate / ours:.0%} of the faster read around it, which allows {ours / gb:.1f} tok/s"
+                         + (" (over 100 %: the memory ran faster while it decoded than when read)"
+                            if gb * rate > ours else ""))  # fmt: skip
+    theirs = read.get("llama.cpp")
     if theirs and max(ours, theirs) / min(ours, theirs) > SAME_MEMORY:
-        lines.append(f"\nThe memory read {max(ours, theirs) / min(ours, theirs):.2f}× as fast before "
-                     f"{'our decoding' if ours > theirs else 'llama.cpp'} as before the other: the two decoding rates "
+        lines.append(f"\nThe memory read {max(ours, theirs) / min(ours, theirs):.2f}× as fast around "
+                     f"{'our decoding' if ours > theirs else 'llama.cpp'} as around the other: the two decoding rates "
                      "were not measured on the same memory.")  # fmt: skip
     return lines
 
@@ -724,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         run_ours(m, warm, 8)
     read_now("decode")
     runs = decode(hf32, eos, methods, prompts, args, bar)
+    read_now("after decode")
     steps = {}
     for m in methods:
         bar.set_postfix_str(f"draft steps {m.label}")
