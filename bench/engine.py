@@ -443,6 +443,22 @@ def int8_table(rates: dict, sizes: list[int]) -> list[str]:
     return lines
 
 
+def forward_read_lines(result: dict) -> list[str]:
+    """A one-token forward's weight stream against the memory's read rate just before the table: a forward of one
+    token is bound by the memory and one of many by the multiplies, so their ratio moves with the memory's phase."""
+    memory = result.get("memory") or {}
+    peak = (memory.get("read_gb_per_s") or {}).get("forward")
+    one = min(result["settings"]["sizes"])
+    rows = [r for r in result["forward"] if r["engine"] == "splitspec tree" and r["n"] == one]
+    if not peak or one != 1 or not rows:
+        return []
+    cells = [f"{r['dtype']} {memory['gb_per_token'][r['dtype']] / r['ms'] * 1e3:.1f} GB/s "
+             f"({memory['gb_per_token'][r['dtype']] / r['ms'] * 1e3 / peak:.0%})" for r in rows
+             if memory["gb_per_token"].get(r["dtype"])]  # fmt: skip
+    return [f"\nOne token's forward reads its weights at {', '.join(cells)} of the {peak:.1f} GB/s the memory read "
+            "before the table (`kernels.read_peak`)."] if cells else []  # fmt: skip
+
+
 def read_lines(result: dict) -> list[str]:
     """Plain decoding's weight stream against the memory's read rate, read just before and just after our decoding
     and just before llama.cpp's: how far any engine reading the same bytes could go, and whether the two ran on the
@@ -504,6 +520,7 @@ def markdown(result: dict) -> str:
             cells.append(cell(ms, ".1f") + ratio)
         lines.append(f"| {engine} | {dtype} | " + " | ".join(cells) + " |")
     lines += int8_table(result.get("int8_rates", {}), sizes)
+    lines += forward_read_lines(result)
     hf = result["decode"].get(HF_GENERATE, {})
     lines += [
         "",
@@ -702,6 +719,14 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, desc="engine", unit="step", file=sys.stderr)
     forward: list[dict] = []
     hf32 = None
+    memory = {"read_gb_per_s": {}, "gb_per_token": {d: stream_bytes(t) / 1e9 for d, t in targets.items()}}
+
+    def read_now(what: str) -> None:  # the memory's read rate now, before ``what`` runs
+        if kernels.available():
+            bar.set_postfix_str(f"memory read rate before {what}")
+            memory["read_gb_per_s"][what] = kernels.read_peak() / 1e9
+
+    read_now("forward")
     for dtype in args.dtypes:
         bar.set_postfix_str(f"loading transformers {dtype}")
         hf = load_hf(args.model, DTYPES[long[dtype]]) if dtype in long else None  # none for low-bit weights
@@ -710,12 +735,6 @@ def main(argv: list[str] | None = None) -> int:
         del hf
     bar.set_postfix_str("int8 peak")
     rates = int8_rates(forward, {d: projection_macs(t) for d, t in targets.items()})
-    memory = {"read_gb_per_s": {}, "gb_per_token": {d: stream_bytes(t) / 1e9 for d, t in targets.items()}}
-
-    def read_now(what: str) -> None:  # the memory's read rate now, before ``what`` runs
-        if kernels.available():
-            bar.set_postfix_str(f"memory read rate before {what}")
-            memory["read_gb_per_s"][what] = kernels.read_peak() / 1e9
     if hf32 is None:  # the decoding reference is transformers at fp32 whatever --dtypes says
         hf32 = load_hf(args.model, torch.float32)
 

@@ -482,6 +482,21 @@ def test_the_engine_bench_reads_plain_decoding_against_the_memory(tiny_target):
     assert read_lines({"memory": {"read_gb_per_s": {}}}) == read_lines({}) == []
 
 
+def test_the_engine_bench_reads_a_one_token_forward_against_the_memory():
+    """bench.engine: a one-token forward's weights over its ms, against the read rate measured before the table."""
+    from bench.engine import forward_read_lines
+
+    result = {"settings": {"sizes": [1, 17]},
+              "memory": {"read_gb_per_s": {"forward": 40.0}, "gb_per_token": {"fp32+lowbit": 1.0, "fp32": None}},
+              "forward": [{"engine": "splitspec tree", "dtype": "fp32+lowbit", "n": 1, "ms": 32.0},
+                          {"engine": "splitspec tree", "dtype": "fp32+lowbit", "n": 17, "ms": 96.0},
+                          {"engine": "splitspec chain", "dtype": "fp32+lowbit", "n": 1, "ms": 31.0}]}  # fmt: skip
+    assert forward_read_lines(result) == ["\nOne token's forward reads its weights at fp32+lowbit 31.2 GB/s (78%) of "
+                                          "the 40.0 GB/s the memory read before the table (`kernels.read_peak`)."]
+    assert forward_read_lines({**result, "settings": {"sizes": [5, 17]}}) == []
+    assert forward_read_lines({**result, "memory": {}}) == []
+
+
 def test_plain_decoding_beside_llama_cpp_reads_each_round_against_the_memory():
     """bench.single's side-by-side rounds: each engine's pace and its share of the ceiling the round's read rate sets
     (read rate ÷ a token's bytes); no table where the rate was not measured."""
