@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: gpu-parts gpu-preflight gpu-sitting bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts fuzz clean
+.PHONY: gpu-parts gpu-preflight gpu-sitting bench-gpu bench-gpu-forward bench-gpu-single bench-gpu-serve bench-gpu-edge bench-device setup demo demo-tiny test test-pair lint proto pair bench-pair bench-pair-network bench-pair-serve bench-chat bench-chat-load bench-chat-ray bench-pair-disconnect bench-pair-quality bench-pair-train bench-pair-curve train-pair train-pair-gpu bench-engine bench-kernels llama-bench bench-quality bench-foundation bench-single bench-typical bench-self-distill bench-vocab bench-probe bench-trees bench-network bench-disconnect bench-netsim bench-serve bench-edge-health bench-scale bench-kills bench-train bench-one-answer bench-cuts bench-cpu-trees fuzz clean
 
 setup: $(VENV)/.ready
 
@@ -61,6 +61,12 @@ PAIR_DRAFTERS := none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup
 bench-pair: setup pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters $(PAIR_DRAFTERS) --adaptive --limit 8 --out bench/results/pair
 	$(PY) -m bench.single --model qwen2.5-coder-1.5b --drafters none,prompt-lookup,qwen2.5-coder-0.5b,qwen2.5-coder-0.5b+lookup --adaptive --limit 8 --temperature 0.7 --llama-bench= --llama-speculative= --out bench/results/pair-sampled
+
+# Issue 65's measurements on this CPU in one run (the 1.5B's 17 tokens ÷ 1, plain decoding beside llama.cpp, the
+# pair --local and over 4g, every drafter on every path) and the table of its targets for this kind; LLAMA_BENCH
+# adds llama.cpp. Steps already under bench/results/cpu-trees are kept: an interrupted run resumes.
+bench-cpu-trees: setup pair
+	$(PY) -m bench.cpu_trees
 
 # The pair's other tables: split vs the API over each link, server capacity at 1/4/16 clients, the link cut for good
 # (HumanEval pass@1), quality of the served weights against the GGUF dequantised to fp32, training throughput.
