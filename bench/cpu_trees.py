@@ -87,7 +87,8 @@ def commands(py: str, out: Path, llama: str | None, gguf: str | None, quick: boo
                     str(tokens * 3 // 4), "--out", str(out / "network")],
         "paths": [py, "-m", "bench.engine", "--model", "smollm2-135m", "--dtypes", ",".join(paths), "--drafters",
                   "prompt-lookup,eagle,medusa,moa-tli1", "--prompts", str(prompts), "--max-new-tokens",
-                  str(tokens // 2 if quick else 128), "--out", str(out / "paths")],
+                  str(tokens // 2 if quick else 128), "--sizes", "1,17", "--repeats", "3",
+                  "--out", str(out / "paths")],  # tokens, not timings: the forward table kept short
     }  # fmt: skip
 
 
@@ -155,7 +156,9 @@ def markdown(result: dict) -> str:
              f"`{env['command']}`\n",
              f"{env['date']}, {env['cpu']}, {env['cpu_count']} CPUs, kernels {env.get('kernels')}: "
              f"**{result['kind']}**. "
-             "Each figure comes from its step's own results below (their commands, tables and checks).\n",
+             "Each figure comes from its step's own results below (their commands, tables and checks)."
+             + (" **A rehearsal** (`--quick`: fewer prompts, tokens and repeats), not a result." if result.get("quick")
+                else "") + "\n",
              "| target | measured | goal | verdict | note |", "|---|---:|---:|---|---|"]  # fmt: skip
     for r in result["targets"]:
         def fmt(v: float | None, count: bool = r.get("count", False)) -> str:
