@@ -432,7 +432,7 @@ def int8_table(rates: dict, sizes: list[int]) -> list[str]:
     lines = ["", "Int8 multiply-adds a second (G) in the tree forwards above: the layers' projections' (n × the "
              "G a token costs there) over the forward's ms, which also holds attention, the LM head and the rest; "
              "peak: the build's multiply instruction in a loop with nothing else in it (`kernels.int8_peak`, amx "
-             "`tdpbssd`, the VNNI builds `vpdpbusd`), on the same threads.\n",
+             "`tdpbssd`, the VNNI builds `vpdpbusd`, avx2 `vpmaddubsw` added up in int16), on the same threads.\n",
              "| dtype | build | G a token | " + " | ".join(f"n={n}" for n in sizes) + " | peak |",
              "|---|---|---:|" + "---:|" * (len(sizes) + 1)]  # fmt: skip
     for dtype, r in rates.items():

@@ -2038,7 +2038,7 @@ struct Blocks : torch::CustomClassHolder {
 };
 
 // Int8 multiply-adds a second that this build's multiply instruction issues across torch's threads in a loop of
-// independent chains with nothing else in it (amx: tdpbssd; the VNNI builds: vpdpbusd; avx2: vpmaddubsw + vpmaddwd;
+// independent chains with nothing else in it (amx: tdpbssd; the VNNI builds: vpdpbusd; avx2: vpmaddubsw + vpaddw;
 // portable: the compiler's loop): the ceiling the kernels' own rate is measured against. ``steps``: instructions a
 // thread (or loop turns, 8 multiply-adds each, in the portable build).
 double int8_peak(int64_t steps) {
@@ -2094,21 +2094,21 @@ double int8_peak(int64_t steps) {
                    : [a] "v"(a), [b] "v"(b));  // fmt: skip
 #undef SPLITSPEC_DP
 #elif defined(SPLITSPEC_AVX2)
-      // in asm for the same reasons: six chains of vpmaddubsw, vpmaddwd (pairs to int32) and vpaddd
-      __m256i acc[6], a, b, ones;
+      // in asm for the same reasons: six chains of vpmaddubsw added up in int16 (vpaddw), as the block formats'
+      // kernels add a block's pairs before they widen them once (int8 weights widen every step: vpmaddwd, a second
+      // multiply, so they reach about half of this)
+      __m256i acc[6], a, b;
       std::memset(acc, 0, sizeof acc);
       std::memset(&a, 1, sizeof a);
       std::memset(&b, 2, sizeof b);
-      ones = _mm256_set1_epi16(1);
-#define SPLITSPEC_MADD(i, t)                                                                     \
-  "vpmaddubsw %[b], %[a], %%ymm" #t "\n\tvpmaddwd %[ones], %%ymm" #t ", %%ymm" #t "\n\t" \
-  "vpaddd %%ymm" #t ", %[v" #i "], %[v" #i "]\n\t"
+#define SPLITSPEC_MADD(i, t) \
+  "vpmaddubsw %[b], %[a], %%ymm" #t "\n\tvpaddw %%ymm" #t ", %[v" #i "], %[v" #i "]\n\t"
       int64_t turns = steps / 6;
       asm volatile("1:\n\t" SPLITSPEC_MADD(0, 10) SPLITSPEC_MADD(1, 11) SPLITSPEC_MADD(2, 12) SPLITSPEC_MADD(3, 13)
                    SPLITSPEC_MADD(4, 14) SPLITSPEC_MADD(5, 15) "dec %[n]\n\tjnz 1b\n\t"
                    : [v0] "+x"(acc[0]), [v1] "+x"(acc[1]), [v2] "+x"(acc[2]), [v3] "+x"(acc[3]), [v4] "+x"(acc[4]),
                      [v5] "+x"(acc[5]), [n] "+r"(turns)
-                   : [a] "x"(a), [b] "x"(b), [ones] "x"(ones)
+                   : [a] "x"(a), [b] "x"(b)
                    : "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");  // fmt: skip
 #undef SPLITSPEC_MADD
 #else
