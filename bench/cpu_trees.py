@@ -150,6 +150,11 @@ def targets(cpu_kind: str, results: dict[str, dict | None]) -> list[dict]:
     return rows
 
 
+def figure(value: float | None, count: bool = False) -> str:
+    """A ratio as ``1.23×``, a count as it is, nothing measured as a dash."""
+    return "–" if value is None else str(value) if count else f"{value:.2f}×"
+
+
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = ["# Trees on this CPU against issue 65's targets\n",
@@ -161,11 +166,9 @@ def markdown(result: dict) -> str:
                 else "") + "\n",
              "| target | measured | goal | verdict | note |", "|---|---:|---:|---|---|"]  # fmt: skip
     for r in result["targets"]:
-        def fmt(v: float | None, count: bool = r.get("count", False)) -> str:
-            return "–" if v is None else str(v) if count else f"{v:.2f}×"
-
-        goal = "–" if r["goal"] is None else f"{'≤' if r.get('at_most') else '≥'} {fmt(r['goal'])}"
-        lines.append(f"| {r['target']} | {fmt(r['measured'])} | {goal} | {r['verdict']} | {r['note']} |")
+        count = r.get("count", False)
+        goal = "–" if r["goal"] is None else f"{'≤' if r.get('at_most') else '≥'} {figure(r['goal'], count)}"
+        lines.append(f"| {r['target']} | {figure(r['measured'], count)} | {goal} | {r['verdict']} | {r['note']} |")
     lines += ["", "Steps:\n"]
     for step, state in result["steps"].items():
         where = step if state.startswith("not run") else f"[{step}]({step}/{OUTPUTS[step].replace('.json', '.md')})"

@@ -452,9 +452,9 @@ def forward_read_lines(result: dict) -> list[str]:
     rows = [r for r in result["forward"] if r["engine"] == "splitspec tree" and r["n"] == one]
     if not peak or one != 1 or not rows:
         return []
-    cells = [f"{r['dtype']} {memory['gb_per_token'][r['dtype']] / r['ms'] * 1e3:.1f} GB/s "
-             f"({memory['gb_per_token'][r['dtype']] / r['ms'] * 1e3 / peak:.0%})" for r in rows
-             if memory["gb_per_token"].get(r["dtype"])]  # fmt: skip
+    rates = {r["dtype"]: memory["gb_per_token"][r["dtype"]] / r["ms"] * 1e3 for r in rows
+             if memory["gb_per_token"].get(r["dtype"])}  # fmt: skip
+    cells = [f"{dtype} {gb_s:.1f} GB/s ({gb_s / peak:.0%})" for dtype, gb_s in rates.items()]
     return [f"\nOne token's forward reads its weights at {', '.join(cells)} of the {peak:.1f} GB/s the memory read "
             "before the table (`kernels.read_peak`)."] if cells else []  # fmt: skip
 
