@@ -245,6 +245,26 @@ def test_a_model_drafter_prefills_the_prompt_while_the_server_does(tiny_target, 
     assert d.prepared is None  # begin took the prefilled prompt
 
 
+def test_in_process_the_first_token_does_not_wait_for_the_drafters_prefill(tiny_target, twin, plain):
+    """In process the target's prefill and the drafter's share the CPU: the first token is shown, and the time to it
+    counted, before the drafter begins (its prefill, here 5 s on an injected clock)."""
+    d = drafter(tiny_target, twin, "model")
+    now, shown, begin = [0.0], [], d.begin
+
+    def slow_begin(*args) -> None:
+        shown.append(len(updates))
+        now[0] += 5.0
+        begin(*args)
+
+    d.begin = slow_begin
+    updates: list[list[int]] = []
+    gen = generate(LocalVerifier(tiny_target), d, PROMPT, NEW, Settings(clock=lambda: now[0]),
+                   on_update=lambda out, verified: updates.append(list(out)))  # fmt: skip
+    assert gen.token_ids == plain
+    assert shown == [1] and updates[0] == plain[:1]  # the first token, then the drafter's prefill
+    assert gen.stats.ttft_s < 5.0 <= gen.stats.wall_s
+
+
 # Chained rounds: a second tree sent before the verdict of the round it follows (``VerifyRequest.assumed``). The
 # server verifies it only where the round before committed exactly the tokens it assumed, and answers it stale
 # otherwise, computing nothing and rolling nothing back; a chained call that overtakes its round waits for it.

@@ -231,8 +231,7 @@ class Run:
                         # a stretch that starts the generation opens the session in the same call
                         stretch.stream(self, self.plan.stream, start if not self.out else None)
                     elif not self.out:  # the prefill: its compute is the first guess at a round's
-                        self.verify_s = self.open().compute_s
-                        self.started(start)
+                        self.verify_s = self.open(start).compute_s
                     else:
                         self.round()
                 except (LinkDown, SessionLost) as exc:
@@ -356,17 +355,19 @@ class Run:
         compute = max(self.verify_s, self.policy.estimate(nodes) or self.verify_s * (nodes + 1))
         return round_s(link, compute, verify_request_bytes(nodes), int(2 * self.reply_bytes))
 
-    def open(self) -> Verdict:
+    def open(self, start: float) -> Verdict:
         """Open the session after the prompt and return its round: the server's first token, now ``self.out``, and
-        the prefill's compute. Over a link the drafter prepares (``Drafter.prepare``) while the server prefills."""
+        the prefill's compute. Over a link the drafter prepares (``Drafter.prepare``) while the server prefills; in
+        process it begins after the first token is shown, which does not wait for the drafter's prefill."""
         held = self.drafter.keep_for(self.prompt_ids) if self.spec else 0
         opened = self.beside_prepare(lambda: self.verifier.reopen(self.prompt_ids, self.sampling, spec=self.spec,
                                                                   held=held))  # fmt: skip
         self.unfeatured = None  # the prefill brings the features of every cached token
         if opened.load is not None:  # the server's costs size the first trees, before any is measured
             self.policy.observe(Loaded(opened.load))
-        self.drafter.begin(self.prompt_ids + opened.new_tokens, opened.features)
         self.commit(opened.new_tokens, [True] * len(opened.new_tokens))
+        self.started(start)
+        self.drafter.begin(self.prompt_ids + opened.new_tokens, opened.features)
         return opened
 
     def beside_prepare(self, first: Callable[[], T]) -> T:
