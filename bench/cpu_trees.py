@@ -105,6 +105,19 @@ def verdict(value: float | None, target: float | None, at_most: bool = False) ->
     return "**met**" if (value <= target if at_most else value >= target) else "not met"
 
 
+def floor(engine: dict) -> float | None:
+    """The least 17 ÷ 1 this CPU allows: one token no faster than its weights' bytes at the memory's read rate, 17
+    no faster than their layers' multiply-adds at the build's multiply instruction's peak (attention and the head
+    left out, so a bound below what any kernel reaches). None where the engine step lacks a figure."""
+    rates = next(iter(engine.get("int8_rates", {}).values()), None)
+    memory = engine.get("memory", {})
+    read, gb = memory.get("read_gb_per_s", {}).get("forward"), next(iter(memory.get("gb_per_token", {}).values()), None)
+    if not (rates and rates.get("peak_g_per_s") and read and gb):
+        return None
+    one = gb / read
+    return max(one, 17 * rates["g_macs_per_token"] / rates["peak_g_per_s"]) / one
+
+
 def targets(cpu_kind: str, results: dict[str, dict | None]) -> list[dict]:
     """Issue 65's targets for ``cpu_kind``, each with the figure measured (None: its step did not run)."""
     goal = TARGETS.get(cpu_kind, {"tree": None, "local_code": None, "network_code": None})
@@ -115,9 +128,14 @@ def targets(cpu_kind: str, results: dict[str, dict | None]) -> list[dict]:
         ms = {r["n"]: r["ms"] for r in engine["forward"] if r["engine"] == "splitspec tree"}
         tree = ms[17] / ms[1] if 1 in ms and 17 in ms else None
     reads = (engine or {}).get("memory", {}).get("read_gb_per_s", {})
+    note = ""
+    if reads.get("forward"):
+        note = (f"memory read {reads['forward']:.1f} GB/s before the forwards: one token is bound by the memory, "
+                "17 by the multiplies")
+        if (least := floor(engine)) is not None:
+            note += f"; that rate and the multiply instruction's peak allow ≥ {least:.2f}×"
     rows.append({"target": "17 tokens ÷ 1 token, the 1.5B as a tree", "measured": tree, "goal": goal["tree"],
-                 "at_most": True, "note": f"memory read {reads['forward']:.1f} GB/s before the forwards: one token "
-                 "is bound by the memory, 17 by the multiplies" if reads.get("forward") else ""})  # fmt: skip
+                 "at_most": True, "note": note})
     side = ((results.get("plain") or {}).get("llama_cpp") or {}).get("plain_side_by_side")
     rows.append({"target": "plain decoding ÷ llama.cpp's, side by side", "measured": side and side["median_ratio"],
                  "goal": PLAIN_VS_LLAMA, "note": "both stream the same weights; see the rounds' shares of the memory's "

@@ -52,6 +52,19 @@ def test_each_target_is_read_from_its_step_and_judged_for_the_kind():
     assert "the qwen2.5-coder-0.5b: 0.89×" in zen5[3]["note"] and "mode auto: 1.80×" in zen5[4]["note"]
 
 
+def test_the_tree_row_names_the_least_ratio_the_memory_and_the_multiplies_allow():
+    engine = results((32.0, 96.0), differ=0)["engine"]
+    assert cpu_trees.floor(engine) is None  # no peak measured: no bound
+    engine["int8_rates"] = {"fp32+lowbit": {"build": "avx2", "g_macs_per_token": 1.31, "peak_g_per_s": 377.0}}
+    engine["memory"]["gb_per_token"] = {"fp32+lowbit": 1.0}
+    # one token >= 1.0 GB / 34.5 GB/s = 29.0 ms; 17 >= 17 x 1.31 G / 377 G/s = 59.1 ms
+    assert cpu_trees.floor(engine) == pytest.approx(17 * 1.31 / 377 * 34.5)
+    row = cpu_trees.targets("AVX2-only kind (\"Zen 3\")", {"engine": engine})[0]
+    assert row["note"].endswith("the multiply instruction's peak allow ≥ 2.04×")
+    engine["int8_rates"]["fp32+lowbit"]["peak_g_per_s"] = 4000.0  # multiplies that cost nothing: the memory's bound
+    assert cpu_trees.floor(engine) == 1.0
+
+
 def test_a_step_that_did_not_run_is_not_measured():
     rows = cpu_trees.targets("AVX2-only kind (\"Zen 3\")", {step: None for step in cpu_trees.STEPS})
     assert {r["verdict"] for r in rows} == {"not measured"}
