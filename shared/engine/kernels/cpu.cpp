@@ -316,6 +316,28 @@ constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's r
 // tree), not only at one row's, when the hardware's own prefetch keeps up: too short, and a forward of several rows
 // takes compute time plus memory time (docs/engine.md).
 constexpr int64_t PREFETCH = 8192;
+// A block format's tile of a few rows in one pass (a small tree) on the VNNI builds: its compute takes about as long
+// as its weights take to read, and a prefetch into L1 alone keeps too few of them on the way. Its weights come into L2
+// far ahead and into L1 near (the 1.5B's 5-row forward 0.85x on Zen 4). One row keeps one prefetch (two cost it 2-4 %),
+// a tile of several passes reads its later passes from L1 while `Ahead` brings the next tile, and the avx2 build, whose
+// few rows are bound by its multiplies, keeps one (two: 1.07-1.10x slower at 2-5 rows).
+constexpr int64_t STREAM_L2 = 65536, STREAM_L1 = 4096;
+
+#ifdef SPLITSPEC_AVX512
+// a tile's next ``lines`` lines of weights from ``at``, for a pass of ``rows`` rows (``ahead``: what else fetches)
+inline void stream_ahead(const uint8_t* at, int lines, int rows, const Ahead& ahead) {
+  const bool two_levels = rows > 1 && !ahead.begin[0];
+  for (int line = 0; line < lines; ++line) {
+    const char* p = reinterpret_cast<const char*>(at + 64 * line);
+    if (two_levels) {
+      _mm_prefetch(p + STREAM_L2, _MM_HINT_T1);
+      _mm_prefetch(p + STREAM_L1, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(p + PREFETCH, _MM_HINT_T0);
+    }
+  }
+}
+#endif
 
 #if defined(SPLITSPEC_AVX512)
 // The VNNI build lays int8 weights out by columns (pack_int8's "cols16"): tiles of W8 = 16 weight rows, each K
@@ -620,9 +642,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   __m512 dsup[TN], msup[TN];
   for (int64_t b = 0; b < Kb; ++b) {
-    for (int u = 0; u < TN; ++u)
-      for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * BB + PREFETCH + 64 * line), _MM_HINT_T0);
+    for (int u = 0; u < TN; ++u) stream_ahead(w + u * tile_bytes + b * BB, 4, R, ahead);
     ahead.fetch(b);
     __m512i isum[R][TN];
     for (int r = 0; r < R; ++r)
@@ -805,9 +825,7 @@ void q6_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dsup, 
   for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.Kp;
   __m512 d[TN];
   for (int64_t b = 0; b < Kb; ++b) {
-    for (int u = 0; u < TN; ++u)
-      for (int line = 0; line < 7; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(w + u * tile_bytes + b * Q6B + PREFETCH + 64 * line), _MM_HINT_T0);
+    for (int u = 0; u < TN; ++u) stream_ahead(w + u * tile_bytes + b * Q6B, 7, R, ahead);
     ahead.fetch(b);
     __m512i first[R][TN], second[R][TN];  // the block's two half blocks (values 0-15, 16-31), from their offsets
     for (int r = 0; r < R; ++r) {
