@@ -318,7 +318,7 @@ constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's r
 constexpr int64_t PREFETCH = 8192;
 // A block format's tile of a few rows in one pass (a small tree) on the VNNI builds: its compute takes about as long
 // as its weights take to read, and a prefetch into L1 alone keeps too few of them on the way. Its weights come into L2
-// far ahead and into L1 near (the 1.5B's 5-row forward 0.85x on Zen 4). One row keeps one prefetch (two cost it 2-4 %),
+// far ahead and into L1 near (the 1.5B's 5-row forward 0.85-0.89x on Zen 4). One row keeps one prefetch (two: 2-4 %),
 // a tile of several passes reads its later passes from L1 while `Ahead` brings the next tile, and the avx2 build, whose
 // few rows are bound by its multiplies, keeps one (two: 1.07-1.10x slower at 2-5 rows).
 constexpr int64_t STREAM_L2 = 65536, STREAM_L1 = 4096;
