@@ -316,11 +316,11 @@ constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's r
 // tree), not only at one row's, when the hardware's own prefetch keeps up: too short, and a forward of several rows
 // takes compute time plus memory time (docs/engine.md).
 constexpr int64_t PREFETCH = 8192;
-// A block format's tile of a few rows in one pass (a small tree) on the VNNI builds: its compute takes about as long
-// as its weights take to read, and a prefetch into L1 alone keeps too few of them on the way. Its weights come into L2
-// far ahead and into L1 near (the 1.5B's 5-row forward 0.85-0.89x on Zen 4). One row keeps one prefetch (two: 2-4 %),
-// a tile of several passes reads its later passes from L1 while `Ahead` brings the next tile, and the avx2 build, whose
-// few rows are bound by its multiplies, keeps one (two: 1.07-1.10x slower at 2-5 rows).
+// A tile of a few rows in one pass (a small tree) on the VNNI builds: its compute takes about as long as its weights
+// take to read, and a prefetch into L1 alone keeps too few of them on the way. Its weights come into L2 far ahead and
+// into L1 near (Zen 4: the 1.5B's 5-row forward 0.85-0.89x; int8 at 5-7 rows 0.79-0.88x). One row keeps one prefetch
+// (two: 2-4 %), a tile of several passes reads its later passes from L1 while `Ahead` brings the next tile, and the
+// avx2 build, whose few rows are bound by its multiplies, keeps one (two: 1.07-1.10x slower at 2-5 rows).
 constexpr int64_t STREAM_L2 = 65536, STREAM_L1 = 4096;
 
 #ifdef SPLITSPEC_AVX512
@@ -358,8 +358,7 @@ void i8_tile(const Rows& x, int64_t r0, const int8_t* w, int64_t Kp, const Ahead
   for (int r = 0; r < R; ++r) xu[r] = x.u.data() + (r0 + r) * Kp;
   for (int64_t j = 0; j < Kp / 4; j += 2) {  // Kp is a multiple of 32: the groups come in pairs
     const int8_t* chunk = w + j * 64;
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH + 64), _MM_HINT_T0);
+    stream_ahead(reinterpret_cast<const uint8_t*>(chunk), 2, R, ahead);
     ahead.fetch(j / 2);
     const __m512i w0 = _mm512_loadu_si512(chunk), w1 = _mm512_loadu_si512(chunk + 64);
     wsum[0] = _mm512_dpbusd_epi32(wsum[0], ones, w0);
