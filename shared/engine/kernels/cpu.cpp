@@ -316,14 +316,14 @@ constexpr int64_t C = 4;  // weight rows per tile: enough to amortise a tile's r
 // tree), not only at one row's, when the hardware's own prefetch keeps up: too short, and a forward of several rows
 // takes compute time plus memory time (docs/engine.md).
 constexpr int64_t PREFETCH = 8192;
-// A tile of a few rows in one pass (a small tree) on the VNNI builds: its compute takes about as long as its weights
-// take to read, and a prefetch into L1 alone keeps too few of them on the way. Its weights come into L2 far ahead and
-// into L1 near (Zen 4: the 1.5B's 5-row forward 0.85-0.89x; int8 at 5-7 rows 0.79-0.88x). One row keeps one prefetch
-// (two: 2-4 %), a tile of several passes reads its later passes from L1 while `Ahead` brings the next tile, and the
-// avx2 build, whose few rows are bound by its multiplies, keeps one (two: 1.07-1.10x slower at 2-5 rows).
-constexpr int64_t STREAM_L2 = 65536, STREAM_L1 = 4096;
 
 #ifdef SPLITSPEC_AVX512
+// A tile of a few rows in one pass (a small tree) on the VNNI builds computes for about as long as its weights take to
+// read, and a prefetch into L1 alone keeps too few of them on the way: its weights come into L2 far ahead and into L1
+// near. One row keeps the one prefetch, a tile of several passes too (`Ahead` brings its next tile), and so does the
+// avx2 build, whose few rows are bound by its multiplies (bench/results/engine-zen4).
+constexpr int64_t STREAM_L2 = 65536, STREAM_L1 = 4096;
+
 // a tile's next ``lines`` lines of weights from ``at``, for a pass of ``rows`` rows (``ahead``: what else fetches)
 inline void stream_ahead(const uint8_t* at, int lines, int rows, const Ahead& ahead) {
   const bool two_levels = rows > 1 && !ahead.begin[0];
@@ -714,7 +714,7 @@ void q4_tile(const Rows& x, int64_t r0, const uint8_t* w, const uint16_t* dm, in
     __m256i isum_lo[R], isum_hi[R];
     for (int r = 0; r < R; ++r) isum_lo[r] = isum_hi[r] = _mm256_setzero_si256();
 #ifndef SPLITSPEC_AVXVNNI
-#pragma GCC unroll 1  // rolled, as GCC leaves the 6-row pass: unrolled, passes of 2-5 rows spilled more, 1.2x slower
+#pragma GCC unroll 1  // rolled, as GCC leaves the 6-row pass: unrolled, the shorter passes spill more of their sums
 #endif
     for (int g = 0; g < 8; g += 2) {
       const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 32 * g));
