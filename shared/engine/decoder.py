@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.engine import gguf, kernels
+from shared.engine import gguf, hugepages, kernels
 from shared.engine.layers import (
     Block,
     KVCache,
@@ -400,7 +400,8 @@ def exact_rows(model: nn.Module, rows: int = CUDA_ROWS) -> None:
 def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device = "cpu", exact: bool = True,
             weights: str = "native") -> Transformer:  # fmt: skip
     """A loaded model made ready to serve: moved, cast, its projections made low-bit (``load_engine``'s
-    ``weights``); path timing (``shared.engine.paths``) prepares its timed slices the same way."""
+    ``weights``), on a CPU their weights put in huge pages (``hugepages.hold``); path timing
+    (``shared.engine.paths``) prepares its timed slices the same way."""
     model = model.to(device=device, dtype=dtype)
     model.exact = exact
     if exact and model.dtype == torch.bfloat16 and model.device.type != "cpu":
@@ -413,4 +414,6 @@ def prepare(model: Transformer, dtype: torch.dtype, device: str | torch.device =
         if model.lm_head.qweight is None:  # (a GGUF's untied head comes packed, with no float copy)
             model.lm_head.quantize("int8", keep_weight=True)  # its float weight stays: embeddings, drafters' heads
         quantize(model.layers, weights)
+    if model.device.type == "cpu":
+        hugepages.hold(model)
     return model.eval().requires_grad_(False)
