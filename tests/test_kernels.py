@@ -168,8 +168,9 @@ def test_a_projection_of_two_formats_computes_both_parts_with_its_bias():
 
 def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
     """``Linear.rows``: a draft vocabulary's head. Its 4-bit blocks are the whole layer's own (a GGUF's blocks need not
-    span their 16 steps, which packing them anew from floats would round again), so its outputs are the same bits;
-    an int8 layer, which keeps no float copy, refuses."""
+    span their 16 steps, which packing them anew from floats would round again), and an int8 layer's rows keep their
+    values and scales in every build's layout, so its outputs are the same bits; Q4_K blocks, whose scales a tile's
+    rows share, refuse."""
     from shared.engine.linear import Linear
     from shared.engine.quant import pack_int4_blocks
 
@@ -188,9 +189,19 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
     assert torch.equal(floats.rows(torch.tensor([3, 1]))(x)[:, :2], floats(x)[:, [3, 1]])
     with pytest.raises(ValueError, match="rows 0..40 of a layer of 40"):
         floats.rows(torch.tensor([0, 40]))
-    floats.quantize("int8")
-    with pytest.raises(ValueError, match="int8 layer .* is not cut into rows"):
-        floats.rows(torch.tensor([0]))
+    for tag in kernels.builds():  # (each build's own int8 layout)
+        with kernels.use(tag):
+            wide = Linear(96, 200, bias=True)
+            wide.quantize("int8")
+            whole = wide(x)
+            for ids in ([5, 17, 199, 0, 64, 33], [7], list(range(200))[::-1]):
+                part = wide.rows(torch.tensor(ids))
+                assert part.weights_kind() == "int8" and part.out_features % 16 == 0
+                assert torch.equal(part(x)[:, : len(ids)], whole[:, ids]), (tag, ids)
+    blocks = Linear(256, 32, bias=False)
+    blocks.qweight, blocks.qscale, blocks.weight = *random_int4k(32, 256, seed=3), None
+    with pytest.raises(ValueError, match="int4 layer .* is not cut into rows"):
+        blocks.rows(torch.tensor([0]))
 
 
 @pytest.mark.parametrize("blocks", ["q4_1", "q4_k", "q6_k"])

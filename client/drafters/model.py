@@ -13,10 +13,10 @@ drafts. A model step costs about a third of a target step here, so every free ro
 
 A model whose vocabulary is at least 4x ``VOCAB`` drafts from a draft vocabulary: the ``VOCAB`` tokens an assistant
 says most (``client.drafters.vocabulary.frequent_tokens``) and every token of the prompt. Its head is cut to those rows
-(the same 4-bit values, ``Linear.rows``): the 0.5B's 152k-row head is a quarter of a step's bytes, and 16k rows plus
-a prompt's cover 99.4 % of what the 1.5B writes on HumanEval prompts and 95.4 % on MT-Bench. A one-level proposal
-(an offline step, the link down) reads the whole head, and never copies: it is the model's own next token, not a
-draft.
+(its own int8 or 4-bit values, ``Linear.rows``): the 0.5B's 152k-row head is a quarter of a step's bytes, and 16k
+rows plus a prompt's cover 99.4 % of what the 1.5B writes on HumanEval prompts and 95.4 % on MT-Bench. A one-level
+proposal (an offline step, the link down) reads the whole head, and never copies: it is the model's own next token,
+not a draft.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from client.drafters.base import Drafter
 from client.drafters.tree_drafter import TokenCache
 from client.drafters.tree_search import eagle2_tree
+from shared.engine import hugepages
 from shared.engine.decoder import Part
 from shared.engine.linear import Linear
 from shared.features import Features
@@ -42,7 +43,7 @@ VOCAB = 16384  # the draft vocabulary's frequent tokens, where the model's own v
 def draft_head(lm, size: int) -> tuple[torch.Tensor, set[int], Linear] | None:
     """The draft vocabulary of ``size`` frequent tokens of ``lm`` (a ``Target``), as ids, a set, and its head's rows
     (shared by every drafter of ``lm``); None where its vocabulary is under 4x ``size``, or its head's rows could not
-    be cut without rounding them again (``Linear.cuttable``: int8, say)."""
+    be cut without rounding them again (``Linear.cuttable``: Q4_K, say)."""
     from client.drafters.vocabulary import frequent_tokens
 
     head = lm.engine.lm_head
@@ -50,7 +51,9 @@ def draft_head(lm, size: int) -> tuple[torch.Tensor, set[int], Linear] | None:
         return None
     ids = frequent_tokens(lm.tokenizer, size)
     ids = ids[ids < head.out_features]
-    return ids, set(ids.tolist()), head.rows(ids)
+    rows = head.rows(ids)
+    hugepages.hold(rows)  # read every step, as the whole head was
+    return ids, set(ids.tolist()), rows
 
 
 class ModelDrafter(TokenCache, Drafter):

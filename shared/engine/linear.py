@@ -19,6 +19,9 @@ from shared.engine.quant import (
     dequantize_int4,
     dequantize_int4k,
     dequantize_int6,
+    int8_layout,
+    int8_rows,
+    lay_int8,
     pack_int4,
     pack_int4_blocks,
     pack_int8,
@@ -87,8 +90,9 @@ class Linear(nn.Linear):
         return "int6" if self.qweight.shape[-1] == Q6_BYTES else "int4"
 
     def cuttable(self) -> bool:
-        """Whether ``rows`` can cut this layer without rounding again: float, or Q4_1-style 4-bit blocks."""
-        return self.qweight is None or (
+        """Whether ``rows`` can cut this layer without rounding again: float, int8 (a scale a row), or Q4_1-style
+        4-bit blocks."""
+        return self.qweight is None or (self.tail is None and self.weights_kind() == "int8") or (
             self.tail is None and self.qweight.dtype == torch.uint8 and self.qweight.shape[-1] == 256
         )
 
@@ -101,10 +105,10 @@ class Linear(nn.Linear):
 
     def rows(self, ids: torch.Tensor, chunk: int = 1024) -> Linear:
         """A layer of only the output rows ``ids`` (in that order) that computes what this one computes for them: a
-        float weight's rows, or 4-bit quants and block scales copied as they are (of the tiles of 16 rows holding
-        them, ``chunk`` tiles unpacked at a time), padded with zero rows to the kernels' tile of 16 — its first
-        ``len(ids)`` outputs are the rows asked for. An int8 layer keeps no copy it could cut rows from without
-        rounding again."""
+        float weight's rows, int8 rows and their scales, or 4-bit quants and block scales copied as they are (of the
+        tiles of 16 rows holding them, ``chunk`` tiles unpacked at a time), padded with zero rows to the kernels' tile
+        of 16 — its first ``len(ids)`` outputs are the rows asked for. Q4_K and Q6_K rows share a super-block's
+        scales with their tile, and are not cut."""
         ids = torch.as_tensor(ids, dtype=torch.long).cpu()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
             raise ValueError(f"rows {int(ids.min())}..{int(ids.max())} of a layer of {self.out_features} outputs")
@@ -118,8 +122,13 @@ class Linear(nn.Linear):
             return sub
         if not self.cuttable():
             raise ValueError(f"an {self.weights_kind()} layer of {tuple(self.qweight.shape)} packed values is not cut "
-                             "into rows (only float layers and Q4_1-style 4-bit ones are)")  # fmt: skip
-        sub.weight = None
+                             "into rows (only float, int8 and Q4_1-style 4-bit ones are)")  # fmt: skip
+        sub.weight, sub.kernel_build = None, self.kernel_build
+        if self.weights_kind() == "int8":  # a row is its int8 values and its scale: moved, never rounded
+            q = F.pad(int8_rows(self.qweight.cpu(), ids), (0, 0, 0, rows - len(ids)))
+            sub.qweight = lay_int8(q, int8_layout(self.qweight)).to(self.qweight.device)
+            sub.qscale = F.pad(self.qscale.detach().cpu()[ids], (0, rows - len(ids))).to(self.qscale.device)
+            return sub
         k = self.qweight.shape[1] * 32  # columns as packed (blocks of 32)
         q = torch.zeros(rows, k, dtype=torch.uint8)
         d = torch.zeros(rows, k // 32, dtype=torch.float16)
@@ -134,7 +143,6 @@ class Linear(nn.Linear):
             q[inside], d[inside], m[inside] = cq[local], cd[local], cm[local]
         sub.qweight, sub.qscale = pack_int4_blocks(q, d, m)
         sub.qweight, sub.qscale = sub.qweight.to(self.qweight.device), sub.qscale.to(self.qscale.device)
-        sub.kernel_build = self.kernel_build
         return sub
 
     def float_rows(self, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:

@@ -26,11 +26,29 @@ def pack_int8(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Te
     rows, cols = -(-w.shape[0] // tile) * tile, -(-w.shape[1] // 32) * 32
     q = torch.zeros(rows, cols, dtype=torch.int8)
     q[: w.shape[0], : w.shape[1]] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return lay_int8(q, layout), scale.contiguous()
+
+
+def lay_int8(q: torch.Tensor, layout: str) -> torch.Tensor:
+    """int8 values [rows, cols] (rows a multiple of the layout's tile, cols of 32) in ``layout`` (``pack_int8``)."""
+    rows, cols = q.shape
     if layout == "rows4":
-        q = q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
-    else:
-        q = q.view(rows // 16, 16, cols // 4, 4).transpose(1, 2).contiguous()
-    return q, scale.contiguous()
+        return q.view(rows // 4, 4, cols // 32, 32).transpose(1, 2).contiguous().view(rows, cols)
+    return q.view(rows // 16, 16, cols // 4, 4).transpose(1, 2).contiguous()
+
+
+def int8_layout(packed: torch.Tensor) -> str:
+    """The layout a packed int8 weight is in: ``cols16``'s tiles are a dimension of their own."""
+    return "cols16" if packed.dim() == 4 else "rows4"
+
+
+def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a packed int8 weight (``pack_int8``, either layout) as values [len(ids), cols]: one gather,
+    the rest of the matrix untouched."""
+    if int8_layout(packed) == "cols16":
+        return packed[ids // 16, :, ids % 16, :].reshape(len(ids), -1)
+    rows, cols = packed.shape
+    return packed.view(rows // 4, cols // 32, 4, 32)[ids // 4, :, ids % 4, :].reshape(len(ids), cols)
 
 
 # the column order of a 4-bit tile's scales: the order the kernel's widened int16 sums come in (``cpu.cpp``'s gemm_q4)
