@@ -313,6 +313,26 @@ def test_attention_is_exact_per_query_and_matches_a_reference(d, cache_dtype):
         assert torch.equal(alone[0], got[path[-1]]), node
 
 
+@pytest.mark.parametrize("past", [37, 40])
+def test_a_query_attends_alike_wherever_it_sits_in_its_group(past):
+    """A vector build sums a key's score four at a time (four keys of a query, or one key of four queries) and one at a
+    time where fewer are left, each by the one fixed order; so query heads with the same query and key/value head
+    get the same bits whatever their place in the group and whether the key count leaves a remainder."""
+    if kernels.isa() == "portable":
+        pytest.skip("the portable build has no vector path")
+    torch.manual_seed(past)
+    heads, kv_heads, d, T = 12, 2, 128, 3
+    q, k, v = torch.randn(T, d), torch.randn(T, d), torch.randn(T, d)
+    qkv = torch.cat([q.repeat(1, heads), k.repeat(1, kv_heads), v.repeat(1, kv_heads)], dim=1)
+    cos, sin = torch.ones(T, d), torch.zeros(T, d)
+    cached = torch.randn(2, 1, past, d, dtype=torch.float16).expand(2, kv_heads, past, d)
+    k_cache, v_cache = (torch.zeros(kv_heads, past + T, d, dtype=torch.float16) for _ in range(2))
+    k_cache[:, :past], v_cache[:, :past] = cached[0], cached[1]
+    out = ops.attend(qkv, cos, sin, k_cache, v_cache, past, None, heads, kv_heads, d**-0.5).view(T, heads, d)
+    for h in range(1, heads):
+        assert torch.equal(out[:, h], out[:, 0]), h
+
+
 def test_every_build_computes_the_same_bits():
     """The vector builds (avx512-vnni, avx-vnni, avx2: those this CPU runs) differ in speed only: linear layers (int8
     in each build's own layout, int4 of Q4_1 and of Q4_K blocks, int6), the fused MLP and attention over fp32, fp16

@@ -1298,6 +1298,23 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// hsum of each of n vectors into out[i], four at a time by hsum's own additions in its order: the same sums
+inline void hsums(const __m256* v, int n, float* out) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256 a01 = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 1], 0x20),
+                                     _mm256_permute2f128_ps(v[i], v[i + 1], 0x31));  // lo + hi, two at a time
+    const __m256 a23 = _mm256_add_ps(_mm256_permute2f128_ps(v[i + 2], v[i + 3], 0x20),
+                                     _mm256_permute2f128_ps(v[i + 2], v[i + 3], 0x31));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(a01, a23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(a01, a23, _MM_SHUFFLE(3, 2, 3, 2)));  // (0 + 2), (1 + 3)
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(r, r, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(r, r, _MM_SHUFFLE(3, 1, 3, 1)));  // then the two
+    _mm_storeu_ps(out + i, _mm_unpacklo_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+  }
+  for (; i < n; ++i) out[i] = hsum(v[i]);
+}
+
 // exp on 8 lanes (Cephes' polynomial, ~1 ulp): deterministic, unlike a library call's choice of path.
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
@@ -1462,8 +1479,10 @@ void attend_block(const float* q, const Keys<T>& kv, float scale, float* p, int6
         for (int b = 0; b < B; ++b) s[a][b] = _mm256_fmadd_ps(qa, kc[b], s[a][b]);
       }
     }
+    float h[NB * B];
+    hsums(&s[0][0], NB * B, h);
     for (int a = 0; a < NB; ++a)
-      for (int b = 0; b < B; ++b) p[a * ps + j + b] = hsum(s[a][b]) * scale;
+      for (int b = 0; b < B; ++b) p[a * ps + j + b] = h[a * B + b] * scale;
   }
   for (; j < kv.n; ++j) {
     const T* k0 = key(j);
@@ -1473,19 +1492,34 @@ void attend_block(const float* q, const Keys<T>& kv, float scale, float* p, int6
       const __m256 kc = load8(k0 + 8 * i);
       for (int a = 0; a < NB; ++a) s[a] = _mm256_fmadd_ps(_mm256_loadu_ps(q + a * D + 8 * i), kc, s[a]);
     }
-    for (int a = 0; a < NB; ++a) p[a * ps + j] = hsum(s[a]) * scale;
+    float h[NB];
+    hsums(s, NB, h);
+    for (int a = 0; a < NB; ++a) p[a * ps + j] = h[a] * scale;
   }
-  float inv[NB];
+  // the softmax: a maximum is exact in any order, so it runs 8 lanes wide; each query's total runs in slot order,
+  // the NB queries' chains side by side (one alone waits on its adds' latency)
+  float inv[NB], total[NB];
   for (int a = 0; a < NB; ++a) {
     float* pa = p + a * ps;
     float top = pa[0];
-    for (int64_t t = 1; t < kv.n; ++t) top = std::max(top, pa[t]);
-    for (int64_t t = 0; t < kv.n; ++t) pa[t] -= top;
+    int64_t t = 0;
+    if (kv.n >= 8) {
+      __m256 m = _mm256_loadu_ps(pa);
+      for (t = 8; t + 8 <= kv.n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(pa + t));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m);
+      for (float l : lanes) top = std::max(top, l);
+    }
+    for (; t < kv.n; ++t) top = std::max(top, pa[t]);
+    const __m256 tv = _mm256_set1_ps(top);
+    for (t = 0; t + 8 <= kv.n; t += 8) _mm256_storeu_ps(pa + t, _mm256_sub_ps(_mm256_loadu_ps(pa + t), tv));
+    for (; t < kv.n; ++t) pa[t] -= top;
     exp_inplace(pa, kv.n);
-    float total = 0.f;
-    for (int64_t t = 0; t < kv.n; ++t) total += pa[t];
-    inv[a] = 1.f / total;
+    total[a] = 0.f;
   }
+  for (int64_t t = 0; t < kv.n; ++t)
+    for (int a = 0; a < NB; ++a) total[a] += p[a * ps + t];
+  for (int a = 0; a < NB; ++a) inv[a] = 1.f / total[a];
   for (int c = 0; c < V; c += B) {
     __m256 acc[NB][B];
     for (int a = 0; a < NB; ++a)
