@@ -5,6 +5,7 @@ Its modules import one way only, each from those above it in this list (never fr
 
 * ``files``: where converted models, GGUF folders and timing tables live (no project imports)
 * ``quant``: packing weights into the CPU kernels' int8 / 4-bit / 6-bit layouts and back (numeric only)
+* ``hugepages``: the weights a CPU forward streams, held in 2 MB pages (no project imports)
 * ``kernels``: the compiled CPU kernels (``cpu.cpp``), built per ISA, the active build chosen by timing
 * ``gguf``: GGUF checkpoints read in place, their tensors packed as the kernels take them
 * ``linear``: ``Linear``, the layer every model is built of, and ``quantize``

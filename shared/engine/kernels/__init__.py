@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from shared.engine import hugepages
 from shared.engine.files import cache_dir
 from shared.engine.quant import pack_int4, pack_int8
 
@@ -283,10 +284,11 @@ def int8_peak(tag: str | None = None, seconds: float = 0.05) -> float:
 def read_peak(megabytes: int = 256, passes: int = 4) -> float:
     """Bytes a second that torch's threads read from memory, streaming a buffer of ``megabytes`` (larger than the
     caches) with nothing else to do (``cpu.cpp``'s ``read_rate``): the ceiling of plain decoding, which reads every
-    weight once a token. The best of three runs after one to warm up."""
-    op = ops().read_rate
-    op(megabytes << 20, 1)
-    return max(op(megabytes << 20, passes) for _ in range(3))
+    weight once a token; in 2 MB pages where the weights are (``hugepages``). The best of three runs after one to
+    warm up."""
+    op, huge = ops().read_rate, hugepages.available()
+    op(megabytes << 20, 1, huge)
+    return max(op(megabytes << 20, passes, huge) for _ in range(3))
 
 
 def isa() -> str:
