@@ -65,12 +65,18 @@ def test_a_tied_head_stays_tied(huge_pages_on):
     assert torch.equal(embed.weight, want)
 
 
-def test_turned_off_nothing_moves(tiny_model_dir, huge_pages_on, monkeypatch):
+def test_turned_off_or_out_of_memory_nothing_moves(huge_pages_on, monkeypatch):
     """``SPLITSPEC_HUGE_PAGES=0`` keeps the weights where they were loaded (memory-mapped: shared between
-    processes)."""
-    monkeypatch.setenv("SPLITSPEC_HUGE_PAGES", "0")
+    processes), and so does an arena the system refuses (no room for a second copy)."""
     layer = Linear(512, 2048)
     where = layer.weight.data_ptr()
+
+    def refused(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hugepages.mmap, "mmap", refused)
+    assert hugepages.available() and hugepages.hold(layer) == 0 and layer.weight.data_ptr() == where
+    monkeypatch.setenv("SPLITSPEC_HUGE_PAGES", "0")
     assert not hugepages.available() and hugepages.hold(layer) == 0 and layer.weight.data_ptr() == where
 
 

@@ -47,8 +47,8 @@ def arena(size: int) -> memoryview:
 def hold(model: nn.Module, least: int = HUGE) -> int:
     """Copy what ``model``'s projections multiply by on a CPU — packed weights and scales, else the float weight (a
     tied head's included) — into one ``arena``, each tensor ``ALIGN``-aligned, if they come to ``least`` bytes; the
-    bytes moved. A float weight kept beside packed ones (an embedding table: a forward reads a few of its rows) stays
-    where it is."""
+    bytes moved (0 where the arena could not be had). A float weight kept beside packed ones (an embedding table: a
+    forward reads a few of its rows) stays where it is."""
     if not available():
         return 0
     places, seen, size = [], set(), 0
@@ -64,7 +64,10 @@ def hold(model: nn.Module, least: int = HUGE) -> int:
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     if not places or size < least:
         return 0
-    memory = arena(size)
+    try:
+        memory = arena(size)
+    except OSError:  # no room for a second copy: the mapped weights serve as they are
+        return 0
     for m, name, t, at in places:
         held = torch.frombuffer(memory[at : at + t.numel() * t.element_size()], dtype=t.dtype).view(t.shape)
         held.copy_(t.detach())
