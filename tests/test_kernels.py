@@ -501,9 +501,9 @@ def test_the_memory_read_rate_is_measured_and_bad_sizes_are_named():
     rate = kernels.read_peak(megabytes=8, passes=1)
     assert math.isfinite(rate) and 1e8 < rate < 1e13, rate
     with pytest.raises(RuntimeError, match="at least 1 MiB read at least once, got 4096 bytes 1 times"):
-        ops.read_rate(4096, 1, False)
+        ops.read_rate(torch.empty(4096, dtype=torch.uint8), 1)
     with pytest.raises(RuntimeError, match="got 1048576 bytes 0 times"):
-        ops.read_rate(1 << 20, 0, True)
+        ops.read_rate(torch.empty(1 << 20, dtype=torch.uint8), 0)
 
 
 def test_the_engine_bench_reads_plain_decoding_against_the_memory(tiny_target):

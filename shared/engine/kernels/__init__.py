@@ -286,9 +286,14 @@ def read_peak(megabytes: int = 256, passes: int = 4) -> float:
     caches) with nothing else to do (``cpu.cpp``'s ``read_rate``): the ceiling of plain decoding, which reads every
     weight once a token; in 2 MB pages where the weights are (``hugepages``). The best of three runs after one to
     warm up."""
-    op, huge = ops().read_rate, hugepages.available()
-    op(megabytes << 20, 1, huge)
-    return max(op(megabytes << 20, passes, huge) for _ in range(3))
+    size = megabytes << 20  # (untouched here: each thread writes its share first)
+    if hugepages.available():
+        buffer = torch.frombuffer(hugepages.arena(size), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8)
+    op = ops().read_rate
+    op(buffer, 1)
+    return max(op(buffer, passes) for _ in range(3))
 
 
 def isa() -> str:

@@ -23,15 +23,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -2205,20 +2201,15 @@ double int8_peak(int64_t steps) {
 // Bytes a second that torch's threads read from memory, each streaming its share of a buffer of ``bytes`` (far
 // larger than the caches) ``passes`` times with nothing else to do: the ceiling of a token's forward, which reads every
 // weight once (plain decoding is bound by it; a tree by the multiply rate). Each thread first writes its own share,
-// so its pages are where it reads them; ``huge``: in 2 MB pages, as the weights are held (shared/engine/hugepages.py).
-double read_rate(int64_t bytes, int64_t passes, bool huge) {
-  TORCH_CHECK(bytes >= (int64_t{1} << 20) && passes > 0, "read_rate: expected at least 1 MiB read at least once, got ",
-              bytes, " bytes ", passes, " times");
+// so its pages are where it reads them. ``buffer``: the memory to read (``kernels.read_peak`` gives it 2 MB pages where
+// the weights have them), at least 1 MiB.
+double read_rate(const at::Tensor& buffer, int64_t passes) {
+  const int64_t bytes = buffer.numel() * buffer.element_size();
+  TORCH_CHECK(buffer.is_contiguous() && bytes >= (int64_t{1} << 20) && passes > 0,
+              "read_rate: expected at least 1 MiB read at least once, got ", bytes, " bytes ", passes, " times");
   constexpr int64_t LINE = 8;  // uint64 words a 64-byte line
-  constexpr size_t HUGE_PAGE = size_t{1} << 21;
   const int64_t words = bytes / 8 / LINE * LINE;
-  void* raw = nullptr;
-  TORCH_CHECK(posix_memalign(&raw, HUGE_PAGE, words * 8) == 0, "read_rate: could not allocate ", words * 8, " bytes");
-  const std::unique_ptr<void, decltype(&std::free)> buffer(raw, &std::free);
-#ifdef __linux__
-  if (huge) madvise(raw, words * 8, MADV_HUGEPAGE);  // before the first touch (a kernel without them: plain pages)
-#endif
-  uint64_t* data = static_cast<uint64_t*>(raw);
+  uint64_t* data = static_cast<uint64_t*>(buffer.data_ptr());
   const int threads = at::get_num_threads();
   std::atomic<uint64_t> sink{0};
   auto each = [&](const auto& f) {
@@ -2282,7 +2273,7 @@ SPLITSPEC_LIBRARY(SPLITSPEC_NS, m) {
   m.def("ready() -> bool", &ready);
   m.def("int8_layout() -> str", &int8_layout);
   m.def("int8_peak(int steps) -> float", &int8_peak);
-  m.def("read_rate(int bytes, int passes, bool huge) -> float", &read_rate);
+  m.def("read_rate(Tensor(a!) buffer, int passes) -> float", &read_rate);
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("norm_linear", c10::DispatchKey::CPU, &norm_linear);
   m.impl("mlp", c10::DispatchKey::CPU, &mlp);
