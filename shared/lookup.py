@@ -12,16 +12,23 @@ match, the answers of earlier generations can be searched the same way (``past_t
 repeat tool calls and code across conversations, which the prompt of each does not hold (SuffixDecoding's idea, with
 this n-gram index as its suffix structure).
 
-On a CPU a verified token is not free (a 10-token draft costs the target ~1.7x a plain step), so
-with ``adaptive`` the copy length follows the acceptance seen so far: +2 after a fully accepted
-draft, -1 otherwise (transformers' schedule for assistant models), between 1 and ``num_tokens``.
+A verified token is not free where the target's kernels are compute-bound (a CPU: a 10-token copy costs the 1.5B
+2.4-4x a plain step), and on chat most copies miss at their first token. So every copy is scored against the tokens
+that came after it, verified or not (``CopyRecord``): each copy carries the chance that each of its tokens is kept
+(``DraftTree.kept``), and whoever knows the costs cuts it to the length that pays (``paying_length``): the client's
+adaptive policy (``client.loop.sizing``), the server's self-draft (``server.self_draft``). With ``adaptive`` a copy
+also runs only as far as its path is at least ``FLOOR`` likely kept, so that it says something for a static policy,
+which sends what it is given; the record then learns the positions just past what has held.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
-from shared.tree import DraftTree
+import numpy as np
+
+from shared.tree import DraftTree, depths
 
 
 def shared_length(a, b) -> int:
@@ -35,6 +42,50 @@ def shared_length(a, b) -> int:
 
 PAST_TOKENS = 8192  # tokens of earlier generations' answers kept for lookup
 SEPARATOR = -1  # between two past answers: no token id, so no n-gram spans it and no copy runs across it
+# Before any copy is scored, a copied token is taken to be kept 1 time in 2 (a Beta(1, 1) prior on each position):
+# a copy runs whole at once where rows are cheap (a GPU, a memory-bound forward), and waits for the text to show that
+# it repeats where a row costs most of a step
+PRIOR_KEPT, PRIOR_SEEN = 1.0, 2.0
+FLOOR = 0.05  # an adaptive lookup's copy ends before a token less likely than this to be kept with those before it
+
+
+class CopyRecord:
+    """How far copies held: each copy made is scored against the tokens that came after it, whether it was verified
+    whole, cut or not sent at all, for the chance that its i-th token is kept once those before it were. Scoring the
+    text rather than verdicts is what lets a copy cut to nothing still teach that the text has begun to repeat."""
+
+    def __init__(self, longest: int):
+        self.kept = np.zeros(max(1, longest))  # kept[i]: scored copies whose first i + 1 tokens came
+        self.seen = np.zeros(max(1, longest))  # seen[i]: scored copies whose first i came and that had an i-th
+        self.pending: list[tuple[int, DraftTree]] = []  # copies not yet scored: (where in the text, the copy)
+
+    def made(self, start: int, copy: DraftTree) -> None:
+        """A copy of what follows ``text[:start]``."""
+        self.pending.append((start, copy))
+
+    def settle(self, text: list[int]) -> None:
+        """Score the copies ``text`` settles. A copy whose every token so far came waits for the rest."""
+        waiting = []
+        for start, copy in self.pending:
+            came, levels = text[start : start + len(copy)], max(depths(copy.parents))
+            kept = len(copy.follow(came))
+            if kept == len(came) < levels:
+                waiting.append((start, copy))
+                continue
+            self.kept[:kept] += 1
+            self.seen[: min(kept + 1, levels)] += 1
+        self.pending = waiting
+
+    def chances(self, longest: int) -> np.ndarray:
+        """The chance that a copy's i-th token is kept once those before it were, i < ``longest``."""
+        return (self.kept[:longest] + PRIOR_KEPT) / (self.seen[:longest] + PRIOR_SEEN)
+
+
+def paying_length(kept: Sequence[float], seconds: Sequence[float]) -> int:
+    """How many of a copy's tokens to verify: the k maximising (1 + the chances of its first k tokens being kept,
+    ``kept``, summed) / ``seconds[k]`` (a verification of the root and those k); ties to the shorter."""
+    expected = 1 + np.concatenate(([0.0], np.cumsum(kept)))
+    return int(np.argmax(expected / np.maximum(np.asarray(seconds[: len(expected)], dtype=float), 1e-12)))
 
 
 class NgramLookup:
@@ -53,8 +104,7 @@ class NgramLookup:
             raise ValueError(f"num_tokens and branches must be >= 1, got {num_tokens}, {branches}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_tokens, self.branches, self.adaptive, self.past_tokens = num_tokens, branches, adaptive, past_tokens
-        self.length = num_tokens
-        self._proposed = 0  # depth of the last proposal, to see how much of it was kept
+        self.record = CopyRecord(num_tokens)
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
         self._answer = 0  # where this generation's own tokens start in ``history``
@@ -64,16 +114,17 @@ class NgramLookup:
         self.past_index: dict[tuple[int, ...], list[int]] = defaultdict(list)
 
     def begin(self, tokens: list[int], features=None) -> None:
-        """A new generation after ``tokens``; the last one's answer joins the past answers."""
+        """A new generation after ``tokens``; the last one's answer joins the past answers. How far copies held is
+        learnt afresh: it is the text's, and a chat answer copies as little as code quoting its prompt copies much."""
         self.remember(self.history[self._answer :])
+        self.record = CopyRecord(self.num_tokens)
         self._restart(tokens)
         self._answer = max(len(tokens) - 1, 0)  # the last of them is the root, the answer's first token
 
     def _restart(self, tokens: list[int]) -> None:
         self.history = []
         self.index = defaultdict(list)
-        self.length, self._proposed = self.num_tokens, 0
-        self.absorb(tokens)
+        self._extend(tokens)
 
     def remember(self, answer: list[int]) -> None:
         """Keep ``answer`` among the past answers (the newest ``past_tokens`` tokens of them)."""
@@ -93,36 +144,50 @@ class NgramLookup:
         _index(self.past, self.past_index, start, self.min_ngram, self.max_ngram)
 
     def absorb(self, tokens: list[int], features=None) -> None:
-        if self.adaptive and self._proposed:
-            kept = len(tokens) - 1
-            self.length = min(self.num_tokens, self.length + 2) if kept >= self._proposed else max(1, self.length - 1)
-        self._proposed = 0
+        self._extend(tokens)
+        self.record.settle(self.history)
+
+    def assume(self, tokens: list[int]) -> None:
+        """Tokens taken as committed before the target has seen them (drafting ahead): in the text, scoring no copy
+        until they are (``rewind`` takes them back)."""
+        self._extend(tokens)
+
+    def _extend(self, tokens: list[int]) -> None:
         start = len(self.history)
         self.history.extend(tokens)
         _index(self.history, self.index, start, self.min_ngram, self.max_ngram)
 
     def rewind(self, n: int) -> None:
-        answer = self._answer
+        answer, pending = self._answer, self.record.pending
         self._restart(self.history[: len(self.history) - n])
         self._answer = min(answer, len(self.history))
+        self.record.pending = [(start, copy) for start, copy in pending if start <= len(self.history)]
 
-    def discard(self) -> None:
-        self._proposed = 0  # its length adapts to verdicts only
+    @property
+    def length(self) -> int:
+        """The longest copy: ``num_tokens``, or with ``adaptive`` as far as copies' paths stay ``FLOOR`` likely."""
+        if not self.adaptive:
+            return self.num_tokens
+        return max(1, int(np.sum(np.cumprod(self.record.chances(self.num_tokens)) >= FLOOR)))
 
     def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         """What followed the longest n-gram ending the text where it occurred before: in the text itself, else in the
-        past answers."""
+        past answers. A chain carries the chance that each of its tokens is kept (``DraftTree.kept``). A one-level
+        call (an offline step: its token is committed as it is) is not scored: it would count itself as kept."""
         tree = DraftTree()
         seen = self._continuations(self.history, self.index) or self._continuations(self.past, self.past_index)
         for continuation in seen:
             _merge(tree, continuation, max_nodes)
-        self._proposed = max((len(c) for c in seen), default=0) if tree.tokens else 0
+        if tree.tokens and depth != 1:
+            self.record.made(len(self.history), tree)
+        if tree.tokens and len(seen) == 1:
+            tree.kept = np.cumprod(self.record.chances(len(tree))).tolist()
         return tree
 
     def _continuations(self, text: list[int], index: dict) -> list[tuple[int, ...]]:
         """Up to ``branches`` distinct continuations in ``text`` of the longest n-gram ending ``history``, newest
         first; none past a SEPARATOR."""
-        end, length = len(self.history), self.length if self.adaptive else self.num_tokens
+        end, length = len(self.history), self.length
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             seen: list[tuple[int, ...]] = []
             for pos in reversed(index.get(tuple(self.history[end - n :]), ())):

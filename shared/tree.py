@@ -24,13 +24,17 @@ class DraftTree:
     # the drafter's cumulative log-probability of each node, when it has one (never sent: the
     # client's adaptive policy reads it to decide how much of the tree is worth verifying)
     scores: list[float] | None = None
+    # a copy's chance that each node is kept (its path taken), as earlier copies held against the text that came
+    # (``shared.lookup.CopyRecord``); None for a drafted tree, or a copy with several branches (never sent either)
+    kept: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def head(self, k: int) -> DraftTree:
         """The first ``k`` nodes: itself a tree when nodes come parents first (EAGLE-2's rank order)."""
-        return DraftTree(self.tokens[:k], self.parents[:k], None if self.scores is None else self.scores[:k])
+        return DraftTree(self.tokens[:k], self.parents[:k], None if self.scores is None else self.scores[:k],
+                         None if self.kept is None else self.kept[:k])
 
     def descendants(self, node: int) -> list[int]:
         """The nodes under ``node`` (``ROOT``: every node), in the tree's order: ``subtree(node)``'s nodes by their
@@ -50,7 +54,9 @@ class DraftTree:
         tokens, parents = [self.tokens[i] for i in nodes], [index[self.parents[i]] for i in nodes]
         base = self.scores[node] if self.scores is not None and node != ROOT else 0.0
         scores = None if self.scores is None else [self.scores[i] - base for i in nodes]
-        return DraftTree(tokens, parents, scores)
+        held = self.kept[node] if self.kept is not None and node != ROOT else 1.0
+        kept = None if self.kept is None or held <= 0 else [self.kept[i] / held for i in nodes]
+        return DraftTree(tokens, parents, scores, kept)
 
     def chain_of_firsts(self) -> list[int]:
         """From the root down, each node's first child (in rank order its likeliest): the path a confident target

@@ -567,3 +567,22 @@ def test_a_trees_deadline_before_any_tree_was_measured_allows_a_step_a_node():
     for n in range(1, 40):
         policy.sizing.verify_fit.add(n, 0.027 + 0.001 * n)  # measured: a GPU-like curve
     assert run.deadline(36) < 0.25
+
+
+def test_a_copy_is_cut_to_the_length_its_tokens_chances_pay_for_here():
+    copy = DraftTree.chain([5, 6, 7, 8, 9, 10])
+    copy.kept = [0.2, 0.1, 0.05, 0.03, 0.02, 0.01]  # chat: copies mostly miss at their first token
+    dear = trained(AdaptivePolicy(None), verify_base=0.030, per_node=0.008)  # a token adds a quarter of a step
+    assert dear.size(copy).nodes == 0  # 1.2 tokens for 1.27x a step's time loses to a plain step
+    cheap = trained(AdaptivePolicy(None), verify_base=0.030, per_node=0.0001)  # rows nearly free (a GPU)
+    assert cheap.size(copy).nodes == 6
+    held = DraftTree.chain([5, 6, 7, 8, 9, 10])
+    held.kept = [0.95, 0.9, 0.85, 0.8, 0.76, 0.72]  # code quoting its prompt
+    decision = dear.size(held)
+    assert (decision.nodes, decision.kind) == (6, "copy")
+    assert decision.expected_gain == pytest.approx(1 + sum(held.kept))
+    rounds, depth = dear.sizing.rounds, dear.sizing.depth
+    dear.observe(Round(decision, held, [0, 1, 2], 4, 0.078, 0.0, 0, 0.08))
+    assert (dear.sizing.rounds, dear.sizing.depth) == (rounds, depth)  # a copy moves neither exploration nor depth
+    unscored = DraftTree.chain([5, 6, 7])  # a copy of several branches carries no chances: sent whole
+    assert dear.size(unscored).nodes == 3

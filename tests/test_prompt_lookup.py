@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from client.drafters import PromptLookup, make_drafter
 from shared.lookup import PAST_TOKENS
 
@@ -39,17 +41,15 @@ def test_budget_and_rewind():
     assert d.history == [1, 2, 3, 4, 5, 6, 1] and d.propose(3).tokens == [2, 3, 4]
 
 
-def test_adaptive_length_follows_acceptance():
-    d = PromptLookup(max_ngram=2, num_tokens=6)
-    d.begin([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
-    assert len(d.propose(10)) == 6
-    d.absorb([3, 99])  # one of six kept: shorter next time
-    assert d.length == 5
-    d.begin([1, 2, 3, 4, 1, 2])
-    d.length = 2
-    assert d.propose(10).tokens == [3, 4]
-    d.absorb([3, 4, 1])  # all kept: longer
-    assert d.length == 4
+def test_an_adaptive_copy_runs_as_far_as_copies_paths_stay_likely():
+    d = PromptLookup(max_ngram=2, num_tokens=8)
+    d.begin([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
+    assert len(d.propose(10)) == 4  # unscored: 1/2, 1/4, 1/8, 1/16 likely, and then under FLOOR
+    d.absorb([3, 4, 5, 6, 7])  # kept whole (settled once its four tokens came)
+    assert len(d.propose(10)) == 5  # (2/3)^4 x 1/2 is still over FLOOR
+    fixed = PromptLookup(max_ngram=2, num_tokens=8, adaptive=False)
+    fixed.begin([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
+    assert len(fixed.propose(10)) == 8
 
 
 def test_unknown_drafter_is_a_clear_error():
@@ -70,11 +70,12 @@ def test_the_servers_own_lookup_copies_as_far_as_its_scored_copies_pay_by_the_se
     for token in [9, 7, 8] * 8:  # the text repeats: every copy found, though none verified, is scored as kept
         draft.observe([token])
         draft.propose(4)
-    assert draft.seen[0] >= 20 and draft.kept[0] == draft.seen[0]
+    record = draft.lookup.record
+    assert record.seen[0] >= 20 and record.kept[0] == record.seen[0]
     assert 0 < len(draft.propose(4)) < 3  # (1 + 0.96 + 0.92) / 0.16 s beats 1 / 0.06 s and the whole copy
     for token in [5, 6, 4] * 2:  # new text: the copy made before it is scored as missed at its first token
         draft.observe([token])
-    assert draft.kept[0] < draft.seen[0]
+    assert record.kept[0] < record.seen[0]
 
     cheap = SelfDraft([7, 8, 9, 7, 8], max_tokens=4, costs=lambda: (0.05, 0.001))  # a forward bound by its weights
     assert cheap.propose(4).tokens == [9, 7, 8]  # even at 1 in 2 the whole copy pays
@@ -84,9 +85,9 @@ def test_the_servers_own_lookup_copies_as_far_as_its_scored_copies_pay_by_the_se
     partly = SelfDraft([7, 8, 9, 7, 8], max_tokens=4, costs=lambda: None)
     partly.propose(4)  # 9 7 8
     partly.observe([9, 7])
-    assert list(partly.seen) == [0, 0, 0, 0]  # its first two came as copied: not settled yet
+    assert list(partly.lookup.record.seen) == [0, 0, 0, 0]  # its first two came as copied: not settled yet
     partly.observe([5])  # the third missed: its first two kept, each of its three tried
-    assert list(partly.kept) == [1, 1, 0, 0] and list(partly.seen) == [1, 1, 1, 0]
+    assert list(partly.lookup.record.kept) == [1, 1, 0, 0] and list(partly.lookup.record.seen) == [1, 1, 1, 0]
 
 
 def test_past_answers_are_copied_where_the_text_has_no_match_and_never_across_two_of_them():
@@ -117,3 +118,45 @@ def test_past_answers_keep_the_newest_whole_answers_within_their_budget():
         lookup.absorb(list(range(start + 1, start + 6)))
     lookup.begin([2])
     assert lookup.past == [200, 201, 202, 203, 204, 205, -1, 300, 301, 302, 303, 304, 305]
+
+
+def test_copies_are_scored_against_the_text_that_came_whether_sent_or_not():
+    d = PromptLookup(max_ngram=2, num_tokens=3)
+    d.begin([1, 2, 3, 4, 9, 1, 2])
+    copy = d.propose(10)
+    assert copy.tokens == [3, 4, 9] and copy.kept == pytest.approx([0.5, 0.25, 0.125])  # unscored: 1 in 2 a token
+    d.absorb([3])  # the copy was cut to nothing (a plain step) and its first token came: not settled yet
+    assert d.propose(10, depth=1).tokens == [4, 9, 1]  # an offline step's copy is not scored: it keeps itself
+    d.absorb([4, 7])  # its third token missed
+    record = d.record
+    assert list(record.kept) == [1, 1, 0] and list(record.seen) == [1, 1, 1]
+    assert d.length == 3  # 2/3, 4/9, 4/27 likely: all over FLOOR
+    d.begin([1, 2, 3, 1, 2])
+    assert d.record is not record and list(d.record.seen) == [0, 0, 0]  # each text is learnt afresh
+
+
+def test_assumed_tokens_score_no_copy_and_a_rewind_keeps_copies_made_before():
+    d = PromptLookup(max_ngram=2, num_tokens=2)
+    d.begin([1, 2, 3, 4, 1, 2])
+    assert d.propose(10).tokens == [3, 4]
+    d.assume([3, 4])  # drafting ahead of the verdict: not the target's yet
+    assert list(d.record.seen) == [0, 0]
+    d.rewind(2)
+    assert len(d.record.pending) == 1  # made before the rewound tokens: still waits for what comes
+    d.absorb([3, 5])
+    assert list(d.record.kept) == [1, 0] and list(d.record.seen) == [1, 1]
+
+
+def test_a_model_with_lookup_drafts_itself_while_copies_miss_and_copies_again_once_they_hold(tiny_target):
+    from client.drafters.model import ModelDrafter
+
+    drafter = ModelDrafter(tiny_target, width=1, depth=2, lookup=True, floor=0.0, vocab=None)
+    drafter.begin([5, 6, 7, 8, 5, 6])
+    first = drafter.propose(8)
+    assert first.scores is None and first.tokens == [7, 8, 5, 6]  # an unscored copy expects 0.94 tokens: taken
+    drafter.absorb([9, 5, 6])  # the copy missed at once; the text then ends in 5 6 again
+    own = drafter.propose(8)
+    assert own.scores is not None  # a copy's first token now kept 1 time in 3, 0.58 tokens expected: the model drafts
+    assert len(drafter.lookup.record.pending) == 1  # ... and the copy it passed over (9 5 6) is still scored
+    drafter.absorb([9, 5, 6])  # the text went as that copy said
+    assert drafter.propose(8).scores is None  # 1/2, 1/3, 2/9 likely: 1.06 tokens expected, copies are the draft again

@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="pin the nodes verified per round (default: adaptive, at most 64; 16 with --static)",
     )
-    p.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup: tokens copied per match (default 10)")
+    p.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup: the longest copy (default 10); "
+                   "each is cut to the length its chances pay for")
     p.add_argument(
         "--draft-branches", type=int, default=1, help="prompt lookup: matches merged into a tree (default 1)"
     )

@@ -9,7 +9,9 @@ committed tokens are fed once, a tree's nodes take the slots after the root and 
 
 With ``lookup`` (``--drafter NAME+lookup``) a round first tries prompt lookup (``shared.lookup``): where the text
 repeats its context (code quoting its prompt, edits) the copy is the draft and costs nothing; elsewhere the model
-drafts. A model step costs about a third of a target step here, so every free round counts.
+drafts. A model step costs about a third of a target step here, so every free round counts. A copy is taken where it
+expects to keep ``COPY_TOKENS`` or more (``DraftTree.kept``): on chat most miss, and a round spent on a missed copy is
+a round the model's own tree, kept more often, did not draft.
 
 A model whose vocabulary is at least 4x ``VOCAB`` drafts from a draft vocabulary: the ``VOCAB`` tokens an assistant
 says most (``client.drafters.vocabulary.frequent_tokens``) and every token of the prompt. Its head is cut to those rows
@@ -35,6 +37,9 @@ from shared.features import Features
 from shared.lookup import NgramLookup, shared_length
 from shared.tree import DraftTree, causal_from
 
+# a copy is the round's draft where it expects to keep at least this many tokens (an unscored one of 4 tokens: 0.94); a
+# copy is free and runs long where the text repeats, but on chat most miss at their first token
+COPY_TOKENS = 0.75
 FLOOR = 0.3  # about a 0.5B step's cost in 1.5B steps on a CPU: a deeper step must be at least that likely to pay
 VOCAB = 16384  # the draft vocabulary's frequent tokens, where the model's own vocabulary is at least 4x as large
 
@@ -134,17 +139,14 @@ class ModelDrafter(TokenCache, Drafter):
         if n > 0 and self.lookup is not None:
             self.lookup.rewind(n)
 
-    def discard(self) -> None:
-        if self.lookup is not None:
-            self.lookup.discard()
-
     def propose(self, max_nodes: int, depth: int | None = None) -> DraftTree:
         if max_nodes < 1 or not self.tokens:
             return DraftTree()
         # an offline step (one level, the link down) is the model's own token: a copy there has no probability to
         # judge it by, and copies of the offline text itself loop (measured on the pair: a 13-token cycle, none kept)
         if self.lookup is not None and depth != 1 and len(copied := self.lookup.propose(max_nodes, depth)):
-            return copied
+            if copied.kept is None or sum(copied.kept) >= COPY_TOKENS:
+                return copied  # else the model drafts; the copy is still scored against the text that comes
         depth = self.depth if depth is None else depth
         self.whole = self.vocab_ids is None or depth == 1  # one level: an offline step, the model's own token
         tree, scores = eagle2_tree(self, self.width, depth, max_nodes, floor=self.floor,

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from client.loop.costs import GAIN, CostCurve, verify_request_bytes
+from shared.lookup import paying_length
 from shared.payload import PayloadSpec
 from shared.tree import DraftTree, depths
 
@@ -89,8 +90,8 @@ def likeliest_outcome(tree: DraftTree, calibration: float = 1.0, greedy: bool = 
 class Decision:
     """What ``Sizing.size`` chose for a round: send the tree's first ``nodes`` nodes, expecting ``expected_gain``
     tokens in ``expected_round_s``. ``kind``: "best" (the modelled optimum), "explore" (a fixed share, to learn the
-    cost curve; not judged as drafting) or "pinned"; ``deepest``: the depth of the deepest node sent; ``depth``: the
-    next tree's drafting depth this round argues for (0: none)."""
+    cost curve; not judged as drafting), "copy" (a copy's length that pays) or "pinned"; ``deepest``: the depth of
+    the deepest node sent; ``depth``: the next tree's drafting depth this round argues for (0: none)."""
 
     nodes: int
     expected_gain: float
@@ -199,9 +200,11 @@ class Sizing:
     def size(self, tree: DraftTree, spec: PayloadSpec = PayloadSpec()) -> Decision:
         """How many of ``tree``'s first nodes to send, ``spec`` the payload their features come in: the most expected
         tokens per second, or an exploration's fixed share, or the pinned size."""
-        if self.pin_nodes is not None or tree.scores is None or not tree.tokens:
+        if self.pin_nodes is not None or not tree.tokens or (tree.scores is None and tree.kept is None):
             n = len(tree) if self.pin_nodes is None else min(self.pin_nodes, len(tree))
             return Decision(n, float("nan"), float("nan"), "pinned")
+        if tree.scores is None:
+            return self._copy(tree, spec)
         rounds = self.rounds + 1
         explore = rounds - 1 if rounds <= len(EXPLORE) else None
         if explore is None and rounds % EXPLORE_EVERY == 0:
@@ -212,6 +215,16 @@ class Sizing:
         n = max(1, math.ceil(EXPLORE[explore] * span))
         gain = 1.0 + self.calibration * sum(map(math.exp, tree.scores[:n]))
         return Decision(n, gain, float("nan"), "explore", max(depths(tree.parents[:n]), default=0))
+
+    def _copy(self, tree: DraftTree, spec: PayloadSpec) -> Decision:
+        """A copy (prompt lookup): as many of its tokens as give the most expected tokens a second, by the chance of
+        each being kept (``tree.kept``: earlier copies held against the text that came) and what a round of that size
+        costs here. It cost no drafting, and needs no exploring: copies cut short are scored all the same."""
+        payload = self.payload_per_token(spec)
+        gains = [1.0 + sum(tree.kept[:n]) for n in range(len(tree) + 1)]
+        seconds = [self.round_s(n, gain * payload, draft_levels=0) for n, gain in enumerate(gains)]
+        n = paying_length(tree.kept, seconds)
+        return Decision(n, gains[n], seconds[n], "copy", n)
 
     def _best(self, tree: DraftTree, spec: PayloadSpec) -> Decision:
         """The size of the most expected tokens per second by the costs known so far, and the depth to draft next."""
@@ -280,7 +293,7 @@ class Sizing:
         ``accepted`` of its nodes kept, ``compute_s`` of server time, ``draft_s`` drafting ``depth`` levels."""
         if decision is not None:
             self.history.append(decision)
-            if decision.kind != "pinned":
+            if decision.kind in ("best", "explore"):
                 self.rounds += 1
             if decision.kind == "best" and self.pin_depth is None:
                 self.depth = max(self.min_depth, min(self.max_depth, decision.depth))
