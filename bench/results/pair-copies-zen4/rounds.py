@@ -37,7 +37,7 @@ LocalVerifier.verify = verify
 warm = single.encode_prompt(target.tokenizer, single.WARMUP_PROMPT, chat=True)
 for m in methods:
     single.run_method(target, m, warm, 8)
-for rep in range(1):
+for rep in range(2):
     for k, p in enumerate(prompts):
         for m in methods:
             log.clear()
