@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from client.loop.costs import GAIN, CostCurve, verify_request_bytes
 from shared.lookup import paying_length
@@ -221,7 +222,7 @@ class Sizing:
         each being kept (``tree.kept``: earlier copies held against the text that came) and what a round of that size
         costs here. It cost no drafting, and needs no exploring: copies cut short are scored all the same."""
         payload = self.payload_per_token(spec)
-        gains = [1.0 + sum(tree.kept[:n]) for n in range(len(tree) + 1)]
+        gains = list(accumulate(tree.kept, initial=1.0))
         seconds = [self.round_s(n, gain * payload, draft_levels=0) for n, gain in enumerate(gains)]
         n = paying_length(tree.kept, seconds)
         return Decision(n, gains[n], seconds[n], "copy", n)
