@@ -115,9 +115,13 @@ class NgramLookup:
 
     def begin(self, tokens: list[int], features=None) -> None:
         """A new generation after ``tokens``; the last one's answer joins the past answers. How far copies held is
-        learnt afresh: it is the text's, and a chat answer copies as little as code quoting its prompt copies much."""
+        the text's (a chat answer copies little, code quoting its prompt much): it goes on where ``tokens`` go on
+        from the last generation's prompt (a conversation's next turn), and is learnt afresh for another text. Copies
+        not yet scored go: the turn's template and the answer re-encoded may not read as they did."""
+        if shared_length(tokens, self.history) < self._answer:
+            self.record = CopyRecord(self.num_tokens)
+        self.record.pending = []
         self.remember(self.history[self._answer :])
-        self.record = CopyRecord(self.num_tokens)
         self._restart(tokens)
         self._answer = max(len(tokens) - 1, 0)  # the last of them is the root, the answer's first token
 

@@ -131,8 +131,10 @@ def test_copies_are_scored_against_the_text_that_came_whether_sent_or_not():
     record = d.record
     assert list(record.kept) == [1, 1, 0] and list(record.seen) == [1, 1, 1]
     assert d.length == 3  # 2/3, 4/9, 4/27 likely: all over FLOOR
-    d.begin([1, 2, 3, 1, 2])
-    assert d.record is not record and list(d.record.seen) == [0, 0, 0]  # each text is learnt afresh
+    d.begin([1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 5, 1, 2])  # the conversation's next turn: its text goes on
+    assert d.record is record and list(d.record.seen) == [1, 1, 1]
+    d.begin([1, 2, 3, 1, 2])  # another text
+    assert d.record is not record and list(d.record.seen) == [0, 0, 0]
 
 
 def test_assumed_tokens_score_no_copy_and_a_rewind_keeps_copies_made_before():
